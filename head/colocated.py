@@ -1,0 +1,290 @@
+"""Colocated-Python dispatch (DESIGN section 4, mode 1).
+
+The head wraps the sidecar class with ``colocated_python_class`` and calls it with
+``jax.Array`` arguments on the colocated CPU devices. The class is named by import path, not
+imported: it lives in the sidecar image (the same wheel), and ``mtc.head`` never imports
+``mtc.sidecar`` (the colocated runtime loads it where the call runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
+from mtc.shared import format as fmt
+from mtc.shared import shardings
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import ManifestError
+
+log = logging.getLogger(__name__)
+
+SIDECAR_CLASS = "mtc.sidecar.colocated:ColocatedSidecar"
+DIGEST_LEN = 16
+_ALIGN = 64
+
+
+def _load_sidecar_class() -> type:
+    module, _, name = SIDECAR_CLASS.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _aligned_like(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off : off + nbytes].view(dtype).reshape(shape)
+
+
+def _row_sharding(devices: list) -> jax.sharding.NamedSharding:
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("d",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+
+
+def _cpu_sharding(sharding: Any, cpu_of: dict) -> Any:
+    """The same sharding, with each device replaced by its colocated CPU device."""
+    if all(cpu_of[d] is d for d in sharding.device_set):
+        return sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        devs = np.vectorize(lambda d: cpu_of[d], otypes=[object])(mesh.devices)
+        return jax.sharding.NamedSharding(jax.sharding.Mesh(devs, mesh.axis_names), sharding.spec)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (d,) = sharding.device_set
+        return jax.sharding.SingleDeviceSharding(cpu_of[d])
+    raise ManifestError(f"cannot map sharding {sharding!r} to colocated CPU devices; use a NamedSharding")
+
+
+class _Group:
+    """Leaves that live on one device list: one colocated call each."""
+
+    def __init__(self, devices: tuple):
+        self.devices = list(devices)
+        self.leaves: list[Leaf] = []
+        self.arrays: list[jax.Array] = []
+
+
+class ColocatedDispatcher(Dispatcher):
+    """Reach the sidecars through ``jax.experimental.colocated_python``."""
+
+    def __init__(self, config: MTCConfig, devices: list | None = None):
+        from jax.experimental import colocated_python as cp
+
+        self._cp = cp
+        self._devices = list(devices if devices is not None else jax.devices())
+        cpu = cp.colocated_cpu_devices(self._devices)
+        self._cpu_of = dict(zip(self._devices, cpu))
+        # Identity on a CPU backend: then device_put would not copy, so staging copies itself.
+        self._same_memory = all(a is b for a, b in self._cpu_of.items())
+        self._ctl_devices = sorted(set(cpu), key=lambda d: d.id)
+        cls = cp.colocated_python_class(_load_sidecar_class())
+        self._obj = cls(json.dumps({
+            "ramdisk_root": str(config.ramdisk_root),
+            "local_max_to_keep": config.local_max_to_keep,
+        }))
+        self._staging: dict[tuple, np.ndarray] = {}
+        self._host_of_row: list[str] | None = None
+
+    # --- control requests ---------------------------------------------------------------
+
+    def _request_array(self, payload: dict, devices: list) -> jax.Array:
+        data = np.frombuffer(json.dumps(payload).encode(), np.uint8)
+        rows = np.broadcast_to(data, (len(devices), len(data)))
+        return jax.device_put(np.ascontiguousarray(rows), _row_sharding(devices))
+
+    def _control(self, op: str, **args: Any) -> list[tuple[str, Any]]:
+        """Run ``op`` on every host; (host, result) per device row, errors re-raised typed."""
+        devices = self._ctl_devices
+        rid = uuid.uuid4().hex
+        sharding = _row_sharding(devices)
+        req = self._request_array({"id": rid, "op": op, **args}, devices)
+        call = self._obj.call.specialize(
+            out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices),), np.int64, sharding=sharding))
+        sizes = np.asarray(call(req))
+        width = int(sizes.max())
+        fetch = self._obj.fetch.specialize(
+            out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices), width), np.uint8, sharding=sharding))
+        data = np.asarray(fetch(self._request_array({"id": rid, "width": width}, devices)))
+        replies = [json.loads(data[i, : sizes[i]].tobytes()) for i in range(len(devices))]
+        hosts = self._hosts_of_rows() if op != "fingerprint" else [None] * len(devices)
+        out = []
+        for i, reply in enumerate(replies):
+            host = hosts[i] or (reply.get("ok") or {}).get("host", f"row{i}")
+            if "error" in reply:
+                raise_remote(host, reply["error"], reply["message"])
+            out.append((host, reply["ok"]))
+        return out
+
+    def _hosts_of_rows(self) -> list[str]:
+        if self._host_of_row is None:
+            self._host_of_row = [fp["host"] for _, fp in self._control("fingerprint")]
+        return self._host_of_row
+
+    # --- Dispatcher ---------------------------------------------------------------------
+
+    def hosts(self) -> list[str]:
+        return sorted(set(self._hosts_of_rows()))
+
+    def fingerprints(self) -> dict[str, dict]:
+        return {fp["host"]: fp for _, fp in self._control("fingerprint")}
+
+    def stage(self, leaves: list[Leaf]) -> list[_Group]:
+        groups: dict[tuple, _Group] = {}
+        all_cpu = tuple(self._ctl_devices)
+        live = set()
+        for leaf in leaves:
+            if leaf.kind == "scalar":
+                continue
+            if leaf.kind == "numpy":
+                src = np.ascontiguousarray(leaf.value).reshape(-1).view(np.uint8)
+                buf = self._buffer((leaf.key, "numpy"), src.shape, np.uint8, live)
+                np.copyto(buf, src)
+                sharding = jax.sharding.NamedSharding(
+                    jax.sharding.Mesh(np.array(all_cpu, dtype=object), ("d",)), jax.sharding.PartitionSpec())
+                arr = jax.make_array_from_single_device_arrays(
+                    buf.shape, sharding, [jax.device_put(buf, d, may_alias=True) for d in all_cpu])
+                devices = all_cpu
+            else:
+                arr = self._stage_array(leaf, live)
+                devices = tuple(sorted(arr.sharding.device_set, key=lambda d: d.id))
+            g = groups.setdefault(devices, _Group(devices))
+            g.leaves.append(leaf)
+            g.arrays.append(arr)
+        for key in set(self._staging) - live:
+            del self._staging[key]
+        return list(groups.values())
+
+    def _buffer(self, key: tuple, shape: tuple, dtype: Any, live: set) -> np.ndarray:
+        live.add(key)
+        buf = self._staging.get(key)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
+            buf = self._staging[key] = _aligned_like(tuple(shape), dtype)
+        return buf
+
+    def _stage_array(self, leaf: Leaf, live: set) -> jax.Array:
+        x = leaf.value
+        cpu_sharding = _cpu_sharding(x.sharding, self._cpu_of)
+        if not self._same_memory:
+            # A real device-to-host transfer onto the colocated CPU devices.
+            return jax.device_put(x, cpu_sharding)
+        # CPU backend: copy each unique shard once into reused, aligned host buffers, so a
+        # train step that donates its inputs cannot touch what is being written.
+        copies: dict[fmt.Box, np.ndarray] = {}
+        per_device = []
+        for shard in x.addressable_shards:
+            box = leaf.device_boxes[shard.device.id]
+            buf = copies.get(box)
+            if buf is None:
+                src = np.asarray(shard.data)
+                buf = self._buffer((leaf.key, box), src.shape, src.dtype, live)
+                np.copyto(buf, src)
+                copies[box] = buf
+            per_device.append(jax.device_put(buf, self._cpu_of[shard.device], may_alias=True))
+        return jax.make_array_from_single_device_arrays(x.shape, cpu_sharding, per_device)
+
+    def write(self, step: int, staged: list[_Group]) -> WriteResult:
+        blobs: dict[tuple[int, fmt.Box], str] = {}
+        box_devices: dict[tuple[int, fmt.Box], list[int]] = {}
+        for part, g in enumerate(staged):
+            sharding = _row_sharding(g.devices)
+            n = len(g.arrays)
+            req = self._request_array(
+                {"step": step, "part": part, "leaves": [leaf.index for leaf in g.leaves]}, g.devices)
+            fn = self._obj.write.specialize(out_specs_fn=lambda *a: jax.ShapeDtypeStruct(
+                (len(g.devices), n, DIGEST_LEN), np.uint8, sharding=sharding))
+            digests = np.asarray(fn(req, *g.arrays))
+            for row, dev in enumerate(g.devices):
+                for col, leaf in enumerate(g.leaves):
+                    box = _box_on(leaf, dev, self._cpu_of)
+                    if box is None:
+                        continue
+                    name = digests[row, col].tobytes().hex()
+                    prev = blobs.setdefault((leaf.index, box), name)
+                    if prev != name:
+                        raise ManifestError(
+                            f"step {step}: array {leaf.key!r} shard {fmt.box_str(box)} has different "
+                            f"contents on two devices ({prev} != {name}); replicas must be identical")
+                    box_devices.setdefault((leaf.index, box), []).append(int(dev.id))
+        hosts = {h: {} for h in self.hosts()}
+        return WriteResult(blobs, box_devices, hosts)
+
+    def commit(self, step: int, manifest: fmt.StepManifest) -> dict[str, dict]:
+        return dict(self._control("commit", step=step, manifest=manifest.to_json().decode()))
+
+    def inventories(self) -> dict[str, dict]:
+        return {h: inv for h, inv in self._control("inventory")}
+
+    def manifest(self, step: int) -> fmt.StepManifest:
+        (host, text), *_ = self._control("manifest", step=step)
+        return fmt.StepManifest.from_json(text, source=f"step {step} manifest on {host}")
+
+    def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
+        all_cpu = list(self._ctl_devices)
+        groups: dict[tuple, list[int]] = {}
+        specs: list[dict] = []
+        cpu_shardings: list[Any] = []
+        for i, r in enumerate(requests):
+            rec = r.record
+            if r.sharding is None:  # host numpy leaf: comes back as raw bytes, replicated
+                cpu_s = jax.sharding.NamedSharding(
+                    jax.sharding.Mesh(np.array(all_cpu, dtype=object), ("d",)), jax.sharding.PartitionSpec())
+                spec = {"key": rec.key, "shape": [rec.nbytes], "dtype": "uint8", "as_bytes": True}
+            else:
+                cpu_s = _cpu_sharding(r.sharding, self._cpu_of)
+                spec = {"key": rec.key, "shape": list(rec.shape), "dtype": rec.dtype}
+            spec["sharding"] = shardings.describe(cpu_s)
+            specs.append(spec)
+            cpu_shardings.append(cpu_s)
+            devices = tuple(sorted(cpu_s.device_set, key=lambda d: d.id))
+            groups.setdefault(devices, []).append(i)
+        out: list[Any] = [None] * len(requests)
+        for devices, idxs in groups.items():
+            out_specs = tuple(
+                jax.ShapeDtypeStruct(tuple(specs[i]["shape"]), fmt.dtype_from_name(specs[i]["dtype"]),
+                                     sharding=cpu_shardings[i]) for i in idxs)
+            req = self._request_array({"step": step, "arrays": [specs[i] for i in idxs]}, list(devices))
+            fn = self._obj.load.specialize(out_specs_fn=lambda r, _o=out_specs: _o)
+            arrays = fn(req)
+            for i, arr in zip(idxs, arrays):
+                r = requests[i]
+                if r.sharding is None:
+                    out[i] = np.asarray(arr).view(r.record.np_dtype).reshape(r.record.shape).copy()
+                elif arr.sharding == r.sharding:
+                    out[i] = arr
+                else:
+                    out[i] = jax.device_put(arr, r.sharding)
+        return out
+
+    def close(self) -> None:
+        try:
+            self._control("close")
+        finally:
+            self._staging.clear()
+            # Drop the colocated object now: its finaliser needs a live interpreter.
+            self._obj = None
+            import gc
+
+            gc.collect()
+
+
+def _box_on(leaf: Leaf, cpu_dev: Any, cpu_of: dict) -> fmt.Box | None:
+    if leaf.kind == "numpy":
+        return tuple((0, n) for n in leaf.shape)
+    for dev_id, box in leaf.device_boxes.items():
+        if cpu_of_id(dev_id, cpu_of) is cpu_dev:
+            return box
+    return None
+
+
+def cpu_of_id(dev_id: int, cpu_of: dict) -> Any:
+    for d, c in cpu_of.items():
+        if d.id == dev_id:
+            return c
+    return None

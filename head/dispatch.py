@@ -1,0 +1,108 @@
+"""The one interface between the checkpoint manager and the sidecars (DESIGN section 4).
+
+Two implementations: ``ColocatedDispatcher`` (colocated Python: Pathways, and in-process on a
+CPU backend) and the cluster dispatcher (sidecar daemons reached over local sockets). The
+manager above it is the same code in both modes.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+from mtc.shared import errors
+from mtc.shared import format as fmt
+
+
+@dataclasses.dataclass
+class Leaf:
+    """One leaf of the state being saved, as the manager sees it."""
+
+    index: int
+    key: str
+    kind: str  # "jax", "numpy" or "scalar"
+    value: Any  # the jax.Array / numpy array / scalar
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+    sharding: Any = None  # the jax Sharding of a "jax" leaf
+    device_boxes: dict[int, fmt.Box] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "scalar":
+            return 0
+        return int(self.value.nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """One array to restore: its saved record and the sharding it must come back with."""
+
+    record: fmt.ArrayRecord
+    sharding: Any  # target jax Sharding, or None for a host numpy leaf
+
+
+@dataclasses.dataclass
+class WriteResult:
+    """Phase 1 across all hosts: the blob of every (leaf, box), and what each host did."""
+
+    blobs: dict[tuple[int, fmt.Box], str]
+    box_devices: dict[tuple[int, fmt.Box], list[int]]
+    hosts: dict[str, dict]  # host id -> {"written_bytes": ..., "blobs": ...}
+
+
+class Dispatcher(abc.ABC):
+    """How the head reaches the sidecars. Every method is called from one thread at a time."""
+
+    @abc.abstractmethod
+    def hosts(self) -> list[str]:
+        """Host ids of the sidecars in the current topology."""
+
+    @abc.abstractmethod
+    def fingerprints(self) -> dict[str, dict]:
+        """host id -> version fingerprint."""
+
+    @abc.abstractmethod
+    def stage(self, leaves: list[Leaf]) -> Any:
+        """Copy the state to host memory (the device-to-host copy); blocks until done.
+
+        The result is what ``write`` sends; the caller must not stage again until the write
+        of the previous staged state has finished (staging buffers are reused).
+        """
+
+    @abc.abstractmethod
+    def write(self, step: int, staged: Any) -> WriteResult:
+        """Phase 1 on every host."""
+
+    @abc.abstractmethod
+    def commit(self, step: int, manifest: fmt.StepManifest) -> dict[str, dict]:
+        """Phase 2 on every host; host id -> what the host wrote for the step."""
+
+    @abc.abstractmethod
+    def inventories(self) -> dict[str, dict]:
+        """host id -> the sidecar's inventory (committed steps, local blob counts)."""
+
+    @abc.abstractmethod
+    def manifest(self, step: int) -> fmt.StepManifest:
+        """The committed step manifest of ``step`` (from any host that holds it)."""
+
+    @abc.abstractmethod
+    def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
+        """Restore: one jax.Array (or numpy array) per request, with the target sharding."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop using the sidecars."""
+
+
+_ERRORS = {name: getattr(errors, name) for name in dir(errors)
+           if isinstance(getattr(errors, name), type) and issubclass(getattr(errors, name), Exception)}
+
+
+def raise_remote(host: str, name: str, message: str) -> None:
+    """Re-raise an error a sidecar reported, with its type when it is one of ours."""
+    cls = _ERRORS.get(name, errors.MTCError)
+    if cls is errors.SaveError:
+        raise errors.SaveError(message, hosts={host: message})
+    raise cls(message if host in message else f"host {host}: {message}")

@@ -1,0 +1,419 @@
+"""The checkpoint manager: the Orbax-style surface the training script uses.
+
+``save`` validates and flattens the state, copies it to host memory (the only time training
+waits), then writes it in the background: phase 1 on every sidecar, the step manifest built
+from their answers, phase 2 on every sidecar. ``restore`` picks the newest step committed on
+every host (or the one asked for) and brings it back with the target's shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtc.head import tree as tree_lib
+from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest
+from mtc.shared import format as fmt
+from mtc.shared import shardings, version
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import (
+    ConfigError,
+    MTCError,
+    SaveError,
+    StepNotFoundError,
+    TargetMismatchError,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReport:
+    """What one save did: sizes, blob counts and the time of each phase (seconds)."""
+
+    step: int
+    bytes_total: int = 0
+    bytes_written: int = 0
+    blobs_total: int = 0
+    hosts: int = 0
+    waited_for_previous_s: float = 0.0
+    blocked_s: float = 0.0  # time save() kept the caller (mostly the device-to-host copy)
+    stage_s: float = 0.0
+    phase1_s: float = 0.0
+    phase2_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreReport:
+    """What one restore did: bytes and blobs by tier, and the time of each phase (seconds)."""
+
+    step: int
+    bytes_by_tier: dict = dataclasses.field(default_factory=dict)
+    blobs_by_tier: dict = dataclasses.field(default_factory=dict)
+    inventory_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+
+
+def _classify(key: str, leaf: Any) -> str:
+    if isinstance(leaf, jax.Array):
+        return "jax"
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return "numpy"
+    if isinstance(leaf, (bool, int, float, str)):
+        return "scalar"
+    raise TargetMismatchError(
+        f"leaf {key!r} is a {type(leaf).__name__}; mtc saves jax.Array, numpy arrays and Python "
+        "scalars (bool, int, float, str): convert it or leave it out of the state")
+
+
+def _scalar_doc(v: Any) -> dict:
+    if isinstance(v, bool):
+        return {"type": "bool", "v": v}
+    if isinstance(v, int):
+        return {"type": "int", "v": v}
+    if isinstance(v, float):
+        return {"type": "float", "v": v.hex()}
+    return {"type": "str", "v": v}
+
+
+def _scalar_value(doc: dict) -> Any:
+    t, v = doc["type"], doc["v"]
+    return {"bool": bool, "int": int, "float": float.fromhex, "str": str}[t](v)
+
+
+class CheckpointManager:
+    """Save and restore JAX training state through mtc's sidecars.
+
+    Usable as a context manager. ``config`` is an ``MTCConfig``; keyword arguments build one.
+    """
+
+    def __init__(self, config: MTCConfig | None = None, *, dispatcher: Dispatcher | None = None,
+                 **kwargs: Any):
+        if config is None:
+            config = MTCConfig(**kwargs)
+        elif kwargs:
+            config = config.replace(**kwargs)
+        if not config.local_checkpoint_directory:
+            raise ConfigError(
+                "local_checkpoint_directory is empty: set it to the ramdisk path "
+                "(e.g. local_checkpoint_directory=/tmp/mtc_checkpoints)")
+        self._config = config
+        self._dispatch = dispatcher or _make_dispatcher(config)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-save")
+        self._pending: Future | None = None
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._checked_versions = False
+        self._closed = False
+        self.last_save_report: SaveReport | None = None
+        self.last_restore_report: RestoreReport | None = None
+
+    @property
+    def config(self) -> MTCConfig:
+        return self._config
+
+    # --- versions ------------------------------------------------------------------------
+
+    def _check_versions(self) -> None:
+        if not self._checked_versions:
+            version.check_fingerprints(version.fingerprint(), self._dispatch.fingerprints())
+            self._checked_versions = True
+
+    # --- save ----------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` is due under ``local_checkpoint_period``."""
+        return self._config.enable_checkpointing and self._config.should_save(step)
+
+    def save(self, step: int, state: Any, force: bool = False) -> bool:
+        """Save ``state`` as ``step`` if due (or ``force``); returns whether a save started.
+
+        Returns once the state is copied to host memory; the write continues in the
+        background (see ``wait_until_finished`` and ``check_for_errors``).
+        """
+        self._check_open()
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        step = int(step)
+        if not self._config.enable_checkpointing:
+            return False
+        if not (force or self.should_save(step)):
+            return False
+        t0 = time.perf_counter()
+        waited = self._wait_previous()
+        self._check_versions()
+        if step in self.all_steps():
+            raise ValueError(f"step {step} is already committed; save a new step number "
+                             "(or restore it: checkpoints are immutable)")
+        leaves, tree_doc = self._flatten(state)
+        t_stage = time.perf_counter()
+        staged = self._dispatch.stage(leaves)
+        stage_s = time.perf_counter() - t_stage
+        blocked = time.perf_counter() - t0
+        self._pending = self._executor.submit(self._write, step, leaves, tree_doc, staged, waited,
+                                              blocked, stage_s, t0)
+        return True
+
+    def _wait_previous(self) -> float:
+        pending = self._pending
+        if pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            pending.result(timeout=self._config.max_save_wait_s)
+        except Exception:  # recorded by _write; reported by check_for_errors
+            pass
+        return time.perf_counter() - t0
+
+    def _flatten(self, state: Any) -> tuple[list[Leaf], Any]:
+        keys, values, _ = tree_lib.flatten(state)
+        leaves = []
+        for i, (key, value) in enumerate(zip(keys, values)):
+            kind = _classify(key, value)
+            leaf = Leaf(index=i, key=key, kind=kind, value=value)
+            if kind == "jax":
+                leaf.dtype = fmt.dtype_name(value.dtype)
+                leaf.shape = tuple(value.shape)
+                leaf.sharding = value.sharding
+                if not value.is_fully_addressable:
+                    raise TargetMismatchError(f"leaf {key!r} is not fully addressable from this process")
+                leaf.device_boxes = shardings.device_boxes(value.sharding, leaf.shape)
+            elif kind == "numpy":
+                value = np.asarray(value)
+                leaf.value = value
+                leaf.dtype = fmt.dtype_name(value.dtype)
+                leaf.shape = tuple(value.shape)
+            leaves.append(leaf)
+        return leaves, tree_lib.encode(state)
+
+    def _write(self, step, leaves, tree_doc, staged, waited, blocked, stage_s, t0) -> SaveReport:
+        try:
+            t1 = time.perf_counter()
+            result = self._dispatch.write(step, staged)
+            t2 = time.perf_counter()
+            manifest = self._build_manifest(step, leaves, tree_doc, result)
+            committed = self._dispatch.commit(step, manifest)
+            t3 = time.perf_counter()
+            written = sum(h.get("written_bytes", 0) for h in committed.values())
+            report = SaveReport(
+                step=step, bytes_total=manifest.nbytes, bytes_written=written,
+                blobs_total=len(manifest.blob_names()), hosts=len(committed),
+                waited_for_previous_s=waited, blocked_s=blocked, stage_s=stage_s,
+                phase1_s=t2 - t1, phase2_s=t3 - t2, total_s=t3 - t0,
+            )
+            self.last_save_report = report
+            log.info("- save step %d; duration=%.3fs; size=%d bytes @ %.2f GB/s", step, report.total_s,
+                     report.bytes_total, report.bytes_total / max(report.total_s, 1e-9) / 1e9)
+            return report
+        except BaseException as e:
+            if not isinstance(e, SaveError):
+                hosts = getattr(e, "hosts", None) or {}
+                e2 = SaveError(f"save of step {step} failed: {e}", step=step, hosts=hosts)
+                e2.__cause__ = e
+                e = e2
+            with self._lock:
+                self._errors.append(e)
+            log.error("save of step %d failed: %s", step, e)
+            raise e
+
+    def _build_manifest(self, step, leaves: list[Leaf], tree_doc, result) -> fmt.StepManifest:
+        records = []
+        for leaf in leaves:
+            if leaf.kind == "scalar":
+                records.append(fmt.ArrayRecord(key=leaf.key, kind="scalar", value=_scalar_doc(leaf.value)))
+                continue
+            dt = fmt.dtype_from_name(leaf.dtype)
+            if leaf.kind == "numpy":
+                box = tuple((0, n) for n in leaf.shape)
+                boxes = [box]
+                sharding = None
+            else:
+                boxes = sorted(set(leaf.device_boxes.values()))
+                sharding = shardings.describe(leaf.sharding)
+            shards = []
+            for box in boxes:
+                blob = result.blobs.get((leaf.index, box))
+                if blob is None:
+                    raise SaveError(f"step {step}: no host wrote array {leaf.key!r} shard {fmt.box_str(box)}",
+                                    step=step)
+                nbytes = int(np.prod(fmt.box_shape(box), dtype=np.int64)) * dt.itemsize
+                shards.append(fmt.ShardRecord(box, blob, nbytes,
+                                              tuple(result.box_devices.get((leaf.index, box), ()))))
+            records.append(fmt.ArrayRecord(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=leaf.shape,
+                                           sharding=sharding, shards=tuple(shards)))
+        return fmt.StepManifest(
+            step=step, arrays=tuple(records), tree=tree_doc, created=time.time(),
+            topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint(),
+        )
+
+    def wait_until_finished(self) -> None:
+        """Block until the background save is done; raise its error if it failed."""
+        pending = self._pending
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException:
+                pass
+        self.check_for_errors()
+
+    def check_for_errors(self) -> None:
+        """Raise (once) the error of a background save that failed since the last check."""
+        with self._lock:
+            errs, self._errors = self._errors, []
+        if errs:
+            if len(errs) == 1:
+                raise errs[0]
+            raise SaveError("; ".join(str(e) for e in errs),
+                            hosts={h: m for e in errs for h, m in getattr(e, "hosts", {}).items()})
+
+    # --- inventory -----------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Steps committed on every host of the current topology, ascending."""
+        inv = self._dispatch.inventories()
+        per_host = [
+            {s["step"] for s in h["steps"] if s["local_blobs"] == s["blobs"]} for h in inv.values()
+        ]
+        if not per_host:
+            return []
+        return sorted(set.intersection(*per_host))
+
+    def latest_step(self) -> int | None:
+        """The newest step committed (and whole) on every host, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # --- restore -------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None) -> Any:
+        """Restore ``step`` (default: the latest) into the structure and shardings of ``target``.
+
+        ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``sharding``) or of arrays;
+        without it, arrays come back with the shardings they were saved with.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        self._wait_previous()
+        self._check_versions()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise StepNotFoundError(
+                    f"no committed step in {self._config.ramdisk_root}; nothing to restore "
+                    "(save a step first, or check local_checkpoint_directory)")
+            step = steps[-1]
+        elif step not in steps:
+            raise StepNotFoundError(f"step {step} is not committed on every host; committed steps: {steps}")
+        t1 = time.perf_counter()
+        manifest = self._dispatch.manifest(step)
+        requests, finish = self._plan(manifest, target)
+        arrays = self._dispatch.load(step, requests)
+        t2 = time.perf_counter()
+        result = finish(arrays)
+        nbytes = sum(r.record.nbytes for r in requests)
+        self.last_restore_report = RestoreReport(
+            step=step, bytes_by_tier={"ram": nbytes}, blobs_by_tier={"ram": len(manifest.blob_names())},
+            inventory_s=t1 - t0, load_s=t2 - t1, total_s=time.perf_counter() - t0)
+        log.info("- restore step %d; duration=%.3fs; size=%d bytes", step, time.perf_counter() - t0, nbytes)
+        return result
+
+    def _plan(self, manifest: fmt.StepManifest, target: Any):
+        by_key = {a.key: a for a in manifest.arrays}
+        if target is None:
+            keys = [a.key for a in manifest.arrays]
+            targets = [None] * len(keys)
+            rebuild = lambda leaves: tree_lib.decode(manifest.tree, leaves)  # noqa: E731
+        else:
+            keys, targets, treedef = tree_lib.flatten(target)
+            missing = sorted(set(by_key) - set(keys))
+            extra = sorted(set(keys) - set(by_key))
+            if missing or extra:
+                raise TargetMismatchError(
+                    f"restore target does not match the tree saved at step {manifest.step}: "
+                    + (f"missing {missing[:5]}" if missing else "")
+                    + (" " if missing and extra else "")
+                    + (f"not in checkpoint {extra[:5]}" if extra else "")
+                    + "; pass a target with the saved structure (or none)")
+            rebuild = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)  # noqa: E731
+        requests: list[LoadRequest] = []
+        slots: list[tuple[str, Any]] = []
+        for key, tgt in zip(keys, targets):
+            rec = by_key[key]
+            if rec.kind == "scalar":
+                slots.append(("value", _scalar_value(rec.value)))
+                continue
+            sharding = self._target_sharding(rec, tgt)
+            slots.append(("array", len(requests)))
+            requests.append(LoadRequest(rec, sharding))
+
+        def finish(arrays: list[Any]) -> Any:
+            leaves = [v if kind == "value" else arrays[v] for kind, v in slots]
+            return rebuild(leaves)
+
+        return requests, finish
+
+    def _target_sharding(self, rec: fmt.ArrayRecord, tgt: Any) -> Any:
+        if tgt is not None and not isinstance(tgt, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+            if isinstance(tgt, (bool, int, float, str)):
+                raise TargetMismatchError(f"array {rec.key!r}: target is a Python scalar but a {rec.kind} "
+                                          "array was saved")
+            raise TargetMismatchError(f"array {rec.key!r}: unsupported target leaf {type(tgt).__name__}")
+        if tgt is not None:
+            if tuple(tgt.shape) != tuple(rec.shape):
+                raise TargetMismatchError(
+                    f"array {rec.key!r}: target shape {tuple(tgt.shape)} != saved shape {tuple(rec.shape)}")
+            if np.dtype(tgt.dtype) != rec.np_dtype:
+                raise TargetMismatchError(
+                    f"array {rec.key!r}: target dtype {np.dtype(tgt.dtype).name} != saved dtype {rec.dtype}; "
+                    "restore with the saved dtype and cast afterwards")
+        if rec.kind == "numpy" or isinstance(tgt, (np.ndarray, np.generic)):
+            if tgt is None or isinstance(tgt, (np.ndarray, np.generic)):
+                return None
+        sharding = getattr(tgt, "sharding", None) if tgt is not None else None
+        if sharding is None:
+            if rec.sharding is None:
+                return None
+            sharding = shardings.rebuild(rec.sharding)
+        return sharding
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MTCError("this CheckpointManager is closed; create a new one")
+
+    def close(self) -> None:
+        """Wait for the background save, then release the sidecars."""
+        if self._closed:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._dispatch.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _make_dispatcher(config: MTCConfig) -> Dispatcher:
+    if config.cluster_spec:
+        from mtc.head.cluster import ClusterDispatcher
+
+        return ClusterDispatcher(config)
+    from mtc.head.colocated import ColocatedDispatcher
+
+    return ColocatedDispatcher(config)

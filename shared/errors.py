@@ -1,0 +1,47 @@
+"""Every error mtc raises, in one place.
+
+Each message says what happened, to what, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class MTCError(Exception):
+    """Base class of every mtc error."""
+
+
+class ConfigError(MTCError, ValueError):
+    """A configuration flag is missing, malformed or inconsistent with another."""
+
+
+class ManifestError(MTCError, ValueError):
+    """A manifest (JSON) is malformed, of an unknown format, or inconsistent."""
+
+
+class StepNotFoundError(MTCError, ValueError):
+    """The requested step is not committed anywhere mtc can see."""
+
+
+class TargetMismatchError(MTCError, ValueError):
+    """A restore target does not match the saved tree (structure, shape or dtype)."""
+
+
+class CorruptBlobError(MTCError):
+    """No copy of a blob that passes its hash check could be found."""
+
+
+class InsufficientSpaceError(MTCError, OSError):
+    """The ramdisk cannot hold the step; nothing was written."""
+
+
+class VersionMismatchError(MTCError):
+    """Head and sidecar run different versions of something that must match."""
+
+
+class SaveError(MTCError):
+    """A background save failed on one or more hosts."""
+
+    def __init__(self, message: str, *, step: int | None = None, hosts: dict[str, str] | None = None):
+        super().__init__(message)
+        self.step = step
+        self.hosts = dict(hosts or {})

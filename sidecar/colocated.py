@@ -1,0 +1,179 @@
+"""The sidecar service as a ``colocated_python`` class (DESIGN section 4, mode 1).
+
+The head wraps ``ColocatedSidecar`` with ``jax.experimental.colocated_python.colocated_python_class``.
+On Pathways each method runs in the sidecar process of every worker host, with only that
+host's shards; on a CPU backend JAX runs it in-process as one host.
+
+Colocated calls take and return only ``jax.Array``s on one device list, so this module is an
+array codec around ``SidecarService``:
+- control requests travel as uint8 rows of JSON (one row per device of the list); ``call``
+  answers the size of each host's reply, ``fetch`` returns the replies padded to one width;
+- ``write`` takes the staged state and answers the xxh3 digest of every shard, per device,
+  in a fixed-shape uint8 array, from which the head builds the step manifest;
+- ``load`` returns the target arrays, built on the host's devices from verified blobs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+from mtc.shared import format as fmt
+from mtc.shared import shardings
+from mtc.shared.errors import MTCError
+from mtc.sidecar.service import SidecarService, aligned_empty
+
+log = logging.getLogger(__name__)
+
+DIGEST_LEN = 16
+
+
+def _device_list(x) -> list:
+    """The ordered device list that the head used for a request array."""
+    s = x.sharding
+    mesh = getattr(s, "mesh", None)
+    if mesh is not None:
+        return list(mesh.devices.flat)
+    return sorted(s.device_set, key=lambda d: d.id)
+
+
+def _rows(like, rows: dict[Any, np.ndarray], row_shape: tuple[int, ...], dtype) -> Any:
+    """An array of shape (len(devices), *row_shape) sharded one row per device."""
+    import jax
+
+    devices = _device_list(like)
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    local = [
+        jax.device_put(rows[d].reshape((1,) + row_shape).astype(dtype, copy=False), d)
+        for d in devices
+        if d in rows
+    ]
+    return jax.make_array_from_single_device_arrays((len(devices),) + row_shape, sharding, local)
+
+
+def _request(x) -> dict:
+    row = np.asarray(x.addressable_shards[0].data)[0]
+    return json.loads(row.tobytes().rstrip(b"\0"))
+
+
+class ColocatedSidecar:
+    """The sidecar service of one host, reached through colocated Python."""
+
+    def __init__(self, config: str):
+        # Only plain values cross to the backend: the config travels as JSON.
+        self._config = json.loads(config)
+        self._service: SidecarService | None = None
+        self._replies: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def _svc(self) -> SidecarService:
+        with self._lock:
+            if self._service is None:
+                c = self._config
+                self._service = SidecarService(
+                    c["ramdisk_root"],
+                    host_id=c.get("host_id") or socket.gethostname(),
+                    max_to_keep=c.get("local_max_to_keep", 2),
+                )
+            return self._service
+
+    # --- control -----------------------------------------------------------------------
+
+    def call(self, request):
+        """Run one control request; answer the byte size of this host's reply per device."""
+        req = _request(request)
+        try:
+            result = {"ok": self._dispatch(req)}
+        except MTCError as e:
+            result = {"error": type(e).__name__, "message": str(e)}
+        payload = json.dumps(result).encode()
+        with self._lock:
+            self._replies[req["id"]] = payload
+        n = np.array([len(payload)], np.int64)
+        return _rows(request, {d: n for d in request.sharding.addressable_devices}, (), np.int64)
+
+    def fetch(self, request):
+        """Return the reply of an earlier ``call``, padded to the width the head asks for."""
+        req = _request(request)
+        with self._lock:
+            payload = self._replies.pop(req["id"])
+        width = int(req["width"])
+        row = np.zeros(width, np.uint8)
+        row[: len(payload)] = np.frombuffer(payload, np.uint8)
+        return _rows(request, {d: row for d in request.sharding.addressable_devices}, (width,), np.uint8)
+
+    def _dispatch(self, req: dict) -> Any:
+        svc = self._svc()
+        op = req["op"]
+        if op == "fingerprint":
+            return svc.fingerprint()
+        if op == "inventory":
+            return svc.inventory()
+        if op == "manifest":
+            return svc.manifest_bytes(int(req["step"])).decode()
+        if op == "commit":
+            return svc.commit(int(req["step"]), req["manifest"].encode())
+        if op == "close":
+            svc.close()
+            with self._lock:
+                self._service = None
+            return True
+        raise ValueError(f"unknown sidecar operation {op!r}")
+
+    # --- data --------------------------------------------------------------------------
+
+    def write(self, request, *arrays):
+        """Phase 1: write this host's shards of the staged state; answer digests per device."""
+        req = _request(request)
+        step, part, leaves = int(req["step"]), int(req.get("part", 0)), list(req["leaves"])
+        shards = []
+        per_device: dict[Any, list[tuple[int, fmt.Box]]] = {}
+        for i, arr in enumerate(arrays):
+            for sh in arr.addressable_shards:
+                box = fmt.box_from_index(sh.index, arr.shape)
+                shards.append((leaves[i], box, np.asarray(sh.data)))
+                per_device.setdefault(sh.device, []).append((i, box))
+        manifest = self._svc().write_shards(step, shards, part=part)
+        digest = {(s.array, s.box): bytes.fromhex(s.blob) for s in manifest.shards}
+        rows = {}
+        for dev in request.sharding.addressable_devices:
+            row = np.zeros((len(arrays), DIGEST_LEN), np.uint8)
+            for i, box in per_device.get(dev, []):
+                row[i] = np.frombuffer(digest[(leaves[i], box)], np.uint8)
+            rows[dev] = row
+        return _rows(request, rows, (len(arrays), DIGEST_LEN), np.uint8)
+
+    def load(self, request):
+        """Restore: build each requested array on this host's devices from verified blobs."""
+        import jax
+
+        req = _request(request)
+        step = int(req["step"])
+        svc = self._svc()
+        devices_by_id = {d.id: d for d in _device_list(request)}
+        out = []
+        for spec in req["arrays"]:
+            shape = tuple(spec["shape"])
+            sharding = shardings.rebuild(spec["sharding"], devices_by_id)
+            dtype = fmt.dtype_from_name(spec["dtype"])
+            by_box: dict[fmt.Box, Any] = {}
+            local = []
+            for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+                box = fmt.box_from_index(idx, shape)
+                buf = by_box.get(box)
+                if buf is None:
+                    if spec.get("as_bytes"):
+                        buf = svc.read_box(step, spec["key"], None, as_bytes=True,
+                                           out=aligned_empty(shape, dtype))
+                    else:
+                        buf = svc.read_box(step, spec["key"], box)
+                    by_box[box] = buf
+                local.append(jax.device_put(buf, dev, may_alias=True))
+            out.append(jax.make_array_from_single_device_arrays(shape, sharding, local))
+        return tuple(out)

@@ -1,0 +1,232 @@
+"""The sidecar service: all worker-side behaviour of one host, behind plain-value methods.
+
+The head reaches it either through ``jax.experimental.colocated_python`` (see
+``mtc.sidecar.colocated``) or through the sidecar daemon's control socket. Both wrappers
+call the same methods here, so tiers, formats and policies are one code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+
+from mtc.shared import format as fmt
+from mtc.shared import version
+from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
+from mtc.shared.hashing import blob_name
+from mtc.sidecar.faults import crash_point
+from mtc.sidecar.ram import RamStore
+
+log = logging.getLogger(__name__)
+
+# Alignment of buffers handed to JAX: a 64-byte aligned host buffer becomes a CPU jax.Array
+# without a copy.
+_ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data is 64-byte aligned."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off : off + nbytes].view(dtype).reshape(shape)
+
+
+def _as_bytes(a: np.ndarray) -> memoryview:
+    a = np.ascontiguousarray(a)
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
+class SidecarService:
+    """One host's worker-side checkpointing: the RAM tier, phase 1/2 of saves, restores.
+
+    Methods take and return plain values (ints, bytes, numpy arrays, frozen dataclasses).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, host_id: str = "host-0", max_to_keep: int = 2,
+                 io_threads: int = 2):
+        self.host_id = host_id
+        self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
+        self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
+        self._lock = threading.Lock()
+        # step -> (shards written so far, bytes written so far, seconds so far), across parts.
+        self._partial: dict[int, tuple[list[fmt.HostShard], int, float]] = {}
+        self._manifests: dict[int, fmt.StepManifest] = {}
+        self._closed = False
+
+    # --- identity ----------------------------------------------------------------------
+
+    def fingerprint(self) -> dict:
+        fp = version.fingerprint()
+        fp["host"] = self.host_id
+        return fp
+
+    # --- save: phase 1 -----------------------------------------------------------------
+
+    def write_shards(self, step: int, shards: Sequence[tuple[int, fmt.Box, np.ndarray]], *,
+                     part: int = 0) -> fmt.HostManifest:
+        """Phase 1: write this host's unique shards of ``step`` as blobs.
+
+        ``shards`` are (array index, box, data) triples; identical (array, box) pairs (replicas
+        on several local devices) are written once. Several calls with increasing ``part``
+        add to the same step (one per device group). Returns the host manifest so far, which
+        is also kept under ``pending/`` so garbage collection spares its blobs.
+        """
+        t0 = time.perf_counter()
+        unique: dict[tuple[int, fmt.Box], memoryview] = {}
+        for array, box, data in shards:
+            unique.setdefault((array, tuple(box)), _as_bytes(data))
+        names = {key: blob_name(buf) for key, buf in unique.items()}
+        sizes = {names[k]: len(buf) for k, buf in unique.items()}
+        with self._lock:
+            if part == 0:
+                self._partial[step] = ([], 0, 0.0)
+            elif step not in self._partial:
+                raise ManifestError(f"step {step}: part {part} of a save arrived before part 0")
+            self.store.check_space(self.store.missing_bytes(sizes), step=step)
+        crash_point("before_blobs")
+        todo = {}
+        for key, buf in unique.items():
+            todo.setdefault(names[key], buf)
+        futures = []
+        for i, (name, buf) in enumerate(todo.items()):
+            if i == 1:
+                crash_point("between_blobs")
+            futures.append(self._io.submit(self.store.write_blob, buf, name=name))
+        written = sum(len(buf) for (name, buf), f in zip(todo.items(), futures) if f.result()[1])
+        entries = [fmt.HostShard(a, box, names[(a, box)], len(unique[(a, box)])) for (a, box) in unique]
+        with self._lock:
+            done, done_bytes, done_s = self._partial[step]
+            done.extend(entries)
+            self._partial[step] = (done, done_bytes + written, done_s + time.perf_counter() - t0)
+            manifest = fmt.HostManifest(step, self.host_id, tuple(done), done_bytes + written,
+                                        done_s + time.perf_counter() - t0)
+            self.store.write_pending(step, manifest.to_json())
+        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
+                 time.perf_counter() - t0)
+        return manifest
+
+    # --- save: phase 2 -----------------------------------------------------------------
+
+    def commit(self, step: int, manifest_json: bytes) -> dict:
+        """Phase 2: make ``step`` visible on this host by writing its step manifest, last.
+
+        Returns what this host wrote for the step (blobs, bytes, seconds) for the save report.
+        """
+        manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
+        if manifest.step != step:
+            raise ManifestError(f"commit of step {step} carries the manifest of step {manifest.step}")
+        pending = self.store.read_pending(step)
+        with self._lock:
+            self._partial.pop(step, None)
+        if pending is None:
+                raise StepNotFoundError(
+                    f"host {self.host_id}: cannot commit step {step}: this host did not write it "
+                "(phase 1 missing); save the step again")
+        host = fmt.HostManifest.from_json(pending, source=f"host {self.host_id} step {step} pending manifest")
+        missing = sorted({s.blob for s in host.shards if not self.store.has_blob(s.blob)})
+        if missing:
+            raise CorruptBlobError(f"host {self.host_id}: step {step} is missing {len(missing)} of its "
+                                   f"blobs ({missing[0]}, ...); not committing")
+        crash_point("before_commit")
+        self.store.commit(step, manifest_json)
+        self._manifests[step] = manifest
+        crash_point("after_commit")
+        return {"host": self.host_id, "blobs": len(host.blob_names()), "written_bytes": host.written_bytes,
+                "write_s": host.seconds}
+
+    # --- inventory ---------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        return self.store.committed_steps()
+
+    def manifest_bytes(self, step: int) -> bytes:
+        return self.store.read_step(step)
+
+    def manifest(self, step: int) -> fmt.StepManifest:
+        m = self._manifests.get(step)
+        if m is None:
+            m = fmt.StepManifest.from_json(self.store.read_step(step), source=f"{self.host_id} step {step}")
+            self._manifests[step] = m
+        return m
+
+    def inventory(self) -> dict:
+        """What this host holds: committed steps, and for each whether all its blobs are here."""
+        steps = self.store.committed_steps()
+        have = self.store.list_blobs()
+        out = []
+        for s in steps:
+            try:
+                blobs = self.manifest(s).blob_names()
+            except ManifestError as e:
+                log.warning("host %s: step %d manifest unreadable: %s", self.host_id, s, e)
+                continue
+            out.append({"step": s, "blobs": len(blobs), "local_blobs": len(blobs & have)})
+        return {"host": self.host_id, "steps": out}
+
+    # --- restore -----------------------------------------------------------------------
+
+    def read_box(self, step: int, key: str, box: fmt.Box | None = None, *, as_bytes: bool = False,
+                 out: np.ndarray | None = None) -> np.ndarray:
+        """Assemble the part ``box`` of array ``key`` of ``step`` from verified blobs.
+
+        With ``as_bytes`` the whole array comes back as a flat uint8 buffer (for host numpy
+        leaves whose dtype JAX may not hold).
+        """
+        manifest = self.manifest(step)
+        rec = _record(manifest, key)
+        full = tuple((0, n) for n in rec.shape)
+        box = full if box is None else tuple(box)
+        dtype = rec.np_dtype
+        if out is None:
+            out = aligned_empty(fmt.box_shape(box), dtype)
+        target = out.view(dtype).reshape(fmt.box_shape(box)) if as_bytes else out
+        done: set[fmt.Box] = set()
+        for shard in rec.shards:
+            if shard.box in done:
+                continue
+            inter = fmt.box_intersect(shard.box, box)
+            if inter is None:
+                continue
+            done.add(shard.box)
+            try:
+                if shard.box == box:
+                    self.store.read_blob_into(shard.blob, _writable_bytes(target))
+                else:
+                    tmp = aligned_empty(fmt.box_shape(shard.box), dtype)
+                    self.store.read_blob_into(shard.blob, _writable_bytes(tmp))
+                    src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(inter, shard.box))
+                    dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
+                    target[dst] = tmp[src]
+            except (CorruptBlobError, FileNotFoundError, ValueError) as e:
+                raise CorruptBlobError(
+                    f"step {step}: array {key!r} shard {fmt.box_str(shard.box)} (blob {shard.blob}) "
+                    f"has no good copy on host {self.host_id}; tiers tried: ram ({e})") from None
+        return out
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._io.shutdown(wait=True)
+
+
+def _record(manifest: fmt.StepManifest, key: str) -> fmt.ArrayRecord:
+    for rec in manifest.arrays:
+        if rec.key == key:
+            return rec
+    raise StepNotFoundError(f"step {manifest.step} has no array {key!r}")
+
+
+def _writable_bytes(a: np.ndarray) -> memoryview:
+    if a.size == 0:
+        return memoryview(bytearray())
+    return memoryview(a.reshape(-1).view(np.uint8))
