@@ -1,0 +1,386 @@
+"""The one mtc configuration, with MaxText's flag names (DESIGN section 7).
+
+`MTCConfig` is frozen and validated on construction, so a config that exists is a config
+that makes sense. Three ways to build one:
+
+- keyword arguments: ``MTCConfig(enable_multi_tier_checkpointing=True, ...)``;
+- MaxText-style ``key=value`` strings: ``MTCConfig.from_flags(sys.argv[1:], ignore_unknown=True)``;
+- environment variables ``MTC_<UPPER_FLAG_NAME>``: ``MTCConfig.from_env()``.
+
+Decisions worth knowing:
+
+- A backup interval of 0 means "no backup", as in MaxText (the guide enables backup with a
+  *non-zero* interval). It is stored as ``None``, so ``0`` and ``None`` compare equal.
+- ``cluster_spec`` selects the mode: empty means colocated (Pathways sidecars), a path means
+  cluster mode (sidecar daemons described by that JSON). Asking for both
+  (``colocated_python_checkpointing=True`` with a ``cluster_spec``) is an error.
+- ``peer_token`` is a secret: it is left out of ``repr()`` and ``to_dict()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtc.shared.errors import ConfigError
+
+ENV_PREFIX = "MTC_"
+
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
+_NONE = frozenset({"none", ""})
+
+# Fields that name a path or URL: os.PathLike is accepted and stored as str, so that the
+# config stays a plain value (picklable, JSON-able, identical on head and sidecars).
+_PATH_FIELDS = frozenset({"local_checkpoint_directory", "base_output_directory", "cluster_spec"})
+
+
+@dataclass(frozen=True)
+class MTCConfig:
+    """Validated, immutable multi-tier checkpointing configuration.
+
+    MaxText flags (same names and defaults as MaxText):
+
+    - ``enable_checkpointing``: master switch; when false nothing is saved.
+    - ``enable_multi_tier_checkpointing``: turn multi-tier checkpointing on; needs
+      ``local_checkpoint_directory`` and ``local_checkpoint_period > 0``.
+    - ``colocated_python_checkpointing``: run the checkpoint work in Pathways colocated
+      Python sidecars (the colocated mode; incompatible with ``cluster_spec``).
+    - ``local_checkpoint_directory``: ramdisk mount path on every worker host; mtc writes
+      under its ``mtc/`` subfolder.
+    - ``local_checkpoint_period``: save a local checkpoint every this many steps (0: never).
+    - ``multi_tier_checkpointing_backup_interval_minutes`` /
+      ``multi_tier_checkpointing_backup_interval_steps``: back up to object storage every N
+      minutes or N steps (at most one of them; ``None`` or 0: no backup).
+    - ``base_output_directory``, ``run_name``: the backup root is
+      ``<base_output_directory>/<run_name>/mtc``.
+
+    mtc's own:
+
+    - ``local_max_to_keep``: committed steps kept on each ramdisk (>= 1).
+    - ``backup_max_to_keep``: backups kept in object storage (>= 1).
+    - ``replication_factor``: copies of every blob across slices/hosts (>= 1; 1 = no peers).
+    - ``peer_port``: TCP port of the peer service (0: pick a free port).
+    - ``peer_token``: shared secret peers must present; never shown in ``repr``.
+    - ``cluster_spec``: path to a cluster spec JSON (cluster mode); empty: colocated mode.
+    - ``max_save_wait_s``: how long ``save`` waits for the previous save to finish before
+      failing (``None``: wait as long as it takes).
+    """
+
+    enable_checkpointing: bool = True
+    enable_multi_tier_checkpointing: bool = False
+    colocated_python_checkpointing: bool = False
+    local_checkpoint_directory: str = ""
+    local_checkpoint_period: int = 0
+    multi_tier_checkpointing_backup_interval_minutes: int | None = None
+    multi_tier_checkpointing_backup_interval_steps: int | None = None
+    base_output_directory: str = ""
+    run_name: str = ""
+    local_max_to_keep: int = 2
+    backup_max_to_keep: int = 5
+    replication_factor: int = 2
+    peer_port: int = 0
+    peer_token: str = field(default="", repr=False)
+    cluster_spec: str = ""
+    max_save_wait_s: float | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        # 0 means "unset" for the backup intervals (MaxText enables backup with a non-zero
+        # value); storing None keeps one spelling of "no backup".
+        for name in ("multi_tier_checkpointing_backup_interval_minutes",
+                     "multi_tier_checkpointing_backup_interval_steps"):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, None)
+        problems = self._problems()
+        if problems:
+            raise ConfigError("invalid mtc config:\n  - " + "\n  - ".join(problems))
+
+    def _check_types(self) -> None:
+        problems = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = _KINDS[f.name]
+            if value is None and kind.optional:
+                continue
+            if f.name in _PATH_FIELDS and isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            ok = _type_ok(kind.base, value)
+            if ok:
+                # Normalise numpy scalars and PathLikes to plain Python values.
+                object.__setattr__(self, f.name, kind.base(value))
+            else:
+                shown = "<hidden>" if f.name == "peer_token" else repr(value)
+                problems.append(
+                    f"{f.name} must be {kind.describe()}, got {type(value).__name__} {shown}; "
+                    "fix the value's type (MTCConfig.from_flags parses strings)")
+        if problems:
+            raise ConfigError("invalid mtc config:\n  - " + "\n  - ".join(problems))
+
+    def _problems(self) -> list[str]:
+        p: list[str] = []
+        minutes = self.multi_tier_checkpointing_backup_interval_minutes
+        steps = self.multi_tier_checkpointing_backup_interval_steps
+        period = self.local_checkpoint_period
+
+        if period < 0:
+            p.append(f"local_checkpoint_period={period} is negative; use 0 to disable local "
+                     "checkpoints or a positive number of steps")
+        if self.enable_multi_tier_checkpointing:
+            if not self.local_checkpoint_directory.strip():
+                p.append("enable_multi_tier_checkpointing=True needs local_checkpoint_directory: "
+                         "set it to the ramdisk mount path "
+                         "(e.g. local_checkpoint_directory=/local)")
+            if period <= 0:
+                p.append("enable_multi_tier_checkpointing=True needs local_checkpoint_period > 0: "
+                         "set it to how often to save locally, in steps "
+                         "(e.g. local_checkpoint_period=10)")
+        if minutes is not None and minutes < 0:
+            p.append(f"multi_tier_checkpointing_backup_interval_minutes={minutes} is negative; "
+                     "give a positive number of minutes, or None/0 for no backup")
+        if steps is not None and steps < 0:
+            p.append(f"multi_tier_checkpointing_backup_interval_steps={steps} is negative; "
+                     "give a positive number of steps, or None/0 for no backup")
+        if minutes is not None and steps is not None:
+            p.append("multi_tier_checkpointing_backup_interval_minutes and "
+                     "multi_tier_checkpointing_backup_interval_steps are both set; they are "
+                     "exclusive: keep one and set the other to None")
+        if steps is not None and steps > 0 and period > 0 and steps < period:
+            p.append(f"multi_tier_checkpointing_backup_interval_steps={steps} is below "
+                     f"local_checkpoint_period={period}; backups are copied from local "
+                     f"checkpoints, so use at least {period} (ideally a multiple of it)")
+        if (minutes is not None or steps is not None) and not self.base_output_directory.strip():
+            p.append("a backup interval is set but base_output_directory is empty; set "
+                     "base_output_directory (e.g. gs://bucket/path or a local directory) or "
+                     "unset the backup interval")
+        if self.local_max_to_keep < 1:
+            p.append(f"local_max_to_keep={self.local_max_to_keep} must be >= 1 (the ramdisk "
+                     "must hold at least the latest step)")
+        if self.backup_max_to_keep < 1:
+            p.append(f"backup_max_to_keep={self.backup_max_to_keep} must be >= 1")
+        if self.replication_factor < 1:
+            p.append(f"replication_factor={self.replication_factor} must be >= 1 "
+                     "(1: no peer copies)")
+        if not 0 <= self.peer_port <= 65535:
+            p.append(f"peer_port={self.peer_port} is out of range; use 1..65535, or 0 to pick "
+                     "a free port")
+        if self.colocated_python_checkpointing and self.cluster_spec:
+            p.append("colocated_python_checkpointing=True and cluster_spec are both set; "
+                     "they select different modes: clear cluster_spec for colocated Python, "
+                     "or set colocated_python_checkpointing=False for cluster mode")
+        w = self.max_save_wait_s
+        if w is not None and (math.isnan(w) or math.isinf(w) or w < 0):
+            p.append(f"max_save_wait_s={w} must be a finite number of seconds >= 0, or None "
+                     "to wait for the previous save as long as it takes")
+        return p
+
+    @classmethod
+    def from_flags(cls, flags: Iterable[str], *, ignore_unknown: bool = False,
+                   **overrides: Any) -> MTCConfig:
+        """Build from MaxText-style ``key=value`` strings; keyword ``overrides`` win.
+
+        Booleans accept true/false/1/0/yes/no (any case); optional numbers accept
+        ``None`` or an empty value. An unknown key is an error that suggests the closest
+        flag, unless ``ignore_unknown`` is true (for passing MaxText's whole command line,
+        where items without ``=`` are skipped too). A key given twice is an error.
+        """
+        values: dict[str, Any] = {}
+        for item in flags:
+            key, sep, raw = str(item).partition("=")
+            key = key.strip()
+            if not sep:
+                if ignore_unknown:
+                    continue
+                raise ConfigError(f"flag {item!r} is not of the form key=value "
+                                  "(e.g. local_checkpoint_period=10)")
+            if key not in _KINDS:
+                if ignore_unknown:
+                    continue
+                raise ConfigError(_unknown_message(key, "flag"))
+            if key in values:
+                raise ConfigError(f"flag {key} is given more than once; keep one "
+                                  f"(pass keyword overrides to replace a value)")
+            values[key] = _parse(_KINDS[key], raw, key)
+        _check_known(overrides)
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> MTCConfig:
+        """Build from ``MTC_<UPPER_FLAG_NAME>`` environment variables; ``overrides`` win.
+
+        e.g. ``MTC_LOCAL_CHECKPOINT_PERIOD=10``, ``MTC_CLUSTER_SPEC=/run/spec.json``,
+        ``MTC_PEER_TOKEN=...``. A value that does not parse raises, naming the variable.
+        Other ``MTC_*`` variables belong to other parts of mtc and are ignored, except that
+        one that looks like a misspelt flag variable gets a warning.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, kind in _KINDS.items():
+            var = ENV_PREFIX + name.upper()
+            if var in env:
+                values[name] = _parse(kind, env[var], var)
+        known = {ENV_PREFIX + n.upper() for n in _KINDS}
+        for var in env:
+            if var.startswith(ENV_PREFIX) and var not in known:
+                close = difflib.get_close_matches(var, known, n=1, cutoff=0.85)
+                if close:
+                    warnings.warn(f"environment variable {var} is not an mtc flag; "
+                                  f"did you mean {close[0]}?", stacklevel=2)
+        _check_known(overrides)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> MTCConfig:
+        """A validated copy with ``changes`` applied."""
+        _check_known(changes)
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def mode(self) -> str:
+        """``"cluster"`` when a cluster spec is given, else ``"colocated"``."""
+        return "cluster" if self.cluster_spec else "colocated"
+
+    @property
+    def ramdisk_root(self) -> Path:
+        """Where mtc keeps its files on each host: ``<local_checkpoint_directory>/mtc``.
+
+        mtc uses its own subfolder because the ramdisk may be shared with other tools.
+        """
+        if not self.local_checkpoint_directory.strip():
+            # Path("") / "mtc" would silently be relative to the current directory.
+            raise ConfigError("local_checkpoint_directory is empty, so there is no ramdisk "
+                              "root; set local_checkpoint_directory to the ramdisk mount path")
+        return Path(self.local_checkpoint_directory) / "mtc"
+
+    @property
+    def backup_root(self) -> str:
+        """``<base_output_directory>/<run_name>/mtc`` (``<base>/mtc`` with no run name).
+
+        Joined as a string, not a Path, so that ``gs://`` URLs keep their double slash.
+        """
+        base = self.base_output_directory.strip()
+        if not base:
+            raise ConfigError("base_output_directory is empty, so there is no backup root; "
+                              "set base_output_directory (e.g. gs://bucket/path)")
+        run = self.run_name.strip("/")
+        # A base of "/" strips to "", which still yields an absolute "/<run>/mtc".
+        return f"{base.rstrip('/')}/{run}/mtc" if run else f"{base.rstrip('/')}/mtc"
+
+    @property
+    def backup_enabled(self) -> bool:
+        """True when a backup interval (minutes or steps) is set."""
+        return (self.multi_tier_checkpointing_backup_interval_minutes is not None
+                or self.multi_tier_checkpointing_backup_interval_steps is not None)
+
+    def should_save(self, step: int) -> bool:
+        """True when ``step`` is a local checkpoint step (``step % local_checkpoint_period == 0``).
+
+        Always false when checkpointing is off (``enable_checkpointing=False``) or the period
+        is 0.
+        """
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        period = self.local_checkpoint_period
+        return self.enable_checkpointing and period > 0 and step % period == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as a plain dict, without ``peer_token`` (a secret)."""
+        d = dataclasses.asdict(self)
+        del d["peer_token"]
+        return d
+
+
+# ---------------------------------------------------------------------- field kinds
+
+
+@dataclass(frozen=True)
+class _Kind:
+    base: type
+    optional: bool
+
+    def describe(self) -> str:
+        word = {bool: "a bool", int: "an integer", float: "a number", str: "a string"}[self.base]
+        return word + (" or None" if self.optional else "")
+
+
+def _kind_of(annotation: str) -> _Kind:
+    # Annotations are strings (from __future__ import annotations); the set is small and fixed.
+    table = {
+        "bool": _Kind(bool, False),
+        "int": _Kind(int, False),
+        "str": _Kind(str, False),
+        "int | None": _Kind(int, True),
+        "float | None": _Kind(float, True),
+    }
+    return table[annotation]
+
+
+_KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields(MTCConfig)}
+
+
+def _type_ok(base: type, value: Any) -> bool:
+    # bool is an int subclass: refuse it where a number is meant, and numbers where a bool is.
+    if base is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if base is int:
+        return isinstance(value, numbers.Integral)
+    if base is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, base)
+
+
+def _parse(kind: _Kind, raw: str, label: str) -> Any:
+    """Parse one string value; errors name ``label`` (the flag or environment variable)."""
+    text = raw.strip()
+    if kind.optional and text.lower() in _NONE:
+        return None
+    try:
+        if kind.base is bool:
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError
+        if kind.base is int:
+            return int(text, 10)
+        if kind.base is float:
+            return float(text)
+    except ValueError:
+        hint = {bool: "true or false", int: "an integer", float: "a number"}[kind.base]
+        if kind.optional:
+            hint += " or None"
+        raise ConfigError(f"{label}={raw!r} is not {hint}; e.g. {label}={_example(kind)}") from None
+    return raw  # strings are taken as given: paths may legitimately contain spaces
+
+
+def _example(kind: _Kind) -> str:
+    return {bool: "true", int: "10", float: "30"}[kind.base]
+
+
+def _unknown_message(key: str, what: str) -> str:
+    close = difflib.get_close_matches(key, list(_KINDS), n=1, cutoff=0.6)
+    if close:
+        return f"unknown {what} {key!r}; did you mean {close[0]!r}?"
+    return f"unknown {what} {key!r}; valid names: {', '.join(_KINDS)}"
+
+
+def _check_known(names: Iterable[str]) -> None:
+    for name in names:
+        if name not in _KINDS:
+            raise ConfigError(_unknown_message(name, "config field"))

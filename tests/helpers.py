@@ -1,0 +1,44 @@
+"""Helpers for tests: bit-for-bit comparison of restored trees, random states."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def as_bytes(x) -> tuple:
+    """(type tag, dtype, shape, raw bytes) of a leaf: equal iff bit-for-bit equal."""
+    if isinstance(x, jax.Array):
+        a = np.asarray(x)
+        return ("jax", a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes())
+    if isinstance(x, (np.ndarray, np.generic)):
+        a = np.asarray(x)
+        return ("numpy", a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes())
+    return ("py", type(x).__name__, (), repr(x))
+
+
+def assert_trees_bitwise_equal(a, b, *, check_sharding: bool = True) -> None:
+    """Same structure, same leaf kinds, dtypes, shapes, bytes (and shardings)."""
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten_with_path(b)
+    assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
+    for (path, x), (_, y) in zip(la, lb):
+        key = jax.tree_util.keystr(path)
+        assert as_bytes(x) == as_bytes(y), f"leaf {key} differs"
+        if check_sharding and isinstance(x, jax.Array):
+            assert isinstance(y, jax.Array), key
+            assert x.sharding.is_equivalent_to(y.sharding, x.ndim), f"leaf {key}: sharding {y.sharding} != {x.sharding}"
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """Random contents of any dtype (random bits reinterpreted, so every bit pattern occurs)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape).astype(bool)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = rng.integers(0, 256, size=n, dtype=np.uint8)
+    out = raw.view(dtype).reshape(shape)
+    if dtype.kind in "fc":
+        # NaN payloads are preserved by a byte copy, but keep values finite for readability.
+        out = np.where(np.isfinite(out), out, np.zeros((), dtype)).astype(dtype)
+    return out
