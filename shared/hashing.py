@@ -16,7 +16,7 @@ import xxhash
 
 HASH_NAME = "xxh3_128"
 HEX_LEN = 32
-_BLOB_RE = re.compile(r"^[0-9a-f]{32}$")
+_BLOB_RE = re.compile(r"[0-9a-f]{32}")
 
 
 def new_hasher() -> "xxhash.xxh3_128":
@@ -30,7 +30,7 @@ def blob_name(data) -> str:
 
 def is_blob_name(name: str) -> bool:
     """True when `name` is a well-formed blob name (and so safe as a file name)."""
-    return isinstance(name, str) and bool(_BLOB_RE.match(name))
+    return isinstance(name, str) and bool(_BLOB_RE.fullmatch(name))
 
 
 def check_blob_name(name: str) -> str:

@@ -95,13 +95,22 @@ class SidecarService:
         todo = {}
         for key, buf in unique.items():
             todo.setdefault(names[key], buf)
-        futures = []
-        for i, (name, buf) in enumerate(todo.items()):
-            if i == 1:
-                crash_point("between_blobs")
-            futures.append(self._io.submit(self.store.write_blob, buf, name=name))
-        written = sum(len(buf) for (name, buf), f in zip(todo.items(), futures) if f.result()[1])
         entries = [fmt.HostShard(a, box, names[(a, box)], len(unique[(a, box)])) for (a, box) in unique]
+        # Pinned until the pending host manifest references them: a concurrent commit's
+        # garbage collection must not take blobs of a step still being written.
+        with self.store.pin(todo):
+            futures = []
+            for i, (name, buf) in enumerate(todo.items()):
+                if i == 1:
+                    crash_point("between_blobs")
+                futures.append(self._io.submit(self.store.write_blob, buf, name=name))
+            written = sum(len(buf) for (name, buf), f in zip(todo.items(), futures) if f.result()[1])
+            manifest = self._record_part(step, entries, written, t0)
+        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
+                 time.perf_counter() - t0)
+        return manifest
+
+    def _record_part(self, step: int, entries: list[fmt.HostShard], written: int, t0: float) -> fmt.HostManifest:
         with self._lock:
             done, done_bytes, done_s = self._partial[step]
             done.extend(entries)
@@ -109,8 +118,6 @@ class SidecarService:
             manifest = fmt.HostManifest(step, self.host_id, tuple(done), done_bytes + written,
                                         done_s + time.perf_counter() - t0)
             self.store.write_pending(step, manifest.to_json())
-        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
-                 time.perf_counter() - t0)
         return manifest
 
     # --- save: phase 2 -----------------------------------------------------------------
