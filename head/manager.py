@@ -113,6 +113,7 @@ class CheckpointManager:
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._checked_versions = False
+        self._known_steps: set[int] | None = None  # committed steps, to refuse a duplicate save cheaply
         self._closed = False
         self.last_save_report: SaveReport | None = None
         self.last_restore_report: RestoreReport | None = None
@@ -151,7 +152,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         waited = self._wait_previous()
         self._check_versions()
-        if step in self.all_steps():
+        if self._known_steps is None:
+            self._known_steps = set(self.all_steps())
+        if step in self._known_steps:
             raise ValueError(f"step {step} is already committed; save a new step number "
                              "(or restore it: checkpoints are immutable)")
         leaves, tree_doc = self._flatten(state)
@@ -202,6 +205,8 @@ class CheckpointManager:
             t2 = time.perf_counter()
             manifest = self._build_manifest(step, leaves, tree_doc, result)
             committed = self._dispatch.commit(step, manifest)
+            if self._known_steps is not None:
+                self._known_steps.add(step)
             t3 = time.perf_counter()
             written = sum(h.get("written_bytes", 0) for h in committed.values())
             report = SaveReport(
