@@ -1,0 +1,62 @@
+"""The backup tier's layout in object storage: a contract between the sidecars that write
+backups and the head (and ``mtc restore-version``) that read them.
+
+Under the backup root ``<base_output_directory>/<run_name>/mtc/``::
+
+    blobs/<hash>                      content-addressed blobs, shared by every backup
+    backups/<UTC time>-step-<step>.json   one backup: its step manifest, written last, create-only
+    restore.version                   optional: the name of the one backup restore must use
+
+Backup names sort chronologically (UTC time first), so the newest is the greatest.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from mtc.shared.errors import ConfigError
+
+BLOBS = "blobs/"
+BACKUPS = "backups/"
+RESTORE_VERSION = "restore.version"
+_NAME_RE = re.compile(r"(\d{8}T\d{6}Z)-step-(\d{12})")
+
+
+def backup_name(step: int, when: float | None = None) -> str:
+    """The readable name of a backup of ``step`` taken at ``when`` (UTC)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if when is None else when))
+    return f"{stamp}-step-{step:012d}"
+
+
+def is_backup_name(name: str) -> bool:
+    return isinstance(name, str) and _NAME_RE.fullmatch(name) is not None
+
+
+def parse_backup_name(name: str) -> int:
+    """The step of a backup name; a clear error for anything that is not one."""
+    m = _NAME_RE.fullmatch(name.strip()) if isinstance(name, str) else None
+    if m is None:
+        raise ConfigError(
+            f"{name!r} is not a backup name: expected <UTC time>-step-<12 digits>, e.g. "
+            f"{backup_name(120, 0)}; list the backups with `mtc restore-version show`")
+    return int(m.group(2))
+
+
+def manifest_object(name: str) -> str:
+    parse_backup_name(name)
+    return f"{BACKUPS}{name}.json"
+
+
+def blob_object(blob: str) -> str:
+    return f"{BLOBS}{blob}"
+
+
+def names_from_listing(objects: list[str]) -> list[str]:
+    """Backup names (newest first) from a listing of ``backups/``."""
+    out = []
+    for obj in objects:
+        base = obj[len(BACKUPS):] if obj.startswith(BACKUPS) else obj
+        if base.endswith(".json") and is_backup_name(base[:-5]):
+            out.append(base[:-5])
+    return sorted(out, reverse=True)
