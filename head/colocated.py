@@ -88,6 +88,7 @@ class ColocatedDispatcher(Dispatcher):
         self._obj = cls(json.dumps({
             "ramdisk_root": str(config.ramdisk_root),
             "local_max_to_keep": config.local_max_to_keep,
+            "backup_url": config.backup_root if config.base_output_directory else None,
         }))
         self._staging: dict[tuple, np.ndarray] = {}
         self._host_of_row: list[str] | None = None
@@ -261,6 +262,29 @@ class ColocatedDispatcher(Dispatcher):
                 else:
                     out[i] = jax.device_put(arr, r.sharding)
         return out
+
+    def host_of_device(self, device_id: int) -> str:
+        cpu = next(c for d, c in self._cpu_of.items() if d.id == device_id)
+        return self._hosts_of_rows()[self._ctl_devices.index(cpu)]
+
+    def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
+        return dict(self._control("backup_upload", assignments=assignments))
+
+    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
+        replies = dict(self._control("backup_finalize", host=host, name=name,
+                                     manifest=manifest.to_json().decode(), max_to_keep=max_to_keep))
+        return replies[host]
+
+    def backup_listing(self) -> dict:
+        (_, listing), *_ = self._control("backup_listing")
+        return listing
+
+    def backup_manifest(self, name: str) -> fmt.StepManifest:
+        (host, text), *_ = self._control("backup_manifest", name=name)
+        return fmt.StepManifest.from_json(text, source=f"backup {name}")
+
+    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
+        return dict(self._control("backup_fetch", name=name, needs=needs))
 
     def close(self) -> None:
         try:

@@ -92,6 +92,32 @@ class Dispatcher(abc.ABC):
         """Restore: one jax.Array (or numpy array) per request, with the target sharding."""
 
     @abc.abstractmethod
+    def host_of_device(self, device_id: int) -> str:
+        """The host whose sidecar holds the shards of device ``device_id``."""
+
+    # --- backup tier (run by the sidecars; the head only coordinates) --------------------
+
+    @abc.abstractmethod
+    def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
+        """Every host uploads the blobs assigned to it; host id -> what it uploaded."""
+
+    @abc.abstractmethod
+    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
+        """One host makes backup ``name`` visible (manifest last, create-only), then prunes."""
+
+    @abc.abstractmethod
+    def backup_listing(self) -> dict:
+        """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}."""
+
+    @abc.abstractmethod
+    def backup_manifest(self, name: str) -> fmt.StepManifest:
+        """The step manifest of backup ``name``."""
+
+    @abc.abstractmethod
+    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
+        """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Stop using the sidecars."""
 

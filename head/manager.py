@@ -21,7 +21,7 @@ import numpy as np
 from mtc.head import tree as tree_lib
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest
 from mtc.shared import format as fmt
-from mtc.shared import shardings, version
+from mtc.shared import backup_layout, shardings, version
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import (
     ConfigError,
@@ -58,9 +58,25 @@ class RestoreReport:
     step: int
     bytes_by_tier: dict = dataclasses.field(default_factory=dict)
     blobs_by_tier: dict = dataclasses.field(default_factory=dict)
+    source: str = "cluster"  # "cluster", or the name of the backup restored
     inventory_s: float = 0.0
     load_s: float = 0.0
     total_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupReport:
+    """What one backup did, or why it did not run."""
+
+    step: int
+    name: str | None = None
+    uploaded_bytes: int = 0
+    uploaded_blobs: int = 0
+    skipped_blobs: int = 0  # already in the store (incremental backups)
+    bytes_by_host: dict = dataclasses.field(default_factory=dict)
+    skipped_because_running: int = 0  # due backups skipped while this one ran
+    error: str | None = None
+    seconds: float = 0.0
 
 
 def _classify(key: str, leaf: Any) -> str:
@@ -117,6 +133,11 @@ class CheckpointManager:
         self._closed = False
         self.last_save_report: SaveReport | None = None
         self.last_restore_report: RestoreReport | None = None
+        self.last_backup_report: BackupReport | None = None
+        self._backup_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-backup")
+        self._backup_pending: Future | None = None
+        self._backup_skipped = 0
+        self._last_backup: tuple[int, float] | None = None  # (step, monotonic time) of the last started
 
     @property
     def config(self) -> MTCConfig:
@@ -153,7 +174,7 @@ class CheckpointManager:
         waited = self._wait_previous()
         self._check_versions()
         if self._known_steps is None:
-            self._known_steps = set(self.all_steps())
+            self._known_steps = set(self._cluster_steps())
         if step in self._known_steps:
             raise ValueError(f"step {step} is already committed; save a new step number "
                              "(or restore it: checkpoints are immutable)")
@@ -207,6 +228,7 @@ class CheckpointManager:
             committed = self._dispatch.commit(step, manifest)
             if self._known_steps is not None:
                 self._known_steps.add(step)
+            self._maybe_backup(step, manifest)
             t3 = time.perf_counter()
             written = sum(h.get("written_bytes", 0) for h in committed.values())
             report = SaveReport(
@@ -260,6 +282,86 @@ class CheckpointManager:
             topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint(),
         )
 
+    # --- backup --------------------------------------------------------------------------
+
+    def _backup_due(self, step: int) -> bool:
+        cfg = self._config
+        if not cfg.backup_enabled:
+            return False
+        if self._last_backup is None:
+            return True  # a job's first committed step is backed up at once
+        last_step, last_t = self._last_backup
+        if cfg.multi_tier_checkpointing_backup_interval_steps:
+            n = cfg.multi_tier_checkpointing_backup_interval_steps
+            return step // n > last_step // n
+        return time.monotonic() - last_t >= cfg.multi_tier_checkpointing_backup_interval_minutes * 60
+
+    def _maybe_backup(self, step: int, manifest: fmt.StepManifest) -> None:
+        if not self._backup_due(step):
+            return
+        running = self._backup_pending
+        if running is not None and not running.done():
+            self._backup_skipped += 1
+            log.warning("backup of step %d skipped: the previous backup is still running", step)
+            return
+        self._last_backup = (step, time.monotonic())
+        skipped, self._backup_skipped = self._backup_skipped, 0
+        self._backup_pending = self._backup_executor.submit(self._backup, manifest, skipped)
+
+    def _assign_uploads(self, manifest: fmt.StepManifest) -> dict[str, list[str]]:
+        """Each unique blob to one of its holders, largest first to the least loaded holder."""
+        holders: dict[str, set[str]] = {}
+        sizes: dict[str, int] = {}
+        for rec in manifest.arrays:
+            for sh in rec.shards:
+                sizes[sh.blob] = sh.nbytes
+                hs = holders.setdefault(sh.blob, set())
+                hs.update(self._dispatch.host_of_device(d) for d in sh.devices)
+        load = {h: 0 for h in self._dispatch.hosts()}
+        out: dict[str, list[str]] = {h: [] for h in load}
+        for blob in sorted(sizes, key=lambda b: (-sizes[b], b)):
+            cands = sorted(holders[blob] & set(load)) or sorted(load)
+            host = min(cands, key=lambda h: (load[h], h))
+            load[host] += sizes[blob]
+            out[host].append(blob)
+        return out
+
+    def _backup(self, manifest: fmt.StepManifest, skipped: int) -> BackupReport:
+        t0 = time.perf_counter()
+        step = manifest.step
+        try:
+            up = self._dispatch.backup_upload(self._assign_uploads(manifest))
+            name = backup_layout.backup_name(step)
+            host = sorted(up)[0] if up else self._dispatch.hosts()[0]
+            self._dispatch.backup_finalize(host, name, manifest, self._config.backup_max_to_keep)
+            report = BackupReport(
+                step=step, name=name,
+                uploaded_bytes=sum(u.get("uploaded_bytes", 0) for u in up.values()),
+                uploaded_blobs=sum(u.get("uploaded", 0) for u in up.values()),
+                skipped_blobs=sum(u.get("skipped", 0) for u in up.values()),
+                bytes_by_host={h: u.get("uploaded_bytes", 0) for h, u in up.items()},
+                skipped_because_running=skipped, seconds=time.perf_counter() - t0)
+            log.info("- backup %s; duration=%.3fs; uploaded=%d bytes", name, report.seconds, report.uploaded_bytes)
+        except Exception as e:  # training must never fail because the bucket did
+            report = BackupReport(step=step, skipped_because_running=skipped, error=f"{type(e).__name__}: {e}",
+                                  seconds=time.perf_counter() - t0)
+            log.error("backup of step %d failed (the next due backup retries): %s", step, e)
+        self.last_backup_report = report
+        return report
+
+    def wait_for_backup(self) -> BackupReport | None:
+        """Block until the running backup (if any) is done; returns its report."""
+        pending = self._backup_pending
+        if pending is not None:
+            pending.result()
+        return self.last_backup_report
+
+    def backups(self) -> list[dict]:
+        """Backups in the backup tier, newest first ({"name", "step"}); [] without one."""
+        if not self._config.base_output_directory:
+            return []
+        return self._dispatch.backup_listing()["backups"]
+
     def wait_until_finished(self) -> None:
         """Block until the background save is done; raise its error if it failed."""
         pending = self._pending
@@ -282,8 +384,8 @@ class CheckpointManager:
 
     # --- inventory -----------------------------------------------------------------------
 
-    def all_steps(self) -> list[int]:
-        """Steps committed on every host of the current topology, ascending."""
+    def _cluster_steps(self) -> list[int]:
+        """Steps committed (and whole) on every host of the current topology, ascending."""
         inv = self._dispatch.inventories()
         per_host = [
             {s["step"] for s in h["steps"] if s["local_blobs"] == s["blobs"]} for h in inv.values()
@@ -292,10 +394,36 @@ class CheckpointManager:
             return []
         return sorted(set.intersection(*per_host))
 
+    def _backup_listing(self) -> dict:
+        if not self._config.base_output_directory:
+            return {"backups": [], "restore_version": None}
+        return self._dispatch.backup_listing()
+
+    def all_steps(self) -> list[int]:
+        """Restorable steps, ascending: committed on every host, or in a complete backup.
+
+        When ``restore.version`` names a backup, only that backup's step.
+        """
+        listing = self._backup_listing()
+        if listing["restore_version"]:
+            return [self._pinned_backup(listing)[1]]
+        return sorted(set(self._cluster_steps()) | {b["step"] for b in listing["backups"]})
+
     def latest_step(self) -> int | None:
-        """The newest step committed (and whole) on every host, or None."""
+        """The newest restorable step (see ``all_steps``), or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def _pinned_backup(self, listing: dict) -> tuple[str, int]:
+        rv = listing["restore_version"]
+        step = backup_layout.parse_backup_name(rv)
+        names = [b["name"] for b in listing["backups"]]
+        if rv not in names:
+            raise StepNotFoundError(
+                f"restore.version in {self._config.backup_root} names backup {rv!r}, which does not exist "
+                f"(backups: {names[:5]}); fix it with `mtc restore-version set NAME` or remove it with "
+                "`mtc restore-version clear`; nothing was restored")
+        return rv, step
 
     # --- restore -------------------------------------------------------------------------
 
@@ -309,27 +437,70 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._wait_previous()
         self._check_versions()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise StepNotFoundError(
-                    f"no committed step in {self._config.ramdisk_root}; nothing to restore "
-                    "(save a step first, or check local_checkpoint_directory)")
-            step = steps[-1]
-        elif step not in steps:
-            raise StepNotFoundError(f"step {step} is not committed on every host; committed steps: {steps}")
+        listing = self._backup_listing()
+        backup_name = None
+        if listing["restore_version"]:
+            backup_name, pinned = self._pinned_backup(listing)
+            if step is not None and step != pinned:
+                raise StepNotFoundError(f"restore.version pins backup {backup_name} (step {pinned}); "
+                                        f"step {step} was asked for; clear restore.version to restore it")
+            step = pinned
+        else:
+            cluster = self._cluster_steps()
+            in_backup = {}
+            for b in listing["backups"]:  # newest first: keep the newest backup of each step
+                in_backup.setdefault(b["step"], b["name"])
+            steps = sorted(set(cluster) | set(in_backup))
+            if step is None:
+                if not steps:
+                    raise StepNotFoundError(
+                        f"no committed step in {self._config.ramdisk_root}"
+                        + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
+                        + "; nothing to restore (save a step first, or check local_checkpoint_directory)")
+                step = steps[-1]
+            elif step not in steps:
+                raise StepNotFoundError(f"step {step} is not committed on every host; committed steps: {steps}")
+            if step not in cluster:
+                backup_name = in_backup[step]
         t1 = time.perf_counter()
-        manifest = self._dispatch.manifest(step)
+        if backup_name is None:
+            manifest = self._dispatch.manifest(step)
+        else:
+            manifest = self._dispatch.backup_manifest(backup_name)
         requests, finish = self._plan(manifest, target)
+        fetched: dict[str, dict] = {}
+        if backup_name is not None:
+            fetched = self._dispatch.backup_fetch(backup_name, self._needs(manifest, requests))
         arrays = self._dispatch.load(step, requests)
         t2 = time.perf_counter()
         result = finish(arrays)
         nbytes = sum(r.record.nbytes for r in requests)
+        from_backup = sum(f.get("downloaded_bytes", 0) for f in fetched.values())
+        blobs_backup = sum(f.get("downloaded", 0) for f in fetched.values())
+        by_tier = {"ram": nbytes - from_backup}
+        blobs = {"ram": len(manifest.blob_names()) - blobs_backup}
+        if backup_name is not None:
+            by_tier["backup"], blobs["backup"] = from_backup, blobs_backup
         self.last_restore_report = RestoreReport(
-            step=step, bytes_by_tier={"ram": nbytes}, blobs_by_tier={"ram": len(manifest.blob_names())},
+            step=step, bytes_by_tier=by_tier, blobs_by_tier=blobs, source=backup_name or "cluster",
             inventory_s=t1 - t0, load_s=t2 - t1, total_s=time.perf_counter() - t0)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes", step, time.perf_counter() - t0, nbytes)
         return result
+
+    def _needs(self, manifest: fmt.StepManifest, requests: list[LoadRequest]) -> dict[str, list[str]]:
+        """host -> the blobs it needs to assemble its shards of the restore target."""
+        out: dict[str, set[str]] = {h: set() for h in self._dispatch.hosts()}
+        for r in requests:
+            rec = r.record
+            if r.sharding is None:
+                for h in out:
+                    out[h].update(sh.blob for sh in rec.shards)
+                continue
+            for dev_id, box in shardings.device_boxes(r.sharding, rec.shape).items():
+                host = self._dispatch.host_of_device(dev_id)
+                out.setdefault(host, set()).update(
+                    sh.blob for sh in rec.shards if fmt.box_intersect(sh.box, box) is not None)
+        return {h: sorted(b) for h, b in out.items()}
 
     def _plan(self, manifest: fmt.StepManifest, target: Any):
         by_key = {a.key: a for a in manifest.arrays}
@@ -405,6 +576,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            self._backup_executor.shutdown(wait=True)
             self._dispatch.close()
 
     def __enter__(self) -> "CheckpointManager":

@@ -80,6 +80,7 @@ class ColocatedSidecar:
                     c["ramdisk_root"],
                     host_id=c.get("host_id") or socket.gethostname(),
                     max_to_keep=c.get("local_max_to_keep", 2),
+                    backup_url=c.get("backup_url"),
                 )
             return self._service
 
@@ -119,6 +120,18 @@ class ColocatedSidecar:
             return svc.manifest_bytes(int(req["step"])).decode()
         if op == "commit":
             return svc.commit(int(req["step"]), req["manifest"].encode())
+        if op == "backup_upload":
+            return svc.backup_upload(req["assignments"])
+        if op == "backup_finalize":
+            if req["host"] != svc.host_id:
+                return None
+            return svc.backup_finalize(req["name"], req["manifest"].encode(), int(req["max_to_keep"]))
+        if op == "backup_listing":
+            return svc.backup_listing()
+        if op == "backup_manifest":
+            return svc.backup_manifest(req["name"]).decode()
+        if op == "backup_fetch":
+            return svc.backup_fetch(req["name"], req["needs"])
         if op == "close":
             svc.close()
             with self._lock:

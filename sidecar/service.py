@@ -18,7 +18,7 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import version
-from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
+from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
 from mtc.sidecar.ram import RamStore
@@ -51,8 +51,10 @@ class SidecarService:
     """
 
     def __init__(self, root: str | os.PathLike, *, host_id: str = "host-0", max_to_keep: int = 2,
-                 io_threads: int = 2):
+                 io_threads: int = 2, backup_url: str | None = None):
         self.host_id = host_id
+        self.backup_url = backup_url or None
+        self._backup = None
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
         self._lock = threading.Lock()
@@ -218,12 +220,48 @@ class SidecarService:
                     f"has no good copy on host {self.host_id}; tiers tried: ram ({e})") from None
         return out
 
+    # --- backup tier ---------------------------------------------------------------------
+
+    def _backup_tier(self):
+        if self.backup_url is None:
+            raise ConfigError("no backup tier: set base_output_directory (and run_name) to back up and "
+                              "restore from object storage")
+        with self._lock:
+            if self._backup is None:
+                from mtc.sidecar.backup.tier import BackupTier
+
+                self._backup = BackupTier(self.backup_url, self.store, self.host_id)
+            return self._backup
+
+    def backup_upload(self, assignments: dict[str, list[str]]) -> dict:
+        """Upload the blobs the head assigned to this host (those the store lacks)."""
+        return self._backup_tier().upload(list(assignments.get(self.host_id, [])))
+
+    def backup_finalize(self, name: str, manifest_json: bytes, max_to_keep: int) -> dict:
+        return self._backup_tier().finalize(name, manifest_json, max_to_keep)
+
+    def backup_listing(self) -> dict:
+        return self._backup_tier().listing()
+
+    def backup_manifest(self, name: str) -> bytes:
+        return self._backup_tier().manifest(name)
+
+    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict:
+        """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them."""
+        tier = self._backup_tier()
+        manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
+        out = tier.fetch(list(needs.get(self.host_id, [])))
+        self._manifests[manifest.step] = manifest
+        return out
+
     # --- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._io.shutdown(wait=True)
+            if self._backup is not None:
+                self._backup.close()
 
 
 def _record(manifest: fmt.StepManifest, key: str) -> fmt.ArrayRecord:

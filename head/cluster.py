@@ -1,0 +1,614 @@
+"""Cluster dispatch (DESIGN section 4, mode 2): sidecar daemons reached over local sockets.
+
+``MTCConfig(cluster_spec=PATH)`` (or ``MTC_CLUSTER_SPEC`` through ``MTCConfig.from_env``)
+selects it. The head's devices are mapped to the daemons by ``Topology.from_spec``; each host
+gets only the shards of its own devices, and every fan-out (phase 1, phase 2, inventories,
+restore reads) runs on all hosts in parallel.
+
+Failures: a save in which any host fails phase 1 or phase 2 raises ``SaveError`` whose
+``.hosts`` names each failed host and why. The step is then aborted on every host the head
+can reach, and remembered for the others: when the head next connects to such a host
+(after its restart), the abort is sent before anything else. So a failed step is never left
+committed, where it would count towards ``local_max_to_keep`` and could push the last good
+step out. A host that cannot be reached is reported in ``inventories()`` with no steps and
+an ``"error"``, so ``latest_step()`` confirms nothing while it is down.
+
+Connections are kept open and re-made on failure (re-reading the spec, since a restarted
+daemon may listen on a new port). Every new connection checks the host id and the version
+fingerprint before it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
+from mtc.head.topology import Topology
+from mtc.shared import format as fmt
+from mtc.shared import protocol, version
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import (
+    ConfigError,
+    HostUnreachableError,
+    ManifestError,
+    MTCError,
+    ProtocolError,
+    SaveError,
+    StepNotFoundError,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ClusterDispatcher"]
+
+Box = fmt.Box
+
+
+class _RemoteFailure(MTCError):
+    """An error a sidecar answered with (the host is reachable; the request failed there)."""
+
+    def __init__(self, host: str, type_name: str, message: str):
+        super().__init__(f"{type_name}: {message}")
+        self.host, self.type_name, self.message = host, type_name, message
+
+    def reraise(self) -> None:
+        raise_remote(self.host, self.type_name, self.message)
+
+
+def _cause(e: BaseException) -> str:
+    """One line that says why a host failed, for error messages and SaveError.hosts."""
+    if isinstance(e, _RemoteFailure):
+        return str(e)
+    if isinstance(e, HostUnreachableError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+class _Host:
+    """The connection to one daemon. Requests on it are serialised by a lock."""
+
+    def __init__(self, owner: "ClusterDispatcher", host_id: str):
+        self.owner = owner
+        self.id = host_id
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.address: str | None = None
+        self._next_id = 0
+
+    def call(self, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
+             alloc: protocol.Alloc | None = None) -> protocol.Reply:
+        """Run ``op``; HostUnreachableError if the daemon cannot be reached, _RemoteFailure if it
+        answers with an error. A stale connection (daemon restarted since) is retried once."""
+        with self.lock:
+            for attempt in (0, 1):
+                fresh = self.sock is None
+                if fresh:
+                    self._connect()
+                try:
+                    reply = self._roundtrip(op, args or {}, payloads, alloc)
+                except (OSError, ProtocolError) as e:
+                    self._drop()
+                    if fresh or attempt or isinstance(e, TimeoutError):
+                        raise HostUnreachableError(
+                            f"host {self.id} at {self.address}: {_transport_cause(e, self.owner.timeout_s)}") from e
+                    continue
+                if reply.error is not None:
+                    raise _RemoteFailure(self.id, reply.error.type, reply.error.message)
+                return reply
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc) -> protocol.Reply:
+        self._next_id += 1
+        rid = self._next_id
+        protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
+        reply = protocol.recv_reply(self.sock, alloc=alloc)
+        if reply.id != rid:
+            raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
+        return reply
+
+    def _connect(self) -> None:
+        address = self.owner._address_of(self.id)
+        self.address = address
+        try:
+            sock = socket.create_connection(protocol.parse_address(address), timeout=self.owner.connect_timeout_s)
+        except OSError as e:
+            raise HostUnreachableError(f"host {self.id} at {address}: {_transport_cause(e, self.owner.connect_timeout_s)}"
+                                       ) from e
+        sock.settimeout(self.owner.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        try:
+            reply = self._roundtrip("fingerprint", {}, (), None)
+            if reply.error is not None:
+                raise _RemoteFailure(self.id, reply.error.type, reply.error.message)
+            fp = reply.result if isinstance(reply.result, dict) else {}
+            if fp.get("host") != self.id:
+                raise HostUnreachableError(
+                    f"host {self.id}: the daemon at {address} answers as host {fp.get('host')!r}; the cluster "
+                    f"spec {self.owner.spec_path} is stale or wrong")
+            version.check_fingerprints(self.owner.head_fingerprint, {self.id: fp})
+            self.owner._fingerprints[self.id] = fp
+            # A save that failed while this host was away may have left its step here.
+            for step in self.owner._take_aborts(self.id):
+                try:
+                    r = self._roundtrip("abort", {"step": step}, (), None)
+                except BaseException:
+                    self.owner._add_aborts(self.id, [step])
+                    raise
+                if r.error is not None:
+                    self.owner._add_aborts(self.id, [step])
+                    raise _RemoteFailure(self.id, r.error.type, r.error.message)
+                log.info("host %s: aborted step %d left by a failed save", self.id, step)
+        except (OSError, ProtocolError) as e:
+            self._drop()
+            raise HostUnreachableError(f"host {self.id} at {address}: {_transport_cause(e, self.owner.timeout_s)}"
+                                       ) from e
+        except BaseException:
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._drop()
+
+
+def _read_errors(result: Any) -> list[tuple[int, str, str]]:
+    """The per-box errors of a read answer: (index, error type, message)."""
+    rows = (result or {}).get("errors", []) if isinstance(result, dict) else []
+    out = []
+    for e in rows:
+        if not (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str)
+                and isinstance(e[2], str)):
+            raise ProtocolError(f"malformed read error entry {e!r:.100}")
+        out.append((e[0], e[1], e[2]))
+    return out
+
+
+def _transport_cause(e: BaseException, timeout: float) -> str:
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused (daemon not running?)"
+    if isinstance(e, TimeoutError):
+        return f"no answer within {timeout:.0f}s (daemon hung or overloaded?)"
+    if isinstance(e, (ConnectionResetError, BrokenPipeError)):
+        return "connection lost (daemon killed or restarted?)"
+    if isinstance(e, ProtocolError):
+        return f"connection lost or garbled ({e})"
+    return f"{type(e).__name__}: {e}"
+
+
+@dataclasses.dataclass
+class _Staged:
+    """What ``write`` sends: per host, its unique (leaf index, box, buffer) shards."""
+
+    shards: dict[str, list[tuple[int, Box, np.ndarray]]]
+    box_devices: dict[tuple[int, Box], list[int]]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class _Read:
+    """One piece of a restore: ``box`` of array ``key`` into ``dest``, from one of ``candidates``."""
+
+    key: str
+    box: Box
+    dest: np.ndarray  # a view into the target box buffer (may be strided for a piece)
+    candidates: list[str]
+    tried: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (host, error type, cause)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dest.nbytes)
+
+
+class ClusterDispatcher(Dispatcher):
+    """Reach sidecar daemons over TCP, as described by the cluster spec of ``config``.
+
+    ``devices`` are the head devices mapped onto the hosts (default ``jax.devices()``).
+    ``timeout_s`` bounds each wait for a daemon's bytes (not a whole request).
+    """
+
+    def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
+                 timeout_s: float = 120.0, connect_timeout_s: float = 10.0):
+        spec = config.cluster_spec
+        if not spec:
+            raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
+                              "MTCConfig.from_env): the path of the spec LocalCluster wrote")
+        self.spec_path = os.fspath(spec)
+        self._devices = list(devices if devices is not None else jax.devices())
+        self._dev_by_id = {int(d.id): d for d in self._devices}
+        self.topology = Topology.from_spec(self.spec_path, self._devices)
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.head_fingerprint = version.fingerprint()
+        self._addresses = {h.id: h.address for h in self.topology.hosts}
+        self._spec_stamp = self._stamp()
+        self._spec_lock = threading.Lock()
+        self._hosts = {h: _Host(self, h) for h in self.topology.host_ids}
+        self._fingerprints: dict[str, dict] = {}
+        self._aborts: dict[str, set[int]] = {}
+        self._aborts_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self._hosts))),
+                                        thread_name_prefix="mtc-cluster")
+        self._staging: dict[tuple, np.ndarray] = {}
+        self._closed = False
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _stamp(self) -> tuple | None:
+        try:
+            st = os.stat(self.spec_path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _address_of(self, host_id: str) -> str:
+        """The host's current address; the spec is re-read when it changed on disk."""
+        with self._spec_lock:
+            stamp = self._stamp()
+            if stamp is not None and stamp != self._spec_stamp:
+                try:
+                    spec = protocol.ClusterSpec.read(self.spec_path)
+                except ConfigError as e:
+                    log.warning("cluster spec changed but cannot be read (%s); keeping the old addresses", e)
+                else:
+                    self._spec_stamp = stamp
+                    new = {h.id: h.address for h in spec.hosts}
+                    if set(new) != set(self._addresses):
+                        log.warning("cluster spec %s now lists hosts %s (was %s); the topology of this "
+                                    "manager is fixed: create a new CheckpointManager to use them",
+                                    self.spec_path, sorted(new), sorted(self._addresses))
+                    for h in self._addresses:
+                        if h in new:
+                            self._addresses[h] = new[h]
+            return self._addresses[host_id]
+
+    def _take_aborts(self, host_id: str) -> list[int]:
+        with self._aborts_lock:
+            return sorted(self._aborts.pop(host_id, set()))
+
+    def _add_aborts(self, host_id: str, steps: Sequence[int]) -> None:
+        with self._aborts_lock:
+            self._aborts.setdefault(host_id, set()).update(steps)
+
+    def _call(self, host_id: str, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
+              alloc: protocol.Alloc | None = None) -> protocol.Reply:
+        return self._hosts[host_id].call(op, args, payloads, alloc)
+
+    def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """Run ``fn(host)`` for every host in parallel: (results, failures) by host."""
+        hosts = list(self._hosts) if hosts is None else list(hosts)
+        if len(hosts) == 1:
+            futures = None
+        else:
+            futures = {h: self._pool.submit(fn, h) for h in hosts}
+        results: dict[str, Any] = {}
+        failures: dict[str, BaseException] = {}
+        for h in hosts:
+            try:
+                results[h] = fn(h) if futures is None else futures[h].result()
+            except Exception as e:  # each host's failure is reported, not the first one only
+                failures[h] = e
+        return results, failures
+
+    # --- Dispatcher: identity --------------------------------------------------------------
+
+    def hosts(self) -> list[str]:
+        return self.topology.host_ids
+
+    def fingerprints(self) -> dict[str, dict]:
+        """Fingerprints of the reachable hosts (each connection checks its own host's too)."""
+        results, failures = self._fan_out(lambda h: self._call(h, "fingerprint").result)
+        for h, e in failures.items():
+            if isinstance(e, _RemoteFailure) or not isinstance(e, HostUnreachableError):
+                raise e
+            log.warning("version check: %s; it is checked when the host comes back", _cause(e))
+        return results
+
+    # --- save ------------------------------------------------------------------------------
+
+    def stage(self, leaves: list[Leaf]) -> _Staged:
+        hosts = self.topology.host_ids
+        shards: dict[str, list[tuple[int, Box, np.ndarray]]] = {h: [] for h in hosts}
+        seen: dict[str, set[tuple[int, Box]]] = {h: set() for h in hosts}
+        box_devices: dict[tuple[int, Box], list[int]] = {}
+        live: set = set()
+        nbytes = 0
+        for leaf in leaves:
+            if leaf.kind == "scalar":
+                continue
+            if leaf.kind == "numpy":
+                # Host data: every host keeps a copy (it is small, and then any host can restore it).
+                src = np.ascontiguousarray(leaf.value)
+                buf = self._buffer((leaf.key, "numpy"), src.shape, src.dtype, live)
+                np.copyto(buf, src)
+                box = tuple((0, n) for n in leaf.shape)
+                for h in hosts:
+                    shards[h].append((leaf.index, box, buf))
+                box_devices[(leaf.index, box)] = list(self.topology.device_ids)
+                nbytes += buf.nbytes
+                continue
+            copies: dict[Box, np.ndarray] = {}
+            for shard in leaf.value.addressable_shards:
+                dev_id = int(shard.device.id)
+                host = self.topology.host_of(dev_id)
+                box = leaf.device_boxes[dev_id]
+                buf = copies.get(box)
+                if buf is None:
+                    # Copy each unique shard once into a reused, aligned host buffer, so a train
+                    # step that donates its inputs cannot touch what is being written.
+                    src = np.asarray(shard.data)
+                    buf = self._buffer((leaf.key, box), src.shape, src.dtype, live)
+                    np.copyto(buf, src)
+                    copies[box] = buf
+                    nbytes += buf.nbytes
+                box_devices.setdefault((leaf.index, box), []).append(dev_id)
+                if (leaf.index, box) not in seen[host]:
+                    seen[host].add((leaf.index, box))
+                    shards[host].append((leaf.index, box, buf))
+        for key in set(self._staging) - live:
+            del self._staging[key]
+        return _Staged(shards, box_devices, nbytes)
+
+    def _buffer(self, key: tuple, shape: tuple, dtype: Any, live: set) -> np.ndarray:
+        live.add(key)
+        buf = self._staging.get(key)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
+            dtype = np.dtype(dtype)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            buf = self._staging[key] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
+        return buf
+
+    def write(self, step: int, staged: _Staged) -> WriteResult:
+        def one(h: str) -> fmt.HostManifest:
+            items = staged.shards[h]
+            args = {"step": step, "part": 0, "shards": [[a, [list(p) for p in box]] for a, box, _ in items]}
+            reply = self._call(h, "write", args, [buf for _, _, buf in items])
+            if len(reply.payloads) != 1:
+                raise ProtocolError(f"host {h}: write answered {len(reply.payloads)} payloads, expected 1")
+            m = fmt.HostManifest.from_json(bytes(reply.payloads[0]), source=f"host {h} phase 1 answer for step {step}")
+            got = {(s.array, s.box) for s in m.shards}
+            sent = {(a, box) for a, box, _ in items}
+            if m.step != step or m.host != h or got != sent:
+                raise ManifestError(f"host {h}: phase 1 answer for step {step} does not match what was sent "
+                                    f"(step {m.step}, host {m.host}, {len(got)} shards for {len(sent)} sent)")
+            return m
+
+        results, failures = self._fan_out(one)
+        if failures:
+            self._abort(step, failures)
+            raise self._save_error(step, "phase 1 (writing shards)", failures)
+        blobs: dict[tuple[int, Box], str] = {}
+        for h, m in results.items():
+            for s in m.shards:
+                prev = blobs.setdefault((s.array, s.box), s.blob)
+                if prev != s.blob:
+                    self._abort(step, {})
+                    raise ManifestError(
+                        f"step {step}: array #{s.array} shard {fmt.box_str(s.box)} has different contents on two "
+                        f"hosts ({prev} != {s.blob}); replicas must be identical")
+        info = {h: {"written_bytes": m.written_bytes, "blobs": len(m.blob_names()), "write_s": m.seconds,
+                    "devices": list(self.topology.host(h).devices)} for h, m in results.items()}
+        return WriteResult(blobs, {k: list(v) for k, v in staged.box_devices.items()}, info)
+
+    def commit(self, step: int, manifest: fmt.StepManifest) -> dict[str, dict]:
+        data = manifest.to_json()
+        results, failures = self._fan_out(lambda h: self._call(h, "commit", {"step": step}, [data]).result)
+        if failures:
+            self._abort(step, failures)
+            raise self._save_error(step, "phase 2 (commit)", failures)
+        return results
+
+    def _abort(self, step: int, failed: dict[str, BaseException]) -> None:
+        """Forget ``step`` everywhere: now on the hosts that answered, later on the others."""
+        for h in failed:
+            self._add_aborts(h, [step])
+        others = [h for h in self._hosts if h not in failed]
+        _, failures = self._fan_out(lambda h: self._call(h, "abort", {"step": step}), others)
+        for h, e in failures.items():
+            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, _cause(e))
+            self._add_aborts(h, [step])
+            self._hosts[h].close()  # so that the next call reconnects and aborts first
+
+    def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
+        hosts = {h: _cause(e) for h, e in sorted(failures.items())}
+        lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
+        return SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self._hosts)} hosts "
+                         f"({lines}); step {step} is not committed and was aborted on the other hosts; "
+                         "earlier steps are unaffected, and the next save retries the failed hosts",
+                         step=step, hosts=hosts)
+
+    # --- inventory -------------------------------------------------------------------------
+
+    def inventories(self) -> dict[str, dict]:
+        """host id -> inventory; an unreachable host has no steps and an ``"error"``."""
+        def one(h: str) -> dict:
+            inv = self._call(h, "inventory", {"devices": list(self.topology.host(h).devices)}).result
+            if not (isinstance(inv, dict) and isinstance(inv.get("steps"), list) and all(
+                    isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
+                    for s in inv["steps"])):
+                raise ProtocolError(f"host {h}: malformed inventory {inv!r:.200}")
+            return inv
+
+        results, failures = self._fan_out(one)
+        for h, e in failures.items():
+            log.warning("inventory: %s; its steps cannot be confirmed", _cause(e))
+            results[h] = {"host": h, "steps": [], "error": _cause(e)}
+        return {h: results[h] for h in self._hosts}
+
+    def manifest(self, step: int) -> fmt.StepManifest:
+        causes = []
+        for h in self._hosts:
+            try:
+                reply = self._call(h, "manifest", {"step": step})
+            except (_RemoteFailure, HostUnreachableError) as e:
+                causes.append(f"{h}: {_cause(e)}")
+                continue
+            if len(reply.payloads) != 1:
+                causes.append(f"{h}: no manifest payload")
+                continue
+            return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"step {step} manifest on {h}")
+        raise StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
+
+    # --- restore ---------------------------------------------------------------------------
+
+    def _holders(self, shard: fmt.ShardRecord) -> list[str]:
+        """Hosts that hold a saved shard in the current topology (all hosts if unknown)."""
+        hosts = []
+        for d in shard.devices:
+            try:
+                h = self.topology.host_of(d)
+            except ConfigError:
+                continue
+            if h not in hosts:
+                hosts.append(h)
+        return hosts or list(self._hosts)
+
+    def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
+        reads: list[_Read] = []
+        layouts: list[tuple[dict, dict] | np.ndarray] = []
+        for r in requests:
+            rec = r.record
+            dtype = rec.np_dtype
+            full = tuple((0, n) for n in rec.shape)
+            if r.sharding is None:
+                dev_box: dict[Any, Box] = {}
+                boxes = [full]
+            else:
+                idx = r.sharding.addressable_devices_indices_map(tuple(rec.shape))
+                dev_box = {d: fmt.box_from_index(i, rec.shape) for d, i in idx.items()}
+                boxes = list(dict.fromkeys(dev_box.values()))
+            bufs: dict[Box, np.ndarray] = {}
+            for box in boxes:
+                shape = fmt.box_shape(box)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
+                if nbytes:
+                    owners = [self._owner(d) for d, b in dev_box.items() if b == box]
+                    reads.extend(self._plan_box(rec, box, buf, owners))
+            layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
+        self._run_reads(step, reads)
+        out: list[Any] = []
+        for r, lay in zip(requests, layouts):
+            if r.sharding is None:
+                out.append(lay)
+                continue
+            dev_box, bufs = lay
+            # 64-byte aligned host buffers: device_put is zero-copy on a CPU backend.
+            arrays = [jax.device_put(bufs[b], d, may_alias=True) for d, b in dev_box.items()]
+            out.append(jax.make_array_from_single_device_arrays(tuple(r.record.shape), r.sharding, arrays))
+        return out
+
+    def _owner(self, device: Any) -> str:
+        return self.topology.host_of(int(device.id))
+
+    def _plan_box(self, rec: fmt.ArrayRecord, box: Box, buf: np.ndarray, owners: list[str]) -> list[_Read]:
+        needed = {}
+        for s in rec.shards:
+            if s.box not in needed and fmt.box_intersect(s.box, box) is not None:
+                needed[s.box] = s
+        holders = {b: set(self._holders(s)) for b, s in needed.items()}
+        order = list(dict.fromkeys(owners + list(self._hosts)))
+        whole = [h for h in order if all(h in hs for hs in holders.values())]
+        if whole:
+            # One host holds every saved shard the box overlaps: it assembles the box.
+            return [_Read(rec.key, box, buf, whole)]
+        # Resharded restore where no single host holds it all: fetch each overlap from a holder.
+        out = []
+        for b, s in needed.items():
+            inter = fmt.box_intersect(b, box)
+            dest = buf[tuple(slice(a - t0, z - t0) for (a, z), (t0, _) in zip(inter, box))]
+            cands = [h for h in order if h in holders[b]]
+            out.append(_Read(rec.key, inter, dest, cands))
+        return out
+
+    def _run_reads(self, step: int, reads: list[_Read]) -> None:
+        """Run every read, batched per host and in parallel; a failed read moves on to its next
+        candidate host. Raises when a read has no candidate left."""
+        pending = list(reads)
+        while pending:
+            by_host: dict[str, list[_Read]] = {}
+            for r in pending:
+                by_host.setdefault(r.candidates[len(r.tried)], []).append(r)
+            results, failures = self._fan_out(lambda h: self._read_batch(h, step, by_host[h]), list(by_host))
+            pending = []
+            for h, batch in by_host.items():
+                if h in failures:
+                    e = failures[h]
+                    kind = e.type_name if isinstance(e, _RemoteFailure) else type(e).__name__
+                    bad = [(r, kind, _cause(e)) for r in batch]
+                else:
+                    bad = results[h]
+                for r, kind, cause in bad:
+                    r.tried.append((h, kind, cause))
+                    if len(r.tried) >= len(r.candidates):
+                        self._raise_read_error(step, r)
+                    pending.append(r)
+
+    def _read_batch(self, h: str, step: int, batch: list[_Read]) -> list[tuple[_Read, str, str]]:
+        """Read every box of ``batch`` from host ``h`` in one request; returns the failed ones
+        as (read, error type, cause)."""
+        tmp: dict[int, np.ndarray] = {}
+
+        def alloc(header: dict, sizes: list[int]) -> list[Any]:
+            if "error" in header:
+                return [protocol.aligned_buffer(n) for n in sizes]
+            errors = {e[0] for e in _read_errors(header.get("result"))}
+            if len(sizes) != len(batch):
+                raise ProtocolError(f"host {h}: read answered {len(sizes)} payloads for {len(batch)} boxes")
+            out = []
+            for i, (r, n) in enumerate(zip(batch, sizes)):
+                want = 0 if i in errors else r.nbytes
+                if n != want:
+                    raise ProtocolError(f"host {h}: read of {r.key!r} {fmt.box_str(r.box)} answered {n} bytes, "
+                                        f"expected {want}")
+                if n and r.dest.flags.c_contiguous:
+                    out.append(r.dest)  # straight into the target buffer
+                else:
+                    out.append(tmp.setdefault(i, protocol.aligned_buffer(n)))
+            return out
+
+        reads = [[r.key, [list(p) for p in r.box]] for r in batch]
+        reply = self._call(h, "read", {"step": step, "reads": reads}, alloc=alloc)
+        failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in _read_errors(reply.result)}
+        for i, buf in tmp.items():
+            if i not in failed and buf.nbytes:
+                batch[i].dest[...] = buf.view(batch[i].dest.dtype).reshape(batch[i].dest.shape)
+        return [(batch[i], kind, cause) for i, (kind, cause) in failed.items()]
+
+    def _raise_read_error(self, step: int, r: _Read) -> None:
+        tried = "; ".join(f"{h}: {c}" for h, _, c in r.tried)
+        msg = (f"step {step}: array {r.key!r} box {fmt.box_str(r.box)} could not be read from any host that "
+               f"holds it (tiers tried: ram; hosts tried: {tried})")
+        if any(kind == "HostUnreachableError" for _, kind, _ in r.tried):
+            raise HostUnreachableError(msg + "; restart the host's daemon and retry the restore")
+        host, kind, _ = r.tried[-1]
+        raise_remote(host, kind, msg)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hosts.values():
+            h.close()
+        self._pool.shutdown(wait=True)
+        self._staging.clear()

@@ -1,0 +1,139 @@
+"""One host's side of the backup tier: upload blobs, finalize a backup, list, fetch.
+
+The head decides when a backup is due and which host uploads which blob (each unique blob
+once, spread over its holders); each sidecar uploads from its committed ramdisk copy. A
+backup becomes visible only when its manifest object is written, last and create-only, after
+every blob it names is in the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from mtc.shared import backup_layout as layout
+from mtc.shared import format as fmt
+from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
+from mtc.sidecar.backup.store import ObjectNotFoundError, ObjectStore, open_store
+from mtc.sidecar.ram import RamStore
+
+log = logging.getLogger(__name__)
+
+
+class BackupTier:
+    """Backups of one host's ramdisk to an object store (a GCS bucket or a local directory)."""
+
+    def __init__(self, url: str, ram: RamStore, host_id: str, *, threads: int = 4,
+                 store: ObjectStore | None = None):
+        self.url = url
+        self._ram = ram
+        self._host = host_id
+        self._store = store or open_store(url)
+        self._threads = max(1, threads)
+
+    # --- save side -----------------------------------------------------------------------
+
+    def upload(self, blobs: list[str]) -> dict:
+        """Upload those of ``blobs`` the store lacks, from the ramdisk; skip the others."""
+        t0 = time.perf_counter()
+        blobs = sorted(set(blobs))
+        with self._ram.pin(blobs):
+            missing = [b for b in blobs if not self._ram.has_blob(b)]
+            if missing:
+                raise StepNotFoundError(
+                    f"host {self._host}: cannot back up {len(missing)} blob(s) it no longer holds "
+                    f"({missing[0]}, ...); the step was pruned from the ramdisk")
+
+            def one(blob: str) -> int:
+                name = layout.blob_object(blob)
+                if self._store.exists(name):
+                    return 0
+                self._store.put_file(name, str(self._ram.blob_path(blob)))
+                return self._ram.blob_size(blob)
+
+            with ThreadPoolExecutor(self._threads, thread_name_prefix="mtc-upload") as pool:
+                sizes = list(pool.map(one, blobs))
+        uploaded = [s for s in sizes if s]
+        out = {"host": self._host, "uploaded": len(uploaded), "uploaded_bytes": sum(uploaded),
+               "skipped": len(blobs) - len(uploaded), "seconds": time.perf_counter() - t0}
+        log.info("- backup upload; host=%s; %d blobs, %d bytes in %.3fs", self._host, out["uploaded"],
+                 out["uploaded_bytes"], out["seconds"])
+        return out
+
+    def finalize(self, name: str, manifest_json: bytes, max_to_keep: int) -> dict:
+        """Make backup ``name`` visible (its manifest, create-only), then apply retention."""
+        manifest = fmt.StepManifest.from_json(manifest_json, source=f"backup {name} manifest")
+        if layout.parse_backup_name(name) != manifest.step:
+            raise ManifestError(f"backup name {name} does not match the manifest's step {manifest.step}")
+        present = {o[len(layout.BLOBS):] for o in self._store.list(layout.BLOBS)}
+        missing = sorted(manifest.blob_names() - present)
+        if missing:
+            raise CorruptBlobError(f"backup {name}: {len(missing)} blob(s) missing from {self.url} "
+                                   f"({missing[0]}, ...); the backup is not made visible")
+        created = self._store.put_bytes(layout.manifest_object(name), manifest_json, if_absent=True)
+        deleted = self._retain(max_to_keep)
+        return {"name": name, "created": created, "deleted_backups": deleted}
+
+    def _retain(self, max_to_keep: int) -> list[str]:
+        names = self.list_names()
+        old = names[max_to_keep:]
+        if not old:
+            return []
+        # Manifests first: a backup stops existing before any of its blobs can go.
+        for n in old:
+            self._store.delete(layout.manifest_object(n))
+        live: set[str] = set()
+        for n in names[:max_to_keep]:
+            live |= fmt.StepManifest.from_json(self.manifest(n), source=f"backup {n}").blob_names()
+        for obj in self._store.list(layout.BLOBS):
+            if obj[len(layout.BLOBS):] not in live:
+                self._store.delete(obj)
+        return old
+
+    # --- restore side --------------------------------------------------------------------
+
+    def list_names(self) -> list[str]:
+        """Backup names, newest first."""
+        return layout.names_from_listing(self._store.list(layout.BACKUPS))
+
+    def listing(self) -> dict:
+        """Backups (newest first, with their steps) and the content of ``restore.version``."""
+        names = self.list_names()
+        try:
+            rv = self._store.get_bytes(layout.RESTORE_VERSION).decode().strip()
+        except ObjectNotFoundError:
+            rv = None
+        return {"backups": [{"name": n, "step": layout.parse_backup_name(n)} for n in names],
+                "restore_version": rv}
+
+    def manifest(self, name: str) -> bytes:
+        return self._store.get_bytes(layout.manifest_object(name))
+
+    def fetch(self, blobs: list[str]) -> dict:
+        """Download ``blobs`` the ramdisk lacks, each verified against its name before it counts."""
+        t0 = time.perf_counter()
+        need = sorted({b for b in blobs if not self._ram.has_blob(b)})
+
+        def one(blob: str) -> int:
+            fd, tmp = self._ram.open_temp_blob()
+            os.close(fd)
+            try:
+                n = self._store.get_to_file(layout.blob_object(blob), str(tmp))
+                self._ram.finalize_temp_blob(tmp, blob, verify=True)
+                return n
+            except BaseException:
+                self._ram.discard_temp_blob(tmp)
+                raise
+
+        with self._ram.pin(need), ThreadPoolExecutor(self._threads, thread_name_prefix="mtc-fetch") as pool:
+            sizes = list(pool.map(one, need))
+        out = {"host": self._host, "downloaded": len(need), "downloaded_bytes": sum(sizes),
+               "seconds": time.perf_counter() - t0}
+        log.info("- backup fetch; host=%s; %d blobs, %d bytes in %.3fs", self._host, out["downloaded"],
+                 out["downloaded_bytes"], out["seconds"])
+        return out
+
+    def close(self) -> None:
+        self._store.close()
