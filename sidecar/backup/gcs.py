@@ -1,0 +1,495 @@
+"""Google Cloud Storage as an object store (`gs://bucket/prefix`).
+
+Every operation runs under `retry_call`: transient failures (connection errors, timeouts,
+408/429/5xx) are retried with backoff and full jitter until a deadline that restarts
+whenever bytes move; anything else is fatal at once. The client library's own retries are
+switched off (retry=None) so that one policy decides.
+
+Small objects go in one multipart request. Files above `resumable_threshold` use a
+resumable session driven here, chunk by chunk: after a failure the session is asked how
+much it holds and the upload goes on from there. A session that the server finalized early
+or with wrong bytes (fake-gcs-server finalizes on a status query) is detected by size and
+crc32c, that generation is deleted, and the upload starts again.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import TypeVar
+
+try:
+    import google_crc32c
+    import requests
+    import urllib3
+    from google.api_core import exceptions as gexc
+    from google.auth import exceptions as gauth_exc
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+    from google.cloud.storage.exceptions import DataCorruption
+except ImportError as e:  # pragma: no cover - exercised by a test that hides the package
+    raise ImportError(
+        f"the gs:// backup store needs google-cloud-storage ({e}); install it with: pip install 'mtc[gcs]'"
+    ) from e
+
+import http.client
+
+from mtc.shared.errors import ConfigError
+from mtc.sidecar.backup.retry import Backoff, retry_call
+from mtc.sidecar.backup.store import (
+    DEFAULT_DEADLINE_S,
+    FatalStoreError,
+    ObjectNotFoundError,
+    ObjectStore,
+    StoreError,
+    TransientStoreError,
+    _name_problem,
+    validate_name,
+    validate_prefix,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+RESUMABLE_THRESHOLD = 8 << 20  # above this, resumable uploads (GCS's own multipart limit)
+CHUNK_SIZE = 32 << 20  # resumable chunk; a multiple of 256 KiB
+_CHUNK_GRANULE = 256 << 10
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSIENT_TYPES = (
+    ConnectionError,  # builtin: refused, reset, aborted, broken pipe
+    TimeoutError,
+    http.client.HTTPException,  # IncompleteRead, RemoteDisconnected, BadStatusLine
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.TimeoutError,
+    urllib3.exceptions.NewConnectionError,
+    gauth_exc.TransportError,
+    DataCorruption,  # bytes damaged in flight: sending or fetching them again may work
+)
+_CONTENT_TYPE = "application/octet-stream"
+
+
+class _Redo(Exception):
+    """Internal: the server holds something we must not keep (a truncated or corrupt
+    finalized object, a lost session); start the object again. Retried like a transient."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying `exc` may succeed (network trouble, throttling, server errors)."""
+    if isinstance(exc, _Redo):
+        return True
+    if isinstance(exc, gexc.GoogleAPICallError):
+        return exc.code in _TRANSIENT_STATUS
+    return isinstance(exc, _TRANSIENT_TYPES)
+
+
+def make_client(endpoint: str | None = None) -> storage.Client:
+    """A storage client. `endpoint` (or STORAGE_EMULATOR_HOST, as host:port or a URL) means
+    an emulator: anonymous credentials and project "test". Otherwise default credentials."""
+    source = "endpoint"
+    if endpoint is None:
+        endpoint, source = os.environ.get(EMULATOR_ENV) or None, EMULATOR_ENV
+    if endpoint is None:
+        return storage.Client()
+    url = endpoint if "://" in endpoint else f"http://{endpoint}"
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parts.port is not None or parts.scheme == "https"
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.path not in ("", "/"):
+        raise ConfigError(
+            f"{source}={endpoint!r} is not an emulator address; use host:port or http://host:port"
+        )
+    return storage.Client(
+        project="test",
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": url.rstrip("/")},
+    )
+
+
+class GCSStore(ObjectStore):
+    """Objects under `gs://bucket/prefix/`.
+
+    `client`: a google.cloud.storage.Client (default: `make_client()`, which honours
+    STORAGE_EMULATOR_HOST); a client passed in is not closed by close().
+    `deadline`: seconds one operation may keep failing transiently; restarts on progress.
+    `timeout`: (connect, read) seconds of each HTTP request.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: storage.Client | None = None,
+        deadline: float = DEFAULT_DEADLINE_S,
+        resumable_threshold: int = RESUMABLE_THRESHOLD,
+        chunk_size: int = CHUNK_SIZE,
+        timeout: tuple[float, float] = (10.0, 120.0),
+        backoff: Backoff = Backoff(),
+    ):
+        if not bucket or "/" in bucket:
+            raise ConfigError(f"GCS bucket name {bucket!r} is not valid")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_name(prefix)
+        if chunk_size <= 0 or chunk_size % _CHUNK_GRANULE:
+            raise ConfigError(f"chunk_size {chunk_size} must be a positive multiple of 256 KiB")
+        if deadline < 0:
+            raise ConfigError(f"deadline {deadline} must be >= 0 seconds")
+        self.bucket_name = bucket
+        self.prefix = prefix + "/" if prefix else ""
+        self.url = f"gs://{bucket}/{self.prefix}"
+        self.deadline = float(deadline)
+        self.resumable_threshold = resumable_threshold
+        self.chunk_size = chunk_size
+        self.timeout = timeout
+        self.backoff = backoff
+        self._own_client = client is None
+        self._client = client if client is not None else make_client()
+        self._bucket = self._client.bucket(bucket)
+        # Resumable session URLs authenticate by themselves: a plain session suffices.
+        self._http = requests.Session()
+        self._closed = threading.Event()
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _full(self, name: str) -> str:
+        return self.prefix + validate_name(name)
+
+    def _call(self, what: str, name: str, fn: Callable[[], T], progress: Callable[[], object] | None = None) -> T:
+        """Run `fn` under the retry policy; turn what escapes into our errors."""
+        tries = 0
+
+        def policy(attempt: int, exc: Exception) -> bool:
+            nonlocal tries
+            tries += 1
+            return is_transient(exc)
+
+        start = time.monotonic()
+        try:
+            return retry_call(
+                fn,
+                policy=policy,
+                deadline=self.deadline,
+                backoff=self.backoff,
+                progress=progress,
+                what=f"{what} {self.url}{name}",
+            )
+        except StoreError:
+            raise
+        except Exception as e:
+            if is_transient(e):
+                raise TransientStoreError(
+                    f"{what} {self.url}{name}: still failing after {tries} tries in "
+                    f"{time.monotonic() - start:.1f} s (deadline {self.deadline:g} s without progress): "
+                    f"{_brief(e)}; the store may be unreachable, try again later"
+                ) from e
+            if isinstance(e, gexc.GoogleAPICallError):
+                raise self._fatal(what, name, e) from e
+            raise
+
+    def _fatal(self, what: str, name: str, e: gexc.GoogleAPICallError) -> FatalStoreError:
+        if isinstance(e, gexc.NotFound):
+            if not self._bucket_exists():
+                return FatalStoreError(
+                    f"{what} {self.url}{name}: bucket {self.bucket_name!r} does not exist (or these "
+                    "credentials cannot see it); create it or fix the backup URL"
+                )
+            return ObjectNotFoundError(f"{what}: object {self.url}{name} does not exist")
+        hint = {
+            401: "check the credentials",
+            403: "grant these credentials access to the bucket",
+            400: "the request was refused as malformed",
+        }.get(e.code or 0, "retrying will not help")
+        return FatalStoreError(f"{what} {self.url}{name}: {e.code} {_brief(e)}; {hint}")
+
+    def _bucket_exists(self) -> bool:
+        try:
+            return self._bucket.exists(retry=None, timeout=self.timeout)
+        except Exception:  # noqa: BLE001 - only refines an error message
+            return True
+
+    def _stat(self, full: str) -> storage.Blob | None:
+        return self._bucket.get_blob(full, retry=None, timeout=self.timeout)
+
+    # -- writes -------------------------------------------------------------------------
+
+    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> bool:
+        full = self._full(name)
+        data = bytes(data)
+        return self._put_small(name, full, lambda: data, if_absent)
+
+    def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
+        full = self._full(name)
+        size = os.stat(path).st_size
+        if size <= self.resumable_threshold:
+
+            def read() -> bytes:
+                with open(path, "rb") as f:
+                    return f.read()
+
+            return self._put_small(name, full, read, if_absent)
+        if if_absent and self._call("stat", name, lambda: self._stat(full)) is not None:
+            return False
+        return _ResumableUpload(self, name, full, path, size, if_absent).run()
+
+    def _put_small(self, name: str, full: str, read: Callable[[], bytes], if_absent: bool) -> bool:
+        # The pre-check keeps create-only writes honest on servers that ignore
+        # preconditions; if_generation_match=0 makes them atomic where it is enforced.
+        if if_absent and self._call("stat", name, lambda: self._stat(full)) is not None:
+            return False
+        tries = 0
+
+        def attempt() -> bool:
+            nonlocal tries
+            tries += 1
+            data = read()
+            crc = _crc_b64(data)
+            blob = self._bucket.blob(full)
+            blob.crc32c = crc  # the server refuses the object if the bytes do not match
+            try:
+                blob.upload_from_file(
+                    io.BytesIO(data),
+                    size=len(data),
+                    content_type=_CONTENT_TYPE,
+                    if_generation_match=0 if if_absent else None,
+                    checksum=None,
+                    retry=None,
+                    timeout=self.timeout,
+                )
+            except gexc.PreconditionFailed:
+                if tries > 1:
+                    # An earlier try may have landed with only its answer lost: then the
+                    # object is ours (same bytes) and this call did create it.
+                    current = self._stat(full)
+                    return current is not None and current.crc32c == crc and current.size == len(data)
+                return False
+            self._check_landed(full, blob.generation, blob.size, blob.crc32c, len(data), crc)
+            return True
+
+        return self._call("upload", name, attempt)
+
+    def _check_landed(self, full: str, generation, got_size, got_crc, size: int, crc: str | None) -> None:
+        """Raise _Redo (after deleting that generation) if the finalized object is not ours."""
+        wrong_size = got_size is not None and int(got_size) != size
+        wrong_crc = crc is not None and got_crc is not None and got_crc != crc
+        if wrong_size or wrong_crc:
+            logger.warning(
+                "%s%s: server stored %s bytes (crc32c %s), expected %d (crc32c %s); uploading again",
+                self.url, full[len(self.prefix):], got_size, got_crc, size, crc,
+            )
+            self._delete_generation(full, generation)
+            raise _Redo(f"the server finalized {got_size} bytes of {size}")
+
+    def _delete_generation(self, full: str, generation) -> None:
+        try:
+            self._bucket.blob(full).delete(
+                if_generation_match=int(generation) if generation else None, retry=None, timeout=self.timeout
+            )
+        except (gexc.NotFound, gexc.PreconditionFailed):
+            pass
+
+    # -- reads --------------------------------------------------------------------------
+
+    def get_to_file(self, name: str, path: str) -> int:
+        full = self._full(name)
+        meta = self._call("download", name, lambda: self._stat(full))
+        if meta is None:
+            raise self._fatal("download", name, gexc.NotFound("no such object"))
+        size = int(meta.size or 0)
+        # Pin the generation: a resumed download must not splice two versions.
+        blob = self._bucket.blob(full, generation=meta.generation)
+        with open(path, "wb") as f:
+
+            def attempt() -> int:
+                done = f.tell()
+                f.truncate()
+                if done < size or size == 0:
+                    blob.download_to_file(
+                        f,
+                        start=done or None,
+                        raw_download=True,
+                        checksum=None,  # ranged resumes cannot be checksummed; the caller hashes
+                        retry=None,
+                        timeout=self.timeout,
+                    )
+                if f.tell() < size:
+                    raise _Redo(f"download stopped at {f.tell()} of {size} bytes")
+                if f.tell() > size:
+                    raise FatalStoreError(f"download {self.url}{name}: got {f.tell()} bytes, expected {size}")
+                return size
+
+            return self._call("download", name, attempt, progress=f.tell)
+
+    def get_bytes(self, name: str) -> bytes:
+        full = self._full(name)
+        blob = self._bucket.blob(full)
+        return self._call(
+            "download",
+            name,
+            lambda: blob.download_as_bytes(raw_download=True, checksum="crc32c", retry=None, timeout=self.timeout),
+        )
+
+    def exists(self, name: str) -> bool:
+        full = self._full(name)
+        return self._call("stat", name, lambda: self._stat(full)) is not None
+
+    def size(self, name: str) -> int | None:
+        full = self._full(name)
+        meta = self._call("stat", name, lambda: self._stat(full))
+        return None if meta is None else int(meta.size or 0)
+
+    def list(self, prefix: str = "") -> list[str]:
+        validate_prefix(prefix)
+
+        def attempt() -> list[str]:
+            blobs = self._client.list_blobs(
+                self.bucket_name, prefix=self.prefix + prefix, retry=None, timeout=self.timeout
+            )
+            return [b.name for b in blobs]
+
+        names = self._call("list", prefix, attempt)
+        n = len(self.prefix)
+        # Objects written by other tools under our prefix may not be valid names: skip them.
+        return sorted(name[n:] for name in names if _name_problem(name[n:]) is None)
+
+    def delete(self, name: str) -> None:
+        full = self._full(name)
+
+        def attempt() -> None:
+            try:
+                self._bucket.blob(full).delete(retry=None, timeout=self.timeout)
+            except gexc.NotFound:
+                pass  # missing, or deleted by an earlier try whose answer was lost
+
+        self._call("delete", name, attempt)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._http.close()
+        if self._own_client:
+            self._client.close()
+
+
+class _ResumableUpload:
+    """One resumable upload of a local file, driven chunk by chunk (the JSON API protocol:
+    PUT Content-Range chunks, 308 + Range while incomplete, 200/201 with metadata at the
+    end, `bytes */size` to ask where a session stands)."""
+
+    def __init__(self, store: GCSStore, name: str, full: str, path: str, size: int, if_absent: bool):
+        self.s, self.name, self.full, self.path, self.size, self.if_absent = store, name, full, path, size, if_absent
+        self.session: str | None = None
+        self.offset = 0  # bytes the server confirmed
+        self.in_doubt = False  # a request failed: the server's offset is unknown
+        # crc32c of the file's first `crc_end` bytes, extended as chunks are first read.
+        self.crc = google_crc32c.Checksum()
+        self.crc_end = 0
+
+    def run(self) -> bool:
+        return self.s._call("upload", self.name, self._attempt, progress=lambda: self.offset)
+
+    def _attempt(self) -> bool:
+        if self.session is None:
+            if not self._start():
+                return False
+        elif self.in_doubt:
+            done = self._query()
+            if done is not None:
+                return done
+        with open(self.path, "rb") as f:
+            while True:
+                f.seek(self.offset)
+                data = f.read(min(self.s.chunk_size, self.size - self.offset))
+                if len(data) != min(self.s.chunk_size, self.size - self.offset):
+                    raise OSError(f"{self.path} changed size during the upload to {self.s.url}{self.name}")
+                end = self.offset + len(data)
+                if end > self.crc_end:
+                    skip = self.crc_end - self.offset  # > 0 only when resending after a resume
+                    self.crc.update(data[skip:] if skip else data)
+                    self.crc_end = end
+                headers = {"Content-Range": f"bytes {self.offset}-{end - 1}/{self.size}"}
+                if end == self.size:
+                    headers["X-Goog-Hash"] = f"crc32c={self._crc()}"
+                self.in_doubt = True
+                r = self.s._http.put(self.session, data=data, headers=headers, timeout=self.s.timeout)
+                done = self._answer(r)
+                if done is not None:
+                    return done
+
+    def _start(self) -> bool:
+        """Open a session; False when a create-only upload finds the object there."""
+        blob = self.s._bucket.blob(self.full)
+        try:
+            self.session = blob.create_resumable_upload_session(
+                content_type=_CONTENT_TYPE,
+                size=self.size,
+                if_generation_match=0 if self.if_absent else None,
+                checksum=None,
+                retry=None,
+                timeout=self.s.timeout,
+            )
+        except gexc.PreconditionFailed:
+            return False
+        self.offset, self.in_doubt = 0, False
+        return True
+
+    def _query(self) -> bool | None:
+        r = self.s._http.put(
+            self.session, data=b"", headers={"Content-Range": f"bytes */{self.size}"}, timeout=self.s.timeout
+        )
+        return self._answer(r)
+
+    def _answer(self, r: requests.Response) -> bool | None:
+        """Act on a response: None to go on from self.offset, True/False when finished."""
+        if r.status_code == 308:
+            m = re.fullmatch(r"bytes=0-(\d+)", r.headers.get("Range", ""))
+            self.offset = int(m.group(1)) + 1 if m else 0
+            self.in_doubt = False
+            return None
+        if r.status_code in (200, 201):
+            meta = r.json()
+            self.in_doubt = False
+            # A server that finalized early (fake-gcs-server on a status query) holds fewer
+            # bytes than we have read: the size check alone catches it.
+            crc = self._crc() if self.crc_end == self.size else None
+            try:
+                self.s._check_landed(
+                    self.full, meta.get("generation"), meta.get("size"), meta.get("crc32c"), self.size, crc
+                )
+            except _Redo:
+                self.session, self.offset = None, 0
+                raise
+            return True
+        if r.status_code == 412:
+            return False
+        if r.status_code in (404, 410):
+            # The session is gone (expired, or finalized and forgotten): start again.
+            self.session, self.offset = None, 0
+            raise _Redo(f"resumable session lost ({r.status_code})")
+        raise gexc.from_http_response(r)
+
+    def _crc(self) -> str:
+        return base64.b64encode(self.crc.digest()).decode()
+
+
+def _crc_b64(data: bytes) -> str:
+    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+
+
+def _brief(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

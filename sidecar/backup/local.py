@@ -1,0 +1,219 @@
+"""A local directory as an object store (the embedded default backup backend).
+
+Unlike the ramdisk, this is durable storage: every write goes to a temporary file in the
+destination directory, is fsynced, then renamed into place (os.replace) or, for
+create-only writes, hard-linked (os.link fails if the name exists, so of two concurrent
+writers exactly one creates the object); the directory is fsynced after. Temporary files
+start with "." and are never listed (object names cannot start with ".").
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from mtc.sidecar.backup.store import (
+    FatalStoreError,
+    ObjectNotFoundError,
+    ObjectStore,
+    validate_name,
+    validate_prefix,
+)
+
+logger = logging.getLogger(__name__)
+
+_TMP_PREFIX = ".mtc-tmp-"
+_COPY_CHUNK = 64 << 20
+
+
+class LocalStore(ObjectStore):
+    """Objects as files under `root` (created if missing)."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).absolute()
+        self.url = self.root.as_uri() + "/"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FatalStoreError(f"cannot create the backup directory {self.root}: {e}") from e
+
+    def _path(self, name: str) -> Path:
+        return self.root / validate_name(name)
+
+    # -- writes -------------------------------------------------------------------------
+
+    def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
+        dest = self._path(name)
+        if if_absent and dest.exists():
+            return False
+        with open(path, "rb") as src:
+            size = os.fstat(src.fileno()).st_size
+            return self._commit(dest, lambda out: _copy_fd(src.fileno(), out.fileno(), size), if_absent)
+
+    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> bool:
+        dest = self._path(name)
+        if if_absent and dest.exists():
+            return False
+        return self._commit(dest, lambda out: out.write(data), if_absent)
+
+    def _commit(self, dest: Path, write, if_absent: bool) -> bool:
+        """Write through `write(fileobj)` into a temp file beside `dest`, then publish it."""
+        try:
+            created = self._makedirs(dest.parent)
+        except OSError as e:
+            raise FatalStoreError(f"cannot create {dest.parent} in {self.url}: {e}") from e
+        tmp = dest.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "xb") as out:
+                write(out)
+                out.flush()
+                os.fsync(out.fileno())
+            if if_absent:
+                try:
+                    os.link(tmp, dest)
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp)
+            else:
+                os.replace(tmp, dest)
+            _fsync_dir(dest.parent)
+            for d in created:
+                _fsync_dir(d.parent)
+            return True
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            if isinstance(e, OSError) and not isinstance(e, FatalStoreError):
+                raise FatalStoreError(f"cannot write {dest} in {self.url}: {e}") from e
+            raise
+
+    def _makedirs(self, d: Path) -> list[Path]:
+        """Create `d` and missing parents under the root; return those created, deepest first."""
+        created = []
+        while not d.is_dir():
+            created.append(d)
+            d = d.parent
+        for c in reversed(created):
+            try:
+                c.mkdir()
+            except FileExistsError:
+                if not c.is_dir():
+                    raise FatalStoreError(
+                        f"cannot store under {c}: a file of that name is in the way (objects "
+                        "cannot be both a name and a prefix of another name in a local store)"
+                    ) from None
+        return created
+
+    # -- reads --------------------------------------------------------------------------
+
+    def get_to_file(self, name: str, path: str) -> int:
+        src_path = self._path(name)
+        try:
+            src = open(src_path, "rb")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise self._missing(name) from None
+        with src, open(path, "wb") as out:
+            size = os.fstat(src.fileno()).st_size
+            _copy_fd(src.fileno(), out.fileno(), size)
+        return size
+
+    def get_bytes(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise self._missing(name) from None
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).is_file()
+
+    def size(self, name: str) -> int | None:
+        p = self._path(name)
+        try:
+            st = p.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size if p.is_file() else None
+
+    def list(self, prefix: str = "") -> list[str]:
+        validate_prefix(prefix)
+        # Walk only the directory the prefix is inside of, then filter by string prefix
+        # (GCS semantics: "backups/2026" matches "backups/2026-01-01T...json").
+        base = prefix.rpartition("/")[0]
+        top = self.root / base if base else self.root
+        out = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for f in filenames:
+                if f.startswith("."):
+                    continue  # temp files of writes in flight
+                name = rel + f
+                if name.startswith(prefix):
+                    out.append(name)
+        out.sort()
+        return out
+
+    def delete(self, name: str) -> None:
+        p = self._path(name)
+        try:
+            os.unlink(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        _fsync_dir(p.parent)
+
+    def _missing(self, name: str) -> ObjectNotFoundError:
+        return ObjectNotFoundError(f"object {name!r} does not exist in {self.url}")
+
+
+def _copy_fd(src: int, dst: int, size: int) -> None:
+    """Copy `size` bytes in the kernel where it can (copy_file_range, then sendfile),
+    else through a buffer."""
+    done = 0
+    for fn in (_copy_file_range, _sendfile):
+        try:
+            while done < size:
+                n = fn(src, dst, done, min(_COPY_CHUNK, size - done))
+                if n == 0:
+                    raise OSError(errno.EIO, f"source file shrank while copying ({done} of {size} bytes)")
+                done += n
+            return
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+    os.lseek(src, done, os.SEEK_SET)
+    os.lseek(dst, done, os.SEEK_SET)
+    while done < size:
+        buf = os.read(src, min(_COPY_CHUNK, size - done))
+        if not buf:
+            raise OSError(errno.EIO, f"source file shrank while copying ({done} of {size} bytes)")
+        view = memoryview(buf)
+        while view:
+            view = view[os.write(dst, view) :]
+        done += len(buf)
+
+
+def _copy_file_range(src: int, dst: int, offset: int, count: int) -> int:
+    if not hasattr(os, "copy_file_range"):
+        raise OSError(errno.ENOSYS, "no copy_file_range")
+    return os.copy_file_range(src, dst, count, offset, offset)
+
+
+def _sendfile(src: int, dst: int, offset: int, count: int) -> int:
+    # sendfile writes at the output's file position; keep it in step with `offset`.
+    os.lseek(dst, offset, os.SEEK_SET)
+    return os.sendfile(dst, src, offset, count)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

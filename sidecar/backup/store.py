@@ -1,0 +1,178 @@
+"""The object store interface of the backup tier, its errors, and `open_store`.
+
+One small interface (`ObjectStore`) with one module per backend, chosen by URL scheme:
+`gs://bucket/prefix` (gcs.py) and `file:///path` or a plain path (local.py, the embedded
+default). Names are relative to the store root ("blobs/<hash>", "backups/<name>.json") and
+are validated before they reach a filesystem or a URL.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import Any
+
+from mtc.shared.errors import ConfigError, MTCError
+
+DEFAULT_DEADLINE_S = 300.0
+_MAX_NAME_BYTES = 1024  # GCS's limit on object names (UTF-8)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+class StoreError(MTCError):
+    """An object store operation failed."""
+
+
+class TransientStoreError(StoreError):
+    """The store kept failing with errors that may go away (network, 429, 5xx, timeouts)
+    until the retry deadline passed. Retrying later, from the caller, may succeed."""
+
+
+class FatalStoreError(StoreError):
+    """The store refused the operation (missing bucket, permission, bad request): retrying
+    will not help; the configuration or the data must change."""
+
+
+class ObjectNotFoundError(FatalStoreError, FileNotFoundError):
+    """The named object does not exist in the store."""
+
+
+class InvalidObjectNameError(FatalStoreError, ValueError):
+    """An object name is not a clean relative path; nothing was read or written."""
+
+
+def validate_name(name: str) -> str:
+    """Return `name` if it is a clean relative object name, else raise InvalidObjectNameError.
+
+    Refused: empty names, a leading "/", empty, "." or ".." parts, parts starting with "."
+    (the stores keep their temporary files there), backslashes and control characters.
+    """
+    why = _name_problem(name)
+    if why:
+        raise InvalidObjectNameError(
+            f"object name {name!r} is not valid: {why}; use a relative path such as "
+            "'blobs/<hash>' with non-empty parts, no '..' and no leading '/'"
+        )
+    return name
+
+
+def validate_prefix(prefix: str) -> str:
+    """Return `prefix` if it can start a valid name ("" and a trailing "/" are fine)."""
+    if prefix == "":
+        return prefix
+    validate_name(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
+
+
+def _name_problem(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return f"names are str, not {type(name).__name__}"
+    if not name:
+        return "it is empty"
+    if name.startswith("/"):
+        return "it starts with '/'"
+    if "\\" in name:
+        return "it contains a backslash"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it contains a control character"
+    if len(name.encode("utf-8", "surrogatepass")) > _MAX_NAME_BYTES:
+        return f"it is longer than {_MAX_NAME_BYTES} bytes"
+    for part in name.split("/"):
+        if part == "":
+            return "it has an empty part ('//' or a trailing '/')"
+        if part in (".", ".."):
+            return f"it has a {part!r} part"
+        if part.startswith("."):
+            return f"part {part!r} starts with '.'"
+    return None
+
+
+class ObjectStore(abc.ABC):
+    """Durable named objects under one root. Thread-safe; usable as a context manager.
+
+    Every method raises InvalidObjectNameError for a bad name, TransientStoreError when the
+    store stayed unreachable until the retry deadline, and FatalStoreError (or its subclass
+    ObjectNotFoundError) when retrying cannot help. Errors about the caller's local files
+    (a missing source file, a full local disk) are plain OSErrors.
+    """
+
+    url: str  # where the store points, for messages ("gs://bucket/prefix/", "file:///...")
+
+    @abc.abstractmethod
+    def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
+        """Upload the local file `path` as `name`, streaming. The object appears whole or
+        not at all. With `if_absent`, create only: return False (and write nothing) when
+        `name` already exists. Return True when this call wrote the object."""
+
+    @abc.abstractmethod
+    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> bool:
+        """Like put_file for a small object held in memory (manifests, markers)."""
+
+    @abc.abstractmethod
+    def get_to_file(self, name: str, path: str) -> int:
+        """Download `name` into the local file `path` (created or truncated), streaming;
+        return the number of bytes. The caller verifies contents against their hash."""
+
+    @abc.abstractmethod
+    def get_bytes(self, name: str) -> bytes:
+        """The whole content of a small object."""
+
+    @abc.abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether `name` exists."""
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int | None:
+        """The size in bytes of `name`, or None when it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted names (relative to the store root) that start with `prefix`."""
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Delete `name`; a missing object is fine."""
+
+    def close(self) -> None:
+        """Release connections. The store must not be used afterwards."""
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S) -> ObjectStore:
+    """Open the store at `url`: `gs://bucket[/prefix]` (Google Cloud Storage, honouring
+    STORAGE_EMULATOR_HOST), `file:///path` or a plain path (a local directory, created if
+    missing). `deadline` bounds the retries of one GCS operation (it restarts on progress)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"backup store URL {url!r} is empty; give gs://bucket/prefix or a local path")
+    m = _SCHEME.match(url)
+    scheme = m.group(1).lower() if m else ""
+    if scheme == "gs":
+        from mtc.sidecar.backup.gcs import GCSStore
+
+        bucket, _, prefix = url[len("gs://") :].partition("/")
+        if not bucket:
+            raise ConfigError(f"backup store URL {url!r} names no bucket; use gs://BUCKET/prefix")
+        return GCSStore(bucket, prefix, deadline=deadline)
+    from mtc.sidecar.backup.local import LocalStore
+
+    if scheme == "file":
+        host, slash, path = url[len("file://") :].partition("/")
+        if host not in ("", "localhost") or not slash:
+            raise ConfigError(
+                f"backup store URL {url!r} is not a local file URL; use file:///absolute/path"
+            )
+        return LocalStore("/" + path)
+    if scheme:
+        raise ConfigError(
+            f"backup store URL {url!r} has an unsupported scheme {scheme!r}; "
+            "use gs://bucket/prefix, file:///path or a plain path"
+        )
+    return LocalStore(url)
