@@ -75,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--crash-at", type=int, default=17,
                       help="step at which to kill a host (default 17)")
     demo.set_defaults(func=_cmd_demo)
+
+    rv = sub.add_parser(
+        "restore-version", help="pin restore to one backup (restore.version)",
+        description="Show the backups and the restore.version file, pin restore to one backup "
+                    "(set NAME), or unpin it (clear). The backup root is "
+                    "<base_output_directory>/<run_name>/mtc, or --backup-root.")
+    rv.add_argument("action", choices=["show", "set", "clear"])
+    rv.add_argument("name", nargs="?", help="backup name, as `show` lists it (for set)")
+    rv.add_argument("--backup-root", help="backup root URL or path (gs://bucket/run/mtc or a directory)")
+    rv.add_argument("--base-output-directory", default="", help="MaxText base_output_directory")
+    rv.add_argument("--run-name", default="", help="MaxText run_name")
+    rv.set_defaults(func=_cmd_restore_version)
     return parser
 
 
@@ -119,6 +131,61 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     rc = demo.main(args)
     return 0 if rc is None else int(rc)
+
+
+def _cmd_restore_version(args: argparse.Namespace) -> int:
+    from mtc.shared import backup_layout as layout
+    from mtc.shared.config import MTCConfig
+    from mtc.shared.objstore import ObjectNotFoundError, StoreError, open_store
+
+    try:
+        root = args.backup_root or MTCConfig(base_output_directory=args.base_output_directory,
+                                             run_name=args.run_name).backup_root
+        store = open_store(root)
+    except ConfigError as e:
+        print(f"mtc restore-version: error: {e} (or pass --backup-root)", file=sys.stderr)
+        return 2
+    try:
+        names = layout.names_from_listing(store.list(layout.BACKUPS))
+        try:
+            current = store.get_bytes(layout.RESTORE_VERSION).decode().strip()
+        except ObjectNotFoundError:
+            current = None
+        if args.action == "show":
+            print(f"backups in {root} (newest first):")
+            for n in names:
+                print(f"  {n}  step {layout.parse_backup_name(n)}" + ("  <- restore.version" if n == current else ""))
+            if not names:
+                print("  (none)")
+            print(f"restore.version: {current if current else 'not set (restore takes the newest step)'}")
+            if current and current not in names:
+                print("warning: restore.version names a backup that does not exist; restore will fail "
+                      "until it is fixed or cleared", file=sys.stderr)
+            return 0
+        if args.action == "clear":
+            store.delete(layout.RESTORE_VERSION)
+            print(f"restore.version removed from {root}: restore takes the newest step")
+            return 0
+        if not args.name:
+            print("mtc restore-version set: give the backup NAME (see `mtc restore-version show`)", file=sys.stderr)
+            return 2
+        try:
+            layout.parse_backup_name(args.name)
+        except ConfigError as e:
+            print(f"mtc restore-version: error: {e}", file=sys.stderr)
+            return 2
+        if args.name not in names:
+            print(f"mtc restore-version: error: no backup {args.name!r} in {root}; "
+                  f"backups: {', '.join(names[:5]) or 'none'}", file=sys.stderr)
+            return 2
+        store.put_bytes(layout.RESTORE_VERSION, (args.name + "\n").encode())
+        print(f"restore.version in {root} now pins {args.name} (step {layout.parse_backup_name(args.name)})")
+        return 0
+    except StoreError as e:
+        print(f"mtc restore-version: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
 
 
 if __name__ == "__main__":

@@ -247,6 +247,8 @@ class ClusterDispatcher(Dispatcher):
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self._hosts))),
                                         thread_name_prefix="mtc-cluster")
         self._staging: dict[tuple, np.ndarray] = {}
+        self._backup_url = config.backup_root if config.base_output_directory else None
+        self._fetched: dict[str, set[str]] = {}  # blob -> hosts that pulled it from the backup
         self._closed = False
 
     # --- plumbing --------------------------------------------------------------------------
@@ -479,6 +481,9 @@ class ClusterDispatcher(Dispatcher):
                 continue
             if h not in hosts:
                 hosts.append(h)
+        for h in sorted(self._fetched.get(shard.blob, ())):
+            if h not in hosts:
+                hosts.append(h)
         return hosts or list(self._hosts)
 
     def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
@@ -601,6 +606,71 @@ class ClusterDispatcher(Dispatcher):
             raise HostUnreachableError(msg + "; restart the host's daemon and retry the restore")
         host, kind, _ = r.tried[-1]
         raise_remote(host, kind, msg)
+
+    def host_of_device(self, device_id: int) -> str:
+        return self.topology.host_of(device_id)
+
+    # --- backup tier (the sidecars do the work; the head coordinates) ----------------------
+
+    def _backup_args(self, **args: Any) -> dict:
+        return {"backup_url": self._backup_url, **args}
+
+    def _raise_failures(self, what: str, failures: dict[str, BaseException]) -> None:
+        if len(failures) == 1:
+            (h, e), = failures.items()
+            if isinstance(e, _RemoteFailure):
+                e.reraise()
+            raise e
+        raise MTCError(f"{what} failed on {len(failures)} hosts: "
+                       + "; ".join(f"{h}: {_cause(e)}" for h, e in sorted(failures.items())))
+
+    def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
+        """Ask the hosts in turn until one answers (for questions any host can answer)."""
+        failures: dict[str, BaseException] = {}
+        for h in self._hosts:
+            try:
+                return h, self._call(h, op, args)
+            except HostUnreachableError as e:
+                failures[h] = e
+            except _RemoteFailure as e:
+                e.reraise()
+        self._raise_failures(op, failures)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
+        results, failures = self._fan_out(lambda h: self._call(
+            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))).result)
+        if failures:
+            self._raise_failures("backup upload", failures)
+        return results
+
+    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
+        try:
+            return self._call(host, "backup_finalize", self._backup_args(name=name, max_to_keep=max_to_keep),
+                              [manifest.to_json()]).result
+        except _RemoteFailure as e:
+            e.reraise()
+
+    def backup_listing(self) -> dict:
+        return self._any_host("backup_listing", self._backup_args())[1].result
+
+    def backup_manifest(self, name: str) -> fmt.StepManifest:
+        h, reply = self._any_host("backup_manifest", self._backup_args(name=name))
+        if len(reply.payloads) != 1:
+            raise ProtocolError(f"host {h}: backup_manifest answered no manifest")
+        return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"backup {name} (via {h})")
+
+    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
+        results, failures = self._fan_out(lambda h: self._call(
+            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))).result)
+        if failures:
+            self._raise_failures(f"fetch of backup {name}", failures)
+        # The next load reads those blobs where they were fetched to.
+        self._fetched = {}
+        for h, blobs in needs.items():
+            for b in blobs:
+                self._fetched.setdefault(b, set()).add(h)
+        return results
 
     # --- lifecycle -------------------------------------------------------------------------
 

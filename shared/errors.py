@@ -45,3 +45,11 @@ class SaveError(MTCError):
         super().__init__(message)
         self.step = step
         self.hosts = dict(hosts or {})
+
+
+class ProtocolError(MTCError):
+    """A message on a control socket is malformed, too large, truncated, or of another protocol version."""
+
+
+class HostUnreachableError(MTCError, ConnectionError):
+    """A sidecar daemon cannot be reached, or its connection broke in the middle of a request."""

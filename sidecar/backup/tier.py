@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
-from mtc.sidecar.backup.store import ObjectNotFoundError, ObjectStore, open_store
+from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, open_store
 from mtc.sidecar.ram import RamStore
 
 log = logging.getLogger(__name__)

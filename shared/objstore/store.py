@@ -155,13 +155,13 @@ def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S) -> ObjectStore
     m = _SCHEME.match(url)
     scheme = m.group(1).lower() if m else ""
     if scheme == "gs":
-        from mtc.sidecar.backup.gcs import GCSStore
+        from mtc.shared.objstore.gcs import GCSStore
 
         bucket, _, prefix = url[len("gs://") :].partition("/")
         if not bucket:
             raise ConfigError(f"backup store URL {url!r} names no bucket; use gs://BUCKET/prefix")
         return GCSStore(bucket, prefix, deadline=deadline)
-    from mtc.sidecar.backup.local import LocalStore
+    from mtc.shared.objstore.local import LocalStore
 
     if scheme == "file":
         host, slash, path = url[len("file://") :].partition("/")

@@ -15,7 +15,7 @@ import os
 import uuid
 from pathlib import Path
 
-from mtc.sidecar.backup.store import (
+from mtc.shared.objstore.store import (
     FatalStoreError,
     ObjectNotFoundError,
     ObjectStore,

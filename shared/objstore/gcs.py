@@ -42,8 +42,8 @@ except ImportError as e:  # pragma: no cover - exercised by a test that hides th
 import http.client
 
 from mtc.shared.errors import ConfigError
-from mtc.sidecar.backup.retry import Backoff, retry_call
-from mtc.sidecar.backup.store import (
+from mtc.shared.objstore.retry import Backoff, retry_call
+from mtc.shared.objstore.store import (
     DEFAULT_DEADLINE_S,
     FatalStoreError,
     ObjectNotFoundError,
@@ -100,7 +100,14 @@ def make_client(endpoint: str | None = None) -> storage.Client:
     if endpoint is None:
         endpoint, source = os.environ.get(EMULATOR_ENV) or None, EMULATOR_ENV
     if endpoint is None:
-        return storage.Client()
+        try:
+            return storage.Client()
+        except gauth_exc.DefaultCredentialsError as e:
+            raise FatalStoreError(
+                f"no Google Cloud credentials for the gs:// backup store ({e}); run with a service "
+                f"account (GOOGLE_APPLICATION_CREDENTIALS or workload identity), or set {EMULATOR_ENV} "
+                "to use an emulator"
+            ) from e
     url = endpoint if "://" in endpoint else f"http://{endpoint}"
     parts = urllib.parse.urlsplit(url)
     try:
@@ -125,6 +132,11 @@ class GCSStore(ObjectStore):
     STORAGE_EMULATOR_HOST); a client passed in is not closed by close().
     `deadline`: seconds one operation may keep failing transiently; restarts on progress.
     `timeout`: (connect, read) seconds of each HTTP request.
+
+    Create-only writes (`if_absent=True`) check first and then write with
+    if_generation_match=0: atomic between concurrent writers wherever the server enforces
+    that precondition (GCS: always; fake-gcs-server: single-request uploads, i.e. up to
+    `resumable_threshold`; gcp-storage-emulator: never). Commit markers are small objects.
     """
 
     def __init__(
@@ -136,7 +148,7 @@ class GCSStore(ObjectStore):
         deadline: float = DEFAULT_DEADLINE_S,
         resumable_threshold: int = RESUMABLE_THRESHOLD,
         chunk_size: int = CHUNK_SIZE,
-        timeout: tuple[float, float] = (10.0, 120.0),
+        timeout: tuple[float, float] = (10.0, 60.0),
         backoff: Backoff = Backoff(),
     ):
         if not bucket or "/" in bucket:
@@ -394,13 +406,16 @@ class _ResumableUpload:
         self.s, self.name, self.full, self.path, self.size, self.if_absent = store, name, full, path, size, if_absent
         self.session: str | None = None
         self.offset = 0  # bytes the server confirmed
+        self.high_water = 0  # most bytes any session confirmed: the progress that resets the deadline
         self.in_doubt = False  # a request failed: the server's offset is unknown
         # crc32c of the file's first `crc_end` bytes, extended as chunks are first read.
         self.crc = google_crc32c.Checksum()
         self.crc_end = 0
 
     def run(self) -> bool:
-        return self.s._call("upload", self.name, self._attempt, progress=lambda: self.offset)
+        # Progress is the high-water mark, so that uploads started again from zero (a lost
+        # session, an early finalize) do not count as progress until they get further.
+        return self.s._call("upload", self.name, self._attempt, progress=lambda: self.high_water)
 
     def _attempt(self) -> bool:
         if self.session is None:
@@ -458,10 +473,17 @@ class _ResumableUpload:
         if r.status_code == 308:
             m = re.fullmatch(r"bytes=0-(\d+)", r.headers.get("Range", ""))
             self.offset = int(m.group(1)) + 1 if m else 0
+            self.high_water = max(self.high_water, self.offset)
             self.in_doubt = False
             return None
         if r.status_code in (200, 201):
-            meta = r.json()
+            try:
+                meta = r.json()
+            except ValueError:
+                raise FatalStoreError(
+                    f"upload {self.s.url}{self.name}: the server finished the upload without object "
+                    f"metadata ({r.text[:200]!r}); cannot verify what it stored"
+                ) from None
             self.in_doubt = False
             # A server that finalized early (fake-gcs-server on a status query) holds fewer
             # bytes than we have read: the size check alone catches it.

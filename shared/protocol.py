@@ -1,0 +1,406 @@
+"""The wire format between the head and the sidecar daemons, and the cluster spec file.
+
+A **frame** is::
+
+    b"MTCF" | header length (u32, big endian) | header (UTF-8 JSON object) | payload bytes
+
+The header carries the protocol version (``"v"``), the kind (``"request"`` or ``"reply"``),
+a request id, the op or the result, and ``"payloads"``: the byte length of each binary
+payload that follows, back to back. Everything else about a message is JSON; bulk data
+(shards, assembled boxes, manifests) travels as payloads, which are sent straight from the
+caller's buffers (``sendmsg`` on memoryviews, no copy) and received straight into buffers the
+receiver allocates (``recv_into``; 64-byte aligned by default, so the head can hand them to
+JAX without a copy). Nothing is ever unpickled.
+
+Limits: a header is at most ``MAX_HEADER_BYTES``; the payloads of one frame at most the
+receiver's ``max_payload``. A frame that breaks a limit, is not JSON, has the wrong magic or
+another protocol version raises ``ProtocolError`` before anything is allocated for it.
+
+The cluster spec (``ClusterSpec``) is the contract between the launcher that starts the
+daemons (``mtc.sidecar.cluster``) and the head that reads it (``mtc.head.topology``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from mtc.shared.errors import ConfigError, ProtocolError
+from mtc.shared.version import PROTOCOL_VERSION
+
+__all__ = [
+    "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "OPS", "Request", "Reply", "RemoteError",
+    "HostSpec", "ClusterSpec", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
+    "send_request", "recv_request", "send_reply", "recv_reply", "parse_address",
+]
+
+MAGIC = b"MTCF"
+_PREFIX = struct.Struct("!4sI")
+MAX_HEADER_BYTES = 16 << 20
+# Default ceiling for the payloads of one frame. A write frame carries a host's whole share of
+# a step, so this is large; it exists to refuse absurd declared sizes, not to bound memory.
+MAX_PAYLOAD_BYTES = 1 << 40
+# Buffers per sendmsg call (Linux IOV_MAX is 1024).
+_MAX_IOV = 512
+_ALIGN = 64
+
+# Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
+OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
+                 "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch"})
+
+Buffer = Any  # bytes-like or C-contiguous numpy array
+Alloc = Callable[[dict, list[int]], Sequence[Buffer]]
+
+
+# --- buffers ---------------------------------------------------------------------------------
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 array of ``nbytes`` whose data is 64-byte aligned.
+
+    A 64-byte aligned host buffer becomes a CPU ``jax.Array`` without a copy
+    (``jax.device_put(buf.view(dtype), dev, may_alias=True)``).
+    """
+    raw = np.empty(int(nbytes) + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off : off + int(nbytes)]
+
+
+def byte_view(x: Buffer) -> memoryview:
+    """A flat unsigned-byte memoryview of ``x`` without copying (any dtype, bfloat16 too)."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError("payload array is not C-contiguous; pass np.ascontiguousarray(a)")
+        return memoryview(x.reshape(-1).view(np.uint8))
+    mv = memoryview(x)
+    if not mv.c_contiguous:
+        raise ValueError("payload buffer is not C-contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+# --- frames ----------------------------------------------------------------------------------
+
+
+def _encode_header(header: Mapping) -> bytes:
+    try:
+        data = json.dumps(header, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"message header cannot be encoded as JSON: {e}") from None
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"message header is {len(data)} bytes, over the limit of {MAX_HEADER_BYTES}; "
+                            "send bulk data as payloads")
+    return data
+
+
+def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer] = ()) -> None:
+    """Send one frame; ``header["payloads"]`` is set here from the payload sizes."""
+    views = [byte_view(p) for p in payloads]
+    header = dict(header)
+    header["payloads"] = [v.nbytes for v in views]
+    data = _encode_header(header)
+    _send_buffers(sock, [_PREFIX.pack(MAGIC, len(data)), data, *views])
+
+
+def _send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
+    views = [v for v in (byte_view(b) for b in buffers) if v.nbytes]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + _MAX_IOV])
+        while sent:
+            v = views[i]
+            if sent >= v.nbytes:
+                sent -= v.nbytes
+                i += 1
+            else:
+                views[i] = v[sent:]
+                sent = 0
+
+
+def _recv_into(sock: socket.socket, view: memoryview, what: str) -> int:
+    """Fill ``view``; returns the bytes read (less than its size only at end of stream)."""
+    got, n = 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return got
+        got += k
+    return got
+
+
+def _default_alloc(header: dict, sizes: list[int]) -> list[np.ndarray]:
+    return [aligned_buffer(n) for n in sizes]
+
+
+def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
+               max_payload: int = MAX_PAYLOAD_BYTES,
+               alloc: Alloc | None = None) -> tuple[dict, list[Buffer]] | None:
+    """Receive one frame: (header, payload buffers), or None when the peer closed cleanly.
+
+    ``alloc(header, sizes)`` returns one writable buffer of exactly each size to receive the
+    payloads into (default: fresh 64-byte aligned uint8 arrays); it may raise
+    ``ProtocolError`` to refuse sizes it does not expect. Raises ``ProtocolError`` for a
+    malformed, oversized or truncated frame (the connection is unusable afterwards).
+    """
+    prefix = bytearray(_PREFIX.size)
+    got = _recv_into(sock, memoryview(prefix), "frame prefix")
+    if got == 0:
+        return None
+    if got < len(prefix):
+        raise ProtocolError(f"connection closed after {got} of {len(prefix)} bytes of a frame prefix "
+                            "(peer killed or restarted?)")
+    magic, hlen = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ProtocolError(f"not an mtc frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
+                            "is something else listening on this port?")
+    if hlen > min(max_header, MAX_HEADER_BYTES):
+        raise ProtocolError(f"frame header of {hlen} bytes is over the limit of "
+                            f"{min(max_header, MAX_HEADER_BYTES)} bytes; refusing it")
+    raw = bytearray(hlen)
+    got = _recv_into(sock, memoryview(raw), "frame header")
+    if got < hlen:
+        raise ProtocolError(f"connection closed after {got} of {hlen} bytes of a frame header "
+                            "(peer killed or restarted?)")
+    header = _decode_header(raw)
+    sizes = header["payloads"]
+    total = sum(sizes)
+    if total > max_payload:
+        raise ProtocolError(f"frame declares {total} bytes of payload, over the limit of {max_payload} "
+                            "bytes; refusing it")
+    buffers = list((alloc or _default_alloc)(header, sizes))
+    if len(buffers) != len(sizes):
+        raise ProtocolError(f"allocator gave {len(buffers)} buffers for {len(sizes)} payloads")
+    for i, (buf, n) in enumerate(zip(buffers, sizes)):
+        view = byte_view(buf)
+        if view.nbytes != n or view.readonly:
+            raise ProtocolError(f"buffer for payload {i} is {view.nbytes} bytes"
+                                f"{' and read-only' if view.readonly else ''}, the frame declares {n}")
+        got = _recv_into(sock, view, "payload")
+        if got < n:
+            raise ProtocolError(f"connection closed after {got} of {n} bytes of payload {i} "
+                                "(peer killed or restarted?)")
+    return header, buffers
+
+
+def _decode_header(raw: bytes | bytearray) -> dict:
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ProtocolError(f"frame header is not valid JSON ({str(e)[:100]})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"frame header is a JSON {type(header).__name__}, expected an object")
+    v = header.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer speaks mtc protocol version {v!r}, this side {PROTOCOL_VERSION}: "
+                            "run the same mtc version on the head and every sidecar")
+    sizes = header.get("payloads", [])
+    if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
+        raise ProtocolError(f"frame header 'payloads' must be a list of byte counts, got {sizes!r:.100}")
+    header["payloads"] = sizes
+    return header
+
+
+# --- messages --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A call from the head to a sidecar: ``op`` with JSON ``args`` and binary ``payloads``."""
+
+    op: str
+    id: int
+    args: Mapping = dataclasses.field(default_factory=dict)
+    payloads: tuple = ()
+
+    def header(self) -> dict:
+        return {"v": PROTOCOL_VERSION, "kind": "request", "op": self.op, "id": self.id, "args": dict(self.args)}
+
+    @classmethod
+    def from_frame(cls, header: dict, payloads: Sequence[Buffer]) -> "Request":
+        op, rid, args = header.get("op"), header.get("id"), header.get("args", {})
+        if header.get("kind") != "request":
+            raise ProtocolError(f"expected a request, got a frame of kind {header.get('kind')!r}")
+        if not isinstance(op, str) or not isinstance(rid, int) or isinstance(rid, bool):
+            raise ProtocolError(f"request needs a string 'op' and an integer 'id', got {op!r:.50} and {rid!r:.50}")
+        if not isinstance(args, dict):
+            raise ProtocolError(f"request {op!r}: 'args' must be a JSON object")
+        return cls(op, rid, args, tuple(payloads))
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteError:
+    """An error a sidecar reports: the exception class name and its message."""
+
+    type: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """A sidecar's answer to one request: a JSON ``result`` or an ``error``, plus payloads."""
+
+    id: int | None
+    result: Any = None
+    error: RemoteError | None = None
+    payloads: tuple = ()
+
+    def header(self) -> dict:
+        h: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": "reply", "id": self.id}
+        if self.error is not None:
+            h["error"] = {"type": self.error.type, "message": self.error.message}
+        else:
+            h["result"] = self.result
+        return h
+
+    @classmethod
+    def from_frame(cls, header: dict, payloads: Sequence[Buffer]) -> "Reply":
+        if header.get("kind") != "reply":
+            raise ProtocolError(f"expected a reply, got a frame of kind {header.get('kind')!r}")
+        rid = header.get("id")
+        if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
+            raise ProtocolError(f"reply 'id' must be an integer, got {rid!r:.50}")
+        err = header.get("error")
+        if err is not None:
+            if not (isinstance(err, dict) and isinstance(err.get("type"), str)
+                    and isinstance(err.get("message"), str)):
+                raise ProtocolError(f"reply 'error' must be {{type, message}}, got {err!r:.100}")
+            return cls(rid, None, RemoteError(err["type"], err["message"]), tuple(payloads))
+        return cls(rid, header.get("result"), None, tuple(payloads))
+
+
+def send_request(sock: socket.socket, req: Request) -> None:
+    send_frame(sock, req.header(), req.payloads)
+
+
+def recv_request(sock: socket.socket, *, max_payload: int = MAX_PAYLOAD_BYTES) -> Request | None:
+    """The next request on ``sock``, or None when the head closed the connection."""
+    frame = recv_frame(sock, max_payload=max_payload)
+    return None if frame is None else Request.from_frame(*frame)
+
+
+def send_reply(sock: socket.socket, reply: Reply) -> None:
+    send_frame(sock, reply.header(), reply.payloads)
+
+
+def recv_reply(sock: socket.socket, *, max_payload: int = MAX_PAYLOAD_BYTES,
+               alloc: Alloc | None = None) -> Reply:
+    """The reply on ``sock``; ``ProtocolError`` if the peer closed instead of answering."""
+    frame = recv_frame(sock, max_payload=max_payload, alloc=alloc)
+    if frame is None:
+        raise ProtocolError("connection closed before the reply (peer killed or restarted?)")
+    return Reply.from_frame(*frame)
+
+
+# --- cluster spec ----------------------------------------------------------------------------
+
+SPEC_FORMAT = "mtc-cluster/1"
+_HOST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port); ConfigError when malformed."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"address {text!r} is not host:port (e.g. 127.0.0.1:7000)")
+    return host.strip("[]"), int(port)
+
+
+def check_host_id(host_id: str) -> str:
+    """A host id is safe as a file name: letters, digits, '.', '_', '-' (at most 64)."""
+    if not isinstance(host_id, str) or not _HOST_ID_RE.match(host_id):
+        raise ConfigError(f"host id {host_id!r} is invalid: use letters, digits, '.', '_' and '-' "
+                          "(at most 64, not starting with a punctuation mark)")
+    return host_id
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSpec:
+    """One sidecar daemon: its id, slice, control address and how many head devices it holds."""
+
+    id: str
+    slice: int
+    address: str
+    devices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """The hosts of a cluster, in the order the head assigns its devices to them."""
+
+    hosts: tuple[HostSpec, ...]
+
+    def to_json(self) -> bytes:
+        doc = {"format": SPEC_FORMAT,
+               "hosts": [{"id": h.id, "slice": h.slice, "address": h.address, "devices": h.devices}
+                         for h in self.hosts]}
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, source: str = "cluster spec") -> "ClusterSpec":
+        def bad(what: str) -> ConfigError:
+            return ConfigError(f"{source} is invalid: {what}; it is written by "
+                               "mtc.sidecar.cluster.LocalCluster (or by hand in the same format)")
+
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(f"not JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != SPEC_FORMAT:
+            raise bad(f"format is {doc.get('format') if isinstance(doc, dict) else None!r}, expected {SPEC_FORMAT!r}")
+        rows = doc.get("hosts")
+        if not isinstance(rows, list) or not rows:
+            raise bad("'hosts' must be a non-empty list")
+        hosts = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise bad(f"hosts[{i}] is not an object")
+            hid, sl, addr, n = row.get("id"), row.get("slice"), row.get("address"), row.get("devices")
+            try:
+                check_host_id(hid)
+                parse_address(addr)
+            except ConfigError as e:
+                raise bad(f"hosts[{i}]: {e}") from None
+            if type(sl) is not int or sl < 0:
+                raise bad(f"hosts[{i}] ({hid}): slice {sl!r} is not an integer >= 0")
+            if type(n) is not int or n < 1:
+                raise bad(f"hosts[{i}] ({hid}): devices {n!r} is not an integer >= 1")
+            hosts.append(HostSpec(hid, sl, addr, n))
+        ids = [h.id for h in hosts]
+        dup = sorted({h for h in ids if ids.count(h) > 1})
+        if dup:
+            raise bad(f"host ids {dup} appear more than once")
+        return cls(tuple(hosts))
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "ClusterSpec":
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read the cluster spec {path} ({e.strerror}); set cluster_spec "
+                              "(or MTC_CLUSTER_SPEC) to the file LocalCluster wrote (.spec_path)") from None
+        return cls.from_json(data, source=f"cluster spec {path}")
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write atomically: a reader sees the old file or the new one, never half of one."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise

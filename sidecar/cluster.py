@@ -1,0 +1,321 @@
+"""A cluster of sidecar daemons on this machine: S slices x H hosts, each a real process.
+
+``LocalCluster`` starts one ``python -m mtc.sidecar serve`` per host, with ``root/<host-id>/``
+as the host's ramdisk, waits until every daemon answers, and writes the cluster spec that the
+head reads (``.spec_path``; give it to ``MTCConfig(cluster_spec=...)``). Tests and demos use
+it to kill, wipe and restart single hosts.
+
+It never leaves processes behind: ``stop()`` runs on context exit and at interpreter exit,
+and every daemon is started with a parent-death signal (``PR_SET_PDEATHSIG``), so even a
+``kill -9`` of the process that owns the cluster takes its daemons down with it.
+
+Layout under ``root``::
+
+    cluster.json          the cluster spec (rewritten when a restarted host changes address)
+    <host-id>/            the host's ramdisk (local_checkpoint_directory); mtc uses <host-id>/mtc/
+    logs/<host-id>.log    the daemon's log (appended across restarts)
+    run/<host-id>.ready   {host, address, pid}, written by the daemon once it listens
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Mapping
+
+from mtc.shared import protocol
+from mtc.shared.errors import HostUnreachableError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LocalCluster"]
+
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.02
+_STOP_TIMEOUT_S = 10.0
+
+
+def _parent_death_preexec(parent_pid: int):
+    """A preexec_fn that makes the child get SIGKILL when its parent dies (Linux only)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork, not in the child
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class LocalCluster:
+    """``num_slices`` x ``hosts_per_slice`` sidecar daemons under ``root`` (a context manager).
+
+    Host ids are ``s<slice>-h<host>``, in the order the head assigns its devices
+    (``devices_per_host`` each). ``env`` adds environment variables for the daemons (e.g.
+    ``MTC_CRASH_AT``); ``max_to_keep`` is each daemon's ``local_max_to_keep``.
+    """
+
+    def __init__(self, root: str | os.PathLike, num_slices: int, hosts_per_slice: int, *,
+                 devices_per_host: int = 2, max_to_keep: int = 2, env: Mapping[str, str] | None = None,
+                 startup_timeout: float = 60.0):
+        for name, v in (("num_slices", num_slices), ("hosts_per_slice", hosts_per_slice),
+                        ("devices_per_host", devices_per_host), ("max_to_keep", max_to_keep)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        self.root = Path(root).resolve()
+        self.num_slices = num_slices
+        self.hosts_per_slice = hosts_per_slice
+        self.devices_per_host = devices_per_host
+        self.max_to_keep = max_to_keep
+        self.startup_timeout = float(startup_timeout)
+        self._env = dict(env or {})
+        self._hosts = [f"s{s}-h{h}" for s in range(num_slices) for h in range(hosts_per_slice)]
+        self._slice = {f"s{s}-h{h}": s for s in range(num_slices) for h in range(hosts_per_slice)}
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._addresses: dict[str, str] = {}
+        self._lock = threading.RLock()
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; one long-lived
+        # thread forks every daemon, so a caller's short-lived thread cannot take them down.
+        self._spawner: ThreadPoolExecutor | None = None
+        self._started = False
+
+    # --- paths and facts -------------------------------------------------------------------
+
+    @property
+    def hosts(self) -> list[str]:
+        """Host ids, in spec order (slice-major)."""
+        return list(self._hosts)
+
+    @property
+    def spec_path(self) -> Path:
+        return self.root / "cluster.json"
+
+    def slice_of(self, host_id: str) -> int:
+        return self._slice[self._check(host_id)]
+
+    def ramdisk(self, host_id: str) -> Path:
+        """The host's ramdisk directory (its local_checkpoint_directory)."""
+        return self.root / self._check(host_id)
+
+    def store_root(self, host_id: str) -> Path:
+        """Where the host's RAM tier keeps blobs/, steps/ and pending/."""
+        return self.ramdisk(host_id) / "mtc"
+
+    def log_path(self, host_id: str) -> Path:
+        return self.root / "logs" / f"{self._check(host_id)}.log"
+
+    def _ready_path(self, host_id: str) -> Path:
+        return self.root / "run" / f"{host_id}.ready"
+
+    def address(self, host_id: str) -> str:
+        return self._addresses[self._check(host_id)]
+
+    def pid(self, host_id: str) -> int | None:
+        p = self._procs.get(self._check(host_id))
+        return None if p is None else p.pid
+
+    def is_running(self, host_id: str) -> bool:
+        p = self._procs.get(self._check(host_id))
+        return p is not None and p.poll() is None
+
+    def pids(self) -> dict[str, int]:
+        """host id -> pid of every daemon started (running or not)."""
+        return {h: p.pid for h, p in self._procs.items()}
+
+    def _check(self, host_id: str) -> str:
+        if host_id not in self._slice:
+            raise KeyError(f"unknown host {host_id!r}; hosts: {self._hosts}")
+        return host_id
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> "LocalCluster":
+        """Start every daemon, wait until each answers, write the spec."""
+        with self._lock:
+            if self._started:
+                return self
+            self._started = True
+            for d in (self.root, self.root / "logs", self.root / "run"):
+                d.mkdir(parents=True, exist_ok=True)
+            self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-cluster-spawn")
+            atexit.register(self.stop)
+            try:
+                t0 = time.perf_counter()
+                for h in self._hosts:
+                    self._spawn(h, None)
+                for h in self._hosts:
+                    self._wait_ready(h)
+                self._write_spec()
+                log.info("local cluster of %d hosts up in %.2fs under %s", len(self._hosts),
+                         time.perf_counter() - t0, self.root)
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _spawn(self, host_id: str, extra_env: Mapping[str, str] | None) -> None:
+        ready = self._ready_path(host_id)
+        with contextlib.suppress(FileNotFoundError):
+            ready.unlink()
+        env = dict(os.environ)
+        env.update(self._env)
+        env.update(extra_env or {})
+        cmd = [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(self.ramdisk(host_id)),
+               "--host-id", host_id, "--listen", "127.0.0.1:0", "--ready-file", str(ready),
+               "--log-file", str(self.log_path(host_id)), "--max-to-keep", str(self.max_to_keep)]
+        preexec = _parent_death_preexec(os.getpid())
+
+        def popen() -> subprocess.Popen:
+            # Output before logging is set up (an import error) lands in the log too.
+            with open(self.log_path(host_id), "ab") as out:
+                return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                        preexec_fn=preexec, close_fds=True)
+
+        self._procs[host_id] = self._spawner.submit(popen).result()
+
+    def _wait_ready(self, host_id: str) -> None:
+        proc = self._procs[host_id]
+        deadline = time.monotonic() + self.startup_timeout
+        ready = self._ready_path(host_id)
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                raise HostUnreachableError(f"host {host_id}: daemon exited with code {rc} while starting; "
+                                           f"log {self.log_path(host_id)}:\n{self._log_tail(host_id)}")
+            doc = _read_json(ready)
+            if doc is not None and doc.get("pid") == proc.pid:
+                address = doc["address"]
+                if _ping(address, host_id):
+                    self._addresses[host_id] = address
+                    return
+            if time.monotonic() > deadline:
+                raise HostUnreachableError(f"host {host_id}: daemon did not answer within {self.startup_timeout:.0f}s; "
+                                           f"log {self.log_path(host_id)}:\n{self._log_tail(host_id)}")
+            time.sleep(_POLL_S)
+
+    def _log_tail(self, host_id: str, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path(host_id).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def _write_spec(self) -> None:
+        spec = protocol.ClusterSpec(tuple(
+            protocol.HostSpec(h, self._slice[h], self._addresses.get(h, "127.0.0.1:0"), self.devices_per_host)
+            for h in self._hosts))
+        spec.write(self.spec_path)
+
+    # --- faults ----------------------------------------------------------------------------
+
+    def kill(self, host_id: str, sig: int = signal.SIGKILL, *, wait: bool = True) -> int | None:
+        """Send ``sig`` to the host's daemon; for SIGKILL/SIGTERM/SIGINT wait until it is gone.
+
+        Returns the exit code (None when not waited for). Killing a stopped daemon is a no-op.
+        """
+        with self._lock:
+            proc = self._procs.get(self._check(host_id))
+            if proc is None or proc.poll() is not None:
+                return None if proc is None else proc.returncode
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            if wait and sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+                return proc.wait(timeout=_STOP_TIMEOUT_S)
+            return None
+
+    def wipe(self, host_id: str) -> None:
+        """Lose the host's ramdisk, as a replaced node would: kill its daemon, delete the contents.
+
+        The daemon stays down; ``restart(host_id)`` brings up a fresh one on the empty ramdisk.
+        """
+        with self._lock:
+            self.kill(host_id, signal.SIGKILL)
+            d = self.ramdisk(host_id)
+            if d.exists():
+                for p in d.iterdir():
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p)
+                    else:
+                        p.unlink()
+
+    def restart(self, host_id: str, *, env: Mapping[str, str] | None = None) -> str:
+        """(Re)start the host's daemon with the same id and ramdisk; returns its new address.
+
+        A running daemon is stopped first (SIGTERM). ``env`` adds variables for this start only
+        (e.g. ``{"MTC_CRASH_AT": "before_commit"}``). The spec is rewritten with the new address.
+        """
+        with self._lock:
+            if not self._started:
+                raise RuntimeError("LocalCluster is not started; use it as a context manager")
+            self._terminate([self._check(host_id)])
+            self._spawn(host_id, env)
+            self._wait_ready(host_id)
+            self._write_spec()
+            return self._addresses[host_id]
+
+    def stop(self) -> None:
+        """Stop every daemon (SIGTERM, then SIGKILL after 10 s). Safe to call twice."""
+        with self._lock:
+            self._terminate(list(self._procs))
+            if self._spawner is not None:
+                self._spawner.shutdown(wait=True)
+                self._spawner = None
+            with contextlib.suppress(Exception):
+                atexit.unregister(self.stop)
+            self._started = False
+
+    def _terminate(self, host_ids: list[str]) -> None:
+        procs = [self._procs[h] for h in host_ids if h in self._procs]
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("daemon pid %d did not stop on SIGTERM within %.0fs; killing it", p.pid, _STOP_TIMEOUT_S)
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _ping(address: str, host_id: str) -> bool:
+    """True when the daemon at ``address`` answers a ping as ``host_id``."""
+    try:
+        with socket.create_connection(protocol.parse_address(address), timeout=5) as s:
+            protocol.send_request(s, protocol.Request("ping", 0))
+            reply = protocol.recv_reply(s)
+    except (OSError, ProtocolError):
+        return False
+    return reply.error is None and isinstance(reply.result, dict) and reply.result.get("host") == host_id

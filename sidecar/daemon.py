@@ -1,0 +1,428 @@
+"""The sidecar daemon: one host's ``SidecarService`` served over a TCP control socket.
+
+This is the cluster mode of DESIGN section 4: each worker host is a process
+(``python -m mtc.sidecar serve ...``) with its own ramdisk, and the head talks to it with the
+frames of ``mtc.shared.protocol``. One thread per connection; requests on one connection are
+answered in order.
+
+Ops (``args`` -> ``result``; payloads in brackets):
+
+- ``ping`` -> ``{"host", "pid"}``
+- ``fingerprint`` -> the version fingerprint, with ``"host"``
+- ``inventory {devices?}`` -> ``{"host", "steps": [{"step", "blobs", "local_blobs", "step_blobs"}]}``.
+  With ``devices`` (the head's device ids this host holds), ``blobs`` counts only the blobs of
+  shards saved from those devices (this host's share), so a host is whole when it holds its
+  own share; without it, every blob of the step.
+- ``manifest {step}`` -> ``{"step"}`` [step manifest JSON]
+- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> [host manifest JSON]
+- ``commit {step}`` [step manifest JSON] -> what the host wrote for the step
+- ``abort {step}`` -> ``{"removed"}``: forget a step whose save failed (committed or pending)
+- ``backup_upload {backup_url, blobs}``, ``backup_finalize {backup_url, name, max_to_keep}``
+  [manifest], ``backup_listing {backup_url}``, ``backup_manifest {backup_url, name}`` -> [manifest],
+  ``backup_fetch {backup_url, name, blobs}``: the backup tier of ``SidecarService``. The backup
+  root comes from the head's config with each request (one source of truth, as in colocated mode).
+- ``read {step, reads: [[key, box or null], ...]}`` -> ``{"errors": [[index, type, message], ...]}``
+  [the raw bytes of each assembled box; empty for a box that failed]
+
+Errors come back as ``{"type": class name, "message"}``; the head re-raises them typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from mtc.shared import format as fmt
+from mtc.shared import protocol
+from mtc.shared.errors import ConfigError, ManifestError, MTCError, ProtocolError, StepNotFoundError
+from mtc.shared.protocol import RemoteError, Reply, Request
+from mtc.sidecar.service import SidecarService
+
+log = logging.getLogger(__name__)
+
+_SHUTDOWN_GRACE_S = 30.0
+
+
+class SidecarDaemon:
+    """Serve ``service`` on a TCP socket. ``start()`` binds and listens; ``close()`` stops.
+
+    Usable as a context manager. ``close()`` lets requests in flight finish (up to 30 s),
+    then closes the connections and the service.
+    """
+
+    def __init__(self, service: SidecarService, *, listen: tuple[str, int] = ("127.0.0.1", 0),
+                 max_payload: int = protocol.MAX_PAYLOAD_BYTES):
+        self.service = service
+        self._listen = listen
+        self._max_payload = max_payload
+        self._sock: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._cond = threading.Condition()
+        self._active = 0
+        self._stopping = False
+        self._closed = False
+        self._fingerprint: dict | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Bind, listen and start accepting; returns the bound address ``host:port``."""
+        sock = socket.create_server(self._listen, backlog=128, reuse_port=False)
+        self._sock = sock
+        t = threading.Thread(target=self._accept_loop, name="mtc-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        log.info("host %s: listening on %s", self.service.host_id, self.address)
+        return self.address
+
+    @property
+    def address(self) -> str:
+        host, port = self._sock.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._cond:
+            self._stopping = True
+            deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+            while self._active and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            if self._active:
+                log.warning("host %s: %d requests still running after %.0f s; closing anyway",
+                            self.service.host_id, self._active, _SHUTDOWN_GRACE_S)
+            conns = list(self._conns)
+        if self._sock is not None:
+            try:  # wakes the thread blocked in accept() (close alone does not, on Linux)
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        self.service.close()
+        log.info("host %s: daemon stopped", self.service.host_id)
+
+    def __enter__(self) -> "SidecarDaemon":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- connections -----------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return  # listening socket closed
+            with self._cond:
+                if self._stopping:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()]
+                t = threading.Thread(target=self._serve_conn, args=(conn, peer), name=f"mtc-conn-{peer[1]}",
+                                     daemon=True)
+                self._threads.append(t)
+            t.start()
+
+    def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                try:
+                    req = protocol.recv_request(conn, max_payload=self._max_payload)
+                except ProtocolError as e:
+                    log.warning("host %s: bad frame from %s, closing the connection: %s",
+                                self.service.host_id, peer, e)
+                    self._try_send(conn, Reply(None, error=RemoteError("ProtocolError", str(e))))
+                    return
+                except OSError:
+                    return
+                if req is None:
+                    return
+                with self._cond:
+                    if self._stopping:
+                        reply = Reply(req.id, error=RemoteError(
+                            "HostUnreachableError", f"host {self.service.host_id} is shutting down"))
+                    else:
+                        self._active += 1
+                        reply = None
+                if reply is None:
+                    try:
+                        reply = self._handle(req)
+                    finally:
+                        with self._cond:
+                            self._active -= 1
+                            self._cond.notify_all()
+                if not self._try_send(conn, reply):
+                    return
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _try_send(self, conn: socket.socket, reply: Reply) -> bool:
+        try:
+            protocol.send_reply(conn, reply)
+            return True
+        except OSError:
+            return False
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _handle(self, req: Request) -> Reply:
+        t0 = time.perf_counter()
+        try:
+            handler = _HANDLERS.get(req.op)
+            if handler is None:
+                raise ProtocolError(f"unknown op {req.op!r}; known ops: {', '.join(sorted(_HANDLERS))}")
+            result, payloads = handler(self, req.args, req.payloads)
+            log.debug("op %s done in %.3fs", req.op, time.perf_counter() - t0)
+            return Reply(req.id, result, None, tuple(payloads))
+        except MTCError as e:
+            log.warning("host %s: %s failed: %s: %s", self.service.host_id, req.op, type(e).__name__, e)
+            return Reply(req.id, error=RemoteError(type(e).__name__, str(e)))
+        except Exception as e:  # reported to the head, which raises it typed
+            log.exception("host %s: %s failed", self.service.host_id, req.op)
+            return Reply(req.id, error=RemoteError(type(e).__name__, f"host {self.service.host_id}: {e}"))
+
+    def _op_ping(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        return {"host": self.service.host_id, "pid": os.getpid()}, []
+
+    def _op_fingerprint(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        if self._fingerprint is None:  # versions do not change while the process runs
+            self._fingerprint = self.service.fingerprint()
+        return self._fingerprint, []
+
+    def _op_inventory(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        devices = args.get("devices")
+        if devices is None:
+            return self.service.inventory(), []
+        if not isinstance(devices, list) or not all(type(d) is int for d in devices):
+            raise ProtocolError("inventory: 'devices' must be a list of device ids")
+        mine = set(devices)
+        svc = self.service
+        have = svc.store.list_blobs()
+        steps = []
+        for s in svc.steps():
+            try:
+                m = svc.manifest(s)
+            except (ManifestError, StepNotFoundError) as e:
+                log.warning("host %s: step %d manifest unreadable: %s", svc.host_id, s, e)
+                continue
+            # Shards with no device record (older manifests) count for every host.
+            own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
+            steps.append({"step": s, "blobs": len(own), "local_blobs": len(own & have),
+                          "step_blobs": len(m.blob_names())})
+        return {"host": svc.host_id, "steps": steps}, []
+
+    def _op_manifest(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        step = _step(args)
+        return {"step": step}, [self.service.manifest_bytes(step)]
+
+    def _op_write(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        step = _step(args)
+        part = args.get("part", 0)
+        if type(part) is not int or part < 0:
+            raise ProtocolError(f"write: 'part' must be an integer >= 0, got {part!r:.50}")
+        rows = args.get("shards")
+        if not isinstance(rows, list) or len(rows) != len(payloads):
+            raise ProtocolError(f"write: 'shards' must list one [array, box] per payload "
+                                f"({len(payloads)} payloads)")
+        shards = []
+        for i, (row, data) in enumerate(zip(rows, payloads)):
+            if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and row[0] >= 0):
+                raise ProtocolError(f"write: shards[{i}] is not [array index, box]")
+            shards.append((row[0], _box(row[1], f"write: shards[{i}]"), np.asarray(data).reshape(-1)))
+        manifest = self.service.write_shards(step, shards, part=part)
+        return {"step": step}, [manifest.to_json()]
+
+    def _op_commit(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        step = _step(args)
+        if len(payloads) != 1:
+            raise ProtocolError("commit: expected the step manifest as the one payload")
+        return self.service.commit(step, bytes(payloads[0])), []
+
+    def _op_abort(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        step = _step(args)
+        removed = self.service.store.delete_step(step)
+        if removed:
+            log.info("host %s: step %d aborted (its save failed on some host)", self.service.host_id, step)
+        return {"removed": removed}, []
+
+    def _op_read(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        step = _step(args)
+        reads = args.get("reads")
+        if not isinstance(reads, list):
+            raise ProtocolError("read: 'reads' must be a list of [key, box or null]")
+        out, errors = [], []
+        for i, row in enumerate(reads):
+            if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
+                raise ProtocolError(f"read: reads[{i}] is not [key, box or null]")
+            box = None if row[1] is None else _box(row[1], f"read: reads[{i}]")
+            try:
+                out.append(self.service.read_box(step, row[0], box))
+            except MTCError as e:  # this box fails; the others of the request still count
+                log.warning("host %s: read of %r failed: %s", self.service.host_id, row[0], e)
+                errors.append([i, type(e).__name__, str(e)])
+                out.append(b"")
+        return {"step": step, "errors": errors}, out
+
+    # --- backup tier -----------------------------------------------------------------------
+
+    def _backup_service(self, args: dict) -> SidecarService:
+        url = args.get("backup_url")
+        if url is not None and not isinstance(url, str):
+            raise ProtocolError("'backup_url' must be a string or null")
+        svc = self.service
+        with self._cond:
+            if url and svc.backup_url is None:
+                svc.backup_url = url  # the head's config names the backup root
+            elif url and svc.backup_url != url:
+                raise ConfigError(f"host {svc.host_id} backs up to {svc.backup_url}, but the head asks for "
+                                  f"{url}; restart the daemon (or the head) with one backup root")
+        return svc
+
+    def _op_backup_upload(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        svc = self._backup_service(args)
+        return svc.backup_upload({svc.host_id: _names(args.get("blobs"), "backup_upload")}), []
+
+    def _op_backup_finalize(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        svc = self._backup_service(args)
+        name, keep = args.get("name"), args.get("max_to_keep")
+        if not isinstance(name, str) or type(keep) is not int or keep < 1 or len(payloads) != 1:
+            raise ProtocolError("backup_finalize needs 'name', 'max_to_keep' >= 1 and the manifest payload")
+        return svc.backup_finalize(name, bytes(payloads[0]), keep), []
+
+    def _op_backup_listing(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        return self._backup_service(args).backup_listing(), []
+
+    def _op_backup_manifest(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        name = args.get("name")
+        if not isinstance(name, str):
+            raise ProtocolError("backup_manifest needs 'name'")
+        return {"name": name}, [self._backup_service(args).backup_manifest(name)]
+
+    def _op_backup_fetch(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        svc = self._backup_service(args)
+        name = args.get("name")
+        if not isinstance(name, str):
+            raise ProtocolError("backup_fetch needs 'name'")
+        return svc.backup_fetch(name, {svc.host_id: _names(args.get("blobs"), "backup_fetch")}), []
+
+
+_HANDLERS = {
+    "ping": SidecarDaemon._op_ping,
+    "fingerprint": SidecarDaemon._op_fingerprint,
+    "inventory": SidecarDaemon._op_inventory,
+    "manifest": SidecarDaemon._op_manifest,
+    "write": SidecarDaemon._op_write,
+    "commit": SidecarDaemon._op_commit,
+    "abort": SidecarDaemon._op_abort,
+    "read": SidecarDaemon._op_read,
+    "backup_upload": SidecarDaemon._op_backup_upload,
+    "backup_finalize": SidecarDaemon._op_backup_finalize,
+    "backup_listing": SidecarDaemon._op_backup_listing,
+    "backup_manifest": SidecarDaemon._op_backup_manifest,
+    "backup_fetch": SidecarDaemon._op_backup_fetch,
+}
+
+
+def _names(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ProtocolError(f"{where}: 'blobs' must be a list of blob names")
+    return value
+
+
+def _step(args: dict) -> int:
+    step = args.get("step")
+    if type(step) is not int or step < 0:
+        raise ProtocolError(f"'step' must be an integer >= 0, got {step!r:.50}")
+    return step
+
+
+def _box(value: Any, where: str) -> fmt.Box:
+    if not isinstance(value, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p) and 0 <= p[0] <= p[1]
+            for p in value):
+        raise ProtocolError(f"{where}: box {value!r:.100} is not a list of [start, stop] pairs")
+    return tuple((p[0], p[1]) for p in value)
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def _write_ready(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGTERM or SIGINT; returns the exit code."""
+    host, port = protocol.parse_address(args.listen)
+    handlers: list[logging.Handler] = [logging.FileHandler(args.log_file) if args.log_file
+                                       else logging.StreamHandler(sys.stderr)]
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
+                        format=f"%(asctime)s %(levelname)s {args.host_id} %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    root = Path(args.root) / "mtc"  # the ramdisk may be shared with other tools
+    service = SidecarService(root, host_id=args.host_id, max_to_keep=args.max_to_keep)
+    daemon = SidecarDaemon(service, listen=(host, port), max_payload=args.max_payload)
+    try:
+        address = daemon.start()
+        steps = service.steps()
+        log.info("host %s: serving %s (pid %d); committed steps found: %s", args.host_id, root, os.getpid(), steps)
+        if args.ready_file:
+            _write_ready(Path(args.ready_file), {"host": args.host_id, "address": address, "pid": os.getpid()})
+        while not stop.wait(1.0):
+            pass
+        log.info("host %s: signal received, shutting down", args.host_id)
+    finally:
+        daemon.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mtc.sidecar", description="mtc sidecar daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve one host's sidecar service on a control socket")
+    s.add_argument("--root", required=True, help="the host's ramdisk (local_checkpoint_directory); "
+                                                 "mtc keeps its files in ROOT/mtc")
+    s.add_argument("--host-id", required=True, type=protocol.check_host_id, help="this host's id, e.g. s0-h1")
+    s.add_argument("--listen", default="127.0.0.1:0", help="control address host:port (port 0: any free port)")
+    s.add_argument("--ready-file", help="write {host, address, pid} here (atomically) once listening")
+    s.add_argument("--log-file", help="log here instead of stderr")
+    s.add_argument("--max-to-keep", type=int, default=2, help="committed steps kept (local_max_to_keep)")
+    s.add_argument("--max-payload", type=int, default=protocol.MAX_PAYLOAD_BYTES,
+                   help="largest payload of one request, in bytes")
+    s.set_defaults(func=serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
