@@ -4,6 +4,7 @@ tests run against a GCS emulator in test_backup_gcs.py)."""
 from __future__ import annotations
 
 import shutil
+import uuid
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
+from mtc.shared.objstore import open_store
 from mtc.shared.errors import ConfigError, CorruptBlobError, StepNotFoundError
 
 pytestmark = pytest.mark.integration
@@ -41,9 +43,20 @@ def save_steps(m: CheckpointManager, steps, seed_of=lambda s: s) -> None:
         m.wait_for_backup()
 
 
-@pytest.fixture
-def backup_base(tmp_path) -> str:
-    return str(tmp_path / "bucket")
+@pytest.fixture(params=["local", "fake-gcs-server"])
+def backup_base(request, tmp_path, monkeypatch) -> str:
+    """The same tests on a local directory and on a real GCS emulator server."""
+    if request.param == "local":
+        return str(tmp_path / "bucket")
+    server = request.getfixturevalue("fake_gcs_server")
+    bucket = f"mtc-{uuid.uuid4().hex[:12]}"
+    server.client().create_bucket(bucket)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    return f"gs://{bucket}"
+
+
+def store(base: str):
+    return open_store(f"{base}/run/mtc")
 
 
 def test_wipe_every_ramdisk_restore_from_backup(ramdisk, backup_base):
@@ -78,19 +91,19 @@ def test_restore_version_pins_an_older_backup(ramdisk, backup_base):
         save_steps(m, [1, 2, 3, 4])
         names = {b["step"]: b["name"] for b in m.backups()}
         assert sorted(names) == [1, 2, 4]
-    root = Path(backup_base) / "run" / "mtc"
-    (root / backup_layout.RESTORE_VERSION).write_text(names[2] + "\n")
+    st = store(backup_base)
+    st.put_bytes(backup_layout.RESTORE_VERSION, (names[2] + "\n").encode())
     with CheckpointManager(config(ramdisk, backup_base)) as m:
         assert m.latest_step() == 2  # newer steps 3 and 4 are in the cluster, but pinned
         assert_trees_bitwise_equal(state(2), m.restore())
         assert m.last_restore_report.source == names[2]
         with pytest.raises(StepNotFoundError, match="restore.version pins"):
             m.restore(4)
-    (root / backup_layout.RESTORE_VERSION).write_text("20200101T000000Z-step-000000000099")
+    st.put_bytes(backup_layout.RESTORE_VERSION, b"20200101T000000Z-step-000000000099")
     with CheckpointManager(config(ramdisk, backup_base)) as m:
         with pytest.raises(StepNotFoundError, match="does not exist"):
             m.restore()
-    (root / backup_layout.RESTORE_VERSION).write_text("latest-please")
+    st.put_bytes(backup_layout.RESTORE_VERSION, b"latest-please")
     with CheckpointManager(config(ramdisk, backup_base)) as m:
         with pytest.raises(ConfigError, match="not a backup name"):
             m.restore()
@@ -100,16 +113,18 @@ def test_flipped_byte_in_backup_blob_is_detected(ramdisk, backup_base):
     with CheckpointManager(config(ramdisk, backup_base)) as m:
         save_steps(m, [1])
     shutil.rmtree(ramdisk / "mtc")
-    blobs = sorted((Path(backup_base) / "run" / "mtc" / "blobs").iterdir())
-    victim = max(blobs, key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
+    st = store(backup_base)
+    victim = max(st.list(backup_layout.BLOBS), key=st.size)
+    data = bytearray(st.get_bytes(victim))
     data[100] ^= 0x10
-    victim.write_bytes(bytes(data))
+    st.delete(victim)
+    st.put_bytes(victim, bytes(data))
+    blob = victim.split("/")[-1]
     with CheckpointManager(config(ramdisk, backup_base)) as m:
-        with pytest.raises(CorruptBlobError, match=victim.name):
+        with pytest.raises(CorruptBlobError, match=blob):
             m.restore()
         # Nothing corrupt entered the ramdisk.
-        assert not (ramdisk / "mtc" / "blobs" / victim.name).exists()
+        assert not (ramdisk / "mtc" / "blobs" / blob).exists()
 
 
 def test_retention_deletes_manifests_then_unused_blobs(ramdisk, backup_base):
@@ -117,10 +132,10 @@ def test_retention_deletes_manifests_then_unused_blobs(ramdisk, backup_base):
                                   multi_tier_checkpointing_backup_interval_steps=1)) as m:
         save_steps(m, [1, 2, 3, 4])
         assert [b["step"] for b in m.backups()] == [4, 3]
-    root = Path(backup_base) / "run" / "mtc"
-    remaining = {p.name for p in (root / "blobs").iterdir()}
-    manifests = sorted((root / "backups").iterdir())
-    assert [backup_layout.parse_backup_name(p.name[:-5]) for p in manifests] == [3, 4]
-    live = set().union(*(fmt.StepManifest.from_json(p.read_bytes()).blob_names() for p in manifests))
+    st = store(backup_base)
+    remaining = {o.split("/")[-1] for o in st.list(backup_layout.BLOBS)}
+    manifests = st.list(backup_layout.BACKUPS)
+    assert [backup_layout.parse_backup_name(o.split("/")[-1][:-5]) for o in manifests] == [3, 4]
+    live = set().union(*(fmt.StepManifest.from_json(st.get_bytes(o)).blob_names() for o in manifests))
     # Exactly the blobs of the kept backups survive: 8 shards of w and 2 of b per step.
     assert remaining == live and len(live) == 20
