@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -52,6 +51,8 @@ log = logging.getLogger(__name__)
 __all__ = ["ClusterDispatcher"]
 
 Box = fmt.Box
+# Ops whose answer may take as long as moving a host's share of a step.
+_DATA_OPS = frozenset({"write", "commit", "read", "backup_upload", "backup_finalize", "backup_fetch"})
 
 
 class _RemoteFailure(MTCError):
@@ -94,13 +95,15 @@ class _Host:
                 fresh = self.sock is None
                 if fresh:
                     self._connect()
+                timeout = self.owner.timeout_s if op in _DATA_OPS else self.owner.control_timeout_s
                 try:
+                    self.sock.settimeout(timeout)
                     reply = self._roundtrip(op, args or {}, payloads, alloc)
                 except (OSError, ProtocolError) as e:
                     self._drop()
                     if fresh or attempt or isinstance(e, TimeoutError):
                         raise HostUnreachableError(
-                            f"host {self.id} at {self.address}: {_transport_cause(e, self.owner.timeout_s)}") from e
+                            f"host {self.id} at {self.address}: {_transport_cause(e, timeout)}") from e
                     continue
                 if reply.error is not None:
                     raise _RemoteFailure(self.id, reply.error.type, reply.error.message)
@@ -124,7 +127,7 @@ class _Host:
         except OSError as e:
             raise HostUnreachableError(f"host {self.id} at {address}: {_transport_cause(e, self.owner.connect_timeout_s)}"
                                        ) from e
-        sock.settimeout(self.owner.timeout_s)
+        sock.settimeout(self.owner.control_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         try:
@@ -137,7 +140,6 @@ class _Host:
                     f"host {self.id}: the daemon at {address} answers as host {fp.get('host')!r}; the cluster "
                     f"spec {self.owner.spec_path} is stale or wrong")
             version.check_fingerprints(self.owner.head_fingerprint, {self.id: fp})
-            self.owner._fingerprints[self.id] = fp
             # A save that failed while this host was away may have left its step here.
             for step in self.owner._take_aborts(self.id):
                 try:
@@ -151,8 +153,8 @@ class _Host:
                 log.info("host %s: aborted step %d left by a failed save", self.id, step)
         except (OSError, ProtocolError) as e:
             self._drop()
-            raise HostUnreachableError(f"host {self.id} at {address}: {_transport_cause(e, self.owner.timeout_s)}"
-                                       ) from e
+            raise HostUnreachableError(f"host {self.id} at {address}: "
+                                       f"{_transport_cause(e, self.owner.control_timeout_s)}") from e
         except BaseException:
             self._drop()
             raise
@@ -221,27 +223,28 @@ class ClusterDispatcher(Dispatcher):
     """Reach sidecar daemons over TCP, as described by the cluster spec of ``config``.
 
     ``devices`` are the head devices mapped onto the hosts (default ``jax.devices()``).
-    ``timeout_s`` bounds each wait for a daemon's bytes (not a whole request).
+    ``timeout_s`` bounds each wait for a daemon's bytes (not a whole request) in the data ops
+    (write, commit, read, backup transfers); ``control_timeout_s`` in the others (inventory,
+    manifest, version check, abort), so that ``latest_step()`` does not hang on a hung host.
     """
 
     def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
-                 timeout_s: float = 120.0, connect_timeout_s: float = 10.0):
+                 timeout_s: float = 300.0, control_timeout_s: float = 20.0, connect_timeout_s: float = 10.0):
         spec = config.cluster_spec
         if not spec:
             raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
                               "MTCConfig.from_env): the path of the spec LocalCluster wrote")
         self.spec_path = os.fspath(spec)
         self._devices = list(devices if devices is not None else jax.devices())
-        self._dev_by_id = {int(d.id): d for d in self._devices}
         self.topology = Topology.from_spec(self.spec_path, self._devices)
         self.timeout_s = float(timeout_s)
+        self.control_timeout_s = float(control_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.head_fingerprint = version.fingerprint()
         self._addresses = {h.id: h.address for h in self.topology.hosts}
         self._spec_stamp = self._stamp()
         self._spec_lock = threading.Lock()
         self._hosts = {h: _Host(self, h) for h in self.topology.host_ids}
-        self._fingerprints: dict[str, dict] = {}
         self._aborts: dict[str, set[int]] = {}
         self._aborts_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self._hosts))),
@@ -319,7 +322,9 @@ class ClusterDispatcher(Dispatcher):
         """Fingerprints of the reachable hosts (each connection checks its own host's too)."""
         results, failures = self._fan_out(lambda h: self._call(h, "fingerprint").result)
         for h, e in failures.items():
-            if isinstance(e, _RemoteFailure) or not isinstance(e, HostUnreachableError):
+            if isinstance(e, _RemoteFailure):
+                e.reraise()
+            if not isinstance(e, HostUnreachableError):
                 raise e
             log.warning("version check: %s; it is checked when the host comes back", _cause(e))
         return results
@@ -338,7 +343,7 @@ class ClusterDispatcher(Dispatcher):
                 continue
             if leaf.kind == "numpy":
                 # Host data: every host keeps a copy (it is small, and then any host can restore it).
-                src = np.ascontiguousarray(leaf.value)
+                src = np.asarray(leaf.value)
                 buf = self._buffer((leaf.key, "numpy"), src.shape, src.dtype, live)
                 np.copyto(buf, src)
                 box = tuple((0, n) for n in leaf.shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -267,8 +268,27 @@ class ColocatedDispatcher(Dispatcher):
         cpu = next(c for d, c in self._cpu_of.items() if d.id == device_id)
         return self._hosts_of_rows()[self._ctl_devices.index(cpu)]
 
+    def _run_job(self, op: str, **args: Any) -> dict[str, dict]:
+        """Start a long sidecar job on every host, then poll until all are done."""
+        jobs = dict(self._control(op, **args))
+        results: dict[str, dict] = {}
+        wait = 0.005
+        while len(results) < len(jobs):
+            for host, job_id in jobs.items():
+                if host in results:
+                    continue
+                for h, status in self._control("job", job=job_id):
+                    if h == host and status["done"]:
+                        if "error" in status:
+                            raise_remote(host, status["error"], status["message"])
+                        results[host] = status["result"]
+            if len(results) < len(jobs):
+                time.sleep(wait)  # polling a remote job: nothing to wait on locally
+                wait = min(wait * 2, 0.5)
+        return results
+
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        return dict(self._control("backup_upload", assignments=assignments))
+        return self._run_job("backup_upload", assignments=assignments)
 
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
         replies = dict(self._control("backup_finalize", host=host, name=name,
@@ -284,7 +304,7 @@ class ColocatedDispatcher(Dispatcher):
         return fmt.StepManifest.from_json(text, source=f"backup {name}")
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        return dict(self._control("backup_fetch", name=name, needs=needs))
+        return self._run_job("backup_fetch", name=name, needs=needs)
 
     def close(self) -> None:
         try:

@@ -91,31 +91,31 @@ class Dispatcher(abc.ABC):
     def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
         """Restore: one jax.Array (or numpy array) per request, with the target sharding."""
 
-    @abc.abstractmethod
     def host_of_device(self, device_id: int) -> str:
         """The host whose sidecar holds the shards of device ``device_id``."""
+        raise errors.MTCError(f"{type(self).__name__} does not map devices to hosts yet")
 
     # --- backup tier (run by the sidecars; the head only coordinates) --------------------
 
-    @abc.abstractmethod
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         """Every host uploads the blobs assigned to it; host id -> what it uploaded."""
+        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
-    @abc.abstractmethod
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
         """One host makes backup ``name`` visible (manifest last, create-only), then prunes."""
+        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
-    @abc.abstractmethod
     def backup_listing(self) -> dict:
         """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}."""
+        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
-    @abc.abstractmethod
     def backup_manifest(self, name: str) -> fmt.StepManifest:
         """The step manifest of backup ``name``."""
+        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
-    @abc.abstractmethod
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
+        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -387,12 +387,21 @@ class CheckpointManager:
     def _cluster_steps(self) -> list[int]:
         """Steps committed (and whole) on every host of the current topology, ascending."""
         inv = self._dispatch.inventories()
+        # A host that could not be asked (cluster mode: its daemon is down) confirms no step.
+        self._unreachable = {h: i["error"] for h, i in inv.items() if i.get("error")}
         per_host = [
             {s["step"] for s in h["steps"] if s["local_blobs"] == s["blobs"]} for h in inv.values()
         ]
         if not per_host:
             return []
         return sorted(set.intersection(*per_host))
+
+    def _unreachable_note(self) -> str:
+        bad = getattr(self, "_unreachable", None) or {}
+        if not bad:
+            return ""
+        return ("; hosts that could not be asked, so no step is confirmed on them: "
+                + "; ".join(f"{h} ({e})" for h, e in sorted(bad.items())))
 
     def _backup_listing(self) -> dict:
         if not self._config.base_output_directory:
@@ -456,10 +465,12 @@ class CheckpointManager:
                     raise StepNotFoundError(
                         f"no committed step in {self._config.ramdisk_root}"
                         + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
-                        + "; nothing to restore (save a step first, or check local_checkpoint_directory)")
+                        + "; nothing to restore (save a step first, or check local_checkpoint_directory)"
+                        + self._unreachable_note())
                 step = steps[-1]
             elif step not in steps:
-                raise StepNotFoundError(f"step {step} is not committed on every host; committed steps: {steps}")
+                raise StepNotFoundError(f"step {step} is not committed on every host; committed steps: {steps}"
+                                        + self._unreachable_note())
             if step not in cluster:
                 backup_name = in_backup[step]
         t1 = time.perf_counter()

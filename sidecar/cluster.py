@@ -6,8 +6,11 @@ head reads (``.spec_path``; give it to ``MTCConfig(cluster_spec=...)``). Tests a
 it to kill, wipe and restart single hosts.
 
 It never leaves processes behind: ``stop()`` runs on context exit and at interpreter exit,
-and every daemon is started with a parent-death signal (``PR_SET_PDEATHSIG``), so even a
-``kill -9`` of the process that owns the cluster takes its daemons down with it.
+and every daemon runs with a parent-death signal (``PR_SET_PDEATHSIG``, set by the daemon itself
+from ``--parent-pid``), so even a ``kill -9`` of the process that owns the cluster takes its
+daemons down with it. The daemon sets it rather than a ``preexec_fn``: a ``preexec_fn`` forces
+a plain ``fork()`` of this (JAX-multithreaded) process and runs Python in the child before
+``exec``, which can deadlock; without one, ``subprocess`` uses ``vfork``+``exec``.
 
 Layout under ``root``::
 
@@ -21,10 +24,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -32,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Mapping
 
@@ -43,24 +46,43 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LocalCluster"]
 
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.02
 _STOP_TIMEOUT_S = 10.0
 
 
-def _parent_death_preexec(parent_pid: int):
-    """A preexec_fn that makes the child get SIGKILL when its parent dies (Linux only)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork, not in the child
-    except (OSError, AttributeError):
-        return None
+class _Spawner:
+    """One long-lived daemon thread that forks every daemon process.
 
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked a child exits, so a caller's
+    short-lived thread must not fork. A daemon thread (unlike an executor's worker) is not
+    joined at interpreter shutdown, so ``stop()`` at exit still finds the daemons alive and
+    stops them with SIGTERM, cleanly.
+    """
 
-    return preexec
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="mtc-cluster-spawn", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+
+    def call(self, fn):
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut.result()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join()
 
 
 class LocalCluster:
@@ -90,9 +112,7 @@ class LocalCluster:
         self._procs: dict[str, subprocess.Popen] = {}
         self._addresses: dict[str, str] = {}
         self._lock = threading.RLock()
-        # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; one long-lived
-        # thread forks every daemon, so a caller's short-lived thread cannot take them down.
-        self._spawner: ThreadPoolExecutor | None = None
+        self._spawner: _Spawner | None = None
         self._started = False
 
     # --- paths and facts -------------------------------------------------------------------
@@ -134,6 +154,11 @@ class LocalCluster:
         p = self._procs.get(self._check(host_id))
         return p is not None and p.poll() is None
 
+    def wait(self, host_id: str, timeout: float = _STOP_TIMEOUT_S) -> int:
+        """Wait until the host's daemon has exited (e.g. at a crash point); its exit code
+        (negative: killed by that signal). subprocess.TimeoutExpired if it is still running."""
+        return self._procs[self._check(host_id)].wait(timeout=timeout)
+
     def pids(self) -> dict[str, int]:
         """host id -> pid of every daemon started (running or not)."""
         return {h: p.pid for h, p in self._procs.items()}
@@ -153,7 +178,7 @@ class LocalCluster:
             self._started = True
             for d in (self.root, self.root / "logs", self.root / "run"):
                 d.mkdir(parents=True, exist_ok=True)
-            self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-cluster-spawn")
+            self._spawner = _Spawner()
             atexit.register(self.stop)
             try:
                 t0 = time.perf_counter()
@@ -184,16 +209,16 @@ class LocalCluster:
         env.update(extra_env or {})
         cmd = [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(self.ramdisk(host_id)),
                "--host-id", host_id, "--listen", "127.0.0.1:0", "--ready-file", str(ready),
-               "--log-file", str(self.log_path(host_id)), "--max-to-keep", str(self.max_to_keep)]
-        preexec = _parent_death_preexec(os.getpid())
+               "--log-file", str(self.log_path(host_id)), "--max-to-keep", str(self.max_to_keep),
+               "--parent-pid", str(os.getpid())]
 
         def popen() -> subprocess.Popen:
             # Output before logging is set up (an import error) lands in the log too.
             with open(self.log_path(host_id), "ab") as out:
                 return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                        preexec_fn=preexec, close_fds=True)
+                                        close_fds=True)
 
-        self._procs[host_id] = self._spawner.submit(popen).result()
+        self._procs[host_id] = self._spawner.call(popen)
 
     def _wait_ready(self, host_id: str) -> None:
         proc = self._procs[host_id]
@@ -279,7 +304,7 @@ class LocalCluster:
         with self._lock:
             self._terminate(list(self._procs))
             if self._spawner is not None:
-                self._spawner.shutdown(wait=True)
+                self._spawner.close()
                 self._spawner = None
             with contextlib.suppress(Exception):
                 atexit.unregister(self.stop)

@@ -121,7 +121,9 @@ class ColocatedSidecar:
         if op == "commit":
             return svc.commit(int(req["step"]), req["manifest"].encode())
         if op == "backup_upload":
-            return svc.backup_upload(req["assignments"])
+            return svc.start_job(svc.backup_upload, req["assignments"])
+        if op == "job":
+            return svc.job(req["job"])
         if op == "backup_finalize":
             if req["host"] != svc.host_id:
                 return None
@@ -131,7 +133,7 @@ class ColocatedSidecar:
         if op == "backup_manifest":
             return svc.backup_manifest(req["name"]).decode()
         if op == "backup_fetch":
-            return svc.backup_fetch(req["name"], req["needs"])
+            return svc.start_job(svc.backup_fetch, req["name"], req["needs"])
         if op == "close":
             svc.close()
             with self._lock:

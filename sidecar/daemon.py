@@ -30,6 +30,7 @@ Errors come back as ``{"type": class name, "message"}``; the head re-raises them
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ from mtc.sidecar.service import SidecarService
 log = logging.getLogger(__name__)
 
 _SHUTDOWN_GRACE_S = 30.0
+_PR_SET_PDEATHSIG = 1
 
 
 class SidecarDaemon:
@@ -373,6 +375,19 @@ def _box(value: Any, where: str) -> fmt.Box:
 # --- command line --------------------------------------------------------------------------
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        log.warning("PR_SET_PDEATHSIG is not available here; this daemon will outlive its parent")
+        return
+    if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 def _write_ready(path: Path, doc: dict) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     tmp.write_text(json.dumps(doc))
@@ -381,6 +396,8 @@ def _write_ready(path: Path, doc: dict) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM or SIGINT; returns the exit code."""
+    if args.parent_pid:
+        _die_with_parent(args.parent_pid)
     host, port = protocol.parse_address(args.listen)
     handlers: list[logging.Handler] = [logging.FileHandler(args.log_file) if args.log_file
                                        else logging.StreamHandler(sys.stderr)]
@@ -419,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-to-keep", type=int, default=2, help="committed steps kept (local_max_to_keep)")
     s.add_argument("--max-payload", type=int, default=protocol.MAX_PAYLOAD_BYTES,
                    help="largest payload of one request, in bytes")
+    s.add_argument("--parent-pid", type=int, help="exit (SIGKILL) when this process, our parent, dies")
     s.set_defaults(func=serve)
     return parser
 

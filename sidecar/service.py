@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -55,6 +56,7 @@ class SidecarService:
         self.host_id = host_id
         self.backup_url = backup_url or None
         self._backup = None
+        self._jobs: dict[str, dict] = {}
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
         self._lock = threading.Lock()
@@ -219,6 +221,40 @@ class SidecarService:
                     f"step {step}: array {key!r} shard {fmt.box_str(shard.box)} (blob {shard.blob}) "
                     f"has no good copy on host {self.host_id}; tiers tried: ram ({e})") from None
         return out
+
+    # --- background jobs -----------------------------------------------------------------
+
+    def start_job(self, fn, *args) -> str:
+        """Run ``fn(*args)`` on a thread of this sidecar; poll it with ``job``.
+
+        Long work (uploads, downloads) must not hold the call that started it: on a CPU
+        backend colocated calls of one kind are serialised, and on Pathways a sidecar call
+        should not outlive the head's patience. The sidecar owns the work, the head polls.
+        """
+        job_id = uuid.uuid4().hex
+        with self._lock:
+            self._jobs[job_id] = {"done": False}
+
+        def run() -> None:
+            try:
+                out = {"done": True, "result": fn(*args)}
+            except Exception as e:  # reported to the head by `job`
+                out = {"done": True, "error": type(e).__name__, "message": str(e)}
+            with self._lock:
+                self._jobs[job_id] = out
+
+        threading.Thread(target=run, name=f"mtc-job-{job_id[:8]}", daemon=True).start()
+        return job_id
+
+    def job(self, job_id: str) -> dict:
+        """{"done": False} while running; then the result or the error, once."""
+        with self._lock:
+            status = self._jobs.get(job_id)
+            if status is None:
+                raise StepNotFoundError(f"host {self.host_id}: no job {job_id} (the sidecar restarted?)")
+            if status["done"]:
+                del self._jobs[job_id]
+            return status
 
     # --- backup tier ---------------------------------------------------------------------
 
