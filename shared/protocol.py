@@ -38,7 +38,7 @@ from mtc.shared.errors import ConfigError, ProtocolError
 from mtc.shared.version import PROTOCOL_VERSION
 
 __all__ = [
-    "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "OPS", "Request", "Reply", "RemoteError",
+    "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "OPS", "Request", "Reply", "RemoteError",
     "HostSpec", "ClusterSpec", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
     "send_request", "recv_request", "send_reply", "recv_reply", "parse_address",
 ]
@@ -49,6 +49,8 @@ MAX_HEADER_BYTES = 16 << 20
 # Default ceiling for the payloads of one frame. A write frame carries a host's whole share of
 # a step, so this is large; it exists to refuse absurd declared sizes, not to bound memory.
 MAX_PAYLOAD_BYTES = 1 << 40
+# Payloads per frame: each costs a buffer object, so a header of zeros must not cost gigabytes.
+MAX_PAYLOADS = 1 << 20
 # Buffers per sendmsg call (Linux IOV_MAX is 1024).
 _MAX_IOV = 512
 _ALIGN = 64
@@ -127,7 +129,7 @@ def _send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
                 sent = 0
 
 
-def _recv_into(sock: socket.socket, view: memoryview, what: str) -> int:
+def _recv_into(sock: socket.socket, view: memoryview) -> int:
     """Fill ``view``; returns the bytes read (less than its size only at end of stream)."""
     got, n = 0, view.nbytes
     while got < n:
@@ -153,7 +155,7 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     malformed, oversized or truncated frame (the connection is unusable afterwards).
     """
     prefix = bytearray(_PREFIX.size)
-    got = _recv_into(sock, memoryview(prefix), "frame prefix")
+    got = _recv_into(sock, memoryview(prefix))
     if got == 0:
         return None
     if got < len(prefix):
@@ -167,7 +169,7 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
         raise ProtocolError(f"frame header of {hlen} bytes is over the limit of "
                             f"{min(max_header, MAX_HEADER_BYTES)} bytes; refusing it")
     raw = bytearray(hlen)
-    got = _recv_into(sock, memoryview(raw), "frame header")
+    got = _recv_into(sock, memoryview(raw))
     if got < hlen:
         raise ProtocolError(f"connection closed after {got} of {hlen} bytes of a frame header "
                             "(peer killed or restarted?)")
@@ -185,7 +187,7 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
         if view.nbytes != n or view.readonly:
             raise ProtocolError(f"buffer for payload {i} is {view.nbytes} bytes"
                                 f"{' and read-only' if view.readonly else ''}, the frame declares {n}")
-        got = _recv_into(sock, view, "payload")
+        got = _recv_into(sock, view)
         if got < n:
             raise ProtocolError(f"connection closed after {got} of {n} bytes of payload {i} "
                                 "(peer killed or restarted?)")
@@ -206,6 +208,8 @@ def _decode_header(raw: bytes | bytearray) -> dict:
     sizes = header.get("payloads", [])
     if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
         raise ProtocolError(f"frame header 'payloads' must be a list of byte counts, got {sizes!r:.100}")
+    if len(sizes) > MAX_PAYLOADS:
+        raise ProtocolError(f"frame declares {len(sizes)} payloads, over the limit of {MAX_PAYLOADS}")
     header["payloads"] = sizes
     return header
 
