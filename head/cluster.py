@@ -52,7 +52,7 @@ __all__ = ["ClusterDispatcher"]
 
 Box = fmt.Box
 # Ops whose answer may take as long as moving a host's share of a step.
-_DATA_OPS = frozenset({"write", "commit", "read", "backup_upload", "backup_finalize", "backup_fetch"})
+_DATA_OPS = frozenset({"write", "commit", "read"})
 
 
 class _RemoteFailure(MTCError):
@@ -76,11 +76,17 @@ def _cause(e: BaseException) -> str:
 
 
 class _Host:
-    """The connection to one daemon. Requests on it are serialised by a lock."""
+    """One connection to one daemon. Requests on it are serialised by a lock.
 
-    def __init__(self, owner: "ClusterDispatcher", host_id: str):
+    Each host has two: the ``control`` lane (saves, inventories, restores) and the ``backup``
+    lane, so that an upload stuck on a dead bucket never holds up the next save. The daemon
+    serves each connection on its own thread.
+    """
+
+    def __init__(self, owner: "ClusterDispatcher", host_id: str, lane: str = "control"):
         self.owner = owner
         self.id = host_id
+        self.lane = lane
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.address: str | None = None
@@ -95,7 +101,7 @@ class _Host:
                 fresh = self.sock is None
                 if fresh:
                     self._connect()
-                timeout = self.owner.timeout_s if op in _DATA_OPS else self.owner.control_timeout_s
+                timeout = self.owner._timeout_for(op)
                 try:
                     self.sock.settimeout(timeout)
                     reply = self._roundtrip(op, args or {}, payloads, alloc)
@@ -115,6 +121,8 @@ class _Host:
         rid = self._next_id
         protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
         reply = protocol.recv_reply(self.sock, alloc=alloc)
+        if reply.id is None and reply.error is not None:  # the daemon could not read our frame
+            raise ProtocolError(f"host {self.id} refused a {op} request: {reply.error.message}")
         if reply.id != rid:
             raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
         return reply
@@ -224,12 +232,15 @@ class ClusterDispatcher(Dispatcher):
 
     ``devices`` are the head devices mapped onto the hosts (default ``jax.devices()``).
     ``timeout_s`` bounds each wait for a daemon's bytes (not a whole request) in the data ops
-    (write, commit, read, backup transfers); ``control_timeout_s`` in the others (inventory,
-    manifest, version check, abort), so that ``latest_step()`` does not hang on a hung host.
+    (write, commit, read); ``control_timeout_s`` in the others (inventory, manifest, version
+    check, abort), so that ``latest_step()`` does not hang on a hung host; ``backup_timeout_s``
+    in the backup tier's ops, which run on their own connections and may wait out a bucket
+    outage (the sidecar retries with backoff).
     """
 
     def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
-                 timeout_s: float = 300.0, control_timeout_s: float = 20.0, connect_timeout_s: float = 10.0):
+                 timeout_s: float = 300.0, control_timeout_s: float = 20.0, connect_timeout_s: float = 10.0,
+                 backup_timeout_s: float = 3600.0):
         spec = config.cluster_spec
         if not spec:
             raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
@@ -239,16 +250,20 @@ class ClusterDispatcher(Dispatcher):
         self.topology = Topology.from_spec(self.spec_path, self._devices)
         self.timeout_s = float(timeout_s)
         self.control_timeout_s = float(control_timeout_s)
+        self.backup_timeout_s = float(backup_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.head_fingerprint = version.fingerprint()
         self._addresses = {h.id: h.address for h in self.topology.hosts}
         self._spec_stamp = self._stamp()
         self._spec_lock = threading.Lock()
         self._hosts = {h: _Host(self, h) for h in self.topology.host_ids}
+        self._backup_lanes = {h: _Host(self, h, "backup") for h in self.topology.host_ids}
         self._aborts: dict[str, set[int]] = {}
         self._aborts_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self._hosts))),
-                                        thread_name_prefix="mtc-cluster")
+        workers = max(1, min(64, len(self._hosts)))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster")
+        # The backup tier fans out on its own threads too: a stuck upload holds none of the saves'.
+        self._backup_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-backup")
         self._staging: dict[tuple, np.ndarray] = {}
         self._backup_url = config.backup_root if config.base_output_directory else None
         self._fetched: dict[str, set[str]] = {}  # blob -> hosts that pulled it from the backup
@@ -292,18 +307,24 @@ class ClusterDispatcher(Dispatcher):
         with self._aborts_lock:
             self._aborts.setdefault(host_id, set()).update(steps)
 
+    def _timeout_for(self, op: str) -> float:
+        if op.startswith("backup_"):
+            return self.backup_timeout_s
+        return self.timeout_s if op in _DATA_OPS else self.control_timeout_s
+
     def _call(self, host_id: str, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
               alloc: protocol.Alloc | None = None) -> protocol.Reply:
-        return self._hosts[host_id].call(op, args, payloads, alloc)
+        lanes = self._backup_lanes if op.startswith("backup_") else self._hosts
+        return lanes[host_id].call(op, args, payloads, alloc)
 
-    def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None
-                 ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+    def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
+                 pool: ThreadPoolExecutor | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]:
         """Run ``fn(host)`` for every host in parallel: (results, failures) by host."""
         hosts = list(self._hosts) if hosts is None else list(hosts)
         if len(hosts) == 1:
             futures = None
         else:
-            futures = {h: self._pool.submit(fn, h) for h in hosts}
+            futures = {h: (pool or self._pool).submit(fn, h) for h in hosts}
         results: dict[str, Any] = {}
         failures: dict[str, BaseException] = {}
         for h in hosts:
@@ -644,7 +665,8 @@ class ClusterDispatcher(Dispatcher):
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         results, failures = self._fan_out(lambda h: self._call(
-            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))).result)
+            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))).result,
+            pool=self._backup_pool)
         if failures:
             self._raise_failures("backup upload", failures)
         return results
@@ -667,7 +689,8 @@ class ClusterDispatcher(Dispatcher):
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         results, failures = self._fan_out(lambda h: self._call(
-            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))).result)
+            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))).result,
+            pool=self._backup_pool)
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
         # The next load reads those blobs where they were fetched to.
@@ -683,7 +706,8 @@ class ClusterDispatcher(Dispatcher):
         if self._closed:
             return
         self._closed = True
-        for h in self._hosts.values():
+        for h in [*self._hosts.values(), *self._backup_lanes.values()]:
             h.close()
         self._pool.shutdown(wait=True)
+        self._backup_pool.shutdown(wait=True)
         self._staging.clear()

@@ -186,7 +186,11 @@ class SidecarDaemon:
 
     def _try_send(self, conn: socket.socket, reply: Reply) -> bool:
         try:
-            protocol.send_reply(conn, reply)
+            try:
+                protocol.send_reply(conn, reply)
+            except ProtocolError as e:  # a result that is not plain JSON: say so instead
+                log.error("host %s: cannot send a reply: %s", self.service.host_id, e)
+                protocol.send_reply(conn, Reply(reply.id, error=RemoteError("ProtocolError", str(e))))
             return True
         except OSError:
             return False

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import jax
@@ -266,6 +267,33 @@ def test_backup_through_the_daemons_restores_after_every_ramdisk_is_lost(local_c
         assert m.latest_step() == 6  # from the backup
         assert_trees_bitwise_equal(state, m.restore())
         assert m.last_restore_report.source != "cluster"
+
+
+def test_a_backup_stuck_on_a_dead_bucket_never_holds_up_the_next_save(ramdisk, emulator_factory, monkeypatch):
+    server = emulator_factory("fake-gcs-server", persistent=True)
+    bucket = f"mtc-{uuid.uuid4().hex[:12]}"
+    server.client().create_bucket(bucket)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    with LocalCluster(ramdisk / "c", 2, 2, env={"STORAGE_EMULATOR_HOST": server.url}) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, base_output_directory=f"gs://{bucket}", run_name="run",
+                        multi_tier_checkpointing_backup_interval_steps=1)
+        with CheckpointManager(cfg) as m:
+            m.save(1, make_state(1))
+            m.wait_until_finished()
+            assert m.wait_for_backup().error is None
+            server.stop()  # the bucket vanishes: the backup of step 2 retries on the daemons
+            m.save(2, make_state(2))
+            m.wait_until_finished()
+            t0 = time.perf_counter()
+            m.save(3, make_state(3))
+            m.wait_until_finished()
+            assert time.perf_counter() - t0 < 10, "a save waited for the stuck backup"
+            assert not m._backup_pending.done(), "the backup did not wait for the bucket"
+            assert m._cluster_steps()[-2:] == [2, 3]
+            server.start()
+            report = m.wait_for_backup()
+            assert report.error is None and report.step == 2, report
 
 
 def test_failed_save_names_the_host_and_the_next_save_works(local_cluster):
