@@ -480,16 +480,22 @@ class CheckpointManager:
             manifest = self._dispatch.backup_manifest(backup_name)
         requests, finish = self._plan(manifest, target)
         fetched: dict[str, dict] = {}
+        needed_bytes, needed_blobs = sum(r.record.nbytes for r in requests), len(manifest.blob_names())
         if backup_name is not None:
-            fetched = self._dispatch.backup_fetch(backup_name, self._needs(manifest, requests))
+            needs = self._needs(manifest, requests)
+            sizes = manifest.blob_sizes()
+            # Counted per host: a blob two hosts need is two transfers.
+            needed_bytes = sum(sizes[b] for bs in needs.values() for b in bs)
+            needed_blobs = sum(len(bs) for bs in needs.values())
+            fetched = self._dispatch.backup_fetch(backup_name, needs)
         arrays = self._dispatch.load(step, requests)
         t2 = time.perf_counter()
         result = finish(arrays)
         nbytes = sum(r.record.nbytes for r in requests)
         from_backup = sum(f.get("downloaded_bytes", 0) for f in fetched.values())
         blobs_backup = sum(f.get("downloaded", 0) for f in fetched.values())
-        by_tier = {"ram": nbytes - from_backup}
-        blobs = {"ram": len(manifest.blob_names()) - blobs_backup}
+        by_tier = {"ram": needed_bytes - from_backup}
+        blobs = {"ram": needed_blobs - blobs_backup}
         if backup_name is not None:
             by_tier["backup"], blobs["backup"] = from_backup, blobs_backup
         self.last_restore_report = RestoreReport(

@@ -266,7 +266,11 @@ def test_backup_through_the_daemons_restores_after_every_ramdisk_is_lost(local_c
             local_cluster.restart(h)
         assert m.latest_step() == 6  # from the backup
         assert_trees_bitwise_equal(state, m.restore())
-        assert m.last_restore_report.source != "cluster"
+        rep = m.last_restore_report
+        assert rep.source != "cluster"
+        # Every byte came from the backup (each host pulled its own shards), none was local.
+        assert rep.bytes_by_tier["ram"] == 0 and rep.blobs_by_tier["ram"] == 0
+        assert rep.bytes_by_tier["backup"] >= sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
 
 
 def test_a_backup_stuck_on_a_dead_bucket_never_holds_up_the_next_save(ramdisk, emulator_factory, monkeypatch):
