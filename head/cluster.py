@@ -246,6 +246,7 @@ class ClusterDispatcher(Dispatcher):
             raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
                               "MTCConfig.from_env): the path of the spec LocalCluster wrote")
         self.spec_path = os.fspath(spec)
+        self._max_to_keep = config.local_max_to_keep
         self._devices = list(devices if devices is not None else jax.devices())
         self.topology = Topology.from_spec(self.spec_path, self._devices)
         self.timeout_s = float(timeout_s)
@@ -438,7 +439,8 @@ class ClusterDispatcher(Dispatcher):
 
     def commit(self, step: int, manifest: fmt.StepManifest) -> dict[str, dict]:
         data = manifest.to_json()
-        results, failures = self._fan_out(lambda h: self._call(h, "commit", {"step": step}, [data]).result)
+        args = {"step": step, "max_to_keep": self._max_to_keep}  # the head's config decides retention
+        results, failures = self._fan_out(lambda h: self._call(h, "commit", args, [data]).result)
         if failures:
             self._abort(step, failures)
             raise self._save_error(step, "phase 2 (commit)", failures)

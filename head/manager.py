@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -604,6 +605,9 @@ class CheckpointManager:
 
 
 def _make_dispatcher(config: MTCConfig) -> Dispatcher:
+    if not config.cluster_spec and os.environ.get("MTC_CLUSTER_SPEC"):
+        # The launcher's way to say "cluster mode" without touching the training script.
+        config = config.replace(cluster_spec=os.environ["MTC_CLUSTER_SPEC"])
     if config.cluster_spec:
         from mtc.head.cluster import ClusterDispatcher
 

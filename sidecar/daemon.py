@@ -268,7 +268,10 @@ class SidecarDaemon:
         step = _step(args)
         if len(payloads) != 1:
             raise ProtocolError("commit: expected the step manifest as the one payload")
-        return self.service.commit(step, bytes(payloads[0])), []
+        keep = args.get("max_to_keep")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ProtocolError(f"commit: max_to_keep {keep!r} is not an integer >= 1")
+        return self.service.commit(step, bytes(payloads[0]), max_to_keep=keep), []
 
     def _op_abort(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)

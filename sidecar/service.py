@@ -126,11 +126,15 @@ class SidecarService:
 
     # --- save: phase 2 -----------------------------------------------------------------
 
-    def commit(self, step: int, manifest_json: bytes) -> dict:
+    def commit(self, step: int, manifest_json: bytes, *, max_to_keep: int | None = None) -> dict:
         """Phase 2: make ``step`` visible on this host by writing its step manifest, last.
 
-        Returns what this host wrote for the step (blobs, bytes, seconds) for the save report.
+        ``max_to_keep`` (the head's ``local_max_to_keep``) overrides the sidecar's own, so the
+        head's config decides retention on every host. Returns what this host wrote for the
+        step (blobs, bytes, seconds) for the save report.
         """
+        if max_to_keep is not None:
+            self.store.max_to_keep = int(max_to_keep)
         manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
         if manifest.step != step:
             raise ManifestError(f"commit of step {step} carries the manifest of step {manifest.step}")

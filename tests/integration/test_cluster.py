@@ -465,3 +465,17 @@ def test_daemon_that_fails_to_start_is_reported_with_its_log(ramdisk):
     with pytest.raises(HostUnreachableError, match="exited with code"):
         LocalCluster(blocker, 1, 1, startup_timeout=30).start()
     assert not daemon_pids_under(blocker)
+
+
+def test_env_cluster_spec_and_head_retention_apply(local_cluster, monkeypatch):
+    """MTC_CLUSTER_SPEC selects cluster mode; the head's local_max_to_keep decides retention."""
+    monkeypatch.setenv("MTC_CLUSTER_SPEC", str(local_cluster.spec_path))
+    cfg = MTCConfig(local_checkpoint_directory=str(local_cluster.root), local_checkpoint_period=1,
+                    local_max_to_keep=3)  # the daemons were started with --max-to-keep 2
+    with CheckpointManager(cfg) as m:
+        assert type(m._dispatch).__name__ == "ClusterDispatcher"
+        for step in range(5):
+            m.save(step, make_state(step))
+            m.wait_until_finished()
+        assert m.all_steps() == [2, 3, 4]
+        assert_trees_bitwise_equal(make_state(2), m.restore(2))
