@@ -13,6 +13,8 @@ Points (placed in the sidecar service):
 - ``between_blobs``: some blobs of the step written, others not.
 - ``before_commit``: every blob and the host manifest written; the step manifest not yet.
 - ``after_commit``: the step manifest written (the step is committed).
+- ``between_uploads``: a backup upload of one blob is about to start (backup tier); ``@N``
+  picks the N-th upload, so earlier ones are in the bucket and later ones are not.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import Counter
 __all__ = ["CRASH_POINTS", "ENV_VAR", "crash_point"]
 
 ENV_VAR = "MTC_CRASH_AT"
-CRASH_POINTS = frozenset({"before_blobs", "between_blobs", "before_commit", "after_commit"})
+CRASH_POINTS = frozenset({"before_blobs", "between_blobs", "before_commit", "after_commit", "between_uploads"})
 
 _counts: Counter[str] = Counter()
 _lock = threading.Lock()

@@ -17,6 +17,7 @@ from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, open_store
+from mtc.sidecar.faults import crash_point
 from mtc.sidecar.ram import RamStore
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class BackupTier:
                 name = layout.blob_object(blob)
                 if self._store.exists(name):
                     return 0
+                crash_point("between_uploads")
                 self._store.put_file(name, str(self._ram.blob_path(blob)))
                 return self._ram.blob_size(blob)
 
