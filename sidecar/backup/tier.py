@@ -47,9 +47,12 @@ class BackupTier:
                     f"host {self._host}: cannot back up {len(missing)} blob(s) it no longer holds "
                     f"({missing[0]}, ...); the step was pruned from the ramdisk")
 
+            # One listing instead of a HEAD per blob: incremental backups skip most blobs.
+            present = {o[len(layout.BLOBS):] for o in self._store.list(layout.BLOBS)}
+
             def one(blob: str) -> int:
                 name = layout.blob_object(blob)
-                if self._store.exists(name):
+                if blob in present:
                     return 0
                 crash_point("between_uploads")
                 self._store.put_file(name, str(self._ram.blob_path(blob)))
