@@ -78,9 +78,10 @@ def _cause(e: BaseException) -> str:
 class _Host:
     """One connection to one daemon. Requests on it are serialised by a lock.
 
-    Each host has two: the ``control`` lane (saves, inventories, restores) and the ``backup``
-    lane, so that an upload stuck on a dead bucket never holds up the next save. The daemon
-    serves each connection on its own thread.
+    Each host has three: the ``control`` lane (saves, inventories, restores), the ``backup``
+    lane, so that an upload stuck on a dead bucket never holds up the next save, and the
+    ``peer`` lane (replication, restore pulls), for the same reason. The daemon serves each
+    connection on its own thread.
     """
 
     def __init__(self, owner: "ClusterDispatcher", host_id: str, lane: str = "control"):
@@ -148,6 +149,8 @@ class _Host:
                     f"host {self.id}: the daemon at {address} answers as host {fp.get('host')!r}; the cluster "
                     f"spec {self.owner.spec_path} is stale or wrong")
             version.check_fingerprints(self.owner.head_fingerprint, {self.id: fp})
+            if isinstance(fp.get("peer"), str):  # the address book the head hands to the peer tier
+                self.owner._peer_addresses[self.id] = fp["peer"]
             # A save that failed while this host was away may have left its step here.
             for step in self.owner._take_aborts(self.id):
                 try:
@@ -240,7 +243,7 @@ class ClusterDispatcher(Dispatcher):
 
     def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
                  timeout_s: float = 300.0, control_timeout_s: float = 20.0, connect_timeout_s: float = 10.0,
-                 backup_timeout_s: float = 3600.0):
+                 backup_timeout_s: float = 3600.0, peer_timeout_s: float = 3600.0):
         spec = config.cluster_spec
         if not spec:
             raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
@@ -252,6 +255,7 @@ class ClusterDispatcher(Dispatcher):
         self.timeout_s = float(timeout_s)
         self.control_timeout_s = float(control_timeout_s)
         self.backup_timeout_s = float(backup_timeout_s)
+        self.peer_timeout_s = float(peer_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.head_fingerprint = version.fingerprint()
         self._addresses = {h.id: h.address for h in self.topology.hosts}
@@ -259,12 +263,15 @@ class ClusterDispatcher(Dispatcher):
         self._spec_lock = threading.Lock()
         self._hosts = {h: _Host(self, h) for h in self.topology.host_ids}
         self._backup_lanes = {h: _Host(self, h, "backup") for h in self.topology.host_ids}
+        self._peer_lanes = {h: _Host(self, h, "peer") for h in self.topology.host_ids}
+        self._peer_addresses: dict[str, str] = {}  # host -> peer service address, from fingerprints
         self._aborts: dict[str, set[int]] = {}
         self._aborts_lock = threading.Lock()
         workers = max(1, min(64, len(self._hosts)))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster")
         # The backup tier fans out on its own threads too: a stuck upload holds none of the saves'.
         self._backup_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-backup")
+        self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
         self._staging: dict[tuple, np.ndarray] = {}
         self._backup_url = config.backup_root if config.base_output_directory else None
         self._fetched: dict[str, set[str]] = {}  # blob -> hosts that pulled it from the backup
@@ -311,11 +318,14 @@ class ClusterDispatcher(Dispatcher):
     def _timeout_for(self, op: str) -> float:
         if op.startswith("backup_"):
             return self.backup_timeout_s
+        if op.startswith("peer_"):
+            return self.peer_timeout_s
         return self.timeout_s if op in _DATA_OPS else self.control_timeout_s
 
     def _call(self, host_id: str, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
-              alloc: protocol.Alloc | None = None) -> protocol.Reply:
-        lanes = self._backup_lanes if op.startswith("backup_") else self._hosts
+              alloc: protocol.Alloc | None = None, *, lane: str | None = None) -> protocol.Reply:
+        lane = lane or ("backup" if op.startswith("backup_") else "peer" if op.startswith("peer_") else "control")
+        lanes = {"control": self._hosts, "backup": self._backup_lanes, "peer": self._peer_lanes}[lane]
         return lanes[host_id].call(op, args, payloads, alloc)
 
     def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
@@ -469,15 +479,22 @@ class ClusterDispatcher(Dispatcher):
 
     def inventories(self) -> dict[str, dict]:
         """host id -> inventory; an unreachable host has no steps and an ``"error"``."""
+        return self._inventories("control")
+
+    def peer_inventories(self) -> dict[str, dict]:
+        """``inventories()`` on the peer lane: background replication never holds the control lane."""
+        return self._inventories("peer")
+
+    def _inventories(self, lane: str) -> dict[str, dict]:
         def one(h: str) -> dict:
-            inv = self._call(h, "inventory", {"devices": list(self.topology.host(h).devices)}).result
+            inv = self._call(h, "inventory", {"devices": list(self.topology.host(h).devices)}, lane=lane).result
             if not (isinstance(inv, dict) and isinstance(inv.get("steps"), list) and all(
                     isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
                     for s in inv["steps"])):
                 raise ProtocolError(f"host {h}: malformed inventory {inv!r:.200}")
             return inv
 
-        results, failures = self._fan_out(one)
+        results, failures = self._fan_out(one, pool=self._peer_pool if lane == "peer" else None)
         for h, e in failures.items():
             log.warning("inventory: %s; its steps cannot be confirmed", _cause(e))
             results[h] = {"host": h, "steps": [], "error": _cause(e)}
@@ -695,11 +712,41 @@ class ClusterDispatcher(Dispatcher):
             pool=self._backup_pool)
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
-        # The next load reads those blobs where they were fetched to.
-        self._fetched = {}
+        # The next load reads those blobs where they were fetched to (peer pulls add theirs too).
         for h, blobs in needs.items():
             for b in blobs:
                 self._fetched.setdefault(b, set()).add(h)
+        return results
+
+    # --- peer tier (the sidecars move the bytes; the head plans and hands out addresses) ----
+
+    def slice_of(self, host_id: str) -> int:
+        return self.topology.slice_of(host_id)
+
+    def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
+                  manifest: fmt.StepManifest | None = None) -> dict[str, dict]:
+        """Each host of ``pulls`` fetches its blobs from the holders listed, verified.
+
+        host -> what it pulled (see ``mtc.sidecar.replication.pull_blobs``), or ``{"error"}``
+        when the host could not be asked or failed as a whole. With ``manifest``, a host that
+        lacks the step commits it once all its pulls succeeded (restore onto a wiped host).
+        """
+        peers = dict(self._peer_addresses)
+        data = [manifest.to_json()] if manifest is not None else []
+
+        def one(h: str) -> dict:
+            args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls[h]], "peers": peers}
+            return self._call(h, "peer_pull", args, data).result
+
+        results, failures = self._fan_out(one, list(pulls), pool=self._peer_pool)
+        for h, res in results.items():
+            failed = {row[0] for row in res.get("failed", [])} if isinstance(res, dict) else set()
+            for b, _, _ in pulls[h]:
+                if b not in failed:  # the next load reads those blobs where they were pulled to
+                    self._fetched.setdefault(b, set()).add(h)
+        for h, e in failures.items():
+            log.warning("peer pull of step %d on %s failed: %s", step, h, _cause(e))
+            results[h] = {"error": _cause(e)}
         return results
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -708,8 +755,9 @@ class ClusterDispatcher(Dispatcher):
         if self._closed:
             return
         self._closed = True
-        for h in [*self._hosts.values(), *self._backup_lanes.values()]:
+        for h in [*self._hosts.values(), *self._backup_lanes.values(), *self._peer_lanes.values()]:
             h.close()
         self._pool.shutdown(wait=True)
         self._backup_pool.shutdown(wait=True)
+        self._peer_pool.shutdown(wait=True)
         self._staging.clear()

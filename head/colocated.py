@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -29,6 +31,10 @@ log = logging.getLogger(__name__)
 SIDECAR_CLASS = "mtc.sidecar.colocated:ColocatedSidecar"
 DIGEST_LEN = 16
 _ALIGN = 64
+# Staging copies run on this many threads (np.copyto releases the GIL), in chunks of
+# _COPY_CHUNK bytes so that the threads share the work evenly.
+_STAGE_THREADS = max(1, min(4, os.cpu_count() or 1))
+_COPY_CHUNK = 8 << 20
 
 
 def _load_sidecar_class() -> type:
@@ -90,8 +96,13 @@ class ColocatedDispatcher(Dispatcher):
             "ramdisk_root": str(config.ramdisk_root),
             "local_max_to_keep": config.local_max_to_keep,
             "backup_url": config.backup_root if config.base_output_directory else None,
+            "peer_port": config.peer_port,
+            # Only when set in the config: otherwise each sidecar reads MTC_PEER_TOKEN itself.
+            **({"peer_token": config.peer_token} if config.peer_token else {}),
         }))
         self._staging: dict[tuple, np.ndarray] = {}
+        self._copiers = (ThreadPoolExecutor(_STAGE_THREADS, thread_name_prefix="mtc-stage")
+                         if _STAGE_THREADS > 1 else None)
         self._host_of_row: list[str] | None = None
 
     # --- control requests ---------------------------------------------------------------
@@ -141,27 +152,55 @@ class ColocatedDispatcher(Dispatcher):
         groups: dict[tuple, _Group] = {}
         all_cpu = tuple(self._ctl_devices)
         live = set()
+        # First every host copy (on several threads), then the arrays over the copied buffers.
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        builds = []
         for leaf in leaves:
             if leaf.kind == "scalar":
                 continue
             if leaf.kind == "numpy":
                 src = np.ascontiguousarray(leaf.value).reshape(-1).view(np.uint8)
                 buf = self._buffer((leaf.key, "numpy"), src.shape, np.uint8, live)
-                np.copyto(buf, src)
-                sharding = jax.sharding.NamedSharding(
-                    jax.sharding.Mesh(np.array(all_cpu, dtype=object), ("d",)), jax.sharding.PartitionSpec())
-                arr = jax.make_array_from_single_device_arrays(
-                    buf.shape, sharding, [jax.device_put(buf, d, may_alias=True) for d in all_cpu])
-                devices = all_cpu
+                copies.append((buf, src))
+
+                def build(buf=buf):
+                    sharding = jax.sharding.NamedSharding(
+                        jax.sharding.Mesh(np.array(all_cpu, dtype=object), ("d",)), jax.sharding.PartitionSpec())
+                    return jax.make_array_from_single_device_arrays(
+                        buf.shape, sharding, [jax.device_put(buf, d, may_alias=True) for d in all_cpu])
             else:
-                arr = self._stage_array(leaf, live)
-                devices = tuple(sorted(arr.sharding.device_set, key=lambda d: d.id))
+                build = self._stage_array(leaf, live, copies)
+            builds.append((leaf, build))
+        self._copy_all(copies)
+        for leaf, build in builds:
+            arr = build()
+            devices = all_cpu if leaf.kind == "numpy" else tuple(sorted(arr.sharding.device_set, key=lambda d: d.id))
             g = groups.setdefault(devices, _Group(devices))
             g.leaves.append(leaf)
             g.arrays.append(arr)
         for key in set(self._staging) - live:
             del self._staging[key]
         return list(groups.values())
+
+    def _copy_all(self, copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """np.copyto(dst, src) for each pair, split in chunks over the staging threads."""
+        jobs = []
+        total = 0
+        for dst, src in copies:
+            if not (dst.size and dst.flags.c_contiguous and src.flags.c_contiguous and dst.nbytes == src.nbytes
+                    and dst.dtype == src.dtype):
+                jobs.append((dst, src))
+                continue
+            d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
+            for a in range(0, d.size, _COPY_CHUNK):
+                jobs.append((d[a:a + _COPY_CHUNK], s[a:a + _COPY_CHUNK]))
+            total += d.size
+        if self._copiers is None or total < 2 * _COPY_CHUNK:
+            for dst, src in jobs:
+                np.copyto(dst, src)
+            return
+        for _ in self._copiers.map(lambda j: np.copyto(j[0], j[1]), jobs):
+            pass
 
     def _buffer(self, key: tuple, shape: tuple, dtype: Any, live: set) -> np.ndarray:
         live.add(key)
@@ -170,26 +209,33 @@ class ColocatedDispatcher(Dispatcher):
             buf = self._staging[key] = _aligned_like(tuple(shape), dtype)
         return buf
 
-    def _stage_array(self, leaf: Leaf, live: set) -> jax.Array:
+    def _stage_array(self, leaf: Leaf, live: set, copies: list) -> Any:
+        """Plan the staging of one jax leaf: appends its host copies to ``copies`` and returns
+        a function that builds the staged array once they are done."""
         x = leaf.value
         cpu_sharding = _cpu_sharding(x.sharding, self._cpu_of)
         if not self._same_memory:
             # A real device-to-host transfer onto the colocated CPU devices.
-            return jax.device_put(x, cpu_sharding)
+            return lambda: jax.device_put(x, cpu_sharding)
         # CPU backend: copy each unique shard once into reused, aligned host buffers, so a
         # train step that donates its inputs cannot touch what is being written.
-        copies: dict[fmt.Box, np.ndarray] = {}
-        per_device = []
+        bufs: dict[fmt.Box, np.ndarray] = {}
+        placed = []
         for shard in x.addressable_shards:
             box = leaf.device_boxes[shard.device.id]
-            buf = copies.get(box)
+            buf = bufs.get(box)
             if buf is None:
                 src = np.asarray(shard.data)
                 buf = self._buffer((leaf.key, box), src.shape, src.dtype, live)
-                np.copyto(buf, src)
-                copies[box] = buf
-            per_device.append(jax.device_put(buf, self._cpu_of[shard.device], may_alias=True))
-        return jax.make_array_from_single_device_arrays(x.shape, cpu_sharding, per_device)
+                copies.append((buf, src))
+                bufs[box] = buf
+            placed.append((buf, self._cpu_of[shard.device]))
+
+        def build() -> jax.Array:
+            per_device = [jax.device_put(buf, dev, may_alias=True) for buf, dev in placed]
+            return jax.make_array_from_single_device_arrays(x.shape, cpu_sharding, per_device)
+
+        return build
 
     def write(self, step: int, staged: list[_Group]) -> WriteResult:
         blobs: dict[tuple[int, fmt.Box], str] = {}
@@ -311,6 +357,8 @@ class ColocatedDispatcher(Dispatcher):
             self._control("close")
         finally:
             self._staging.clear()
+            if self._copiers is not None:
+                self._copiers.shutdown(wait=True)
             # Drop the colocated object now: its finaliser needs a live interpreter.
             self._obj = None
             import gc

@@ -117,6 +117,25 @@ class Dispatcher(abc.ABC):
         """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
         raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
+    # --- peer tier (the sidecars pull from each other; the head plans) --------------------
+
+    def slice_of(self, host_id: str) -> int:
+        """The slice of host ``host_id`` (0 where the dispatcher knows no slices)."""
+        return 0
+
+    def peer_inventories(self) -> dict[str, dict]:
+        """``inventories()`` for background replication (a dispatcher may use another connection)."""
+        return self.inventories()
+
+    def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
+                  manifest: fmt.StepManifest | None = None) -> dict[str, dict]:
+        """Each host of ``pulls`` fetches [(blob, nbytes, [holders to try])] from its peers, verified.
+
+        host -> what it pulled, or ``{"error": cause}``. With ``manifest``, a host that lacks
+        the step commits it once all its pulls succeeded.
+        """
+        raise errors.MTCError(f"the peer tier is not available through {type(self).__name__} yet")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop using the sidecars."""

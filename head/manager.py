@@ -2,8 +2,10 @@
 
 ``save`` validates and flattens the state, copies it to host memory (the only time training
 waits), then writes it in the background: phase 1 on every sidecar, the step manifest built
-from their answers, phase 2 on every sidecar. ``restore`` picks the newest step committed on
-every host (or the one asked for) and brings it back with the target's shardings.
+from their answers, phase 2 on every sidecar; then, still in the background, replication to
+peers and (when due) a backup. ``restore`` picks the newest step whose every blob has a copy
+on some host (or in a backup), or the one asked for; hosts that lack blobs of it pull them
+from peers (or the backup) first, then it comes back with the target's shardings.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import numpy as np
 
 from mtc.head import tree as tree_lib
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest
+from mtc.head.replication import ReplicationStrategy, step_views, summarize
 from mtc.shared import format as fmt
 from mtc.shared import backup_layout, shardings, version
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import (
     ConfigError,
+    CorruptBlobError,
     MTCError,
     SaveError,
     StepNotFoundError,
@@ -33,6 +37,10 @@ from mtc.shared.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long replication of a step keeps retrying while a host it needs is down or a pull failed.
+_REPLICATION_PATIENCE_S = 1800.0
+_REPLICATION_RETRY_S = (0.05, 2.0)  # first and longest wait between attempts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +65,42 @@ class RestoreReport:
     """What one restore did: bytes and blobs by tier, and the time of each phase (seconds)."""
 
     step: int
-    bytes_by_tier: dict = dataclasses.field(default_factory=dict)
+    bytes_by_tier: dict = dataclasses.field(default_factory=dict)  # "ram", "peer", "backup"
     blobs_by_tier: dict = dataclasses.field(default_factory=dict)
     source: str = "cluster"  # "cluster", or the name of the backup restored
+    skipped_copies: tuple = ()  # "host <- holder: blob: why" for each bad or unreachable copy passed over
     inventory_s: float = 0.0
+    pull_s: float = 0.0  # hosts pulling what they lacked from peers (and the backup)
     load_s: float = 0.0
     total_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationReport:
+    """What the replication of one step did (the peer tier), or why it is not complete."""
+
+    step: int
+    planned_blobs: int = 0  # copies the first plan asked for
+    planned_bytes: int = 0
+    moved_blobs: int = 0  # copies made, over every attempt
+    moved_bytes: int = 0
+    bad_copies: int = 0  # received copies that failed their hash (skipped for another holder)
+    complete: bool = False  # every planned copy was made (nothing left to retry)
+    replicated: bool = False  # every blob is on >= replication_factor slices (hosts with one slice)
+    attempts: int = 0
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatus:
+    """One step as the inventories see it."""
+
+    step: int
+    restorable: bool  # every blob has a copy on some host (and every host answered)
+    replicated: bool  # every blob on >= replication_factor slices (hosts with one slice)
+    min_copies: int  # fewest slices (hosts) holding any one blob of the step
+    hosts: tuple = ()  # hosts with the step committed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +177,13 @@ class CheckpointManager:
         self._backup_pending: Future | None = None
         self._backup_skipped = 0
         self._last_backup: tuple[int, float] | None = None  # (step, monotonic time) of the last started
+        self._strategy = ReplicationStrategy(config.replication_factor)
+        self._replication_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-replicate")
+        self._replication_pending: Future | None = None
+        self._replicate_step: int | None = None  # the newest step given to replication
+        self._closing = threading.Event()
+        self.last_replication_report: ReplicationReport | None = None
+        self._views: dict = {}
 
     @property
     def config(self) -> MTCConfig:
@@ -229,6 +274,7 @@ class CheckpointManager:
             committed = self._dispatch.commit(step, manifest)
             if self._known_steps is not None:
                 self._known_steps.add(step)
+            self._maybe_replicate(manifest)
             self._maybe_backup(step, manifest)
             t3 = time.perf_counter()
             written = sum(h.get("written_bytes", 0) for h in committed.values())
@@ -282,6 +328,128 @@ class CheckpointManager:
             step=step, arrays=tuple(records), tree=tree_doc, created=time.time(),
             topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint(),
         )
+
+    # --- replication (the peer tier) ----------------------------------------------------
+
+    def _maybe_replicate(self, manifest: fmt.StepManifest) -> None:
+        """Start replicating ``manifest``'s step in the background (the step is committed)."""
+        try:
+            if self._config.replication_factor < 2 or len(self._dispatch.hosts()) < 2:
+                return  # nothing to copy, or nowhere to copy it
+            if self._replicate_step is None or manifest.step > self._replicate_step:
+                self._replicate_step = manifest.step
+            self._replication_pending = self._replication_executor.submit(self._replicate, manifest)
+        except Exception as e:  # the step is committed: a save never fails because of its copies
+            log.error("replication of step %d could not start: %s", manifest.step, e)
+
+    def _replicate(self, manifest: fmt.StepManifest) -> ReplicationReport:
+        """Bring every blob of the step to ``replication_factor`` copies; retry until done.
+
+        Each attempt asks the inventories (who holds what now), plans the missing copies and
+        has the receiving hosts pull them. It tries again, with backoff, while a pull failed or a
+        host is down and copies are still short; it gives up when a newer step is saved, the
+        manager closes, or after half an hour. Never raises: training must not fail for this.
+        """
+        step, t0 = manifest.step, time.perf_counter()
+        names = sorted(manifest.blob_names())
+        stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0}
+        attempts, delay, error = 0, _REPLICATION_RETRY_S[0], None
+        complete = replicated = False
+        deadline = time.monotonic() + _REPLICATION_PATIENCE_S
+        while True:
+            attempts += 1
+            try:
+                complete, replicated = self._replicate_once(manifest, names, stats, first=attempts == 1)
+                error = None
+            except StepNotFoundError as e:  # pruned or aborted meanwhile: nothing left to do
+                error = str(e)
+                break
+            except Exception as e:  # reported, retried
+                complete, error = False, f"{type(e).__name__}: {e}"
+                log.warning("replication of step %d, attempt %d: %s", step, attempts, error)
+            if complete:
+                break
+            if self._replicate_step > step or self._closing.is_set() or time.monotonic() > deadline:
+                error = error or "copies still missing: " + (
+                    "a newer step was saved" if self._replicate_step > step else
+                    "the manager closed" if self._closing.is_set() else "gave up retrying")
+                break
+            self._closing.wait(delay)
+            delay = min(delay * 2, _REPLICATION_RETRY_S[1])
+        report = ReplicationReport(step=step, complete=complete, replicated=replicated, attempts=attempts,
+                                   error=error, seconds=time.perf_counter() - t0, **stats)
+        self.last_replication_report = report
+        log.info("- replicate step %d; duration=%.3fs; moved=%d bytes in %d blobs (%d planned); complete=%s "
+                 "replicated=%s attempts=%d", step, report.seconds, report.moved_bytes, report.moved_blobs,
+                 report.planned_blobs, complete, replicated, attempts)
+        return report
+
+    def _topology(self) -> dict[str, int]:
+        return {h: self._dispatch.slice_of(h) for h in self._dispatch.hosts()}
+
+    def _replicate_once(self, manifest: fmt.StepManifest, names: list[str], stats: dict, *,
+                        first: bool) -> tuple[bool, bool]:
+        """One attempt: (nothing left to retry, every blob has its copies)."""
+        step = manifest.step
+        inv = self._dispatch.peer_inventories()
+        down = {h for h, i in inv.items() if i.get("error")}
+        view = step_views(inv).get(step)
+        holders = view.by_name(names) if view is not None else None
+        if holders is None:
+            if down:
+                return False, False  # the hosts that hold it may be the ones down
+            raise StepNotFoundError(f"step {step} is no longer committed on any host; nothing to replicate")
+        topology = self._topology()
+        plan = self._strategy.plan(manifest, holders, topology, targets=set(view.hosts) - down)
+        if first:
+            stats["planned_blobs"], stats["planned_bytes"] = len(plan), sum(t.nbytes for t in plan)
+        failed = 0
+        if plan:
+            pulls: dict[str, list[tuple[str, int, list[str]]]] = {}
+            for t in plan:
+                others = sorted(holders[t.blob] - {t.src, t.dst} - down)
+                pulls.setdefault(t.dst, []).append((t.blob, t.nbytes, [t.src, *others]))
+            for dst, res in self._dispatch.peer_pull(step, pulls).items():
+                if "error" in res:
+                    failed += len(pulls[dst])
+                    continue
+                bad = {row[0] for row in res.get("failed", [])}
+                failed += len(bad)
+                stats["moved_blobs"] += res.get("pulled", 0)
+                stats["moved_bytes"] += res.get("pulled_bytes", 0)
+                stats["bad_copies"] += len(res.get("bad_copies", []))
+                for blob, _, _ in pulls[dst]:
+                    if blob not in bad:
+                        holders[blob].add(dst)
+        short = self._strategy.shortfall(manifest, holders, topology)
+        lost = [b for b in short if not holders[b]]
+        if lost:
+            log.error("step %d: %d blobs have no copy on any host (e.g. %s); they cannot be replicated",
+                      step, len(lost), lost[0])
+        elif short and not failed and not down:
+            log.warning("step %d: %d blobs stay below replication_factor=%d: the topology has %d failure domains "
+                        "(slices, or hosts when there is one slice)", step, len(short), self._strategy.factor,
+                        self._strategy.domains(topology))
+        return failed == 0 and not (short and down), not short
+
+    def wait_for_replication(self) -> ReplicationReport | None:
+        """Block until the replication of the newest saved step is done; returns its report."""
+        pending = self._replication_pending
+        if pending is not None:
+            pending.result()
+        return self.last_replication_report
+
+    def step_status(self) -> list[StepStatus]:
+        """Every committed step, ascending: restorable? replicated? fewest copies of a blob?"""
+        inv = self._dispatch.inventories()
+        down = any(i.get("error") for i in inv.values())
+        topology = self._topology()
+        out = []
+        for step, view in sorted(step_views(inv).items()):
+            facts = summarize(view, self._strategy, topology)
+            out.append(StepStatus(step=step, restorable=facts["restorable"] and not down,
+                                  replicated=facts["replicated"], min_copies=facts["min_copies"], hosts=view.hosts))
+        return out
 
     # --- backup --------------------------------------------------------------------------
 
@@ -386,16 +554,19 @@ class CheckpointManager:
     # --- inventory -----------------------------------------------------------------------
 
     def _cluster_steps(self) -> list[int]:
-        """Steps committed (and whole) on every host of the current topology, ascending."""
+        """Steps restorable from the hosts, ascending: every blob has a copy on some host.
+
+        The copy may be on the host that saved it, on a data-parallel twin, or a peer copy,
+        so a host that lost its ramdisk does not make a step unrestorable. While a host cannot
+        be asked (cluster mode: its daemon is down), no step is confirmed: the restore would
+        need that host.
+        """
         inv = self._dispatch.inventories()
-        # A host that could not be asked (cluster mode: its daemon is down) confirms no step.
         self._unreachable = {h: i["error"] for h, i in inv.items() if i.get("error")}
-        per_host = [
-            {s["step"] for s in h["steps"] if s["local_blobs"] == s["blobs"]} for h in inv.values()
-        ]
-        if not per_host:
+        self._views = step_views(inv)
+        if self._unreachable or not inv:
             return []
-        return sorted(set.intersection(*per_host))
+        return sorted(s for s, v in self._views.items() if v.restorable)
 
     def _unreachable_note(self) -> str:
         bad = getattr(self, "_unreachable", None) or {}
@@ -410,7 +581,8 @@ class CheckpointManager:
         return self._dispatch.backup_listing()
 
     def all_steps(self) -> list[int]:
-        """Restorable steps, ascending: committed on every host, or in a complete backup.
+        """Restorable steps, ascending: whole across the hosts (see ``_cluster_steps``), or in a
+        complete backup.
 
         When ``restore.version`` names a backup, only that backup's step.
         """
@@ -449,6 +621,7 @@ class CheckpointManager:
         self._check_versions()
         listing = self._backup_listing()
         backup_name = None
+        fallback = None  # a backup of the chosen step, for blobs no host has a good copy of
         if listing["restore_version"]:
             backup_name, pinned = self._pinned_backup(listing)
             if step is not None and step != pinned:
@@ -470,40 +643,118 @@ class CheckpointManager:
                         + self._unreachable_note())
                 step = steps[-1]
             elif step not in steps:
-                raise StepNotFoundError(f"step {step} is not committed on every host; committed steps: {steps}"
+                raise StepNotFoundError(f"step {step} is not committed on every host, and not every blob of it has a "
+                                        f"copy on some host or in a backup; committed steps: {steps}"
                                         + self._unreachable_note())
             if step not in cluster:
                 backup_name = in_backup[step]
+            fallback = in_backup.get(step)
         t1 = time.perf_counter()
         if backup_name is None:
             manifest = self._dispatch.manifest(step)
         else:
             manifest = self._dispatch.backup_manifest(backup_name)
         requests, finish = self._plan(manifest, target)
-        fetched: dict[str, dict] = {}
+        pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}  # tier -> [bytes, blobs]
         needed_bytes, needed_blobs = sum(r.record.nbytes for r in requests), len(manifest.blob_names())
-        if backup_name is not None:
+        view = self._views.get(step) if backup_name is None else None
+        if backup_name is not None or (view is not None and set(view.whole) != set(self._dispatch.hosts())):
+            # Some host lacks blobs (a replaced node): it pulls them first. Planned per host,
+            # and counted per host: a blob two hosts need is two transfers.
             needs = self._needs(manifest, requests)
             sizes = manifest.blob_sizes()
-            # Counted per host: a blob two hosts need is two transfers.
             needed_bytes = sum(sizes[b] for bs in needs.values() for b in bs)
             needed_blobs = sum(len(bs) for bs in needs.values())
-            fetched = self._dispatch.backup_fetch(backup_name, needs)
+            if backup_name is not None:
+                self._count_backup(pulled, self._dispatch.backup_fetch(backup_name, needs))
+            else:
+                self._pull_lacking(step, manifest, needs, fallback, pulled)
+        t_pull = time.perf_counter()
+        if backup_name is None and (pulled["peer"][1] or pulled["backup"][1]):
+            # A host was refilled: the copies it held for its peers are gone too; make them again.
+            self._maybe_replicate(manifest)
         arrays = self._dispatch.load(step, requests)
         t2 = time.perf_counter()
         result = finish(arrays)
         nbytes = sum(r.record.nbytes for r in requests)
-        from_backup = sum(f.get("downloaded_bytes", 0) for f in fetched.values())
-        blobs_backup = sum(f.get("downloaded", 0) for f in fetched.values())
-        by_tier = {"ram": needed_bytes - from_backup}
-        blobs = {"ram": needed_blobs - blobs_backup}
-        if backup_name is not None:
-            by_tier["backup"], blobs["backup"] = from_backup, blobs_backup
+        (peer_bytes, peer_blobs), (backup_bytes, backup_blobs) = pulled["peer"], pulled["backup"]
+        by_tier = {"ram": needed_bytes - peer_bytes - backup_bytes, "peer": peer_bytes, "backup": backup_bytes}
+        blobs = {"ram": needed_blobs - peer_blobs - backup_blobs, "peer": peer_blobs, "backup": backup_blobs}
         self.last_restore_report = RestoreReport(
             step=step, bytes_by_tier=by_tier, blobs_by_tier=blobs, source=backup_name or "cluster",
-            inventory_s=t1 - t0, load_s=t2 - t1, total_s=time.perf_counter() - t0)
+            skipped_copies=tuple(pulled["skipped"]), inventory_s=t1 - t0, pull_s=t_pull - t1,
+            load_s=t2 - t_pull, total_s=time.perf_counter() - t0)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes", step, time.perf_counter() - t0, nbytes)
         return result
+
+    @staticmethod
+    def _count_backup(pulled: dict, fetched: dict[str, dict]) -> None:
+        pulled["backup"][0] += sum(f.get("downloaded_bytes", 0) for f in fetched.values())
+        pulled["backup"][1] += sum(f.get("downloaded", 0) for f in fetched.values())
+
+    def _pull_lacking(self, step: int, manifest: fmt.StepManifest, needs: dict[str, list[str]],
+                      fallback: str | None, pulled: dict) -> None:
+        """Hosts that lack blobs they need pull them from peers that hold them, verified.
+
+        The load spreads over the holders; a bad or unreachable copy is skipped for the next
+        holder. What no peer could give comes from the backup ``fallback`` (a backup of this
+        step) when there is one; otherwise CorruptBlobError names the array, the shard and the
+        tiers tried. A host that lacked the step altogether (a replaced node) commits it again
+        once it holds its blobs.
+        """
+        view = self._views.get(step)
+        holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
+        if holders is None:
+            return  # the inventories did not see this step: the load reads from where it is
+        lacking = {h: [b for b in bs if h not in holders[b]] for h, bs in needs.items()}
+        lacking = {h: bs for h, bs in lacking.items() if bs}
+        if not lacking:
+            return
+        failed: dict[tuple[str, str], list[str]] = {}
+        asked: dict[str, list[tuple[str, int, list[str]]]] = {}
+        for h, rows in self._strategy.pulls(lacking, holders, manifest.blob_sizes()).items():
+            for blob, nbytes, srcs in rows:
+                if srcs:
+                    asked.setdefault(h, []).append((blob, nbytes, srcs))
+                else:
+                    failed[(h, blob)] = ["no other host holds it"]
+        if asked:
+            log.info("restore of step %d: %d hosts pull %d blobs from peers", step, len(asked),
+                     sum(len(r) for r in asked.values()))
+            for h, res in self._dispatch.peer_pull(step, asked, manifest).items():
+                if "error" in res:
+                    for blob, _, _ in asked[h]:
+                        failed[(h, blob)] = [f"{h} could not pull: {res['error']}"]
+                    continue
+                pulled["peer"][0] += res.get("pulled_bytes", 0)
+                pulled["peer"][1] += res.get("pulled", 0)
+                pulled["skipped"].extend(f"{h} <- {src}: blob {blob}: {cause}"
+                                         for blob, src, cause in res.get("bad_copies", []))
+                for blob, causes in res.get("failed", []):
+                    failed[(h, blob)] = [f"{src}: {cause}" for src, cause in causes]
+        if not failed:
+            return
+        if fallback is None:
+            raise self._no_good_copy(step, manifest, failed)
+        log.warning("restore of step %d: %d blobs have no good copy on any peer; fetching them from backup %s",
+                    step, len(failed), fallback)
+        fetch: dict[str, list[str]] = {}
+        for h, blob in failed:
+            fetch.setdefault(h, []).append(blob)
+        self._count_backup(pulled, self._dispatch.backup_fetch(fallback, fetch))
+
+    def _no_good_copy(self, step: int, manifest: fmt.StepManifest,
+                      failed: dict[tuple[str, str], list[str]]) -> CorruptBlobError:
+        where = {sh.blob: (rec.key, sh.box) for rec in manifest.arrays for sh in rec.shards}
+        (host, blob), causes = min(failed.items(), key=lambda kv: (where[kv[0][1]][0], kv[0]))
+        key, box = where[blob]
+        backup = ("no backup of this step" if self._config.base_output_directory
+                  else "not configured (set base_output_directory)")
+        more = f"; {len(failed) - 1} more (host, blob) pairs have no good copy either" if len(failed) > 1 else ""
+        return CorruptBlobError(
+            f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {blob}) has no good copy for host {host}; "
+            f"tiers tried: ram (not on {host}), peer ({'; '.join(causes)}), backup ({backup}){more}. "
+            "Restore an older step (all_steps()) or a backup")
 
     def _needs(self, manifest: fmt.StepManifest, requests: list[LoadRequest]) -> dict[str, list[str]]:
         """host -> the blobs it needs to assemble its shards of the restore target."""
@@ -586,14 +837,16 @@ class CheckpointManager:
             raise MTCError("this CheckpointManager is closed; create a new one")
 
     def close(self) -> None:
-        """Wait for the background save, then release the sidecars."""
+        """Wait for the background save, then release the sidecars (replication retries stop)."""
         if self._closed:
             return
         try:
             self.wait_until_finished()
         finally:
             self._closed = True
+            self._closing.set()
             self._executor.shutdown(wait=True)
+            self._replication_executor.shutdown(wait=True)
             self._backup_executor.shutdown(wait=True)
             self._dispatch.close()
 

@@ -68,7 +68,8 @@ class MTCConfig:
     - ``local_max_to_keep``: committed steps kept on each ramdisk (>= 1).
     - ``backup_max_to_keep``: backups kept in object storage (>= 1).
     - ``replication_factor``: copies of every blob across slices/hosts (>= 1; 1 = no peers).
-    - ``peer_port``: TCP port of the peer service (0: pick a free port).
+    - ``peer_port``: TCP port of the peer service (0: pick a free port). In colocated mode the
+      sidecar runs a peer service only when this is set (a single host has no peers).
     - ``peer_token``: shared secret peers must present; never shown in ``repr``.
     - ``cluster_spec``: path to a cluster spec JSON (cluster mode); empty: colocated mode.
     - ``max_save_wait_s``: how long ``save`` waits for the previous save to finish before

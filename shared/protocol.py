@@ -35,11 +35,13 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from mtc.shared.errors import ConfigError, ProtocolError
+from mtc.shared.hashing import blob_name
 from mtc.shared.version import PROTOCOL_VERSION
 
 __all__ = [
     "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "OPS", "Request", "Reply", "RemoteError",
-    "HostSpec", "ClusterSpec", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
+    "HostSpec", "ClusterSpec", "aligned_buffer", "byte_view", "send_frame", "recv_frame", "frame_head", "recv_header",
+    "encode_bitmap", "decode_bitmap", "blob_list_digest",
     "send_request", "recv_request", "send_reply", "recv_reply", "parse_address",
 ]
 
@@ -57,7 +59,8 @@ _ALIGN = 64
 
 # Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
 OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
-                 "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch"})
+                 "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch",
+                 "peer_pull"})
 
 Buffer = Any  # bytes-like or C-contiguous numpy array
 Alloc = Callable[[dict, list[int]], Sequence[Buffer]]
@@ -108,10 +111,19 @@ def _encode_header(header: Mapping) -> bytes:
 def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer] = ()) -> None:
     """Send one frame; ``header["payloads"]`` is set here from the payload sizes."""
     views = [byte_view(p) for p in payloads]
+    _send_buffers(sock, [frame_head(header, [v.nbytes for v in views]), *views])
+
+
+def frame_head(header: Mapping, sizes: Sequence[int]) -> bytes:
+    """The bytes of a frame up to its payloads, for payloads of ``sizes`` bytes sent separately.
+
+    For senders that stream a payload from a file (``socket.sendfile``) instead of a buffer:
+    send these bytes, then exactly ``sizes[i]`` bytes for each payload, in order.
+    """
     header = dict(header)
-    header["payloads"] = [v.nbytes for v in views]
+    header["payloads"] = [int(n) for n in sizes]
     data = _encode_header(header)
-    _send_buffers(sock, [_PREFIX.pack(MAGIC, len(data)), data, *views])
+    return _PREFIX.pack(MAGIC, len(data)) + data
 
 
 def _send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
@@ -144,15 +156,14 @@ def _default_alloc(header: dict, sizes: list[int]) -> list[np.ndarray]:
     return [aligned_buffer(n) for n in sizes]
 
 
-def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
-               max_payload: int = MAX_PAYLOAD_BYTES,
-               alloc: Alloc | None = None) -> tuple[dict, list[Buffer]] | None:
-    """Receive one frame: (header, payload buffers), or None when the peer closed cleanly.
+def recv_header(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
+                max_payload: int = MAX_PAYLOAD_BYTES) -> dict | None:
+    """Receive the prefix and header of one frame and leave its payloads on the socket.
 
-    ``alloc(header, sizes)`` returns one writable buffer of exactly each size to receive the
-    payloads into (default: fresh 64-byte aligned uint8 arrays); it may raise
-    ``ProtocolError`` to refuse sizes it does not expect. Raises ``ProtocolError`` for a
-    malformed, oversized or truncated frame (the connection is unusable afterwards).
+    Returns the validated header (``header["payloads"]`` lists the payload sizes, which
+    together are at most ``max_payload``), or None when the peer closed cleanly. For receivers
+    that stream a payload somewhere other than a buffer (a file); they must then read exactly
+    those bytes. Raises ``ProtocolError`` like :func:`recv_frame`.
     """
     prefix = bytearray(_PREFIX.size)
     got = _recv_into(sock, memoryview(prefix))
@@ -174,11 +185,27 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
         raise ProtocolError(f"connection closed after {got} of {hlen} bytes of a frame header "
                             "(peer killed or restarted?)")
     header = _decode_header(raw)
-    sizes = header["payloads"]
-    total = sum(sizes)
+    total = sum(header["payloads"])
     if total > max_payload:
         raise ProtocolError(f"frame declares {total} bytes of payload, over the limit of {max_payload} "
                             "bytes; refusing it")
+    return header
+
+
+def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
+               max_payload: int = MAX_PAYLOAD_BYTES,
+               alloc: Alloc | None = None) -> tuple[dict, list[Buffer]] | None:
+    """Receive one frame: (header, payload buffers), or None when the peer closed cleanly.
+
+    ``alloc(header, sizes)`` returns one writable buffer of exactly each size to receive the
+    payloads into (default: fresh 64-byte aligned uint8 arrays); it may raise
+    ``ProtocolError`` to refuse sizes it does not expect. Raises ``ProtocolError`` for a
+    malformed, oversized or truncated frame (the connection is unusable afterwards).
+    """
+    header = recv_header(sock, max_header=max_header, max_payload=max_payload)
+    if header is None:
+        return None
+    sizes = header["payloads"]
     buffers = list((alloc or _default_alloc)(header, sizes))
     if len(buffers) != len(sizes):
         raise ProtocolError(f"allocator gave {len(buffers)} buffers for {len(sizes)} payloads")
@@ -303,6 +330,39 @@ def recv_reply(sock: socket.socket, *, max_payload: int = MAX_PAYLOAD_BYTES,
     if frame is None:
         raise ProtocolError("connection closed before the reply (peer killed or restarted?)")
     return Reply.from_frame(*frame)
+
+
+# --- inventories -----------------------------------------------------------------------------
+
+
+def encode_bitmap(bits: Sequence[bool]) -> str:
+    """``bits`` as hex, 4 per digit, first bit in the high bit of the first digit.
+
+    Inventories say which blobs of a step a host holds this way: one bit per blob of the
+    step's sorted blob names, a quarter of a byte each on the wire.
+    """
+    n = len(bits)
+    value = 0
+    for b in bits:
+        value = (value << 1) | bool(b)
+    width = -(-n // 4)
+    value <<= width * 4 - n
+    return f"{value:0{width}x}" if width else ""
+
+
+def blob_list_digest(names: Sequence[str]) -> str:
+    """A short name for a step's sorted blob list, so that bitmaps over it are read against it."""
+    return blob_name("\n".join(names).encode())
+
+
+def decode_bitmap(text: str, n: int) -> list[bool]:
+    """The ``n`` bits of :func:`encode_bitmap`'s ``text``; ProtocolError when malformed."""
+    width = -(-n // 4)
+    if not isinstance(text, str) or len(text) != width or (width and not re.fullmatch(r"[0-9a-f]+", text)):
+        raise ProtocolError(f"bitmap {text!r:.60} is not {width} lowercase hex digits for {n} bits")
+    value = int(text, 16) if width else 0
+    value >>= width * 4 - n
+    return [bool((value >> (n - 1 - i)) & 1) for i in range(n)]
 
 
 # --- cluster spec ----------------------------------------------------------------------------

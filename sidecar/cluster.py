@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import shutil
 import signal
 import socket
@@ -41,6 +42,7 @@ from typing import Mapping
 
 from mtc.shared import protocol
 from mtc.shared.errors import HostUnreachableError, ProtocolError
+from mtc.sidecar.peer import ENV_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class LocalCluster:
     Host ids are ``s<slice>-h<host>``, in the order the head assigns its devices
     (``devices_per_host`` each). ``env`` adds environment variables for the daemons (e.g.
     ``MTC_CRASH_AT``); ``max_to_keep`` is each daemon's ``local_max_to_keep``.
+
+    The daemons share a peer token, generated here (``.peer_token``) and handed to them in
+    their environment (``MTC_PEER_TOKEN``), never on the command line, where ``ps`` shows it.
     """
 
     def __init__(self, root: str | os.PathLike, num_slices: int, hosts_per_slice: int, *,
@@ -111,6 +116,8 @@ class LocalCluster:
         self._slice = {f"s{s}-h{h}": s for s in range(num_slices) for h in range(hosts_per_slice)}
         self._procs: dict[str, subprocess.Popen] = {}
         self._addresses: dict[str, str] = {}
+        self._peer_addresses: dict[str, str] = {}
+        self.peer_token = secrets.token_hex(32)
         self._lock = threading.RLock()
         self._spawner: _Spawner | None = None
         self._started = False
@@ -145,6 +152,10 @@ class LocalCluster:
 
     def address(self, host_id: str) -> str:
         return self._addresses[self._check(host_id)]
+
+    def peer_address(self, host_id: str) -> str:
+        """The address of the host's peer service (changes when the daemon restarts)."""
+        return self._peer_addresses[self._check(host_id)]
 
     def pid(self, host_id: str) -> int | None:
         p = self._procs.get(self._check(host_id))
@@ -205,6 +216,7 @@ class LocalCluster:
         with contextlib.suppress(FileNotFoundError):
             ready.unlink()
         env = dict(os.environ)
+        env[ENV_TOKEN] = self.peer_token
         env.update(self._env)
         env.update(extra_env or {})
         cmd = [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(self.ramdisk(host_id)),
@@ -234,6 +246,8 @@ class LocalCluster:
                 address = doc["address"]
                 if _ping(address, host_id):
                     self._addresses[host_id] = address
+                    if doc.get("peer"):
+                        self._peer_addresses[host_id] = doc["peer"]
                     return
             if time.monotonic() > deadline:
                 raise HostUnreachableError(f"host {host_id}: daemon did not answer within {self.startup_timeout:.0f}s; "

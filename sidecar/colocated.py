@@ -25,7 +25,8 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import shardings
-from mtc.shared.errors import MTCError
+from mtc.shared.errors import ConfigError, MTCError
+from mtc.sidecar.peer import resolve_token
 from mtc.sidecar.service import SidecarService, aligned_empty
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,20 @@ class ColocatedSidecar:
         with self._lock:
             if self._service is None:
                 c = self._config
-                self._service = SidecarService(
+                service = SidecarService(
                     c["ramdisk_root"],
                     host_id=c.get("host_id") or socket.gethostname(),
                     max_to_keep=c.get("local_max_to_keep", 2),
                     backup_url=c.get("backup_url"),
                 )
+                port = int(c.get("peer_port") or 0)
+                if port:  # the peer tier: other hosts' sidecars pull from this one
+                    try:
+                        service.start_peer_service(("0.0.0.0", port), resolve_token(c.get("peer_token")))
+                    except (OSError, ConfigError) as e:
+                        service.close()
+                        raise ConfigError(f"peer_port={port}: the peer service cannot start: {e}") from e
+                self._service = service
             return self._service
 
     # --- control -----------------------------------------------------------------------
@@ -172,23 +181,28 @@ class ColocatedSidecar:
         step = int(req["step"])
         svc = self._svc()
         devices_by_id = {d.id: d for d in _device_list(request)}
-        out = []
-        for spec in req["arrays"]:
+        # Every distinct box is read once, all of them on the sidecar's I/O threads.
+        plans = []
+        reads: dict[tuple[int, fmt.Box], int] = {}
+        jobs = []
+        for i, spec in enumerate(req["arrays"]):
             shape = tuple(spec["shape"])
             sharding = shardings.rebuild(spec["sharding"], devices_by_id)
             dtype = fmt.dtype_from_name(spec["dtype"])
-            by_box: dict[fmt.Box, Any] = {}
-            local = []
+            placed = []
             for dev, idx in sharding.addressable_devices_indices_map(shape).items():
                 box = fmt.box_from_index(idx, shape)
-                buf = by_box.get(box)
-                if buf is None:
+                if (i, box) not in reads:
+                    reads[(i, box)] = len(jobs)
                     if spec.get("as_bytes"):
-                        buf = svc.read_box(step, spec["key"], None, as_bytes=True,
-                                           out=aligned_empty(shape, dtype))
+                        jobs.append((spec["key"], None, True, aligned_empty(shape, dtype)))
                     else:
-                        buf = svc.read_box(step, spec["key"], box)
-                    by_box[box] = buf
-                local.append(jax.device_put(buf, dev, may_alias=True))
+                        jobs.append((spec["key"], box, False, None))
+                placed.append((dev, reads[(i, box)]))
+            plans.append((shape, sharding, placed))
+        bufs = svc.read_boxes(step, jobs)
+        out = []
+        for shape, sharding, placed in plans:
+            local = [jax.device_put(bufs[j], dev, may_alias=True) for dev, j in placed]
             out.append(jax.make_array_from_single_device_arrays(shape, sharding, local))
         return tuple(out)

@@ -9,7 +9,8 @@ Ops (``args`` -> ``result``; payloads in brackets):
 
 - ``ping`` -> ``{"host", "pid"}``
 - ``fingerprint`` -> the version fingerprint, with ``"host"``
-- ``inventory {devices?}`` -> ``{"host", "steps": [{"step", "blobs", "local_blobs", "step_blobs"}]}``.
+- ``inventory {devices?}`` -> ``{"host", "steps": [{"step", "blobs", "local_blobs", "step_blobs", "digest",
+  "held"}]}``; ``held`` is a bitmap over the step's sorted blob names: which of them this host holds.
   With ``devices`` (the head's device ids this host holds), ``blobs`` counts only the blobs of
   shards saved from those devices (this host's share), so a host is whole when it holds its
   own share; without it, every blob of the step.
@@ -23,6 +24,10 @@ Ops (``args`` -> ``result``; payloads in brackets):
   root comes from the head's config with each request (one source of truth, as in colocated mode).
 - ``read {step, reads: [[key, box or null], ...]}`` -> ``{"errors": [[index, type, message], ...]}``
   [the raw bytes of each assembled box; empty for a box that failed]
+- ``peer_pull {step, pulls: [[blob, size, [holder, ...]], ...], peers: {host: address}}`` [step manifest,
+  optional: commit the step here once every pull succeeded] -> what was pulled (``mtc.sidecar.replication``).
+  Its own peer service (``mtc.sidecar.peer``) is what the other sidecars pull from; its address is
+  in the ``fingerprint`` answer (``"peer"``).
 
 Errors come back as ``{"type": class name, "message"}``; the head re-raises them typed.
 """
@@ -48,6 +53,8 @@ from mtc.shared import format as fmt
 from mtc.shared import protocol
 from mtc.shared.errors import ConfigError, ManifestError, MTCError, ProtocolError, StepNotFoundError
 from mtc.shared.protocol import RemoteError, Reply, Request
+from mtc.sidecar.peer import ENV_TOKEN, resolve_token
+from mtc.sidecar.replication import held_bits, parse_peers, parse_pulls
 from mtc.sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
@@ -240,7 +247,7 @@ class SidecarDaemon:
             # Shards with no device record (older manifests) count for every host.
             own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
             steps.append({"step": s, "blobs": len(own), "local_blobs": len(own & have),
-                          "step_blobs": len(m.blob_names())})
+                          **held_bits(m.blob_names(), have)})
         return {"host": svc.host_id, "steps": steps}, []
 
     def _op_manifest(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
@@ -297,6 +304,15 @@ class SidecarDaemon:
                 errors.append([i, type(e).__name__, str(e)])
                 out.append(b"")
         return {"step": step, "errors": errors}, out
+
+    def _op_peer_pull(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        step = _step(args)
+        pulls = parse_pulls(args.get("pulls"))
+        peers = parse_peers(args.get("peers"))
+        if len(payloads) > 1:
+            raise ProtocolError("peer_pull: at most one payload (the step manifest, to adopt the step)")
+        manifest = bytes(payloads[0]) if payloads else None
+        return self.service.peer_pull(step, pulls, peers, manifest), []
 
     # --- backup tier -----------------------------------------------------------------------
 
@@ -355,6 +371,7 @@ _HANDLERS = {
     "backup_listing": SidecarDaemon._op_backup_listing,
     "backup_manifest": SidecarDaemon._op_backup_manifest,
     "backup_fetch": SidecarDaemon._op_backup_fetch,
+    "peer_pull": SidecarDaemon._op_peer_pull,
 }
 
 
@@ -417,11 +434,18 @@ def serve(args: argparse.Namespace) -> int:
     service = SidecarService(root, host_id=args.host_id, max_to_keep=args.max_to_keep)
     daemon = SidecarDaemon(service, listen=(host, port), max_payload=args.max_payload)
     try:
+        token = resolve_token(Path(args.peer_token_file).read_text() if args.peer_token_file else None)
+        if token:
+            service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise)
+        else:
+            log.warning("host %s: no peer token (%s or --peer-token-file): the peer tier is off on this host",
+                        args.host_id, ENV_TOKEN)
         address = daemon.start()
         steps = service.steps()
         log.info("host %s: serving %s (pid %d); committed steps found: %s", args.host_id, root, os.getpid(), steps)
         if args.ready_file:
-            _write_ready(Path(args.ready_file), {"host": args.host_id, "address": address, "pid": os.getpid()})
+            _write_ready(Path(args.ready_file), {"host": args.host_id, "address": address, "pid": os.getpid(),
+                                                 "peer": service.peer_address})
         while not stop.wait(1.0):
             pass
         log.info("host %s: signal received, shutting down", args.host_id)
@@ -444,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-payload", type=int, default=protocol.MAX_PAYLOAD_BYTES,
                    help="largest payload of one request, in bytes")
     s.add_argument("--parent-pid", type=int, help="exit (SIGKILL) when this process, our parent, dies")
+    s.add_argument("--peer-listen", default="127.0.0.1:0",
+                   help="peer service address host:port (port 0: any free port); the peer token comes from "
+                        f"{ENV_TOKEN} or --peer-token-file, never from the command line")
+    s.add_argument("--peer-token-file", help="read the peer token from this file")
+    s.add_argument("--peer-advertise", help="host name or IP the other sidecars use to reach the peer service "
+                                            "(default: the --peer-listen host)")
     s.set_defaults(func=serve)
     return parser
 

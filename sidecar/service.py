@@ -7,12 +7,13 @@ call the same methods here, so tiers, formats and policies are one code path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Sequence
 
 import numpy as np
@@ -22,13 +23,18 @@ from mtc.shared import version
 from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
+from mtc.sidecar.peer import PeerServer
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.replication import held_bits, pull_blobs
 
 log = logging.getLogger(__name__)
 
 # Alignment of buffers handed to JAX: a 64-byte aligned host buffer becomes a CPU jax.Array
 # without a copy.
 _ALIGN = 64
+# Shards at least this large are restored by mapping their blob (RamStore.map_blob), not read:
+# smaller ones are cheap to read, and mappings are a limited resource (vm.max_map_count).
+_MAP_MIN = 1 << 20
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -63,6 +69,8 @@ class SidecarService:
         # step -> (shards written so far, bytes written so far, seconds so far), across parts.
         self._partial: dict[int, tuple[list[fmt.HostShard], int, float]] = {}
         self._manifests: dict[int, fmt.StepManifest] = {}
+        self._peer = None  # the peer tier's server (start_peer_service)
+        self._peer_token = ""
         self._closed = False
 
     # --- identity ----------------------------------------------------------------------
@@ -70,6 +78,8 @@ class SidecarService:
     def fingerprint(self) -> dict:
         fp = version.fingerprint()
         fp["host"] = self.host_id
+        if self._peer is not None:
+            fp["peer"] = self._peer.address  # how the other sidecars reach this one
         return fp
 
     # --- save: phase 1 -----------------------------------------------------------------
@@ -87,14 +97,20 @@ class SidecarService:
         unique: dict[tuple[int, fmt.Box], memoryview] = {}
         for array, box, data in shards:
             unique.setdefault((array, tuple(box)), _as_bytes(data))
-        names = {key: blob_name(buf) for key, buf in unique.items()}
+        # When every shard fits as a new blob (the usual case), nothing has to be freed and the
+        # names are not needed up front: each I/O thread hashes a shard, then writes it, so
+        # hashing overlaps the writes of the other thread.
+        if self.store.fits(len(buf) for buf in unique.values()):
+            with self._lock:
+                self._start_part(step, part)
+            crash_point("before_blobs")
+            return self._hash_and_write(step, unique, t0, part)
+        names = dict(zip(unique, self._io.map(blob_name, unique.values())))
         sizes = {names[k]: len(buf) for k, buf in unique.items()}
+        missing = {n: size for n, size in sizes.items() if not self.store.has_blob(n)}
         with self._lock:
-            if part == 0:
-                self._partial[step] = ([], 0, 0.0)
-            elif step not in self._partial:
-                raise ManifestError(f"step {step}: part {part} of a save arrived before part 0")
-            self.store.check_space(self.store.missing_bytes(sizes), step=step)
+            self._start_part(step, part)
+            self.store.check_space(self.store.missing_bytes(missing), step=step, sizes=missing.values())
         crash_point("before_blobs")
         todo = {}
         for key, buf in unique.items():
@@ -111,6 +127,45 @@ class SidecarService:
             written = sum(len(buf) for (name, buf), f in zip(todo.items(), futures) if f.result()[1])
             manifest = self._record_part(step, entries, written, t0)
         log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
+                 time.perf_counter() - t0)
+        return manifest
+
+    def _start_part(self, step: int, part: int) -> None:
+        if part == 0:
+            self._partial[step] = ([], 0, 0.0)
+        elif step not in self._partial:
+            raise ManifestError(f"step {step}: part {part} of a save arrived before part 0")
+
+    def _hash_and_write(self, step: int, unique: dict[tuple[int, fmt.Box], memoryview], t0: float,
+                        part: int) -> fmt.HostManifest:
+        """Hash and write each unique shard on the I/O threads; the first of equal blobs writes."""
+        claimed: set[str] = set()
+        lock = threading.Lock()
+        with contextlib.ExitStack() as pins:
+            def one(buf: memoryview) -> tuple[str, int]:
+                name = blob_name(buf)
+                with lock:
+                    first = name not in claimed
+                    if first:
+                        claimed.add(name)
+                        # Pinned until the pending host manifest references it (see write_shards).
+                        pins.enter_context(self.store.pin([name]))
+                if not first:
+                    return name, 0
+                return name, len(buf) if self.store.write_blob(buf, name=name)[1] else 0
+
+            futures = []
+            for i, buf in enumerate(unique.values()):
+                if i == 1:
+                    crash_point("between_blobs")
+                futures.append(self._io.submit(one, buf))
+            wait(futures)
+            results = [f.result() for f in futures]  # the first error, once all writes stopped
+            entries = [fmt.HostShard(a, box, name, len(buf))
+                       for ((a, box), buf), (name, _) in zip(unique.items(), results)]
+            written = sum(n for _, n in results)
+            manifest = self._record_part(step, entries, written, t0)
+        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(claimed), written,
                  time.perf_counter() - t0)
         return manifest
 
@@ -183,7 +238,8 @@ class SidecarService:
             except ManifestError as e:
                 log.warning("host %s: step %d manifest unreadable: %s", self.host_id, s, e)
                 continue
-            out.append({"step": s, "blobs": len(blobs), "local_blobs": len(blobs & have)})
+            out.append({"step": s, "blobs": len(blobs), "local_blobs": len(blobs & have),
+                        **held_bits(blobs, have)})
         return {"host": self.host_id, "steps": out}
 
     # --- restore -----------------------------------------------------------------------
@@ -200,6 +256,18 @@ class SidecarService:
         full = tuple((0, n) for n in rec.shape)
         box = full if box is None else tuple(box)
         dtype = rec.np_dtype
+        if out is None and not as_bytes:
+            # A saved shard that is exactly the box comes back as a private mapping of its
+            # blob: no copy, no fresh pages (see RamStore.map_blob for why it never changes).
+            for shard in rec.shards:
+                if shard.box == box:
+                    try:
+                        mapped = self._map_shard(shard, dtype)
+                    except CorruptBlobError as e:
+                        raise _no_good_copy(step, key, shard, self.host_id, e) from None
+                    if mapped is not None:
+                        return mapped
+                    break
         if out is None:
             out = aligned_empty(fmt.box_shape(box), dtype)
         target = out.view(dtype).reshape(fmt.box_shape(box)) if as_bytes else out
@@ -215,16 +283,53 @@ class SidecarService:
                 if shard.box == box:
                     self.store.read_blob_into(shard.blob, _writable_bytes(target))
                 else:
-                    tmp = aligned_empty(fmt.box_shape(shard.box), dtype)
-                    self.store.read_blob_into(shard.blob, _writable_bytes(tmp))
+                    tmp = self._map_shard(shard, dtype)
+                    if tmp is None:
+                        tmp = aligned_empty(fmt.box_shape(shard.box), dtype)
+                        self.store.read_blob_into(shard.blob, _writable_bytes(tmp))
                     src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(inter, shard.box))
                     dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
                     target[dst] = tmp[src]
             except (CorruptBlobError, FileNotFoundError, ValueError) as e:
-                raise CorruptBlobError(
-                    f"step {step}: array {key!r} shard {fmt.box_str(shard.box)} (blob {shard.blob}) "
-                    f"has no good copy on host {self.host_id}; tiers tried: ram ({e})") from None
+                raise _no_good_copy(step, key, shard, self.host_id, e) from None
         return out
+
+    def read_boxes(self, step: int, reads: Sequence[tuple[str, fmt.Box | None, bool, np.ndarray | None]]
+                   ) -> list[np.ndarray]:
+        """``read_box(step, key, box, as_bytes=, out=)`` for each (key, box, as_bytes, out) of
+        ``reads``, on the I/O threads; results in order, the first error raised once all ended.
+
+        Mapping a blob and hashing it (which releases the GIL) fault pages in, which two threads
+        do side by side. Buffers that are read into, not mapped, are allocated here, in the
+        calling thread: large allocations from worker threads land in per-thread heaps.
+        """
+        manifest = self.manifest(step)
+        jobs = []
+        for key, box, as_bytes, out in reads:
+            if out is None and not as_bytes:
+                rec = _record(manifest, key)
+                b = tuple((0, n) for n in rec.shape) if box is None else tuple(box)
+                if not any(s.box == b and s.nbytes >= _MAP_MIN for s in rec.shards):
+                    out = aligned_empty(fmt.box_shape(b), rec.np_dtype)
+            jobs.append(self._io.submit(self.read_box, step, key, box, as_bytes=as_bytes, out=out))
+        wait(jobs)
+        return [j.result() for j in jobs]
+
+    def _map_shard(self, shard: fmt.ShardRecord, dtype: np.dtype) -> np.ndarray | None:
+        """The verified blob of ``shard`` as a mapped array of its box, or None (small, or the
+        mapping failed: the caller reads it instead). CorruptBlobError when it is bad."""
+        shape = fmt.box_shape(shard.box)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes < _MAP_MIN:
+            return None
+        try:
+            data = self.store.map_blob(shard.blob, nbytes)
+        except CorruptBlobError:
+            raise
+        except OSError as e:  # e.g. out of mappings (vm.max_map_count): read instead
+            log.debug("host %s: cannot map blob %s (%s); reading it", self.host_id, shard.blob, e)
+            return None
+        return data.view(dtype).reshape(shape)
 
     # --- background jobs -----------------------------------------------------------------
 
@@ -294,11 +399,53 @@ class SidecarService:
         self._manifests[manifest.step] = manifest
         return out
 
+    # --- peer tier -----------------------------------------------------------------------
+
+    def start_peer_service(self, listen: tuple[str, int], token: str, *, advertise: str | None = None) -> str:
+        """Serve this host's blobs to its peers on ``listen``; returns the advertised address.
+
+        ``token`` is the job's shared peer secret; pulls from peers present it too.
+        """
+        if self._peer is not None:
+            return self._peer.address
+        server = PeerServer(self.store, token, host_id=self.host_id, listen=listen, advertise=advertise)
+        server.start()
+        self._peer, self._peer_token = server, token
+        return server.address
+
+    @property
+    def peer_address(self) -> str | None:
+        return None if self._peer is None else self._peer.address
+
+    def peer_pull(self, step: int, pulls: Sequence, peers: dict[str, str], manifest_json: bytes | None = None) -> dict:
+        """Pull blobs of ``step`` from the peers that hold them, verified (see mtc.sidecar.replication).
+
+        With ``manifest_json`` (a restore onto a host that lost the step), the step is committed
+        here once every pull succeeded, so that its blobs are kept and the host counts as
+        holding the step again.
+        """
+        if self._peer is None:
+            raise ConfigError(f"host {self.host_id} has no peer tier: start its sidecar with a peer token "
+                              "(MTC_PEER_TOKEN or peer_token)")
+        out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id)
+        out["adopted"] = False
+        if manifest_json is not None and not out["failed"] and step not in self.store.committed_steps():
+            manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
+            if manifest.step != step:
+                raise ManifestError(f"peer pull of step {step} carries the manifest of step {manifest.step}")
+            self.store.commit(step, manifest_json)
+            self._manifests[step] = manifest
+            out["adopted"] = True
+            log.info("host %s: step %d restored from peers and committed here again", self.host_id, step)
+        return out
+
     # --- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._peer is not None:
+                self._peer.close()
             self._io.shutdown(wait=True)
             if self._backup is not None:
                 self._backup.close()
@@ -309,6 +456,11 @@ def _record(manifest: fmt.StepManifest, key: str) -> fmt.ArrayRecord:
         if rec.key == key:
             return rec
     raise StepNotFoundError(f"step {manifest.step} has no array {key!r}")
+
+
+def _no_good_copy(step: int, key: str, shard: fmt.ShardRecord, host: str, e: Exception) -> CorruptBlobError:
+    return CorruptBlobError(f"step {step}: array {key!r} shard {fmt.box_str(shard.box)} (blob {shard.blob}) "
+                            f"has no good copy on host {host}; tiers tried: ram ({e})")
 
 
 def _writable_bytes(a: np.ndarray) -> memoryview:

@@ -113,7 +113,8 @@ def wait_until(cond, timeout: float = 20.0, what: str = "condition"):
 
 def test_save_restore_bit_for_bit_with_each_host_holding_only_its_shards(local_cluster):
     s1, s2 = make_state(1), make_state(2)
-    with manager(local_cluster) as m:
+    # No peer copies (tests/integration/test_peers.py has those): each host holds its own share.
+    with manager(local_cluster, replication_factor=1) as m:
         assert sorted(m._dispatch.fingerprints()) == local_cluster.hosts
         m.save(1, s1)
         m.save(2, s2)
@@ -196,7 +197,8 @@ def test_restarted_daemon_with_intact_ramdisk_serves_its_steps(local_cluster):
 
 def test_wiped_host_makes_its_steps_incomplete_until_a_new_save(local_cluster):
     s1, s2, s3 = make_state(1), make_state(2), make_state(3)
-    with manager(local_cluster) as m:
+    # Without peer copies, the shards only the wiped host held are gone (with them, see test_peers.py).
+    with manager(local_cluster, replication_factor=1) as m:
         m.save(1, s1)
         m.save(2, s2)
         m.wait_until_finished()
@@ -218,12 +220,14 @@ def test_wiped_host_makes_its_steps_incomplete_until_a_new_save(local_cluster):
 
 def test_a_missing_blob_on_one_host_hides_only_the_steps_that_need_it(local_cluster):
     s1, s2 = make_state(1), make_state(2)
-    with manager(local_cluster) as m:
+    with manager(local_cluster, replication_factor=1) as m:
         m.save(1, s1)
         m.save(2, s2)
         m.wait_until_finished()
         only2 = sorted(expected_blobs(s2)["s0-h1"] - expected_blobs(s1)["s0-h1"])
-        (local_cluster.store_root("s0-h1") / "blobs" / only2[0]).unlink()
+        # A step is restorable while any host holds a copy of each blob: remove every copy.
+        for h in local_cluster.hosts:
+            (local_cluster.store_root(h) / "blobs" / only2[0]).unlink(missing_ok=True)
         assert m.all_steps() == [1]
         assert m.latest_step() == 1
         assert_trees_bitwise_equal(s1, m.restore())

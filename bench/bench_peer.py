@@ -1,0 +1,251 @@
+"""The peer tier: fetch throughput between two sidecar daemons, and bytes moved by replication.
+
+    python bench/bench_peer.py [--gib 1.0] [--repeats 3] [--state-mib 64] [--steps 3] [--dir /dev/shm]
+
+Part 1, fetch. One daemon holds --gib GiB of blobs (16 shards of one host's devices); the other
+pulls all of them through the production path (the head's ``peer_pull`` -> the receiving
+daemon's ``PeerClient``s, two connections -> the holder's ``PeerServer``: ``sendfile`` from its
+ramdisk; received into a temp blob, hashed as it arrives, published once it verifies).
+Interleaved in the same run, --repeats times,
+the same number of bytes over a raw loopback TCP socket: ``sendall`` of 4 MiB views into a
+preallocated buffer (the socket's physical limit, FACTS.md), and the same socket copy from a
+ramdisk file into a new ramdisk file (what any copy between two ramdisks must also do: the
+receiver allocates fresh tmpfs pages). Medians; the ratios are what to quote.
+
+Part 2, replication. Bytes that replication moves per saved step (replication_factor=2), for
+(a) 2 slices x 2 hosts, data-parallel across slices: the twins are the copies, nothing moves;
+(b) 1 slice x 4 hosts, the state sharded over all of them: every blob is copied once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "jax" not in sys.modules:  # 8 CPU devices; must precede the first jax import
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
+from mtc.shared.hashing import blob_name  # noqa: E402
+from mtc.sidecar.cluster import LocalCluster  # noqa: E402
+
+NDEV = 8
+_CHUNK = 4 << 20
+
+
+def _random(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1 << 32, size=nbytes // 4, dtype=np.uint32).view(np.float32)
+
+
+# --- raw baselines ---------------------------------------------------------------------------------
+
+# The sender of a raw copy runs in its own process, like the holder's daemon: two threads of one
+# Python process would take turns on its interpreter lock and understate the raw rate.
+_SENDER = r"""
+import os, socket, sys
+import numpy as np
+mode, port, files = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+if mode == "mem":  # the bytes in memory first, touched, as a training process would have them
+    data = np.concatenate([np.fromfile(f, np.uint8) for f in files])
+with socket.create_connection(("127.0.0.1", port)) as s:
+    if mode == "mem":
+        mv = memoryview(data)
+        for off in range(0, len(data), 4 << 20):
+            s.sendall(mv[off:off + (4 << 20)])
+    else:
+        for f in files:
+            with open(f, "rb") as fh:
+                s.sendfile(fh, 0, os.fstat(fh.fileno()).st_size)
+"""
+
+
+def raw_copy(files: list[Path], mode: str, sink: np.ndarray | None = None, out_dir: Path | None = None) -> float:
+    """Seconds to move ``files``' bytes over loopback TCP from a sender process.
+
+    ``mode="mem"``: the sender ``sendall``s them from memory (4 MiB views) into ``sink``, a
+    preallocated, touched buffer: the socket's physical limit (FACTS.md). ``mode="file"``: the
+    sender ``sendfile``s the ramdisk files; the receiver writes them to new files in ``out_dir``
+    (``recv_into`` 4 MiB + ``write``): a plain copy between two ramdisks.
+    """
+    sizes = [f.stat().st_size for f in files]
+    srv = socket.create_server(("127.0.0.1", 0))
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, mode, str(srv.getsockname()[1]), *map(str, files)])
+    try:
+        conn, _ = srv.accept()
+        t0 = time.perf_counter()
+        with conn:
+            if mode == "mem":
+                view, got, n = memoryview(sink.view(np.uint8)), 0, sum(sizes)
+                while got < n:
+                    got += conn.recv_into(view[got:], n - got)
+            else:
+                buf = memoryview(bytearray(_CHUNK))
+                for i, n in enumerate(sizes):
+                    fd = os.open(out_dir / f"copy-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    got = 0
+                    while got < n:
+                        k = conn.recv_into(buf, min(_CHUNK, n - got))
+                        off = 0
+                        while off < k:
+                            off += os.write(fd, buf[off:k])
+                        got += k
+                    os.close(fd)
+        dt = time.perf_counter() - t0
+    finally:
+        srv.close()
+        sender.wait(timeout=60)
+    if out_dir is not None:
+        for p in out_dir.glob("copy-*"):
+            p.unlink()
+    return dt
+
+
+# --- part 1: fetch between two daemons --------------------------------------------------------------
+
+
+def fetch(parent: Path, gib: float, repeats: int) -> dict:
+    devs = jax.devices()[:NDEV]
+    holder_devs = devs[:4]  # the first host's devices: it holds every blob
+    mesh = Mesh(np.array(holder_devs), ("d",))
+    per_array = int(gib * (1 << 30)) // 4
+    per_array -= per_array % (4 * 4 * 4096)
+    state = {f"a{i}": jax.device_put(_random(per_array, i), NamedSharding(mesh, P("d"))) for i in range(4)}
+    nbytes = sum(x.nbytes for x in state.values())
+    root = parent / "fetch"
+    res: dict = {"nbytes": nbytes, "peer": [], "raw": [], "raw_file": [], "blobs": 0}
+    with LocalCluster(root, 1, 2, devices_per_host=4) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(root), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, replication_factor=1)
+        with CheckpointManager(cfg) as m:
+            m.save(1, state)
+            m.wait_until_finished()
+            manifest = m._dispatch.manifest(1)
+            holder, receiver = cluster.hosts
+            sizes = manifest.blob_sizes()
+            rows = [(b, n, [holder]) for b, n in sorted(sizes.items())]
+            res["blobs"] = len(rows)
+            files = [cluster.store_root(holder) / "blobs" / b for b in sorted(sizes)]
+            scratch = parent / "raw"
+            scratch.mkdir()
+            sink = np.zeros(nbytes, np.uint8)  # preallocated and touched: the socket's limit, not page faults
+            m._dispatch.peer_inventories()  # connect the peer lanes: learn every peer address
+            for r in range(repeats + 1):  # the first round warms up and is not counted
+                for p in (cluster.store_root(receiver) / "blobs").iterdir():
+                    if p.name in sizes:
+                        p.unlink()
+                t0 = time.perf_counter()
+                out = m._dispatch.peer_pull(1, {receiver: rows})[receiver]
+                dt = time.perf_counter() - t0
+                if "error" in out or out["failed"] or out["pulled_bytes"] != nbytes:
+                    raise SystemExit(f"peer fetch failed: {out}")
+                raw = raw_copy(files, "mem", sink=sink)
+                raw_file = raw_copy(files, "file", out_dir=scratch)
+                if r:
+                    res["peer"].append(dt)
+                    res["raw"].append(raw)
+                    res["raw_file"].append(raw_file)
+            # Verified on arrival; check once more from the outside that the bytes are the holder's.
+            for b in sorted(sizes)[:2]:
+                if blob_name((cluster.store_root(receiver) / "blobs" / b).read_bytes()) != b:
+                    raise SystemExit(f"fetched blob {b} does not verify")
+    shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+# --- part 2: bytes moved by replication ---------------------------------------------------------------
+
+
+def replication(parent: Path, state_mib: int, steps: int) -> list[dict]:
+    devs = jax.devices()[:NDEV]
+    n = state_mib * (1 << 20) // 4
+    n -= n % (NDEV * 1024)
+    rows = []
+    layouts = (
+        ("2 slices x 2 hosts, data-parallel across slices", 2, 2, Mesh(np.array(devs).reshape(2, 4), ("data", "model")),
+         P(None, "model")),
+        ("1 slice x 4 hosts, sharded over all", 1, 4, Mesh(np.array(devs), ("model",)), P("model")),
+    )
+    for label, slices, hosts, mesh, spec in layouts:
+        root = parent / f"repl-{slices}x{hosts}"
+        with LocalCluster(root, slices, hosts, devices_per_host=NDEV // (slices * hosts)) as cluster:
+            cfg = MTCConfig(local_checkpoint_directory=str(root), cluster_spec=str(cluster.spec_path),
+                            local_checkpoint_period=1, replication_factor=2)
+            moved, seconds, state_bytes = [], [], 0
+            with CheckpointManager(cfg) as m:
+                for step in range(steps):
+                    x = _random(n * 4, 100 + step).reshape(-1, 1024)
+                    state = {"x": jax.device_put(x, NamedSharding(mesh, spec)), "step": step}
+                    state_bytes = x.nbytes
+                    m.save(step, state)
+                    m.wait_until_finished()
+                    rep = m.wait_for_replication()
+                    if not (rep.complete and rep.replicated):
+                        raise SystemExit(f"{label}: replication of step {step} incomplete: {rep}")
+                    moved.append(rep.moved_bytes)
+                    seconds.append(rep.seconds)
+        shutil.rmtree(root, ignore_errors=True)
+        rows.append({"label": label, "state": state_bytes, "moved": moved, "seconds": statistics.median(seconds)})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--state-mib", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    a = p.parse_args()
+    if len(jax.devices()) < NDEV:
+        raise SystemExit(f"needs {NDEV} CPU devices: run with XLA_FLAGS=--xla_force_host_platform_device_count={NDEV}")
+    parent = Path(tempfile.mkdtemp(prefix="mtc-bench-peer-", dir=a.dir))
+    try:
+        f = fetch(parent, a.gib, a.repeats)
+        gb = f["nbytes"] / 1e9
+        med = {k: statistics.median(f[k]) for k in ("peer", "raw", "raw_file")}
+        print(f"\n## Fetch of {f['nbytes'] / (1 << 30):.2f} GiB ({f['blobs']} blobs) between two daemons, "
+              f"median of {a.repeats} (os.cpu_count()={os.cpu_count()})\n")
+        print("| what | seconds | GB/s |")
+        print("|---|---:|---:|")
+        print(f"| mtc peer fetch: sendfile -> recv, hash, write (2 streams), verified | {med['peer']:.3f} | {gb / med['peer']:.2f} |")
+        print(f"| raw loopback TCP copy, memory -> preallocated memory | {med['raw']:.3f} | {gb / med['raw']:.2f} |")
+        print(f"| raw loopback TCP copy, ramdisk file -> new ramdisk file | {med['raw_file']:.3f} | "
+              f"{gb / med['raw_file']:.2f} |")
+        ratio, ratio_file = med["raw"] / med["peer"], med["raw_file"] / med["peer"]
+        print("\n| check | measured | target | result |")
+        print("|---|---:|---:|---|")
+        print(f"| peer fetch rate / raw loopback copy rate (memory) | {ratio:.2f}x | >= 0.8x | "
+              f"{'ok' if ratio >= 0.8 else 'below'} |")
+        print(f"| peer fetch rate / raw loopback copy rate (file to file) | {ratio_file:.2f}x | >= 0.8x | "
+              f"{'ok' if ratio_file >= 0.8 else 'below'} |")
+        rows = replication(parent, a.state_mib, a.steps)
+        print(f"\n## Bytes moved by replication (replication_factor=2), {a.steps} saved steps each\n")
+        print("| layout | state per step | moved per step (each step) | moved / state | replication time (median) |")
+        print("|---|---:|---:|---:|---:|")
+        for r in rows:
+            per = ", ".join(f"{x / 2**20:.1f} MiB" for x in r["moved"])
+            print(f"| {r['label']} | {r['state'] / 2**20:.1f} MiB | {per} | "
+                  f"{statistics.median(r['moved']) / r['state']:.2f} | {r['seconds'] * 1e3:.0f} ms |")
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

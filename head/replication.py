@@ -1,0 +1,209 @@
+"""Where the peer tier's copies go: the replication plan, restore pulls, and what inventories say.
+
+The head has the global view (every host's inventory, the topology), so it plans; each
+receiving sidecar executes its part (``mtc.sidecar.replication``): it pulls from the holders
+the plan names, verifying every copy. Plans are pure functions of their inputs, separate from
+doing them, so they are unit-tested on their own and can be re-made after any failure.
+
+Rule (DESIGN section 5): every blob on at least ``replication_factor`` failure domains: slices
+when the topology has more than one, hosts when it has one. Copies that exist already count
+(data-parallel twins in other slices, copies made for an earlier step), so a multi-slice
+data-parallel job plans no transfer at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+from mtc.shared import format as fmt
+from mtc.shared import protocol
+from mtc.shared.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ReplicationStrategy", "StepView", "Transfer", "step_views", "summarize"]
+
+
+class Transfer(NamedTuple):
+    """One copy to make: ``dst`` pulls ``blob`` (``nbytes``) from ``src``."""
+
+    blob: str
+    src: str
+    dst: str
+    nbytes: int
+
+
+def _sizes(manifest: fmt.StepManifest | Mapping[str, int]) -> dict[str, int]:
+    return manifest.blob_sizes() if isinstance(manifest, fmt.StepManifest) else dict(manifest)
+
+
+class ReplicationStrategy:
+    """Plans copies so that each blob lives on ``factor`` failure domains.
+
+    ``topology`` arguments map host id -> slice, in ring order (the cluster spec's order).
+    """
+
+    def __init__(self, factor: int):
+        if type(factor) is not int or factor < 1:
+            raise ValueError(f"replication factor must be an integer >= 1, got {factor!r}")
+        self.factor = factor
+
+    @staticmethod
+    def _domain_of(topology: Mapping[str, int]):
+        if len(set(topology.values())) > 1:
+            return lambda h: ("slice", topology[h])
+        return lambda h: ("host", h)
+
+    def copies(self, hosts: Iterable[str], topology: Mapping[str, int]) -> int:
+        """How many failure domains ``hosts`` cover (hosts outside ``topology`` do not count)."""
+        domain = self._domain_of(topology)
+        return len({domain(h) for h in hosts if h in topology})
+
+    def domains(self, topology: Mapping[str, int]) -> int:
+        """Failure domains of ``topology``: its slices, or its hosts when it has one slice."""
+        return self.copies(topology, topology)
+
+    def plan(self, manifest: fmt.StepManifest | Mapping[str, int], holders: Mapping[str, Iterable[str]],
+             topology: Mapping[str, int], *, targets: Iterable[str] | None = None) -> list[Transfer]:
+        """The copies that bring every blob of ``manifest`` to ``factor`` domains.
+
+        ``manifest`` is a step manifest (or {blob: nbytes}); ``holders`` maps blob -> hosts that
+        hold a copy; ``targets`` are the hosts that may receive copies (default: all of
+        ``topology``; the caller leaves out hosts that are down or lack the step). Largest blobs
+        are placed first, each from its least busy holder to the least loaded eligible host of a
+        domain that lacks it (ties: the next host around the ring from the source), so the
+        bytes spread evenly. A blob with no holder, or no eligible host left, is left short:
+        :meth:`shortfall` reports it.
+        """
+        sizes = _sizes(manifest)
+        ring = {h: i for i, h in enumerate(topology)}
+        n = max(1, len(ring))
+        allowed = set(topology) if targets is None else set(targets) & set(topology)
+        domain = self._domain_of(topology)
+        incoming: Counter[str] = Counter()
+        outgoing: Counter[str] = Counter()
+        out: list[Transfer] = []
+        for blob in sorted(sizes, key=lambda b: (-sizes[b], b)):
+            have = [h for h in sorted(set(holders.get(blob, ())), key=lambda h: ring.get(h, n)) if h in ring]
+            if not have:
+                continue
+            covered = {domain(h) for h in have}
+            while len(covered) < self.factor:
+                cands = [h for h in ring if h in allowed and domain(h) not in covered]
+                if not cands:
+                    break
+                src = min(have, key=lambda h: (outgoing[h], ring[h]))
+                dst = min(cands, key=lambda h: (incoming[h], (ring[h] - ring[src]) % n))
+                size = int(sizes[blob])
+                out.append(Transfer(blob, src, dst, size))
+                incoming[dst] += size
+                outgoing[src] += size
+                have.append(dst)
+                covered.add(domain(dst))
+        return out
+
+    def shortfall(self, manifest: fmt.StepManifest | Mapping[str, int], holders: Mapping[str, Iterable[str]],
+                  topology: Mapping[str, int]) -> dict[str, int]:
+        """blob -> copies (domains) it still lacks, for the blobs below ``factor``."""
+        out = {}
+        for blob in _sizes(manifest):
+            c = self.copies(holders.get(blob, ()), topology)
+            if c < self.factor:
+                out[blob] = self.factor - c
+        return out
+
+    @staticmethod
+    def pulls(lacking: Mapping[str, Iterable[str]], holders: Mapping[str, Iterable[str]],
+              sizes: Mapping[str, int]) -> dict[str, list[tuple[str, int, list[str]]]]:
+        """Restore: for each host, its lacking blobs with the holders to try, in order.
+
+        Each blob's first holder is the one with the fewest bytes assigned so far (the load
+        spreads over holders); the other holders follow as fallbacks, least loaded first. A blob
+        that no other host holds gets an empty list.
+        """
+        load: Counter[str] = Counter()
+        out: dict[str, list[tuple[str, int, list[str]]]] = {}
+        for dst in sorted(lacking):
+            rows = []
+            for blob in sorted(set(lacking[dst]), key=lambda b: (-sizes[b], b)):
+                order = sorted((h for h in set(holders.get(blob, ())) if h != dst), key=lambda h: (load[h], h))
+                if order:
+                    load[order[0]] += int(sizes[blob])
+                rows.append((blob, int(sizes[blob]), order))
+            if rows:
+                out[dst] = rows
+        return out
+
+
+# --- what the inventories say --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    """One committed step across the hosts: who holds which of its blobs.
+
+    ``holders[i]`` is the set of hosts that hold the i-th of the step's sorted blob names
+    (hosts that have the step committed, as their inventories say).
+    """
+
+    step: int
+    digest: str
+    holders: tuple[frozenset, ...]
+    hosts: tuple[str, ...]  # hosts that have the step committed
+    whole: tuple[str, ...] = ()  # those of them that hold all of their own share of it
+
+    @property
+    def restorable(self) -> bool:
+        """Every blob has a copy on some host."""
+        return all(self.holders)
+
+    def by_name(self, names: Sequence[str]) -> dict[str, set[str]] | None:
+        """blob -> holders, given the step's sorted blob names; None if they are not this step's."""
+        if len(names) != len(self.holders) or protocol.blob_list_digest(names) != self.digest:
+            return None
+        return {b: set(hs) for b, hs in zip(names, self.holders)}
+
+
+def step_views(inventories: Mapping[str, dict]) -> dict[int, StepView]:
+    """step -> StepView, from every reachable host's inventory.
+
+    Hosts agree on a step's blob list (they committed the same manifest); if some did not
+    (a digest differs), the view that the most hosts share is kept and the others ignored.
+    """
+    groups: dict[int, dict[tuple[int, str], tuple[list[set[str]], list[str]]]] = {}
+    whole: dict[int, set[str]] = {}
+    for host, inv in inventories.items():
+        if inv.get("error"):
+            continue
+        for s in inv.get("steps", ()):
+            step, n, digest, held = s.get("step"), s.get("step_blobs"), s.get("digest"), s.get("held")
+            if type(n) is not int or not isinstance(digest, str):
+                raise ProtocolError(f"host {host}: inventory of step {step} lacks its blob bitmap; "
+                                             "run the same mtc version on the head and every sidecar")
+            bits = protocol.decode_bitmap(held, n)
+            sets, hosts = groups.setdefault(step, {}).setdefault((n, digest), ([set() for _ in range(n)], []))
+            hosts.append(host)
+            if s.get("local_blobs") == s.get("blobs"):
+                whole.setdefault(step, set()).add(host)
+            for i, b in enumerate(bits):
+                if b:
+                    sets[i].add(host)
+    out = {}
+    for step, by_digest in groups.items():
+        (n, digest), (sets, hosts) = max(by_digest.items(), key=lambda kv: (len(kv[1][1]), kv[0][1]))
+        if len(by_digest) > 1:
+            log.warning("step %d: hosts disagree on its blob list (%d versions); using the one of %s", step,
+                        len(by_digest), sorted(hosts))
+        out[step] = StepView(step, digest, tuple(frozenset(s) for s in sets), tuple(sorted(hosts)),
+                             tuple(sorted(whole.get(step, set()) & set(hosts))))
+    return out
+
+
+def summarize(view: StepView, strategy: ReplicationStrategy, topology: Mapping[str, int]) -> dict[str, Any]:
+    """{"restorable", "replicated", "min_copies"} of one step (copies counted in failure domains)."""
+    copies = [strategy.copies(hs, topology) for hs in view.holders]
+    low = min(copies) if copies else strategy.domains(topology)
+    return {"restorable": view.restorable, "replicated": low >= strategy.factor, "min_copies": low}

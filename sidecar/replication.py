@@ -1,0 +1,194 @@
+"""The receiving side of the peer tier: pull listed blobs from peers into this host's ramdisk.
+
+The head plans (``mtc.head.replication``: which blob goes from which holder to which host,
+for replication after a save and for a restore onto a host that lacks blobs); the receiving
+sidecar executes its part here. Each pull names the blob, its size and the holders to try in
+order. A copy counts only once it hashes to its name (``PeerClient.get``); a bad copy or an
+unreachable holder is skipped for the next holder, and what could not be pulled from any is
+reported blob by blob, with the cause at each holder.
+
+Blobs are pinned while the pull runs, so a concurrent garbage collection does not take them
+before a step references them (the caller makes one reference them: the step is committed
+here already for replication, or adopted after a restore pull).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+
+from mtc.shared import protocol
+from mtc.shared.errors import (
+    ConfigError,
+    CorruptBlobError,
+    HostUnreachableError,
+    InsufficientSpaceError,
+    ProtocolError,
+)
+from mtc.shared.hashing import is_blob_name
+from mtc.sidecar.peer import BadCopyError, PeerClient
+from mtc.sidecar.ram import RamStore
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Pull", "held_bits", "parse_peers", "parse_pulls", "pull_blobs"]
+
+
+def held_bits(step_blobs: set[str], have: set[str]) -> dict:
+    """The inventory fields that say which of a step's blobs this host holds.
+
+    ``{"step_blobs": n, "digest": ..., "held": bitmap}``: one bit per blob of the step's sorted
+    names, so the head can tell, for every blob, which hosts hold a copy.
+    """
+    names = sorted(step_blobs)
+    return {"step_blobs": len(names), "digest": protocol.blob_list_digest(names),
+            "held": protocol.encode_bitmap([n in have for n in names])}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pull:
+    """One blob to fetch: its name, its size (from the manifest) and the holders to try, in order."""
+
+    blob: str
+    size: int
+    sources: tuple[str, ...]
+
+
+def parse_pulls(rows: Any) -> list[Pull]:
+    """Pulls from the wire: ``[[blob, size, [host, ...]], ...]`` (ProtocolError when malformed)."""
+    if not isinstance(rows, list):
+        raise ProtocolError("'pulls' must be a list of [blob, size, [holders]]")
+    out = []
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 3 and is_blob_name(row[0]) and type(row[1]) is int
+                and row[1] >= 0 and isinstance(row[2], list) and row[2]
+                and all(isinstance(h, str) for h in row[2])):
+            raise ProtocolError(f"pulls[{i}] is not [blob name, size >= 0, [holder, ...]]: {row!r:.120}")
+        for h in row[2]:
+            try:
+                protocol.check_host_id(h)
+            except ConfigError as e:
+                raise ProtocolError(f"pulls[{i}]: {e}") from None
+        out.append(Pull(row[0], row[1], tuple(row[2])))
+    return out
+
+
+def parse_peers(doc: Any) -> dict[str, str]:
+    """The address book from the wire: ``{host id: "host:port"}`` (ProtocolError when malformed)."""
+    if not isinstance(doc, dict):
+        raise ProtocolError("'peers' must map host ids to peer addresses")
+    out = {}
+    for h, addr in doc.items():
+        try:
+            protocol.check_host_id(h)
+            protocol.parse_address(addr)
+        except ConfigError as e:
+            raise ProtocolError(f"peers[{h!r:.70}]: {e}") from None
+        out[h] = addr
+    return out
+
+
+def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mapping[str, str], *,
+               host_id: str = "host", streams_per_holder: int = 2, threads: int = 8,
+               timeout_s: float = 60.0) -> dict:
+    """Fetch every blob of ``pulls`` that ``store`` lacks from its holders; verified.
+
+    Runs in rounds: in round k each missing blob is asked of its k-th holder, so the load
+    spreads as the plan spread it. Each holder's blobs go over ``streams_per_holder``
+    connections at once (one stream leaves the sender's and the receiver's cores taking turns;
+    two keep both busy), at most ``threads`` in all. Returns::
+
+        {"host", "pulled": blobs fetched, "pulled_bytes", "already": blobs held before,
+         "failed": [[blob, [[holder, cause], ...]], ...],   # no holder had a good copy
+         "bad_copies": [[blob, holder, cause], ...],        # copies that failed their hash
+         "seconds"}
+    """
+    t0 = time.perf_counter()
+    todo: dict[str, Pull] = {}
+    already = 0
+    for p in pulls:
+        if p.blob in todo:
+            continue
+        if store.has_blob(p.blob):
+            already += 1
+        else:
+            todo[p.blob] = p
+    tried: dict[str, list[tuple[str, str]]] = {b: [] for b in todo}
+    bad: list[list[str]] = []
+    pulled = pulled_bytes = 0
+    with store.pin(todo):
+        pending = list(todo)
+        rnd = 0
+        while pending:
+            by_src: dict[str, list[Pull]] = {}
+            for b in pending:
+                by_src.setdefault(todo[b].sources[rnd], []).append(todo[b])
+            lanes = [(src, lane) for src, ps in by_src.items() for lane in _split(ps, streams_per_holder)]
+            failed_now: list[str] = []
+            workers = max(1, min(threads, len(lanes)))
+            with ThreadPoolExecutor(workers, thread_name_prefix="mtc-peer-pull") as pool:
+                futures = [(src, pool.submit(_pull_from, store, token, src, peers.get(src), lane, timeout_s))
+                           for src, lane in lanes]
+                for src, fut in futures:
+                    n, nbytes, failures = fut.result()
+                    pulled += n
+                    pulled_bytes += nbytes
+                    for blob, cause, corrupt in failures:
+                        tried[blob].append((src, cause))
+                        if corrupt:
+                            bad.append([blob, src, cause])
+                        failed_now.append(blob)
+            rnd += 1
+            pending = [b for b in failed_now if rnd < len(todo[b].sources)]
+    failed = [[b, [list(t) for t in tried[b]]] for b in todo if tried[b] and len(tried[b]) >= len(todo[b].sources)
+              and not store.has_blob(b)]
+    out = {"host": host_id, "pulled": pulled, "pulled_bytes": pulled_bytes, "already": already,
+           "failed": failed, "bad_copies": bad, "seconds": time.perf_counter() - t0}
+    log.info("- peer pull; host=%s; duration=%.3fs; %d blobs, %d bytes @ %.2f GB/s; %d held already, %d failed, "
+             "%d bad copies skipped", host_id, out["seconds"], pulled, pulled_bytes,
+             pulled_bytes / max(out["seconds"], 1e-9) / 1e9, already, len(failed), len(bad))
+    for blob, causes in failed:
+        log.warning("host %s: no good copy of blob %s from any peer: %s", host_id, blob,
+                    "; ".join(f"{h}: {c}" for h, c in causes))
+    return out
+
+
+def _split(pulls: list[Pull], n: int) -> list[list[Pull]]:
+    """``pulls`` dealt into at most ``n`` lists of about equal bytes (largest first)."""
+    lanes: list[list[Pull]] = [[] for _ in range(max(1, min(n, len(pulls))))]
+    load = [0] * len(lanes)
+    for p in sorted(pulls, key=lambda p: -p.size):
+        i = load.index(min(load))
+        lanes[i].append(p)
+        load[i] += p.size
+    return lanes
+
+
+def _pull_from(store: RamStore, token: str, src: str, address: str | None, pulls: list[Pull],
+               timeout_s: float) -> tuple[int, int, list[tuple[str, str, bool]]]:
+    """Fetch ``pulls`` from one holder over one connection: (blobs, bytes, [(blob, cause, corrupt)])."""
+    if address is None:
+        return 0, 0, [(p.blob, "no peer address for this host (not reachable from the head?)", False)
+                      for p in pulls]
+    n = nbytes = 0
+    failures: list[tuple[str, str, bool]] = []
+    with PeerClient(address, token, peer=src, timeout_s=timeout_s) as client:
+        for i, p in enumerate(pulls):
+            try:
+                nbytes += client.get(store, p.blob, size=p.size)
+                n += 1
+            except CorruptBlobError as e:  # this copy is bad (or gone); the connection still serves
+                log.warning("%s", e)
+                failures.append((p.blob, f"CorruptBlobError: {e}", isinstance(e, BadCopyError)))
+            except (HostUnreachableError, ProtocolError, ConfigError) as e:
+                # The holder is gone or refuses us: the rest of its list goes to the next holders.
+                cause = f"{type(e).__name__}: {e}"
+                log.warning("host %s unreachable for pulls: %s", src, e)
+                failures.extend((q.blob, cause, False) for q in pulls[i:])
+                break
+            except InsufficientSpaceError:
+                raise  # no holder can help: the ramdisk of this host is full
+    return n, nbytes, failures
