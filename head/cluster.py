@@ -274,7 +274,9 @@ class ClusterDispatcher(Dispatcher):
         self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
         self._staging: dict[tuple, np.ndarray] = {}
         self._backup_url = config.backup_root if config.base_output_directory else None
-        self._fetched: dict[str, set[str]] = {}  # blob -> hosts that pulled it from the backup
+        # blob -> hosts that pulled it at a restore (from the backup or a peer); values are replaced, never
+        # changed in place, so a load may read them while another thread records a pull.
+        self._fetched: dict[str, frozenset[str]] = {}
         self._closed = False
 
     # --- plumbing --------------------------------------------------------------------------
@@ -715,7 +717,7 @@ class ClusterDispatcher(Dispatcher):
         # The next load reads those blobs where they were fetched to (peer pulls add theirs too).
         for h, blobs in needs.items():
             for b in blobs:
-                self._fetched.setdefault(b, set()).add(h)
+                self._fetched[b] = self._fetched.get(b, frozenset()) | {h}
         return results
 
     # --- peer tier (the sidecars move the bytes; the head plans and hands out addresses) ----
@@ -739,11 +741,12 @@ class ClusterDispatcher(Dispatcher):
             return self._call(h, "peer_pull", args, data).result
 
         results, failures = self._fan_out(one, list(pulls), pool=self._peer_pool)
-        for h, res in results.items():
-            failed = {row[0] for row in res.get("failed", [])} if isinstance(res, dict) else set()
-            for b, _, _ in pulls[h]:
-                if b not in failed:  # the next load reads those blobs where they were pulled to
-                    self._fetched.setdefault(b, set()).add(h)
+        if manifest is not None:  # a restore: its load reads the blobs where they were pulled to
+            for h, res in results.items():
+                failed = {row[0] for row in res.get("failed", [])} if isinstance(res, dict) else set()
+                for b, _, _ in pulls[h]:
+                    if b not in failed:
+                        self._fetched[b] = self._fetched.get(b, frozenset()) | {h}
         for h, e in failures.items():
             log.warning("peer pull of step %d on %s failed: %s", step, h, _cause(e))
             results[h] = {"error": _cause(e)}

@@ -53,7 +53,8 @@ class WriteResult:
 
 
 class Dispatcher(abc.ABC):
-    """How the head reaches the sidecars. Every method is called from one thread at a time."""
+    """How the head reaches the sidecars. Every method is called from one thread at a time,
+    except the backup and peer methods, which background threads call beside the others."""
 
     @abc.abstractmethod
     def hosts(self) -> list[str]:
