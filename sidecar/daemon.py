@@ -292,11 +292,19 @@ class SidecarDaemon:
         reads = args.get("reads")
         if not isinstance(reads, list):
             raise ProtocolError("read: 'reads' must be a list of [key, box or null]")
-        out, errors = [], []
+        boxes = []
         for i, row in enumerate(reads):
             if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
                 raise ProtocolError(f"read: reads[{i}] is not [key, box or null]")
-            box = None if row[1] is None else _box(row[1], f"read: reads[{i}]")
+            boxes.append((row[0], None if row[1] is None else _box(row[1], f"read: reads[{i}]")))
+        try:  # all boxes on the I/O threads at once; on any failure, box by box to say which
+            return {"step": step, "errors": []}, self.service.read_boxes(
+                step, [(key, box, False, None) for key, box in boxes])
+        except MTCError:
+            pass
+        out, errors = [], []
+        for i, (key, box) in enumerate(boxes):
+            row = [key, box]
             try:
                 out.append(self.service.read_box(step, row[0], box))
             except MTCError as e:  # this box fails; the others of the request still count
