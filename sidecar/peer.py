@@ -112,7 +112,7 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
     hash to ``name``: every byte was read, so the connection stays usable. A transport error
     leaves the connection unusable; the temp file is removed either way.
     """
-    fd, tmp = store.open_temp_blob()
+    fd, tmp = store.open_temp_blob(nbytes)  # reuses a recycled file of that size if there is one
     hasher = new_hasher()
     buf = _recv_buffer()
     try:

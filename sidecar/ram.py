@@ -606,13 +606,21 @@ class RamStore:
             raise CorruptBlobError(f"blob {name} at {path} is corrupt: its bytes hash to {actual}")
         return np.frombuffer(m, np.uint8)
 
-    def open_temp_blob(self) -> tuple[int, Path]:
+    def open_temp_blob(self, size: int | None = None) -> tuple[int, Path]:
         """A new temp file in ``blobs/`` for receiving a blob: (fd open for writing, path).
 
         Write the bytes, close the fd, then call :meth:`finalize_temp_blob` (or
-        :meth:`discard_temp_blob` on failure).
+        :meth:`discard_temp_blob` on failure). With ``size`` (the exact number of bytes that
+        will be written), a free-pool file of that size is reused when there is one: its
+        pages are overwritten in place, which is much cheaper than allocating new ones.
         """
         tmp = self._temp_name(self._blobs)
+        if size is not None and self.free_pool:
+            taken = self._pool_take(int(size))
+            if taken is not None:
+                fd, path = taken
+                os.rename(path, tmp)  # a plain temp name: finalize/discard accept it
+                return fd, tmp
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         return fd, tmp
 

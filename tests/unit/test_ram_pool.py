@@ -382,3 +382,33 @@ def test_disk_full_during_a_write_frees_the_pool_and_retries(tmpfs16):
     assert store.read_blob(blob_name(big)) == big
     assert store.usage()["free_pool_count"] == 0
     assert [p for p in temps(store.root)] == []
+
+
+@pytest.mark.unit
+def test_a_received_blob_overwrites_a_pool_file_of_its_size(tmp_path):
+    """Peers and downloads receive into recycled files: written whole, verified, then published."""
+    store = RamStore(tmp_path / "mtc", max_to_keep=1)
+    a, b, c = (rand_bytes(256 * KiB, s) for s in (11, 12, 13))
+    save_step(store, 1, [a])
+    old_ino = ino(store, blob_name(a))
+    save_step(store, 2, [b])  # a's file goes to the pool
+    assert list(pool_files(store)) == [old_ino]
+    fd, tmp = store.open_temp_blob(len(c))
+    assert os.fstat(fd).st_ino == old_ino and not tmp.name.startswith(ram.FREE_PREFIX)
+    os.write(fd, c)
+    os.close(fd)
+    assert store.finalize_temp_blob(tmp, blob_name(c))
+    assert pool_files(store) == {} and store.read_blob(blob_name(c)) == c
+    # A partial receive into a pool file is discarded: its old tail never becomes a blob.
+    save_step(store, 3, [c])  # b's file goes to the pool
+    fd, tmp = store.open_temp_blob(len(a))
+    os.write(fd, a[: len(a) // 2])
+    os.close(fd)
+    with pytest.raises(CorruptBlobError):
+        store.finalize_temp_blob(tmp, blob_name(a))
+    assert not store.has_blob(blob_name(a)) and not tmp.exists()
+    # No pool file of that size: a fresh temp file.
+    fd, tmp = store.open_temp_blob(len(a) + 1)
+    os.close(fd)
+    assert os.stat(tmp).st_size == 0
+    store.discard_temp_blob(tmp)
