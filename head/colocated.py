@@ -24,7 +24,7 @@ from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_
 from mtc.shared import format as fmt
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import ManifestError
+from mtc.shared.errors import ManifestError, MTCError
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +332,33 @@ class ColocatedDispatcher(Dispatcher):
                 time.sleep(wait)  # polling a remote job: nothing to wait on locally
                 wait = min(wait * 2, 0.5)
         return results
+
+    def slice_of(self, host_id: str) -> int:
+        """The slice of a host: the ``slice_index`` of its devices (Pathways), else 0."""
+        hosts = self._hosts_of_rows()
+        for dev, cpu in self._cpu_of.items():
+            if hosts[self._ctl_devices.index(cpu)] == host_id:
+                return int(getattr(dev, "slice_index", 0) or 0)
+        return 0
+
+    def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
+                  manifest: fmt.StepManifest | None = None, *, peers: dict[str, str] | None = None
+                  ) -> dict[str, dict]:
+        """Each host of ``pulls`` fetches its blobs from the holders, as a sidecar job.
+
+        The address book is what the sidecars report with their fingerprints; ``peers`` adds
+        addresses of hosts outside this head's device list.
+        """
+        book = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
+        book.update(peers or {})
+        try:
+            results = self._run_job(
+                "peer_pull", step=step, peers=book,
+                pulls={h: [[b, n, list(srcs)] for b, n, srcs in rows] for h, rows in pulls.items()},
+                manifest=manifest.to_json().decode() if manifest is not None else None)
+        except MTCError as e:
+            return {h: {"error": str(e)} for h in pulls}
+        return {h: results.get(h, {"error": f"host {h} did not answer"}) for h in pulls}
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         return self._run_job("backup_upload", assignments=assignments)

@@ -27,6 +27,7 @@ from mtc.shared import format as fmt
 from mtc.shared import shardings
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.sidecar.peer import resolve_token
+from mtc.sidecar.replication import parse_peers, parse_pulls
 from mtc.sidecar.service import SidecarService, aligned_empty
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,13 @@ class ColocatedSidecar:
             return svc.backup_manifest(req["name"]).decode()
         if op == "backup_fetch":
             return svc.start_job(svc.backup_fetch, req["name"], req["needs"])
+        if op == "peer_pull":
+            rows = req["pulls"].get(svc.host_id)
+            if rows is None:  # nothing for this host; every host answers with a job
+                return svc.start_job(dict)
+            manifest = req.get("manifest")
+            return svc.start_job(svc.peer_pull, int(req["step"]), parse_pulls(rows), parse_peers(req["peers"]),
+                                 manifest.encode() if manifest else None)
         if op == "close":
             svc.close()
             with self._lock:
