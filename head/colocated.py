@@ -22,6 +22,7 @@ import numpy as np
 
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
 from mtc.shared import format as fmt
+from mtc.shared.buffers import aligned_empty
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ManifestError, MTCError
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 
 SIDECAR_CLASS = "mtc.sidecar.colocated:ColocatedSidecar"
 DIGEST_LEN = 16
-_ALIGN = 64
 # Staging copies run on this many threads (np.copyto releases the GIL), in chunks of
 # _COPY_CHUNK bytes so that the threads share the work evenly.
 _STAGE_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -40,14 +40,6 @@ _COPY_CHUNK = 8 << 20
 def _load_sidecar_class() -> type:
     module, _, name = SIDECAR_CLASS.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def _aligned_like(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
 def _row_sharding(devices: list) -> jax.sharding.NamedSharding:
@@ -206,7 +198,7 @@ class ColocatedDispatcher(Dispatcher):
         live.add(key)
         buf = self._staging.get(key)
         if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
-            buf = self._staging[key] = _aligned_like(tuple(shape), dtype)
+            buf = self._staging[key] = aligned_empty(tuple(shape), dtype)
         return buf
 
     def _stage_array(self, leaf: Leaf, live: set, copies: list) -> Any:

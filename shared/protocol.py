@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from mtc.shared.buffers import aligned_empty
 from mtc.shared.errors import ConfigError, ProtocolError
 from mtc.shared.hashing import blob_name
 from mtc.shared.version import PROTOCOL_VERSION
@@ -55,7 +56,6 @@ MAX_PAYLOAD_BYTES = 1 << 40
 MAX_PAYLOADS = 1 << 20
 # Buffers per sendmsg call (Linux IOV_MAX is 1024).
 _MAX_IOV = 512
-_ALIGN = 64
 
 # Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
 OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
@@ -75,9 +75,7 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     A 64-byte aligned host buffer becomes a CPU ``jax.Array`` without a copy
     (``jax.device_put(buf.view(dtype), dev, may_alias=True)``).
     """
-    raw = np.empty(int(nbytes) + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off : off + int(nbytes)]
+    return aligned_empty((int(nbytes),), np.uint8)
 
 
 def byte_view(x: Buffer) -> memoryview:

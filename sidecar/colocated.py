@@ -28,7 +28,8 @@ from mtc.shared import shardings
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.sidecar.peer import resolve_token
 from mtc.sidecar.replication import parse_peers, parse_pulls
-from mtc.sidecar.service import SidecarService, aligned_empty
+from mtc.shared.buffers import aligned_empty
+from mtc.sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from mtc.shared import format as fmt
+from mtc.shared.buffers import aligned_empty
 from mtc.shared import version
 from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import blob_name
@@ -29,21 +30,9 @@ from mtc.sidecar.replication import held_bits, pull_blobs
 
 log = logging.getLogger(__name__)
 
-# Alignment of buffers handed to JAX: a 64-byte aligned host buffer becomes a CPU jax.Array
-# without a copy.
-_ALIGN = 64
 # Shards at least this large are restored by mapping their blob (RamStore.map_blob), not read:
 # smaller ones are cheap to read, and mappings are a limited resource (vm.max_map_count).
 _MAP_MIN = 1 << 20
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data is 64-byte aligned."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
 def _as_bytes(a: np.ndarray) -> memoryview:
