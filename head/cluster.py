@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
+from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import protocol, version
@@ -272,7 +273,7 @@ class ClusterDispatcher(Dispatcher):
         # The backup tier fans out on its own threads too: a stuck upload holds none of the saves'.
         self._backup_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-backup")
         self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
-        self._staging: dict[tuple, np.ndarray] = {}
+        self._staging = HostStaging()
         self._backup_url = config.backup_root if config.base_output_directory else None
         # blob -> hosts that pulled it at a restore (from the backup or a peer); values are replaced, never
         # changed in place, so a load may read them while another thread records a pull.
@@ -370,7 +371,7 @@ class ClusterDispatcher(Dispatcher):
         shards: dict[str, list[tuple[int, Box, np.ndarray]]] = {h: [] for h in hosts}
         seen: dict[str, set[tuple[int, Box]]] = {h: set() for h in hosts}
         box_devices: dict[tuple[int, Box], list[int]] = {}
-        live: set = set()
+        to_copy: list[tuple[np.ndarray, np.ndarray]] = []
         nbytes = 0
         for leaf in leaves:
             if leaf.kind == "scalar":
@@ -378,8 +379,8 @@ class ClusterDispatcher(Dispatcher):
             if leaf.kind == "numpy":
                 # Host data: every host keeps a copy (it is small, and then any host can restore it).
                 src = np.asarray(leaf.value)
-                buf = self._buffer((leaf.key, "numpy"), src.shape, src.dtype, live)
-                np.copyto(buf, src)
+                buf = self._staging.buffer((leaf.key, "numpy"), src.shape, src.dtype)
+                to_copy.append((buf, src))
                 box = tuple((0, n) for n in leaf.shape)
                 for h in hosts:
                     shards[h].append((leaf.index, box, buf))
@@ -396,26 +397,17 @@ class ClusterDispatcher(Dispatcher):
                     # Copy each unique shard once into a reused, aligned host buffer, so a train
                     # step that donates its inputs cannot touch what is being written.
                     src = np.asarray(shard.data)
-                    buf = self._buffer((leaf.key, box), src.shape, src.dtype, live)
-                    np.copyto(buf, src)
+                    buf = self._staging.buffer((leaf.key, box), src.shape, src.dtype)
+                    to_copy.append((buf, src))
                     copies[box] = buf
                     nbytes += buf.nbytes
                 box_devices.setdefault((leaf.index, box), []).append(dev_id)
                 if (leaf.index, box) not in seen[host]:
                     seen[host].add((leaf.index, box))
                     shards[host].append((leaf.index, box, buf))
-        for key in set(self._staging) - live:
-            del self._staging[key]
+        self._staging.copy_all(to_copy)  # on several threads
+        self._staging.end()
         return _Staged(shards, box_devices, nbytes)
-
-    def _buffer(self, key: tuple, shape: tuple, dtype: Any, live: set) -> np.ndarray:
-        live.add(key)
-        buf = self._staging.get(key)
-        if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
-            dtype = np.dtype(dtype)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            buf = self._staging[key] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
-        return buf
 
     def write(self, step: int, staged: _Staged) -> WriteResult:
         def one(h: str) -> fmt.HostManifest:
@@ -763,4 +755,4 @@ class ClusterDispatcher(Dispatcher):
         self._pool.shutdown(wait=True)
         self._backup_pool.shutdown(wait=True)
         self._peer_pool.shutdown(wait=True)
-        self._staging.clear()
+        self._staging.close()

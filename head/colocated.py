@@ -11,16 +11,15 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
 import numpy as np
 
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
+from mtc.head.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared.buffers import aligned_empty
 from mtc.shared import shardings
@@ -31,10 +30,6 @@ log = logging.getLogger(__name__)
 
 SIDECAR_CLASS = "mtc.sidecar.colocated:ColocatedSidecar"
 DIGEST_LEN = 16
-# Staging copies run on this many threads (np.copyto releases the GIL), in chunks of
-# _COPY_CHUNK bytes so that the threads share the work evenly.
-_STAGE_THREADS = max(1, min(4, os.cpu_count() or 1))
-_COPY_CHUNK = 8 << 20
 
 
 def _load_sidecar_class() -> type:
@@ -92,9 +87,7 @@ class ColocatedDispatcher(Dispatcher):
             # Only when set in the config: otherwise each sidecar reads MTC_PEER_TOKEN itself.
             **({"peer_token": config.peer_token} if config.peer_token else {}),
         }))
-        self._staging: dict[tuple, np.ndarray] = {}
-        self._copiers = (ThreadPoolExecutor(_STAGE_THREADS, thread_name_prefix="mtc-stage")
-                         if _STAGE_THREADS > 1 else None)
+        self._staging = HostStaging()
         self._host_of_row: list[str] | None = None
 
     # --- control requests ---------------------------------------------------------------
@@ -143,7 +136,6 @@ class ColocatedDispatcher(Dispatcher):
     def stage(self, leaves: list[Leaf]) -> list[_Group]:
         groups: dict[tuple, _Group] = {}
         all_cpu = tuple(self._ctl_devices)
-        live = set()
         # First every host copy (on several threads), then the arrays over the copied buffers.
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         builds = []
@@ -152,7 +144,7 @@ class ColocatedDispatcher(Dispatcher):
                 continue
             if leaf.kind == "numpy":
                 src = np.ascontiguousarray(leaf.value).reshape(-1).view(np.uint8)
-                buf = self._buffer((leaf.key, "numpy"), src.shape, np.uint8, live)
+                buf = self._staging.buffer((leaf.key, "numpy"), src.shape, np.uint8)
                 copies.append((buf, src))
 
                 def build(buf=buf):
@@ -161,47 +153,19 @@ class ColocatedDispatcher(Dispatcher):
                     return jax.make_array_from_single_device_arrays(
                         buf.shape, sharding, [jax.device_put(buf, d, may_alias=True) for d in all_cpu])
             else:
-                build = self._stage_array(leaf, live, copies)
+                build = self._stage_array(leaf, copies)
             builds.append((leaf, build))
-        self._copy_all(copies)
+        self._staging.copy_all(copies)
         for leaf, build in builds:
             arr = build()
             devices = all_cpu if leaf.kind == "numpy" else tuple(sorted(arr.sharding.device_set, key=lambda d: d.id))
             g = groups.setdefault(devices, _Group(devices))
             g.leaves.append(leaf)
             g.arrays.append(arr)
-        for key in set(self._staging) - live:
-            del self._staging[key]
+        self._staging.end()
         return list(groups.values())
 
-    def _copy_all(self, copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """np.copyto(dst, src) for each pair, split in chunks over the staging threads."""
-        jobs = []
-        total = 0
-        for dst, src in copies:
-            if not (dst.size and dst.flags.c_contiguous and src.flags.c_contiguous and dst.nbytes == src.nbytes
-                    and dst.dtype == src.dtype):
-                jobs.append((dst, src))
-                continue
-            d, s = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
-            for a in range(0, d.size, _COPY_CHUNK):
-                jobs.append((d[a:a + _COPY_CHUNK], s[a:a + _COPY_CHUNK]))
-            total += d.size
-        if self._copiers is None or total < 2 * _COPY_CHUNK:
-            for dst, src in jobs:
-                np.copyto(dst, src)
-            return
-        for _ in self._copiers.map(lambda j: np.copyto(j[0], j[1]), jobs):
-            pass
-
-    def _buffer(self, key: tuple, shape: tuple, dtype: Any, live: set) -> np.ndarray:
-        live.add(key)
-        buf = self._staging.get(key)
-        if buf is None or buf.shape != tuple(shape) or buf.dtype != np.dtype(dtype):
-            buf = self._staging[key] = aligned_empty(tuple(shape), dtype)
-        return buf
-
-    def _stage_array(self, leaf: Leaf, live: set, copies: list) -> Any:
+    def _stage_array(self, leaf: Leaf, copies: list) -> Any:
         """Plan the staging of one jax leaf: appends its host copies to ``copies`` and returns
         a function that builds the staged array once they are done."""
         x = leaf.value
@@ -218,7 +182,7 @@ class ColocatedDispatcher(Dispatcher):
             buf = bufs.get(box)
             if buf is None:
                 src = np.asarray(shard.data)
-                buf = self._buffer((leaf.key, box), src.shape, src.dtype, live)
+                buf = self._staging.buffer((leaf.key, box), src.shape, src.dtype)
                 copies.append((buf, src))
                 bufs[box] = buf
             placed.append((buf, self._cpu_of[shard.device]))
@@ -375,9 +339,7 @@ class ColocatedDispatcher(Dispatcher):
         try:
             self._control("close")
         finally:
-            self._staging.clear()
-            if self._copiers is not None:
-                self._copiers.shutdown(wait=True)
+            self._staging.close()
             # Drop the colocated object now: its finaliser needs a live interpreter.
             self._obj = None
             import gc
