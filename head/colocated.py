@@ -21,7 +21,6 @@ import numpy as np
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
 from mtc.head.staging import HostStaging
 from mtc.shared import format as fmt
-from mtc.shared.buffers import aligned_empty
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ManifestError, MTCError

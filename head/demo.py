@@ -41,7 +41,6 @@ def _train(workdir: Path, steps: int, period: int, crash_at: int | None, checkpo
     from mtc.head import CheckpointManager, MTCConfig
 
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    rep = NamedSharding(mesh, P())
     w_sh = NamedSharding(mesh, P(None, "model"))
 
     def init():

@@ -3,7 +3,6 @@ completes when the server returns, and no half backup is ever listed."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 
 import jax

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -19,34 +16,21 @@ from mtc.shared.errors import InsufficientSpaceError, SaveError
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "ramdisk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def _files(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
 
-def test_step_that_does_not_fit_fails_before_writing(small_tmpfs):
+def test_step_that_does_not_fit_fails_before_writing(tmpfs16):
     sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
     rng = np.random.default_rng(0)
     small = {"w": jax.device_put(rng.standard_normal(1 << 20, dtype=np.float32), sh)}  # 4 MiB
     big = {"w": jax.device_put(rng.standard_normal(5 << 20, dtype=np.float32), sh)}  # 20 MiB
-    cfg = MTCConfig(local_checkpoint_directory=str(small_tmpfs), enable_multi_tier_checkpointing=True,
+    cfg = MTCConfig(local_checkpoint_directory=str(tmpfs16), enable_multi_tier_checkpointing=True,
                     local_checkpoint_period=1, local_max_to_keep=2)
     with CheckpointManager(cfg) as m:
         m.save(1, small)
         m.wait_until_finished()
-        before = _files(small_tmpfs / "mtc")
+        before = _files(tmpfs16 / "mtc")
         m.save(2, big)
         with pytest.raises(SaveError) as e:
             m.wait_until_finished()
@@ -55,7 +39,7 @@ def test_step_that_does_not_fit_fails_before_writing(small_tmpfs):
         msg = str(e.value)
         assert "step 2" in msg and "mtc size" in msg and "MiB" in msg
         # Nothing partial: the files are exactly those of step 1 (no blob, no temp, no pending).
-        after = {k: v for k, v in _files(small_tmpfs / "mtc").items()}
+        after = {k: v for k, v in _files(tmpfs16 / "mtc").items()}
         assert after == before
         assert m.all_steps() == [1]
         assert_trees_bitwise_equal(small, m.restore(1))

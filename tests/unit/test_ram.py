@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import threading
 from pathlib import Path
 
@@ -495,20 +494,6 @@ def test_format_bytes():
 
 
 # --- space (size-limited tmpfs) ------------------------------------------------------------
-
-@pytest.fixture
-def tmpfs16(tmp_path):
-    mnt = tmp_path / "ramdisk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 16 MiB tmpfs (needs root): {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
 
 @pytest.mark.integration
 def test_step_that_does_not_fit_writes_nothing(tmpfs16):

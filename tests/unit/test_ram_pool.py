@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import threading
 from pathlib import Path
 
@@ -314,20 +313,6 @@ def test_committed_steps_parses_each_step_file_once_and_sees_replacements(tmp_pa
 
 
 # --- space: the pool is reclaimable, and reused in place on a full ramdisk --------------------
-
-@pytest.fixture
-def tmpfs16(tmp_path):
-    mnt = tmp_path / "ramdisk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 16 MiB tmpfs (needs root): {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_ino) for p in root.rglob("*") if p.is_file()}

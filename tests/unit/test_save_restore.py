@@ -18,7 +18,6 @@ from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared.errors import (
     ConfigError,
     CorruptBlobError,
-    SaveError,
     StepNotFoundError,
     TargetMismatchError,
 )
