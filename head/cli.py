@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--steps-kept", type=int, default=2,
                       help="steps the ramdisk holds at once (default 2: one committed, "
                            "one being written)")
+    size.add_argument("--ramdisk", type=Path, metavar="DIR",
+                      help="also check this ramdisk directory: its filesystem, page size and room "
+                           "(exit status 1 when it is too small)")
     size.add_argument("--json", action="store_true", help="print JSON instead of text")
     size.set_defaults(func=_cmd_size)
 
@@ -71,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     # None here, a fresh directory in the handler: a default computed while building the
     # parser would create a temp dir on every `mtc` invocation.
     demo.add_argument("--workdir", type=Path, default=None,
-                      help="working directory (default: a fresh temporary directory)")
+                      help="working directory (default: a fresh directory in /dev/shm, else in the temp directory)")
     demo.add_argument("--crash-at", type=int, default=17,
                       help="step at which to kill a host (default 17)")
     demo.set_defaults(func=_cmd_demo)
@@ -110,9 +114,13 @@ def _cmd_size(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"mtc size: error: {e}", file=sys.stderr)
         return 2
+    check = _check_ramdisk(args.ramdisk, size.required_bytes) if args.ramdisk is not None else None
+    if check is not None and "error" in check:
+        print(f"mtc size: error: {check['error']}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(size.to_dict(), indent=2))
-        return 0
+        print(json.dumps({**size.to_dict(), **({"ramdisk": check} if check else {})}, indent=2))
+        return 1 if check and not check["fits"] else 0
     print("Ramdisk per host (MaxText multi-tier checkpointing guide):")
     for line in size.explain():
         print("  " + line)
@@ -120,12 +128,44 @@ def _cmd_size(args: argparse.Namespace) -> int:
           f"({size.required_bytes:,} bytes)")
     print(f"Kubernetes sizeLimit: {size.size_limit} (rounded up; "
           f"{size.size_limit_bytes:,} bytes)")
+    if check is None:
+        return 0
+    print(f"Ramdisk {check['path']}: {check['fstype'] or 'unknown filesystem'} at {check['mountpoint'] or '?'}"
+          f"{', huge=' + check['huge'] if check['huge'] else ''}, {format_bytes(check['total_bytes'])} in all, "
+          f"{format_bytes(check['free_bytes'])} free")
+    if check["advice"]:
+        print(f"  advice: {check['advice']}")
+    if not check["fits"]:
+        print(f"mtc size: {check['path']} is too small: {format_bytes(size.required_bytes)} needed per host, "
+              f"the filesystem holds {format_bytes(check['total_bytes'])}; raise the tmpfs size= "
+              f"(Kubernetes: the emptyDir sizeLimit and the pod's memory limit)", file=sys.stderr)
+        return 1
+    print("  fits")
     return 0
 
 
+def _check_ramdisk(path: Path, required: int) -> dict:
+    """The mount, room and advice for ramdisk directory ``path`` (``{"error"}`` if unreadable)."""
+    from mtc.shared import ramdisk
+
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # a directory mtc would create: measure the filesystem it would be on
+    try:
+        st = os.statvfs(probe)
+    except OSError as e:
+        return {"error": f"cannot read the filesystem of {path}: {e}"}
+    m = ramdisk.describe(path)
+    total = st.f_blocks * st.f_frsize
+    return {"path": str(path), "mountpoint": m.mountpoint if m else "", "fstype": m.fstype if m else "",
+            "huge": m.huge if m else "", "total_bytes": total, "free_bytes": st.f_bavail * st.f_frsize,
+            "fits": total >= required, "advice": ramdisk.advice(path)}
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.workdir is None:
-        args.workdir = Path(tempfile.mkdtemp(prefix="mtc-demo-"))
+    if args.workdir is None:  # on the machine's ramdisk when it has one, as a real job would be
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        args.workdir = Path(tempfile.mkdtemp(prefix="mtc-demo-", dir=shm))
     # Imported on use: only this command needs the demo (and whatever it imports).
     from mtc.head import demo
 

@@ -63,6 +63,7 @@ TMP_PREFIX = ".tmp-"
 # reading it finds it still in cache.
 _WRITE_CHUNK = 64 << 20
 _READ_CHUNK = 4 << 20
+_HUGE_PAGE = 2 << 20  # a tmpfs huge page (x86-64, arm64 with 4 KiB base pages)
 _STEP_FILE_RE = re.compile(r"^(\d{12})\.json$")
 _STEP_DIR_RE = re.compile(r"^(\d{12})$")
 _MAX_STEP = 10**12 - 1
@@ -211,6 +212,17 @@ def _hash_fd(fd: int, size: int) -> str:
         return blob_name(b"")
     with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
         return blob_name(m)
+
+
+def _presize(fd: int, size: int) -> None:
+    """Give a new blob file its final size before the first write (sparse: nothing allocated).
+
+    A tmpfs mounted ``huge=within_size`` hands out 2 MiB pages only inside the file's size,
+    which older kernels take from ``i_size`` alone: without this, a file written front to
+    back would get 4 KiB pages there (``mtc.shared.ramdisk``).
+    """
+    if size >= _HUGE_PAGE:
+        os.ftruncate(fd, size)
 
 
 class RamStore:
@@ -513,6 +525,7 @@ class RamStore:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 try:
+                    _presize(fd, n)
                     off = 0
                     while off < n:
                         off += os.write(fd, mv[off:off + _WRITE_CHUNK])
@@ -622,6 +635,13 @@ class RamStore:
                 os.rename(path, tmp)  # a plain temp name: finalize/discard accept it
                 return fd, tmp
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if size is not None:
+            try:
+                _presize(fd, int(size))
+            except BaseException:
+                os.close(fd)
+                self.discard_temp_blob(tmp)
+                raise
         return fd, tmp
 
     def _check_temp(self, temp_path) -> Path:

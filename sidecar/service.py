@@ -20,7 +20,7 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared.buffers import aligned_empty
-from mtc.shared import version
+from mtc.shared import ramdisk, version
 from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
@@ -29,6 +29,19 @@ from mtc.sidecar.ram import RamStore
 from mtc.sidecar.replication import held_bits, pull_blobs
 
 log = logging.getLogger(__name__)
+
+_advised: set[str] = set()  # mount points already logged by this process
+
+
+def _log_ramdisk_advice(root) -> None:
+    """Say once per mount, at start, when the ramdisk is not a tmpfs or has 4 KiB pages."""
+    m = ramdisk.describe(root)
+    if m is None or m.mountpoint in _advised:
+        return
+    _advised.add(m.mountpoint)
+    text = ramdisk.advice(root)
+    if text:
+        (log.info if m.is_tmpfs else log.warning)("%s", text)
 
 # Shards at least this large are restored by mapping their blob (RamStore.map_blob), not read:
 # smaller ones are cheap to read, and mappings are a limited resource (vm.max_map_count).
@@ -53,6 +66,7 @@ class SidecarService:
         self._backup = None
         self._jobs: dict[str, dict] = {}
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
+        _log_ramdisk_advice(self.store.root)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
         self._lock = threading.Lock()
         # step -> (shards written so far, bytes written so far, seconds so far), across parts.

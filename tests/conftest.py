@@ -27,16 +27,25 @@ def ramdisk():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def tmpfs16(tmp_path):
-    """A real 16 MiB tmpfs mount (a ramdisk that fills up), unmounted afterwards; needs root."""
-    mnt = tmp_path / "ramdisk"
+def _mount_tmpfs(mnt, options: str, what: str):
+    """Mount a real tmpfs at ``mnt`` for a fixture to yield, unmount after; skips the test without root."""
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a 16 MiB tmpfs (needs root): {r.stderr.strip()}")
+        pytest.skip(f"cannot mount {what} (needs root): {r.stderr.strip()}")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def tmpfs16(tmp_path):
+    """A real 16 MiB tmpfs mount (a ramdisk that fills up), unmounted afterwards; needs root."""
+    yield from _mount_tmpfs(tmp_path / "ramdisk", "size=16m", "a 16 MiB tmpfs")
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path):
+    """A real tmpfs mounted ``huge=within_size`` (2 MiB pages), the recommended ramdisk; needs root."""
+    yield from _mount_tmpfs(tmp_path / "huge-ramdisk", "size=2g,huge=within_size", "a huge-page tmpfs")

@@ -157,3 +157,19 @@ def test_python_dash_m_cli():
                           "--hosts", "32"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "params" in bad.stderr
+
+
+def test_cli_size_checks_a_ramdisk_that_is_too_small(tmpfs16, capsys):
+    # 1e6 params x 12 B / 1 host x 2 steps x 1.15 = 27.6 MB: more than the 16 MiB tmpfs
+    assert main(["size", "--params", "1e6", "--hosts", "1", "--ramdisk", str(tmpfs16 / "job")]) == 1
+    out, err = capsys.readouterr()
+    assert f"Ramdisk {tmpfs16 / 'job'}: tmpfs at {tmpfs16}, huge=never" in out
+    assert "mount -o remount,huge=within_size" in out
+    assert "is too small: 27.6 MB needed per host" in err and "raise the tmpfs size=" in err
+
+
+def test_cli_size_checks_a_ramdisk_that_fits(huge_tmpfs, capsys):
+    assert main(["size", "--params", "1e6", "--hosts", "4", "--ramdisk", str(huge_tmpfs), "--json"]) == 0
+    check = json.loads(capsys.readouterr().out)["ramdisk"]
+    assert check["fstype"] == "tmpfs" and check["huge"] == "within_size" and check["fits"]
+    assert check["advice"] is None and check["total_bytes"] == 2 * GIB
