@@ -85,6 +85,7 @@ class ReplicationReport:
     moved_blobs: int = 0  # copies made, over every attempt
     moved_bytes: int = 0
     bad_copies: int = 0  # received copies that failed their hash (skipped for another holder)
+    removed_bad_copies: int = 0  # ... that were corrupt at their holder, which removed them (then re-copied)
     complete: bool = False  # every planned copy was made (nothing left to retry)
     replicated: bool = False  # every blob is on >= replication_factor slices (hosts with one slice)
     attempts: int = 0
@@ -352,7 +353,8 @@ class CheckpointManager:
         """
         step, t0 = manifest.step, time.perf_counter()
         names = sorted(manifest.blob_names())
-        stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0}
+        stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0,
+                 "removed_bad_copies": 0}
         attempts, delay, error = 0, _REPLICATION_RETRY_S[0], None
         complete = replicated = False
         deadline = time.monotonic() + _REPLICATION_PATIENCE_S
@@ -403,7 +405,7 @@ class CheckpointManager:
         plan = self._strategy.plan(manifest, holders, topology, targets=set(view.hosts) - down)
         if first:
             stats["planned_blobs"], stats["planned_bytes"] = len(plan), sum(t.nbytes for t in plan)
-        failed = 0
+        failed = repaired = 0
         if plan:
             pulls: dict[str, list[tuple[str, int, list[str]]]] = {}
             for t in plan:
@@ -418,6 +420,8 @@ class CheckpointManager:
                 stats["moved_blobs"] += res.get("pulled", 0)
                 stats["moved_bytes"] += res.get("pulled_bytes", 0)
                 stats["bad_copies"] += len(res.get("bad_copies", []))
+                repaired += len(res.get("removed_bad_copies", []))
+                stats["removed_bad_copies"] += len(res.get("removed_bad_copies", []))
                 for blob, _, _ in pulls[dst]:
                     if blob not in bad:
                         holders[blob].add(dst)
@@ -430,6 +434,8 @@ class CheckpointManager:
             log.warning("step %d: %d blobs stay below replication_factor=%d: the topology has %d failure domains "
                         "(slices, or hosts when there is one slice)", step, len(short), self._strategy.factor,
                         self._strategy.domains(topology))
+        if repaired:  # holders dropped corrupt copies: they hold less than the inventory said; look again
+            return False, False
         return failed == 0 and not (short and down), not short
 
     def wait_for_replication(self) -> ReplicationReport | None:

@@ -9,6 +9,9 @@ nothing unpickled). Requests (``args`` -> ``result``; payloads in brackets):
   ``socket.sendfile``: no copy through Python]
 - ``put {blob}`` [the blob's bytes] -> ``{"blob", "added"}``: received into a temp blob and
   kept only when its bytes hash to its name
+- ``verify {blob}`` -> ``{"blob", "state": "ok" | "removed" | "missing"}``: the server hashes
+  its copy and removes it when it is corrupt (asked by a client whose ``get`` of it failed
+  its hash; the server judges by the bytes alone, so no request removes a good blob)
 
 Every request carries ``args["token"]``, the shared secret of the job (``peer_token`` or
 ``MTC_PEER_TOKEN``; a Kubernetes Secret in production). The server checks it with
@@ -178,7 +181,7 @@ class PeerServer:
         self._closed = False
         # Counters, for tests and benchmarks: what this server sent, received and refused.
         self.stats = {"sent_blobs": 0, "sent_bytes": 0, "received_blobs": 0, "received_bytes": 0,
-                      "have_requests": 0, "refused": 0}
+                      "have_requests": 0, "verify_requests": 0, "removed_corrupt": 0, "refused": 0}
 
     def start(self) -> str:
         """Bind, listen and start accepting; returns the advertised address ``host:port``."""
@@ -368,7 +371,18 @@ class PeerServer:
         return self._reply(conn, Reply(req.id, {"blob": name, "added": added}))
 
 
-_HANDLERS = {"have": PeerServer._op_have, "get": PeerServer._op_get, "put": PeerServer._op_put}
+    def _op_verify(self, conn: socket.socket, req: Request, sizes: list[int]) -> bool:
+        # A peer got a copy of this blob that failed its hash: check ours, drop it if it is bad.
+        # The store decides from the bytes alone, so a request can never remove a good blob.
+        name = self._blob_arg(req)
+        with self.store.pin([name]):
+            state = self.store.scrub_blob(name)
+        self._count(verify_requests=1, **({"removed_corrupt": 1} if state == "removed" else {}))
+        return self._reply(conn, Reply(req.id, {"blob": name, "state": state}))
+
+
+_HANDLERS = {"have": PeerServer._op_have, "get": PeerServer._op_get, "put": PeerServer._op_put,
+             "verify": PeerServer._op_verify}
 
 
 # --- client ------------------------------------------------------------------------------------
@@ -477,6 +491,17 @@ class PeerClient:
                 raise ProtocolError(f"{self._where()}: malformed 'have' answer {result!r:.100}")
             out.update(have)
         return out
+
+    def verify(self, name: str) -> str:
+        """Have the peer check its copy of ``name``: ``"ok"``, ``"removed"`` (it was corrupt) or ``"missing"``."""
+        check_blob_name(name)
+        rid = self._send("verify", {"blob": name})
+        result = Reply.from_frame(self._reply_header("verify", rid, 0), ()).result
+        state = result.get("state") if isinstance(result, dict) else None
+        if state not in ("ok", "removed", "missing"):
+            self.close()
+            raise ProtocolError(f"{self._where()}: malformed 'verify' answer {result!r:.100}")
+        return state
 
     def get(self, store: RamStore, name: str, *, size: int | None = None) -> int:
         """Fetch blob ``name`` from the peer into ``store``, verified; returns the bytes received.

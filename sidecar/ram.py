@@ -590,6 +590,25 @@ class RamStore:
         except FileNotFoundError:
             return False
 
+    def scrub_blob(self, name: str) -> str:
+        """Check blob ``name`` and remove it when its bytes no longer hash to its name.
+
+        Returns ``"ok"``, ``"removed"`` (it was corrupt: the file is unlinked, so this host
+        stops counting as a holder and replication makes a good copy again) or ``"missing"``.
+        A file mapped or open elsewhere keeps its pages until they are released.
+        """
+        _check_name(name)
+        with self._lock:
+            if self.verify_blob(name):
+                return "ok"
+            try:
+                self.blob_path(name).unlink()
+            except FileNotFoundError:
+                return "missing"
+        log.warning("blob %s in %s was corrupt; removed it (a good copy comes back from a peer or the backup)",
+                    name, self.root)
+        return "removed"
+
     def map_blob(self, name: str, nbytes: int | None = None) -> np.ndarray:
         """Blob ``name`` as a verified uint8 array that maps the file (no copy).
 

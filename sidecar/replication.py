@@ -104,6 +104,7 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
         {"host", "pulled": blobs fetched, "pulled_bytes", "already": blobs held before,
          "failed": [[blob, [[holder, cause], ...]], ...],   # no holder had a good copy
          "bad_copies": [[blob, holder, cause], ...],        # copies that failed their hash
+         "removed_bad_copies": [[blob, holder], ...],       # ... that were bad at the holder, now removed
          "seconds"}
     """
     t0 = time.perf_counter()
@@ -118,6 +119,7 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
             todo[p.blob] = p
     tried: dict[str, list[tuple[str, str]]] = {b: [] for b in todo}
     bad: list[list[str]] = []
+    scrubbed: list[list[str]] = []  # [blob, holder]: corrupt copies their holders removed
     pulled = pulled_bytes = 0
     with store.pin(todo):
         pending = list(todo)
@@ -136,17 +138,19 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
                     n, nbytes, failures = fut.result()
                     pulled += n
                     pulled_bytes += nbytes
-                    for blob, cause, corrupt in failures:
+                    for blob, cause, corrupt, removed in failures:
                         tried[blob].append((src, cause))
                         if corrupt:
                             bad.append([blob, src, cause])
+                        if removed:
+                            scrubbed.append([blob, src])
                         failed_now.append(blob)
             rnd += 1
             pending = [b for b in failed_now if rnd < len(todo[b].sources)]
     failed = [[b, [list(t) for t in tried[b]]] for b in todo if tried[b] and len(tried[b]) >= len(todo[b].sources)
               and not store.has_blob(b)]
     out = {"host": host_id, "pulled": pulled, "pulled_bytes": pulled_bytes, "already": already,
-           "failed": failed, "bad_copies": bad, "seconds": time.perf_counter() - t0}
+           "failed": failed, "bad_copies": bad, "removed_bad_copies": scrubbed, "seconds": time.perf_counter() - t0}
     log.info("- peer pull; host=%s; duration=%.3fs; %d blobs, %d bytes @ %.2f GB/s; %d held already, %d failed, "
              "%d bad copies skipped", host_id, out["seconds"], pulled, pulled_bytes,
              pulled_bytes / max(out["seconds"], 1e-9) / 1e9, already, len(failed), len(bad))
@@ -168,13 +172,16 @@ def _split(pulls: list[Pull], n: int) -> list[list[Pull]]:
 
 
 def _pull_from(store: RamStore, token: str, src: str, address: str | None, pulls: list[Pull],
-               timeout_s: float) -> tuple[int, int, list[tuple[str, str, bool]]]:
-    """Fetch ``pulls`` from one holder over one connection: (blobs, bytes, [(blob, cause, corrupt)])."""
+               timeout_s: float) -> tuple[int, int, list[tuple[str, str, bool, bool]]]:
+    """Fetch ``pulls`` from one holder over one connection.
+
+    Returns (blobs, bytes, [(blob, cause, the copy was corrupt, the holder removed it)]).
+    """
     if address is None:
-        return 0, 0, [(p.blob, "no peer address for this host (not reachable from the head?)", False)
+        return 0, 0, [(p.blob, "no peer address for this host (not reachable from the head?)", False, False)
                       for p in pulls]
     n = nbytes = 0
-    failures: list[tuple[str, str, bool]] = []
+    failures: list[tuple[str, str, bool, bool]] = []
     with PeerClient(address, token, peer=src, timeout_s=timeout_s) as client:
         for i, p in enumerate(pulls):
             try:
@@ -182,13 +189,34 @@ def _pull_from(store: RamStore, token: str, src: str, address: str | None, pulls
                 n += 1
             except CorruptBlobError as e:  # this copy is bad (or gone); the connection still serves
                 log.warning("%s", e)
-                failures.append((p.blob, f"CorruptBlobError: {e}", isinstance(e, BadCopyError)))
+                cause, removed = f"CorruptBlobError: {e}", False
+                if isinstance(e, BadCopyError):
+                    note, removed = _repair(client, src, p.blob)
+                    cause += note
+                failures.append((p.blob, cause, isinstance(e, BadCopyError), removed))
             except (HostUnreachableError, ProtocolError, ConfigError) as e:
                 # The holder is gone or refuses us: the rest of its list goes to the next holders.
                 cause = f"{type(e).__name__}: {e}"
                 log.warning("host %s unreachable for pulls: %s", src, e)
-                failures.extend((q.blob, cause, False) for q in pulls[i:])
+                failures.extend((q.blob, cause, False, False) for q in pulls[i:])
                 break
             except InsufficientSpaceError:
                 raise  # no holder can help: the ramdisk of this host is full
     return n, nbytes, failures
+
+
+def _repair(client: PeerClient, src: str, blob: str) -> tuple[str, bool]:
+    """Ask holder ``src`` to check the copy of ``blob`` that failed its hash here: (note, removed).
+
+    A copy bad at its source is removed there, so the holder stops counting as one and the
+    next replication makes a good copy again; a copy damaged on the way is left alone.
+    """
+    try:
+        state = client.verify(blob)
+    except (CorruptBlobError, HostUnreachableError, ProtocolError, ConfigError) as e:
+        return f" (could not ask {src} to check its copy: {type(e).__name__})", False
+    if state == "removed":
+        log.warning("host %s held a corrupt copy of blob %s and removed it", src, blob)
+        return f" ({src} found its copy corrupt and removed it)", True
+    return (f" ({src}'s copy checks out: damaged in transit)" if state == "ok" else
+            f" ({src} no longer holds it)"), False

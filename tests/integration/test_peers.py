@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared import protocol
-from mtc.shared.errors import ConfigError, CorruptBlobError
+from mtc.shared.errors import ConfigError, CorruptBlobError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.cluster import LocalCluster
 from mtc.sidecar.peer import ENV_TOKEN, PeerClient
@@ -205,6 +205,32 @@ def test_one_slice_of_four_hosts_copies_every_blob_to_a_neighbour(ramdisk):
         assert_every_blob_verifies(cluster)
 
 
+def test_replication_that_reads_a_rotten_sole_copy_removes_it_and_says_the_step_lost_it(ramdisk):
+    with LocalCluster(ramdisk / "c", 1, 4, devices_per_host=2) as cluster:
+        state = split_state(9)
+        own = own_blobs(cluster, state)
+        with manager(cluster) as m:
+            m.save(9, state)
+            m.wait_until_finished()
+            assert m.wait_for_replication().replicated
+            receiver = "s0-h2"
+            blob = sorted(blobs_on_disk(cluster, receiver) - set(own[receiver]))[0]  # a copy it holds for a peer
+            writer = next(h for h, share in own.items() if blob in share)
+            cluster.wipe(receiver)
+            cluster.restart(receiver)
+            flip_byte(cluster.store_root(writer) / "blobs" / blob)  # the only copy left rots
+            m.save(10, state)  # unchanged: the writer keeps its (rotten) blob, nothing is rewritten
+            m.wait_until_finished()
+            rrep = m.wait_for_replication()  # copying it to a second host reads it, finds it bad
+            assert rrep.step == 10 and rrep.removed_bad_copies == 1 and rrep.bad_copies == 1, rrep
+            assert rrep.attempts >= 2 and not rrep.replicated, rrep  # looked again after the removal
+            assert blob not in blobs_on_disk(cluster, writer)
+            assert_every_blob_verifies(cluster)
+            assert [(s.step, s.restorable, s.min_copies) for s in m.step_status()] == [(9, False, 0), (10, False, 0)]
+            with pytest.raises(StepNotFoundError, match="not every blob of it has a copy on some host"):
+                m.restore(10)  # said before a byte is read: no other tier holds it (no backup here)
+
+
 def test_two_slices_data_parallel_replication_moves_no_blob_bytes(local_cluster):
     with manager(local_cluster) as m:
         for step in (1, 2, 3):
@@ -225,7 +251,7 @@ def test_two_slices_data_parallel_replication_moves_no_blob_bytes(local_cluster)
         assert_trees_bitwise_equal(data_parallel_state(3), m.restore())
 
 
-def test_a_bad_peer_copy_is_skipped_for_another_holder_and_no_good_copy_fails_clearly(ramdisk):
+def test_a_bad_peer_copy_is_skipped_for_another_holder_repaired_and_no_good_copy_fails_clearly(ramdisk):
     with LocalCluster(ramdisk / "c", 1, 4, devices_per_host=2) as cluster:
         state = split_state(5)
         need = own_blobs(cluster, state)["s0-h0"]
@@ -247,15 +273,24 @@ def test_a_bad_peer_copy_is_skipped_for_another_holder_and_no_good_copy_fails_cl
             rep = m.last_restore_report
             assert rep.skipped_copies and all(f"s0-h0 <- {bad_holder}" in s and "corrupt" in s
                                               for s in rep.skipped_copies), rep.skipped_copies
+            assert all(f"{bad_holder} found its copy corrupt and removed it" in s for s in rep.skipped_copies)
             assert rep.bytes_by_tier["peer"] == sum(need.values())
             assert not any(b.startswith(".tmp-") for b in blobs_on_disk(cluster, "s0-h0"))
-            m.wait_for_replication()
+            # Repaired: the holder dropped the corrupt copies it was asked for (a copy nobody reads
+            # stays undetected until someone does), and the replication that follows a refill
+            # copied good ones back: three copies of every blob again, the repaired ones good.
+            asked = {b for b, hs in others.items() if bad_holder in hs and any(b in s for s in rep.skipped_copies)}
+            assert asked
+            rrep = m.wait_for_replication()
+            assert rrep.replicated and rrep.moved_blobs >= len(asked), rrep
+            for b in asked:
+                assert blob_name((cluster.store_root(bad_holder) / "blobs" / b).read_bytes()) == b
+            assert all(s.replicated and s.min_copies == 3 for s in m.step_status())
 
             # Now no good copy is left of one shard of "w" anywhere but on the host that is lost.
             victim = next(b for b in sorted(need) if bad_holder in others[b])
             for h in others[victim]:
-                if h != bad_holder:
-                    flip_byte(cluster.store_root(h) / "blobs" / victim)
+                flip_byte(cluster.store_root(h) / "blobs" / victim)
             cluster.wipe("s0-h0")
             cluster.restart("s0-h0")
             with pytest.raises(CorruptBlobError) as err:

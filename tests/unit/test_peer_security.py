@@ -120,6 +120,31 @@ def test_a_corrupt_copy_on_the_server_is_detected_and_not_kept(server, stores):
     assert not [p for p in (b.root / "blobs").iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_verify_removes_a_corrupt_copy_at_its_holder_and_never_a_good_one(server, stores):
+    a, b = stores
+    bad, good = blobs(a, 2)
+    flipped = bytearray(a.blob_path(bad).read_bytes())
+    flipped[999] ^= 0x01
+    a.blob_path(bad).write_bytes(bytes(flipped))
+    with PeerClient(server.address, TOKEN, peer="a") as c:
+        assert c.verify(good) == "ok"  # a request alone removes nothing
+        assert c.verify(bad) == "removed"
+        assert c.verify(bad) == "missing"
+        assert c.have([bad, good]) == {good}
+        with pytest.raises(CorruptBlobError, match="does not hold"):
+            c.get(b, bad)
+        assert c.get(b, good) == a.blob_size(good)
+    assert a.verify_blob(good) and not a.blob_path(bad).exists()
+    assert (server.stats["verify_requests"], server.stats["removed_corrupt"]) == (3, 1)
+    with connect(server) as s:  # like every op: a token first, a valid name
+        s.sendall(request("verify", {"blob": good}))
+        refused(s, "without a peer token", "PermissionError")
+    with connect(server) as s:
+        s.sendall(request("verify", {"blob": "../steps/000000000001.json", "token": TOKEN}))
+        refused(s, "blob name")
+    assert a.verify_blob(good)
+
+
 def test_a_put_whose_bytes_do_not_match_its_name_is_not_kept(server, stores):
     a, _ = stores
     name = blob_name(b"the real bytes")
