@@ -1,6 +1,7 @@
 """The peer tier: fetch throughput between two sidecar daemons, and bytes moved by replication.
 
     python bench/bench_peer.py [--gib 1.0] [--repeats 3] [--state-mib 64] [--steps 3] [--dir /dev/shm]
+                               [--huge-pages auto|no]
 
 Part 1, fetch. One daemon holds --gib GiB of blobs (16 shards of one host's devices); the other
 pulls all of them through the production path (the head's ``peer_pull`` -> the receiving
@@ -10,7 +11,11 @@ Interleaved in the same run, --repeats times,
 the same number of bytes over a raw loopback TCP socket: ``sendall`` of 4 MiB views into a
 preallocated buffer (the socket's physical limit, FACTS.md), and the same socket copy from a
 ramdisk file into a new ramdisk file (what any copy between two ramdisks must also do: the
-receiver allocates fresh tmpfs pages). Medians; the ratios are what to quote.
+receiver allocates fresh tmpfs pages), and a ``sendfile`` from the ramdisk into a preallocated
+buffer: the most any transfer out of this ramdisk can reach. Medians; the ratios are what to quote.
+With ``--huge-pages auto`` (the default) and root, part 1 runs again on a private tmpfs mounted
+``huge=within_size``, the ramdisk mtc recommends (``mtc.shared.ramdisk``): a tmpfs with 4 KiB
+pages pays per-page kernel work on both ends that the memory-to-memory baseline does not.
 
 Part 2, replication. Bytes that replication moves per saved step (replication_factor=2), for
 (a) 2 slices x 2 hosts, data-parallel across slices: the twins are the copies, nothing moves;

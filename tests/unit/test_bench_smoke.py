@@ -48,3 +48,24 @@ def _run_and_check(parent: str) -> None:
     # The scratch directory is removed at the end.
     left = os.listdir(parent)
     assert not left, f"benchmark left {left} in {parent}"
+
+
+@pytest.mark.integration
+def test_bench_peer_smoke():
+    """bench/bench_peer.py end to end, tiny: both fetch tables (a huge-page tmpfs as root) and replication bytes."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_peer.py"), "--gib", "0.02", "--repeats", "1",
+         "--state-mib", "2", "--steps", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("| peer fetch rate / raw loopback copy rate (memory -> memory) |") == (
+        2 if os.geteuid() == 0 else 1), out
+    if os.geteuid() == 0:
+        assert "ramdisk = tmpfs mounted huge=within_size" in out
+    rows = {line.split("|")[1].strip(): line.split("|")[4].strip() for line in out.splitlines()
+            if line.startswith("| 2 slices") or line.startswith("| 1 slice")}
+    assert rows == {"2 slices x 2 hosts, data-parallel across slices": "0.00",
+                    "1 slice x 4 hosts, sharded over all": "1.00"}, out
