@@ -105,7 +105,7 @@ def advice(path: str | os.PathLike, mountinfo: str | None = None) -> str | None:
         return (f"ramdisk {path} is not a tmpfs but {m.fstype} (mounted at {m.mountpoint}): local checkpoints "
                 "go to that device at its speed. Point "
                 "local_checkpoint_directory at a tmpfs (an emptyDir with medium: Memory in Kubernetes)")
-    if m.huge in ("never", "deny", ""):
+    if m.huge in ("never", "deny", "advise", ""):  # mtc does not madvise: "advise" means small pages
         return (f"ramdisk {path} is a tmpfs at {m.mountpoint} with 4 KiB pages (huge={m.huge}): saves and peer "
                 "copies into it pay per-page costs that 2 MiB pages avoid (peer fetch 0.64-0.70x vs 0.89-0.93x of a "
                 f"raw socket copy in bench/bench_peer.py). Remount it: mount -o remount,huge=within_size {m.mountpoint}")

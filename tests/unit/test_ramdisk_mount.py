@@ -56,6 +56,7 @@ def test_advice_names_the_mount_and_the_fix():
     assert "not a tmpfs but ext4" in disk and "local_checkpoint_directory" in disk
     assert ramdisk.advice("/dev/shm/fast/run", MOUNTINFO) is None
     assert ramdisk.advice("/mnt/my disk", MOUNTINFO) is None
+    assert "(huge=advise)" in ramdisk.advice("/local/ckpt", MOUNTINFO)  # mtc does not madvise
     assert ramdisk.advice("/x", "") is None  # nothing known, nothing said
 
 
