@@ -2,8 +2,8 @@
 
 This is the cluster mode of DESIGN section 4: each worker host is a process
 (``python -m mtc.sidecar serve ...``) with its own ramdisk, and the head talks to it with the
-frames of ``mtc.shared.protocol``. One thread per connection; requests on one connection are
-answered in order.
+frames of ``mtc.shared.protocol``. One thread per connection (``mtc.sidecar.tcpserver``); requests
+on one connection are answered in order.
 
 Ops (``args`` -> ``result``; payloads in brackets):
 
@@ -56,6 +56,7 @@ from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.replication import held_bits, parse_peers, parse_pulls
 from mtc.sidecar.service import SidecarService
+from mtc.sidecar.tcpserver import ThreadedTCPServer
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ _SHUTDOWN_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
-class SidecarDaemon:
+class SidecarDaemon(ThreadedTCPServer):
     """Serve ``service`` on a TCP socket. ``start()`` binds and listens; ``close()`` stops.
 
     Usable as a context manager. ``close()`` lets requests in flight finish (up to 30 s),
@@ -72,27 +73,17 @@ class SidecarDaemon:
 
     def __init__(self, service: SidecarService, *, listen: tuple[str, int] = ("127.0.0.1", 0),
                  max_payload: int = protocol.MAX_PAYLOAD_BYTES):
+        super().__init__(listen, host_id=service.host_id, kind="control")
         self.service = service
-        self._listen = listen
         self._max_payload = max_payload
-        self._sock: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
-        self._conns: set[socket.socket] = set()
-        self._cond = threading.Condition()
-        self._active = 0
-        self._stopping = False
-        self._closed = False
+        self._active = 0  # requests being handled; close() waits for them
         self._fingerprint: dict | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> str:
         """Bind, listen and start accepting; returns the bound address ``host:port``."""
-        sock = socket.create_server(self._listen, backlog=128, reuse_port=False)
-        self._sock = sock
-        t = threading.Thread(target=self._accept_loop, name="mtc-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._start_accepting()
         log.info("host %s: listening on %s", self.service.host_id, self.address)
         return self.address
 
@@ -102,33 +93,19 @@ class SidecarDaemon:
         return f"{host}:{port}"
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._cond:
-            self._stopping = True
-            deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-            while self._active and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
-            if self._active:
-                log.warning("host %s: %d requests still running after %.0f s; closing anyway",
-                            self.service.host_id, self._active, _SHUTDOWN_GRACE_S)
-            conns = list(self._conns)
-        if self._sock is not None:
-            try:  # wakes the thread blocked in accept() (close alone does not, on Linux)
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for t in self._threads:
-            t.join(timeout=5)
-        self.service.close()
-        log.info("host %s: daemon stopped", self.service.host_id)
+        """Refuse new requests, let those in flight finish, close the connections and the service."""
+        if self._stop(drain=self._drain):
+            self.service.close()
+            log.info("host %s: daemon stopped", self.service.host_id)
+
+    def _drain(self) -> None:
+        # Runs holding _cond with _stopping set: no request starts any more, so _active only falls.
+        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+        while self._active and time.monotonic() < deadline:
+            self._cond.wait(deadline - time.monotonic())
+        if self._active:
+            log.warning("host %s: %d requests still running after %.0f s; closing anyway",
+                        self.service.host_id, self._active, _SHUTDOWN_GRACE_S)
 
     def __enter__(self) -> "SidecarDaemon":
         return self
@@ -138,58 +115,33 @@ class SidecarDaemon:
 
     # --- connections -----------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
         while True:
             try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return  # listening socket closed
+                req = protocol.recv_request(conn, max_payload=self._max_payload)
+            except ProtocolError as e:
+                log.warning("host %s: bad frame from %s, closing the connection: %s",
+                            self.service.host_id, peer, e)
+                self._try_send(conn, Reply(None, error=RemoteError("ProtocolError", str(e))))
+                return
+            if req is None:
+                return
             with self._cond:
                 if self._stopping:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve_conn, args=(conn, peer), name=f"mtc-conn-{peer[1]}",
-                                     daemon=True)
-                self._threads.append(t)
-            t.start()
-
-    def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            while True:
+                    reply = Reply(req.id, error=RemoteError(
+                        "HostUnreachableError", f"host {self.service.host_id} is shutting down"))
+                else:
+                    self._active += 1
+                    reply = None
+            if reply is None:
                 try:
-                    req = protocol.recv_request(conn, max_payload=self._max_payload)
-                except ProtocolError as e:
-                    log.warning("host %s: bad frame from %s, closing the connection: %s",
-                                self.service.host_id, peer, e)
-                    self._try_send(conn, Reply(None, error=RemoteError("ProtocolError", str(e))))
-                    return
-                except OSError:
-                    return
-                if req is None:
-                    return
-                with self._cond:
-                    if self._stopping:
-                        reply = Reply(req.id, error=RemoteError(
-                            "HostUnreachableError", f"host {self.service.host_id} is shutting down"))
-                    else:
-                        self._active += 1
-                        reply = None
-                if reply is None:
-                    try:
-                        reply = self._handle(req)
-                    finally:
-                        with self._cond:
-                            self._active -= 1
-                            self._cond.notify_all()
-                if not self._try_send(conn, reply):
-                    return
-        finally:
-            with self._cond:
-                self._conns.discard(conn)
-            conn.close()
+                    reply = self._handle(req)
+                finally:
+                    with self._cond:
+                        self._active -= 1
+                        self._cond.notify_all()
+            if not self._try_send(conn, reply):
+                return
 
     def _try_send(self, conn: socket.socket, reply: Reply) -> bool:
         try:

@@ -49,6 +49,7 @@ from mtc.shared.errors import (
 from mtc.shared.hashing import check_blob_name, new_hasher
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.tcpserver import ThreadedTCPServer
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +152,14 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
 # --- server ------------------------------------------------------------------------------------
 
 
-class PeerServer:
+class PeerServer(ThreadedTCPServer):
     """Serve ``store``'s blobs to peers that present ``token``. ``start()``, then ``close()``.
 
     ``listen`` is the address to bind (port 0: any free port); ``advertise`` the host part other
     sidecars use to reach it (default: the bound host, or this machine's address when bound to
-    all interfaces). Usable as a context manager.
+    all interfaces). Each connection has its own thread (``mtc.sidecar.tcpserver``); at most
+    ``max_connections`` are open at once, and one whose peer sends nothing for ``idle_timeout_s``
+    is closed. Usable as a context manager.
     """
 
     def __init__(self, store: RamStore, token: str, *, host_id: str = "host",
@@ -166,29 +169,20 @@ class PeerServer:
         if not token:
             raise ConfigError(f"the peer service of host {host_id} needs a token: set peer_token or {ENV_TOKEN} "
                               "(the same secret on every sidecar of the job)")
+        super().__init__(listen, host_id=host_id, kind="peer", max_connections=max_connections,
+                         idle_timeout_s=idle_timeout_s)
         self.store = store
-        self.host_id = host_id
         self._token = token.encode()
-        self._listen = listen
         self._advertise = advertise
         self._max_blob = int(max_blob_bytes)
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._idle_timeout = idle_timeout_s
-        self._sock: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        self._stats_lock = threading.Lock()
         # Counters, for tests and benchmarks: what this server sent, received and refused.
         self.stats = {"sent_blobs": 0, "sent_bytes": 0, "received_blobs": 0, "received_bytes": 0,
                       "have_requests": 0, "verify_requests": 0, "removed_corrupt": 0, "refused": 0}
 
     def start(self) -> str:
         """Bind, listen and start accepting; returns the advertised address ``host:port``."""
-        self._sock = socket.create_server(self._listen, backlog=128)
-        t = threading.Thread(target=self._accept_loop, name="mtc-peer-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._start_accepting()
         log.info("host %s: peer service on %s", self.host_id, self.address)
         return self.address
 
@@ -206,21 +200,8 @@ class PeerServer:
 
     def close(self) -> None:
         """Stop accepting, close every connection, join the threads. Safe to call twice."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            conns = list(self._conns)
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
-            self._sock.close()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-        for t in self._threads:
-            t.join(timeout=5)
-        log.info("host %s: peer service stopped", self.host_id)
+        if self._stop():
+            log.info("host %s: peer service stopped", self.host_id)
 
     def __enter__(self) -> "PeerServer":
         return self
@@ -229,48 +210,15 @@ class PeerServer:
         self.close()
 
     def _count(self, **delta: int) -> None:
-        with self._lock:
+        with self._stats_lock:
             for k, v in delta.items():
                 self.stats[k] += v
 
     # --- connections -------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return  # listening socket closed
-            if not self._slots.acquire(blocking=False):
-                log.warning("host %s: refusing a peer connection from %s: %s connections already open",
-                            self.host_id, peer, len(self._conns))
-                conn.close()
-                continue
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    self._slots.release()
-                    return
-                self._conns.add(conn)
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve_conn, args=(conn, peer), name=f"mtc-peer-{peer[1]}",
-                                     daemon=True)
-                self._threads.append(t)
-            t.start()
-
     def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
-        try:
-            conn.settimeout(self._idle_timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while self._serve_one(conn, peer):
-                pass
-        except OSError:
-            pass  # the peer went away (or close() shut the socket down)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-            self._slots.release()
+        while self._serve_one(conn, peer):
+            pass
 
     def _serve_one(self, conn: socket.socket, peer: Any) -> bool:
         """Answer one request; False when the connection is to be closed."""
