@@ -51,6 +51,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from mtc.shared import ramdisk
 from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import HEX_LEN, blob_name, check_blob_name, is_blob_name, new_hasher
 
@@ -257,6 +258,10 @@ class RamStore:
         self._blobs_cache: dict[Path, tuple[tuple, frozenset]] = {}
         self._make_dirs()
         self._remove_leftovers()
+        mount = ramdisk.describe(self.root)
+        # On a tmpfs with 2 MiB pages, mapping a file costs a fault per 2 MiB: receivers write
+        # straight into the map (mtc.sidecar.peer). With 4 KiB pages a map is far slower than write().
+        self.huge_pages = mount is not None and mount.huge in ("always", "within_size")
 
     # --- layout ------------------------------------------------------------------------
 
@@ -324,7 +329,7 @@ class RamStore:
                     del self._pool[size]
                 self._pool_bytes -= self._round(size)
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # read too: a receiver may map it
             except FileNotFoundError:
                 continue  # removed meanwhile (another store opened this root)
             st = os.fstat(fd)
@@ -641,6 +646,7 @@ class RamStore:
     def open_temp_blob(self, size: int | None = None) -> tuple[int, Path]:
         """A new temp file in ``blobs/`` for receiving a blob: (fd open for writing, path).
 
+        The fd is open for reading too, so that the caller may map it (``huge_pages``).
         Write the bytes, close the fd, then call :meth:`finalize_temp_blob` (or
         :meth:`discard_temp_blob` on failure). With ``size`` (the exact number of bytes that
         will be written), a free-pool file of that size is reused when there is one: its
@@ -653,7 +659,7 @@ class RamStore:
                 fd, path = taken
                 os.rename(path, tmp)  # a plain temp name: finalize/discard accept it
                 return fd, tmp
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         if size is not None:
             try:
                 _presize(fd, int(size))

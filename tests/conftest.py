@@ -49,3 +49,9 @@ def tmpfs16(tmp_path):
 def huge_tmpfs(tmp_path):
     """A real tmpfs mounted ``huge=within_size`` (2 MiB pages), the recommended ramdisk; needs root."""
     yield from _mount_tmpfs(tmp_path / "huge-ramdisk", "size=2g,huge=within_size", "a huge-page tmpfs")
+
+
+@pytest.fixture
+def small_huge_tmpfs(tmp_path):
+    """A real 8 MiB tmpfs with 2 MiB pages: a huge-page ramdisk that fills up; needs root."""
+    yield from _mount_tmpfs(tmp_path / "small-huge-ramdisk", "size=8m,huge=within_size", "an 8 MiB huge-page tmpfs")

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared import ramdisk
+from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError
 from mtc.sidecar.peer import PeerClient, PeerServer
 from mtc.sidecar.ram import RamStore
 
@@ -115,3 +116,35 @@ def test_save_restore_and_peer_fetch_are_bit_for_bit_on_a_huge_page_ramdisk(huge
         with PeerClient(srv.address, token, peer="a") as c:
             assert c.get(b, name, size=data.nbytes) == data.nbytes
     assert b.blob_path(name).read_bytes() == data.tobytes()
+
+
+def _serve(store: RamStore):
+    srv = PeerServer(store, "t" * 32, host_id="src")
+    srv.start()
+    return srv
+
+
+def test_receiving_into_a_map_on_a_huge_page_ramdisk_keeps_every_guarantee(huge_tmpfs, small_huge_tmpfs, ramdisk):
+    src = RamStore(ramdisk / "src")  # the sender's ramdisk may have any page size
+    dst = RamStore(huge_tmpfs / "dst")
+    assert dst.huge_pages and not RamStore(ramdisk / "other").huge_pages
+    rng = np.random.default_rng(7)
+    good, bad, big = (src.write_blob(rng.integers(0, 256, n, dtype=np.uint8))[0]
+                      for n in ((3 << 20) + 5, 4 << 20, 12 << 20))
+    flipped = bytearray(src.blob_path(bad).read_bytes())
+    flipped[(3 << 20) + 17] ^= 0x08  # in the second MiB-sized hash chunk of the map
+    src.blob_path(bad).write_bytes(bytes(flipped))
+    with _serve(src) as srv, PeerClient(srv.address, "t" * 32, peer="src") as c:
+        assert c.get(dst, good, size=src.blob_size(good)) == src.blob_size(good)
+        assert dst.blob_path(good).read_bytes() == src.blob_path(good).read_bytes()
+        with pytest.raises(CorruptBlobError, match="corrupt"):
+            c.get(dst, bad, size=len(flipped))
+        assert not dst.has_blob(bad)
+        # A ramdisk too small for the blob: a clear error before the map is written (never SIGBUS),
+        # no partial file, and this process and the server go on.
+        full = RamStore(small_huge_tmpfs / "dst")
+        with pytest.raises(InsufficientSpaceError, match="full while receiving blob"):
+            c.get(full, big, size=src.blob_size(big))
+        assert c.have([good]) == {good}
+    for store in (dst, full):
+        assert [p.name for p in (store.root / "blobs").iterdir() if p.name.startswith(".tmp")] == []
