@@ -2,9 +2,9 @@
 
 A tmpfs allocates, fills and maps its pages one at a time. With the default 4 KiB pages,
 writing a blob into a tmpfs costs per-page work that 2 MiB pages avoid: on the 2-core
-machine of FACTS.md, a peer fetch between two daemons runs at 0.64-0.70x of a raw loopback
-copy between memory buffers on a 4 KiB-page tmpfs and 0.89-0.93x on one mounted
-``huge=within_size`` (``bench/bench_peer.py`` measures both). So the ramdisk should be a
+machine of FACTS.md, a raw 1 GiB write ran at 5 GB/s with 4 KiB pages and 13 GB/s with 2 MiB
+ones, and a peer fetch between two daemons at 0.38-0.45x of a raw loopback copy between memory
+buffers against 0.71-0.89x on a tmpfs mounted ``huge=within_size`` (``bench/bench_peer.py``). So the ramdisk should be a
 tmpfs with ``huge=within_size``; ``mount -o remount,huge=within_size DIR`` changes a live
 mount. Blob files are sized before their first write (``RamStore``) so that
 ``within_size`` gives them huge pages on kernels that only look at the file size.
@@ -107,6 +107,6 @@ def advice(path: str | os.PathLike, mountinfo: str | None = None) -> str | None:
                 "local_checkpoint_directory at a tmpfs (an emptyDir with medium: Memory in Kubernetes)")
     if m.huge in ("never", "deny", "advise", ""):  # mtc does not madvise: "advise" means small pages
         return (f"ramdisk {path} is a tmpfs at {m.mountpoint} with 4 KiB pages (huge={m.huge}): saves and peer "
-                "copies into it pay per-page costs that 2 MiB pages avoid (peer fetch 0.64-0.70x vs 0.89-0.93x of a "
+                "copies into it pay per-page costs that 2 MiB pages avoid (peer fetch 0.38-0.45x vs 0.71-0.89x of a "
                 f"raw socket copy in bench/bench_peer.py). Remount it: mount -o remount,huge=within_size {m.mountpoint}")
     return None

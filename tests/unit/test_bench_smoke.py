@@ -61,7 +61,7 @@ def test_bench_peer_smoke():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert out.count("| peer fetch rate / raw loopback copy rate (memory -> memory) |") == (
+    assert out.count("| peer fetch rate / raw loopback copy rate (memory -> memory, best of 1 and 2 streams) |") == (
         2 if os.geteuid() == 0 else 1), out
     if os.geteuid() == 0:
         assert "ramdisk = tmpfs mounted huge=within_size" in out
