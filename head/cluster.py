@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -510,14 +510,22 @@ class ClusterDispatcher(Dispatcher):
 
     # --- restore ---------------------------------------------------------------------------
 
-    def _holders(self, shard: fmt.ShardRecord) -> list[str]:
-        """Hosts that hold a saved shard in the current topology (all hosts if unknown)."""
+    def _holders(self, shard: fmt.ShardRecord, known: Mapping[str, set[str]] | None = None) -> list[str]:
+        """Hosts that hold a saved shard now, the host of its devices first (all hosts if unknown).
+
+        ``known`` (blob -> hosts, from the inventories) overrides the device mapping: after an
+        elastic resize device ``d`` may sit on another host than the one that wrote its shard.
+        """
+        have = known.get(shard.blob) if known is not None else None
         hosts = []
         for d in shard.devices:
             try:
                 h = self.topology.host_of(d)
             except ConfigError:
                 continue
+            if h not in hosts and (have is None or h in have):
+                hosts.append(h)
+        for h in sorted(have or ()):
             if h not in hosts:
                 hosts.append(h)
         for h in sorted(self._fetched.get(shard.blob, ())):
@@ -525,7 +533,7 @@ class ClusterDispatcher(Dispatcher):
                 hosts.append(h)
         return hosts or list(self._hosts)
 
-    def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
+    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
         reads: list[_Read] = []
         layouts: list[tuple[dict, dict] | np.ndarray] = []
         for r in requests:
@@ -546,7 +554,7 @@ class ClusterDispatcher(Dispatcher):
                 buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
-                    reads.extend(self._plan_box(rec, box, buf, owners))
+                    reads.extend(self._plan_box(rec, box, buf, owners, holders))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
         self._run_reads(step, reads)
         out: list[Any] = []
@@ -563,12 +571,13 @@ class ClusterDispatcher(Dispatcher):
     def _owner(self, device: Any) -> str:
         return self.topology.host_of(int(device.id))
 
-    def _plan_box(self, rec: fmt.ArrayRecord, box: Box, buf: np.ndarray, owners: list[str]) -> list[_Read]:
+    def _plan_box(self, rec: fmt.ArrayRecord, box: Box, buf: np.ndarray, owners: list[str],
+                  known: Mapping[str, set[str]] | None = None) -> list[_Read]:
         needed = {}
         for s in rec.shards:
             if s.box not in needed and fmt.box_intersect(s.box, box) is not None:
                 needed[s.box] = s
-        holders = {b: set(self._holders(s)) for b, s in needed.items()}
+        holders = {b: set(self._holders(s, known)) for b, s in needed.items()}
         order = list(dict.fromkeys(owners + list(self._hosts)))
         whole = [h for h in order if all(h in hs for hs in holders.values())]
         if whole:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -228,7 +228,7 @@ class ColocatedDispatcher(Dispatcher):
         (host, text), *_ = self._control("manifest", step=step)
         return fmt.StepManifest.from_json(text, source=f"step {step} manifest on {host}")
 
-    def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
+    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
         all_cpu = list(self._ctl_devices)
         groups: dict[tuple, list[int]] = {}
         specs: list[dict] = []

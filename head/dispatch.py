@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from mtc.shared import errors
 from mtc.shared import format as fmt
@@ -89,8 +89,12 @@ class Dispatcher(abc.ABC):
         """The committed step manifest of ``step`` (from any host that holds it)."""
 
     @abc.abstractmethod
-    def load(self, step: int, requests: list[LoadRequest]) -> list[Any]:
-        """Restore: one jax.Array (or numpy array) per request, with the target sharding."""
+    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
+        """Restore: one jax.Array (or numpy array) per request, with the target sharding.
+
+        ``holders`` (blob -> hosts, from the inventories) says where each saved shard is now.
+        After an elastic resize a device id no longer names the host that wrote its shard.
+        """
 
     def host_of_device(self, device_id: int) -> str:
         """The host whose sidecar holds the shards of device ``device_id``."""

@@ -664,9 +664,10 @@ class CheckpointManager:
         pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}  # tier -> [bytes, blobs]
         needed_bytes, needed_blobs = sum(r.record.nbytes for r in requests), len(manifest.blob_names())
         view = self._views.get(step) if backup_name is None else None
-        if backup_name is not None or (view is not None and set(view.whole) != set(self._dispatch.hosts())):
-            # Some host lacks blobs (a replaced node): it pulls them first. Planned per host,
-            # and counted per host: a blob two hosts need is two transfers.
+        if backup_name is not None or view is not None:
+            # A host that lacks blobs it needs pulls them first: a replaced node, or any host after
+            # an elastic resize (its target shards overlap saved shards that other hosts wrote).
+            # Planned per host, and counted per host: a blob two hosts need is two transfers.
             needs = self._needs(manifest, requests)
             sizes = manifest.blob_sizes()
             needed_bytes = sum(sizes[b] for bs in needs.values() for b in bs)
@@ -679,7 +680,8 @@ class CheckpointManager:
         if backup_name is None and (pulled["peer"][1] or pulled["backup"][1]):
             # A host was refilled: the copies it held for its peers are gone too; make them again.
             self._maybe_replicate(manifest)
-        arrays = self._dispatch.load(step, requests)
+        holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
+        arrays = self._dispatch.load(step, requests, holders)
         t2 = time.perf_counter()
         result = finish(arrays)
         nbytes = sum(r.record.nbytes for r in requests)
