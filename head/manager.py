@@ -773,10 +773,18 @@ class CheckpointManager:
                 for h in out:
                     out[h].update(sh.blob for sh in rec.shards)
                 continue
+            # Saved boxes of one array are disjoint or identical (replicas), so a target box that was
+            # saved as is overlaps exactly the shards with that box: no scan in the common case
+            # (every restore plans this, and a scan is arrays x devices x shards).
+            exact: dict[Any, list[str]] = {}
+            for sh in rec.shards:
+                exact.setdefault(sh.box, []).append(sh.blob)
             for dev_id, box in shardings.device_boxes(r.sharding, rec.shape).items():
                 host = self._dispatch.host_of_device(dev_id)
-                out.setdefault(host, set()).update(
-                    sh.blob for sh in rec.shards if fmt.box_intersect(sh.box, box) is not None)
+                blobs = exact.get(box)
+                if blobs is None:  # resharded: every saved shard it overlaps
+                    blobs = [sh.blob for sh in rec.shards if fmt.box_intersect(sh.box, box) is not None]
+                out.setdefault(host, set()).update(blobs)
         return {h: sorted(b) for h, b in out.items()}
 
     def _plan(self, manifest: fmt.StepManifest, target: Any):
