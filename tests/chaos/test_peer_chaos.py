@@ -53,8 +53,8 @@ def receiving(cluster: LocalCluster) -> dict[str, int]:
             continue
         for e in entries:
             if e.name.startswith(".tmp-") and not e.name.startswith(".tmp-free-"):
-                try:
-                    size = e.stat().st_size
+                try:  # allocated bytes: a receive sizes its temp file before the first byte arrives
+                    size = e.stat().st_blocks * 512
                 except FileNotFoundError:
                     continue
                 if size:

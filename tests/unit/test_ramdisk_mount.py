@@ -148,3 +148,36 @@ def test_receiving_into_a_map_on_a_huge_page_ramdisk_keeps_every_guarantee(huge_
         assert c.have([good]) == {good}
     for store in (dst, full):
         assert [p.name for p in (store.root / "blobs").iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_a_mapped_receive_cut_short_keeps_nothing(huge_tmpfs, ramdisk):
+    """The sender dies halfway through a blob: an error naming the cut, no blob, no temp file."""
+    import socket
+    import threading
+
+    from mtc.shared import protocol
+    from mtc.shared.errors import HostUnreachableError
+    from mtc.shared.hashing import blob_name
+
+    data = np.random.default_rng(3).integers(0, 256, 6 << 20, dtype=np.uint8).tobytes()
+    name = blob_name(data)
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def half_a_blob() -> None:  # answers one 'get' like a peer server, then dies mid-payload
+        conn, _ = srv.accept()
+        with conn:
+            req = protocol.recv_request(conn, max_payload=0)
+            head = protocol.frame_head(protocol.Reply(req.id, {"blob": name, "size": len(data)}).header(), [len(data)])
+            conn.sendall(head + data[:len(data) // 2])
+
+    t = threading.Thread(target=half_a_blob)
+    t.start()
+    dst = RamStore(huge_tmpfs / "dst")
+    assert dst.huge_pages
+    with PeerClient(f"127.0.0.1:{srv.getsockname()[1]}", "t" * 32, peer="dying") as c:
+        with pytest.raises(HostUnreachableError, match="connection closed after 3145728 of 6291456 bytes"):
+            c.get(dst, name, size=len(data))
+    t.join()
+    srv.close()
+    assert not dst.has_blob(name)
+    assert list((dst.root / "blobs").iterdir()) == []
