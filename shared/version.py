@@ -74,5 +74,5 @@ def check_fingerprints(head: dict, sidecars: dict[str, dict]) -> None:
     if lines:
         raise VersionMismatchError(
             "head and sidecar versions differ; rebuild both images from the same lock file "
-            "(images/build.sh) so they match:\n" + "\n".join(lines)
+            "(python images/build.py build) so they match:\n" + "\n".join(lines)
         )
