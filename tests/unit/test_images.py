@@ -121,10 +121,12 @@ def _verification_snippet(dockerfile: Path) -> str:
 
 @pytest.mark.parametrize("role", ["head", "sidecar"])
 def test_in_image_version_check_passes_here_and_refuses_a_wrong_label(role):
-    """The RUN step that proves an image's versions equal its labels, run by sh as in the image
-    (this environment has the lock's versions, which test_check_passes... pins)."""
-    lock = build.read_lock()
-    args = build.build_args(lock, build.LOCK.read_text())
+    """The RUN step that proves an image's versions equal its labels, run by sh as in the image,
+    with labels that describe this environment (a venv need not be installed from the lock)."""
+    fp = version.fingerprint()
+    args = dict(build.build_args(build.read_lock(), build.LOCK.read_text()), MTC_VERSION=str(fp["mtc"]),
+                MTC_PROTOCOL=str(fp["protocol"]), PYTHON_VERSION=str(fp["python"]), JAX_VERSION=str(fp["jax"]),
+                JAXLIB_VERSION=str(fp["jaxlib"]))
     cmd = f"{shlex.quote(sys.executable)} -c {_verification_snippet(build.DOCKERFILES[role])}"
     env = dict(os.environ, **args)
     assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode == 0
@@ -166,6 +168,12 @@ def test_tags_command_prints_both_references():
 
 
 def test_check_passes_for_the_lock_in_this_environment():
+    lock, fp = build.read_lock(), version.fingerprint()
+    drift = {k: (lock.pins.get(k), fp.get(k)) for k in ("jax", "jaxlib", "numpy", "cloudpickle", "ml_dtypes")
+             if lock.pins.get(k) != fp.get(k)}
+    if drift:  # e.g. a fresh `pip install -e .` resolved a newer jax than the lock holds
+        pytest.skip(f"this venv was not installed from images/requirements.lock: {drift}; "
+                    "`python images/build.py check` says what differs, `lock` re-resolves")
     out = _run("check")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok:" in out.stdout
