@@ -169,8 +169,9 @@ def test_tags_command_prints_both_references():
 
 def test_check_passes_for_the_lock_in_this_environment():
     lock, fp = build.read_lock(), version.fingerprint()
-    drift = {k: (lock.pins.get(k), fp.get(k)) for k in ("jax", "jaxlib", "numpy", "cloudpickle", "ml_dtypes")
-             if lock.pins.get(k) != fp.get(k)}
+    drift = {k: (lock.pins.get(k.replace("_", "-")), fp.get(k)) for k in ("jax", "jaxlib", "numpy", "cloudpickle",
+                                                                         "ml_dtypes")
+             if lock.pins.get(k.replace("_", "-")) != fp.get(k)}
     if drift:  # e.g. a fresh `pip install -e .` resolved a newer jax than the lock holds
         pytest.skip(f"this venv was not installed from images/requirements.lock: {drift}; "
                     "`python images/build.py check` says what differs, `lock` re-resolves")
