@@ -2,9 +2,11 @@
 
 Subcommands:
 
-- ``mtc size --params 70e9 --hosts 32``: ramdisk size per host, with the steps of the
-  calculation and a Kubernetes ``sizeLimit``.
+- ``mtc size --params 70e9 --hosts 32 [--ramdisk DIR]``: ramdisk size per host, with the steps of
+  the calculation and a Kubernetes ``sizeLimit``; with ``--ramdisk``, whether DIR fits and is fast.
 - ``mtc demo``: a small training run with a crash and a restore (``mtc.head.demo``).
+- ``mtc restore-version show|set|clear``: list backups and pin the one to restore.
+- ``mtc manifests render ...``: the JobSet of a Pathways job with mtc (``mtc.head.manifests``).
 
 ``python -m mtc.head.cli ...`` works the same as ``mtc ...``.
 """
@@ -43,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of `mtc` (subcommands size and demo)."""
+    """The argparse parser of `mtc` (subcommands size, demo, restore-version, manifests)."""
     parser = argparse.ArgumentParser(prog="mtc", description="Multi-tier checkpointing tools.")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
@@ -91,7 +93,84 @@ def build_parser() -> argparse.ArgumentParser:
     rv.add_argument("--base-output-directory", default="", help="MaxText base_output_directory")
     rv.add_argument("--run-name", default="", help="MaxText run_name")
     rv.set_defaults(func=_cmd_restore_version)
+
+    _add_manifests_parser(sub)
     return parser
+
+
+def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtc manifests render`: the JobSet (and peer-token Secret) of a Pathways job with mtc."""
+    from mtc.head.manifests import DEFAULT_PEER_PORT, MACHINES
+
+    manifests = sub.add_parser("manifests", help="Kubernetes manifests (JobSet) for a Pathways job",
+                               description="Kubernetes manifests for a Pathways job that uses mtc.")
+    msub = manifests.add_subparsers(dest="manifests_action", metavar="{render}", required=True)
+    r = msub.add_parser(
+        "render", help="print the JobSet and the peer-token Secret as YAML",
+        description="Render a JobSet (jobset.x-k8s.io/v1alpha2) for a Pathways job with multi-tier "
+                    "checkpointing: the head (your --command with the MaxText flags it lacks), one "
+                    "worker job per slice, the colocated Python sidecar with the mtc image, the ramdisk "
+                    "at local_checkpoint_directory, the peer port and a Secret with the peer token. "
+                    "MaxText flags may be in --command or given here; conflicting values are an error.",
+        epilog="example: mtc manifests render --name llama --base-output-directory gs://bucket/ckpt "
+               "--compute-type ct5p-hightpu-4t --topology 2x2x4 --num-slices 2 --params 8e9 "
+               "--command 'python3 -m maxtext.trainers.pre_train.train model_name=llama3.1-8b steps=1000' "
+               "| kubectl apply -f -")
+    job = r.add_argument_group("job")
+    job.add_argument("--name", required=True, help="JobSet name (also run_name unless --run-name is given)")
+    job.add_argument("--namespace", default="", help="namespace of the JobSet and Secret (default: kubectl's)")
+    job.add_argument("--command", required=True,
+                     help="the training command, run with bash -c; MaxText flags it lacks are appended")
+    job.add_argument("--max-restarts", type=int, default=4,
+                     help="JobSet restarts on failure (default 4); each restart restores from the ramdisks")
+    job.add_argument("--image", default="",
+                     help="head image (MaxText and mtc); default mtc-head:<mtc>-python_X.Y-jax_X.Y.Z")
+    job.add_argument("--sidecar-image", "--pathways-colocated-python-sidecar-image", dest="sidecar_image",
+                     default="", help="colocated Python sidecar image with mtc; default "
+                                      "mtc-sidecar:<same tag as the head>")
+    job.add_argument("--image-registry", default="", help="registry prefix of the default images")
+    job.add_argument("--pathways-version", default="latest", help="tag of the Pathways server and proxy images")
+    job.add_argument("--pathways-gcs-location", default="",
+                     help="Pathways scratch location, gs://... (default: --base-output-directory)")
+
+    tpu = r.add_argument_group("slices")
+    tpu.add_argument("--compute-type", default="ct5p-hightpu-4t", metavar="TYPE",
+                     help=f"TPU machine type: {', '.join(MACHINES)} (default ct5p-hightpu-4t)")
+    tpu.add_argument("--topology", default="2x2x4", help="slice topology, e.g. 4x4 or 2x2x4 (default 2x2x4)")
+    tpu.add_argument("--num-slices", type=int, default=None, help="number of slices (MaxText num_slices; default 1)")
+
+    mt = r.add_argument_group("multi-tier checkpointing (MaxText flags)")
+    mt.add_argument("--ramdisk-dir", "--gke-mtc-ramdisk-dir", dest="ramdisk_dir", default=None,
+                    help="ramdisk mount path = local_checkpoint_directory (default /tmp/mtc_checkpoints)")
+    mt.add_argument("--gke-mtc-enabled", action="store_true",
+                    help="use GKE's multi-tier checkpointing CSI driver for the ramdisk (its size is set in "
+                         "the cluster's CheckpointConfiguration) instead of a memory emptyDir")
+    mt.add_argument("--params", type=_count, default=None,
+                    help="model parameters (e.g. 70e9, 70B): sizes the emptyDir as `mtc size` does")
+    mt.add_argument("--ramdisk-size", default="", help="emptyDir sizeLimit, e.g. 57Gi (checked against --params)")
+    mt.add_argument("--local-checkpoint-period", type=int, default=None,
+                    help="local_checkpoint_period in steps (default 10)")
+    backup = mt.add_mutually_exclusive_group()
+    backup.add_argument("--backup-interval-minutes", type=int, default=None,
+                        help="multi_tier_checkpointing_backup_interval_minutes (default 30)")
+    backup.add_argument("--backup-interval-steps", type=int, default=None,
+                        help="multi_tier_checkpointing_backup_interval_steps (instead of minutes)")
+    mt.add_argument("--base-output-directory", default="",
+                    help="base_output_directory, e.g. gs://bucket/checkpoints (backups: <it>/<run_name>/mtc)")
+    mt.add_argument("--run-name", default="", help="run_name (default --name)")
+
+    peer = r.add_argument_group("peer tier")
+    peer.add_argument("--peer-port", type=int, default=DEFAULT_PEER_PORT,
+                      help=f"port of the sidecars' peer service on each host (default {DEFAULT_PEER_PORT})")
+    token = peer.add_mutually_exclusive_group()
+    token.add_argument("--peer-token-secret", default="", metavar="NAME",
+                       help="use this existing Secret (key 'token'); no Secret is rendered")
+    token.add_argument("--peer-token-file", type=Path, default=None, metavar="FILE",
+                       help="put the token in this file into the rendered Secret (default: a random one)")
+
+    r.add_argument("--output", "-o", type=Path, default=None, metavar="FILE",
+                   help="write the YAML here (mode 0600: it holds the token) instead of stdout")
+    r.set_defaults(func=_cmd_manifests)
 
 
 def _count(text: str) -> float:
@@ -226,6 +305,52 @@ def _cmd_restore_version(args: argparse.Namespace) -> int:
         return 1
     finally:
         store.close()
+
+
+def _cmd_manifests(args: argparse.Namespace) -> int:
+    from mtc.head import manifests
+
+    def fail(message: str) -> int:
+        print(f"mtc manifests render: error: {message}", file=sys.stderr)
+        return 2
+
+    token = ""
+    if args.peer_token_file is not None:
+        try:
+            token = args.peer_token_file.read_text().strip()
+        except OSError as e:
+            return fail(f"--peer-token-file: cannot read {args.peer_token_file}: {e.strerror}")
+    options = manifests.ManifestOptions(
+        name=args.name, command=args.command, base_output_directory=args.base_output_directory,
+        namespace=args.namespace, run_name=args.run_name, compute_type=args.compute_type,
+        topology=args.topology, num_slices=args.num_slices, ramdisk_dir=args.ramdisk_dir,
+        gke_mtc_enabled=args.gke_mtc_enabled, params=args.params, ramdisk_size=args.ramdisk_size,
+        local_checkpoint_period=args.local_checkpoint_period,
+        backup_interval_minutes=args.backup_interval_minutes, backup_interval_steps=args.backup_interval_steps,
+        peer_port=args.peer_port, peer_token=token, peer_token_secret=args.peer_token_secret,
+        image=args.image, sidecar_image=args.sidecar_image, image_registry=args.image_registry,
+        pathways_version=args.pathways_version, pathways_gcs_location=args.pathways_gcs_location,
+        max_restarts=args.max_restarts)
+    try:
+        text = manifests.to_yaml(manifests.render_documents(manifests.with_peer_token(options)))
+    except ConfigError as e:
+        return fail(str(e))
+    except ImportError as e:
+        return fail(str(e))
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    # Written whole or not at all, and readable only by its owner: it holds the peer token.
+    out = args.output
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent if str(out.parent) else ".")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except OSError as e:
+        return fail(f"--output: cannot write {out}: {e.strerror or e}")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
