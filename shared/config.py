@@ -187,15 +187,26 @@ class MTCConfig:
 
     @classmethod
     def from_flags(cls, flags: Iterable[str], *, ignore_unknown: bool = False,
-                   **overrides: Any) -> MTCConfig:
+                   environ: Mapping[str, str] | None = None, **overrides: Any) -> MTCConfig:
         """Build from MaxText-style ``key=value`` strings; keyword ``overrides`` win.
 
         Booleans accept true/false/1/0/yes/no (any case); optional numbers accept
         ``None`` or an empty value. An unknown key is an error that suggests the closest
         flag, unless ``ignore_unknown`` is true (for passing MaxText's whole command line,
         where items without ``=`` are skipped too). A key given twice is an error.
+
+        mtc's own settings, which MaxText's parser would refuse as flags (``peer_port``,
+        ``replication_factor``, ...), may come from ``MTC_<NAME>`` variables of ``environ``
+        (default ``os.environ``; ``{}`` for none), as ``mtc manifests render`` sets them; a flag
+        or an override wins over the environment. MaxText's own flags are never taken from it.
         """
+        env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        for name in _MTC_OWN:
+            var = ENV_PREFIX + name.upper()
+            if var in env:
+                values[name] = _parse(_KINDS[name], env[var], var)
+        given: set[str] = set()
         for item in flags:
             key, sep, raw = str(item).partition("=")
             key = key.strip()
@@ -208,9 +219,10 @@ class MTCConfig:
                 if ignore_unknown:
                     continue
                 raise ConfigError(_unknown_message(key, "flag"))
-            if key in values:
+            if key in given:
                 raise ConfigError(f"flag {key} is given more than once; keep one "
                                   f"(pass keyword overrides to replace a value)")
+            given.add(key)
             values[key] = _parse(_KINDS[key], raw, key)
         _check_known(overrides)
         values.update(overrides)
@@ -330,6 +342,9 @@ def _kind_of(annotation: str) -> _Kind:
 
 
 _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields(MTCConfig)}
+# mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
+_MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "replication_factor", "peer_port", "peer_token",
+            "cluster_spec", "max_save_wait_s")
 
 
 def _type_ok(base: type, value: Any) -> bool:

@@ -389,3 +389,17 @@ def test_from_env_warns_on_a_misspelt_variable():
 def test_from_env_ignores_other_mtc_variables(recwarn):
     MTCConfig.from_env({"MTC_CRASH_POINT": "after_blobs"})
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_from_flags_takes_mtc_own_settings_from_the_environment_and_flags_win():
+    env = {"MTC_PEER_PORT": "29010", "MTC_REPLICATION_FACTOR": "3", "MTC_LOCAL_CHECKPOINT_PERIOD": "7"}
+    flags = ["enable_multi_tier_checkpointing=true", "local_checkpoint_directory=/tmp/x",
+             "local_checkpoint_period=5", "model_name=llama"]
+    c = MTCConfig.from_flags(flags, ignore_unknown=True, environ=env)
+    assert (c.peer_port, c.replication_factor) == (29010, 3)  # as `mtc manifests render` sets them
+    assert c.local_checkpoint_period == 5  # MaxText's flags never come from the environment
+    assert MTCConfig.from_flags(flags + ["replication_factor=2"], ignore_unknown=True, environ=env).replication_factor == 2
+    assert MTCConfig.from_flags(flags, ignore_unknown=True, environ=env, peer_port=1234).peer_port == 1234
+    assert MTCConfig.from_flags(flags, ignore_unknown=True, environ={}).peer_port == 0
+    with pytest.raises(ConfigError, match="MTC_PEER_PORT"):
+        MTCConfig.from_flags(flags, ignore_unknown=True, environ={"MTC_PEER_PORT": "many"})
