@@ -700,8 +700,8 @@ class ClusterDispatcher(Dispatcher):
         except _RemoteFailure as e:
             e.reraise()
 
-    def backup_listing(self) -> dict:
-        return self._any_host("backup_listing", self._backup_args())[1].result
+    def backup_listing(self, deadline_s: float | None = None) -> dict:
+        return self._any_host("backup_listing", self._backup_args(deadline_s=deadline_s))[1].result
 
     def backup_manifest(self, name: str) -> fmt.StepManifest:
         h, reply = self._any_host("backup_manifest", self._backup_args(name=name))

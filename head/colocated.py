@@ -323,8 +323,8 @@ class ColocatedDispatcher(Dispatcher):
                                      manifest=manifest.to_json().decode(), max_to_keep=max_to_keep))
         return replies[host]
 
-    def backup_listing(self) -> dict:
-        (_, listing), *_ = self._control("backup_listing")
+    def backup_listing(self, deadline_s: float | None = None) -> dict:
+        (_, listing), *_ = self._control("backup_listing", deadline_s=deadline_s)
         return listing
 
     def backup_manifest(self, name: str) -> fmt.StepManifest:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from mtc.shared import errors
 from mtc.shared import format as fmt
+from mtc.shared.objstore import store as objstore_errors
 
 
 @dataclasses.dataclass
@@ -110,8 +111,11 @@ class Dispatcher(abc.ABC):
         """One host makes backup ``name`` visible (manifest last, create-only), then prunes."""
         raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
-    def backup_listing(self) -> dict:
-        """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}."""
+    def backup_listing(self, deadline_s: float | None = None) -> dict:
+        """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}.
+
+        ``deadline_s`` bounds the retries of an unreachable store (None: the store's own).
+        """
         raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
     def backup_manifest(self, name: str) -> fmt.StepManifest:
@@ -146,8 +150,8 @@ class Dispatcher(abc.ABC):
         """Stop using the sidecars."""
 
 
-_ERRORS = {name: getattr(errors, name) for name in dir(errors)
-           if isinstance(getattr(errors, name), type) and issubclass(getattr(errors, name), Exception)}
+_ERRORS = {name: getattr(mod, name) for mod in (errors, objstore_errors) for name in dir(mod)
+           if isinstance(getattr(mod, name), type) and issubclass(getattr(mod, name), errors.MTCError)}
 
 
 def raise_remote(host: str, name: str, message: str) -> None:

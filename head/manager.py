@@ -30,17 +30,21 @@ from mtc.shared.config import MTCConfig
 from mtc.shared.errors import (
     ConfigError,
     CorruptBlobError,
+    HostUnreachableError,
     MTCError,
     SaveError,
     StepNotFoundError,
     TargetMismatchError,
 )
+from mtc.shared.objstore.store import TransientStoreError
 
 log = logging.getLogger(__name__)
 
 # How long replication of a step keeps retrying while a host it needs is down or a pull failed.
 _REPLICATION_PATIENCE_S = 1800.0
 _REPLICATION_RETRY_S = (0.05, 2.0)  # first and longest wait between attempts
+# How long listing the backups may retry an unreachable store (latest_step, restore wait on it).
+_LISTING_DEADLINE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +189,7 @@ class CheckpointManager:
         self._closing = threading.Event()
         self.last_replication_report: ReplicationReport | None = None
         self._views: dict = {}
+        self._backup_unreachable: str | None = None  # why the last backup listing failed
 
     @property
     def config(self) -> MTCConfig:
@@ -576,15 +581,32 @@ class CheckpointManager:
 
     def _unreachable_note(self) -> str:
         bad = getattr(self, "_unreachable", None) or {}
-        if not bad:
-            return ""
-        return ("; hosts that could not be asked, so no step is confirmed on them: "
-                + "; ".join(f"{h} ({e})" for h, e in sorted(bad.items())))
+        note = ""
+        if bad:
+            note = ("; hosts that could not be asked, so no step is confirmed on them: "
+                    + "; ".join(f"{h} ({e})" for h, e in sorted(bad.items())))
+        if getattr(self, "_backup_unreachable", None):
+            note += f"; the backup root could not be listed ({self._backup_unreachable})"
+        return note
 
     def _backup_listing(self) -> dict:
+        """The backups and ``restore.version``; empty, with a warning, while the store is unreachable.
+
+        Asked with a short retry deadline: a job that restarts during a bucket outage must come
+        back from its ramdisks and peers, not wait out (or die of) the store's upload deadline.
+        A bucket that answers with a refusal (missing, no permission) is still an error.
+        """
+        self._backup_unreachable = None
         if not self._config.base_output_directory:
             return {"backups": [], "restore_version": None}
-        return self._dispatch.backup_listing()
+        try:
+            return self._dispatch.backup_listing(deadline_s=_LISTING_DEADLINE_S)
+        except (TransientStoreError, HostUnreachableError) as e:
+            self._backup_unreachable = str(e)
+            log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on the "
+                        "hosts (restore.version, if any, is not read)", self._config.backup_root,
+                        _LISTING_DEADLINE_S, e)
+            return {"backups": [], "restore_version": None}
 
     def all_steps(self) -> list[int]:
         """Restorable steps, ascending: whole across the hosts (see ``_cluster_steps``), or in a

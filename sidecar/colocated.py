@@ -140,7 +140,7 @@ class ColocatedSidecar:
                 return None
             return svc.backup_finalize(req["name"], req["manifest"].encode(), int(req["max_to_keep"]))
         if op == "backup_listing":
-            return svc.backup_listing()
+            return svc.backup_listing(req.get("deadline_s"))
         if op == "backup_manifest":
             return svc.backup_manifest(req["name"]).decode()
         if op == "backup_fetch":

@@ -301,7 +301,11 @@ class SidecarDaemon(ThreadedTCPServer):
         return svc.backup_finalize(name, bytes(payloads[0]), keep), []
 
     def _op_backup_listing(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
-        return self._backup_service(args).backup_listing(), []
+        deadline = args.get("deadline_s")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                     or deadline < 0):
+            raise ProtocolError("'deadline_s' must be a number >= 0 or null")
+        return self._backup_service(args).backup_listing(deadline), []
 
     def _op_backup_manifest(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         name = args.get("name")

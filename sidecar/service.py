@@ -388,8 +388,8 @@ class SidecarService:
     def backup_finalize(self, name: str, manifest_json: bytes, max_to_keep: int) -> dict:
         return self._backup_tier().finalize(name, manifest_json, max_to_keep)
 
-    def backup_listing(self) -> dict:
-        return self._backup_tier().listing()
+    def backup_listing(self, deadline_s: float | None = None) -> dict:
+        return self._backup_tier().listing(deadline_s)
 
     def backup_manifest(self, name: str) -> bytes:
         return self._backup_tier().manifest(name)

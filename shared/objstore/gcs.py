@@ -14,6 +14,8 @@ crc32c, that generation is deleted, and the upload starts again.
 
 from __future__ import annotations
 
+import copy
+
 import base64
 import io
 import logging
@@ -177,6 +179,13 @@ class GCSStore(ObjectStore):
 
     # -- plumbing -----------------------------------------------------------------------
 
+
+    def with_deadline(self, seconds: float) -> "GCSStore":
+        if seconds < 0:
+            raise ConfigError(f"deadline {seconds} must be >= 0 seconds")
+        other = copy.copy(self)  # the same client and settings; only the patience differs
+        other.deadline = float(seconds)
+        return other
     def _full(self, name: str) -> str:
         return self.prefix + validate_name(name)
 

@@ -98,6 +98,13 @@ class ObjectStore(abc.ABC):
 
     url: str  # where the store points, for messages ("gs://bucket/prefix/", "file:///...")
 
+    def with_deadline(self, seconds: float) -> "ObjectStore":
+        """This store with another retry deadline (same connection), for calls someone waits on.
+
+        A store that does not retry returns itself.
+        """
+        return self
+
     @abc.abstractmethod
     def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
         """Upload the local file `path` as `name`, streaming. The object appears whole or

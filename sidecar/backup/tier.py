@@ -103,11 +103,16 @@ class BackupTier:
         """Backup names, newest first."""
         return layout.names_from_listing(self._store.list(layout.BACKUPS))
 
-    def listing(self) -> dict:
-        """Backups (newest first, with their steps) and the content of ``restore.version``."""
-        names = self.list_names()
+    def listing(self, deadline_s: float | None = None) -> dict:
+        """Backups (newest first, with their steps) and the content of ``restore.version``.
+
+        ``deadline_s`` bounds how long an unreachable store is retried (a head waits on this
+        at start-up; the store's own deadline is for background uploads).
+        """
+        store = self._store if deadline_s is None else self._store.with_deadline(deadline_s)
+        names = layout.names_from_listing(store.list(layout.BACKUPS))
         try:
-            rv = self._store.get_bytes(layout.RESTORE_VERSION).decode().strip()
+            rv = store.get_bytes(layout.RESTORE_VERSION).decode().strip()
         except ObjectNotFoundError:
             rv = None
         return {"backups": [{"name": n, "step": layout.parse_backup_name(n)} for n in names],

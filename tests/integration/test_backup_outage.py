@@ -69,3 +69,49 @@ def test_emulator_outage_during_backup(ramdisk, emulator_factory, monkeypatch):
     with CheckpointManager(cfg) as m:
         assert_trees_bitwise_equal(state(4), m.restore())
         assert m.last_restore_report.bytes_by_tier["backup"] == (1 << 18) * 4
+
+
+@pytest.mark.parametrize("mode", ["colocated", "cluster"])
+def test_a_restart_during_a_bucket_outage_comes_back_from_the_ramdisks(ramdisk, emulator_factory, monkeypatch, mode):
+    """The job restarts while the bucket is down: latest_step and restore answer from the hosts
+    within the listing deadline (not the uploads' 300 s), with a warning; a bucket that refuses
+    (it does not exist) is still an error, not silence."""
+    import time
+
+    import mtc.head.manager as manager_mod
+    from mtc.shared.objstore import FatalStoreError
+    from mtc.sidecar.cluster import LocalCluster
+
+    monkeypatch.setattr(manager_mod, "_LISTING_DEADLINE_S", 2.0)
+    server = emulator_factory("fake-gcs-server", persistent=True)
+    bucket = f"mtc-{uuid.uuid4().hex[:12]}"
+    server.client().create_bucket(bucket)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    cluster = LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4).start() if mode == "cluster" else None
+    root = str(cluster.root) if cluster else str(ramdisk)
+    spec = {"cluster_spec": str(cluster.spec_path)} if cluster else {}
+    cfg = MTCConfig(local_checkpoint_directory=root, enable_multi_tier_checkpointing=True, local_checkpoint_period=1,
+                    base_output_directory=f"gs://{bucket}", run_name="run",
+                    multi_tier_checkpointing_backup_interval_steps=1, **spec)
+    try:
+        with CheckpointManager(cfg) as m:
+            m.save(1, state(1))
+            m.wait_until_finished()
+            assert m.wait_for_backup().error is None
+            m.save(2, state(2))  # on the hosts; its backup may or may not land
+            m.wait_until_finished()
+        server.stop()
+        with CheckpointManager(cfg) as m:
+            t0 = time.monotonic()
+            assert m.latest_step() == 2
+            assert_trees_bitwise_equal(state(2), m.restore())
+            assert time.monotonic() - t0 < 30, "waited out the store's upload deadline"
+            assert m.last_restore_report.bytes_by_tier["backup"] == 0
+        server.start()
+        if cluster is None:  # (a daemon keeps the backup root it first served)
+            with CheckpointManager(cfg.replace(base_output_directory=f"gs://no-such-{uuid.uuid4().hex[:8]}")) as m:
+                with pytest.raises(FatalStoreError):
+                    m.latest_step()
+    finally:
+        if cluster:
+            cluster.stop()
