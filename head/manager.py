@@ -77,6 +77,18 @@ class RestoreReport:
     pull_s: float = 0.0  # hosts pulling what they lacked from peers (and the backup)
     load_s: float = 0.0
     total_s: float = 0.0
+    prefetched: bool = False  # the start-up pull had brought this step's missing blobs (counted above)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchReport:
+    """What the start-up pull did: the newest restorable step, brought local in its saved layout."""
+
+    step: int
+    source: str = "cluster"  # "cluster", or the name of the backup it came from
+    bytes_by_tier: dict = dataclasses.field(default_factory=dict)  # "peer", "backup": bytes pulled
+    blobs_by_tier: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +202,12 @@ class CheckpointManager:
         self.last_replication_report: ReplicationReport | None = None
         self._views: dict = {}
         self._backup_unreachable: str | None = None  # why the last backup listing failed
+        self.last_prefetch_report: PrefetchReport | None = None
+        self._prefetch_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch")
+        self._prefetch: Future | None = None
+        self._prefetch_counted = False
+        if config.prefetch_on_start and config.enable_checkpointing:
+            self._prefetch = self._prefetch_executor.submit(self._prefetch_latest)
 
     @property
     def config(self) -> MTCConfig:
@@ -645,77 +663,134 @@ class CheckpointManager:
         """
         self._check_open()
         t0 = time.perf_counter()
+        prefetched = self._await_prefetch()
         self._wait_previous()
         self._check_versions()
-        listing = self._backup_listing()
-        backup_name = None
-        fallback = None  # a backup of the chosen step, for blobs no host has a good copy of
-        if listing["restore_version"]:
-            backup_name, pinned = self._pinned_backup(listing)
-            if step is not None and step != pinned:
-                raise StepNotFoundError(f"restore.version pins backup {backup_name} (step {pinned}); "
-                                        f"step {step} was asked for; clear restore.version to restore it")
-            step = pinned
-        else:
-            cluster = self._cluster_steps()
-            in_backup = {}
-            for b in listing["backups"]:  # newest first: keep the newest backup of each step
-                in_backup.setdefault(b["step"], b["name"])
-            steps = sorted(set(cluster) | set(in_backup))
-            if step is None:
-                if not steps:
-                    raise StepNotFoundError(
-                        f"no committed step in {self._config.ramdisk_root}"
-                        + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
-                        + "; nothing to restore (save a step first, or check local_checkpoint_directory)"
-                        + self._unreachable_note())
-                step = steps[-1]
-            elif step not in steps:
-                raise StepNotFoundError(f"step {step} is not committed on every host, and not every blob of it has a "
-                                        f"copy on some host or in a backup; committed steps: {steps}"
-                                        + self._unreachable_note())
-            if step not in cluster:
-                backup_name = in_backup[step]
-            fallback = in_backup.get(step)
+        step, backup_name, fallback = self._choose_step(step, self._backup_listing())
         t1 = time.perf_counter()
-        if backup_name is None:
-            manifest = self._dispatch.manifest(step)
-        else:
-            manifest = self._dispatch.backup_manifest(backup_name)
+        manifest = self._dispatch.manifest(step) if backup_name is None else self._dispatch.backup_manifest(backup_name)
         requests, finish = self._plan(manifest, target)
         pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}  # tier -> [bytes, blobs]
-        needed_bytes, needed_blobs = sum(r.record.nbytes for r in requests), len(manifest.blob_names())
-        view = self._views.get(step) if backup_name is None else None
-        if backup_name is not None or view is not None:
-            # A host that lacks blobs it needs pulls them first: a replaced node, or any host after
-            # an elastic resize (its target shards overlap saved shards that other hosts wrote).
-            # Planned per host, and counted per host: a blob two hosts need is two transfers.
-            needs = self._needs(manifest, requests)
-            sizes = manifest.blob_sizes()
-            needed_bytes = sum(sizes[b] for bs in needs.values() for b in bs)
-            needed_blobs = sum(len(bs) for bs in needs.values())
-            if backup_name is not None:
-                self._count_backup(pulled, self._dispatch.backup_fetch(backup_name, needs))
-            else:
-                self._pull_lacking(step, manifest, needs, fallback, pulled)
+        needed = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled)
+        if needed is None:
+            needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
         t_pull = time.perf_counter()
-        if backup_name is None and (pulled["peer"][1] or pulled["backup"][1]):
-            # A host was refilled: the copies it held for its peers are gone too; make them again.
-            self._maybe_replicate(manifest)
+        if prefetched is not None and prefetched.step == step:  # where those bytes really came from
+            for tier in ("peer", "backup"):
+                pulled[tier][0] += prefetched.bytes_by_tier.get(tier, 0)
+                pulled[tier][1] += prefetched.blobs_by_tier.get(tier, 0)
+        view = self._views.get(step) if backup_name is None else None
         holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
         arrays = self._dispatch.load(step, requests, holders)
         t2 = time.perf_counter()
         result = finish(arrays)
         nbytes = sum(r.record.nbytes for r in requests)
         (peer_bytes, peer_blobs), (backup_bytes, backup_blobs) = pulled["peer"], pulled["backup"]
-        by_tier = {"ram": needed_bytes - peer_bytes - backup_bytes, "peer": peer_bytes, "backup": backup_bytes}
-        blobs = {"ram": needed_blobs - peer_blobs - backup_blobs, "peer": peer_blobs, "backup": backup_blobs}
+        needed_bytes, needed_blobs = needed
+        by_tier = {"ram": max(0, needed_bytes - peer_bytes - backup_bytes), "peer": peer_bytes, "backup": backup_bytes}
+        blobs = {"ram": max(0, needed_blobs - peer_blobs - backup_blobs), "peer": peer_blobs, "backup": backup_blobs}
         self.last_restore_report = RestoreReport(
             step=step, bytes_by_tier=by_tier, blobs_by_tier=blobs, source=backup_name or "cluster",
             skipped_copies=tuple(pulled["skipped"]), inventory_s=t1 - t0, pull_s=t_pull - t1,
-            load_s=t2 - t_pull, total_s=time.perf_counter() - t0)
+            load_s=t2 - t_pull, total_s=time.perf_counter() - t0,
+            prefetched=prefetched is not None and prefetched.step == step)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes", step, time.perf_counter() - t0, nbytes)
         return result
+
+    def _choose_step(self, step: int | None, listing: dict) -> tuple[int, str | None, str | None]:
+        """(step, backup to restore it from or None for the hosts, a backup of it as fallback)."""
+        if listing["restore_version"]:
+            backup_name, pinned = self._pinned_backup(listing)
+            if step is not None and step != pinned:
+                raise StepNotFoundError(f"restore.version pins backup {backup_name} (step {pinned}); "
+                                        f"step {step} was asked for; clear restore.version to restore it")
+            return pinned, backup_name, None
+        cluster = self._cluster_steps()
+        in_backup: dict[int, str] = {}
+        for b in listing["backups"]:  # newest first: keep the newest backup of each step
+            in_backup.setdefault(b["step"], b["name"])
+        steps = sorted(set(cluster) | set(in_backup))
+        if step is None:
+            if not steps:
+                raise StepNotFoundError(
+                    f"no committed step in {self._config.ramdisk_root}"
+                    + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
+                    + "; nothing to restore (save a step first, or check local_checkpoint_directory)"
+                    + self._unreachable_note())
+            step = steps[-1]
+        elif step not in steps:
+            raise StepNotFoundError(f"step {step} is not committed on every host, and not every blob of it has a "
+                                    f"copy on some host or in a backup; committed steps: {steps}"
+                                    + self._unreachable_note())
+        return step, (None if step in cluster else in_backup[step]), in_backup.get(step)
+
+    def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
+                       backup_name: str | None, fallback: str | None, pulled: dict) -> tuple[int, int] | None:
+        """Every host pulls the blobs it lacks for its shards of ``requests``; (bytes, blobs) needed.
+
+        A replaced node lacks its own shards; after an elastic resize any host may lack saved
+        shards its target shards overlap. Planned per host, and counted per host: a blob two
+        hosts need is two transfers. None when the inventories did not see the step.
+        """
+        view = self._views.get(step) if backup_name is None else None
+        if backup_name is None and view is None:
+            return None
+        needs = self._needs(manifest, requests)
+        sizes = manifest.blob_sizes()
+        needed = (sum(sizes[b] for bs in needs.values() for b in bs), sum(len(bs) for bs in needs.values()))
+        if backup_name is not None:
+            self._count_backup(pulled, self._dispatch.backup_fetch(backup_name, needs))
+        else:
+            self._pull_lacking(step, manifest, needs, fallback, pulled)
+            if pulled["peer"][1] or pulled["backup"][1]:
+                # A host was refilled: the copies it held for its peers are gone too; make them again.
+                self._maybe_replicate(manifest)
+        return needed
+
+    # --- start-up pull ---------------------------------------------------------------------
+
+    def _prefetch_latest(self) -> PrefetchReport | None:
+        """Bring the newest restorable step local, in the layout it was saved with (background).
+
+        This is the restore's first half, started when the manager is created: a replaced node
+        refills from its peers, a job whose ramdisks are all gone downloads from the backup,
+        while the training script builds and compiles its model. A later ``restore`` finds the
+        blobs local and counts them by the tier they came from. Never raises: whatever this
+        could not do, ``restore`` does (or explains).
+        """
+        t0 = time.perf_counter()
+        try:
+            self._check_versions()
+            step, backup_name, fallback = self._choose_step(None, self._backup_listing())
+            manifest = (self._dispatch.manifest(step) if backup_name is None
+                        else self._dispatch.backup_manifest(backup_name))
+            requests, _ = self._plan(manifest, None)  # the saved shardings (fails after a shrink: skipped)
+            pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}
+            self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled)
+        except Exception as e:  # nothing to restore, a resized job, a host down: restore handles it
+            log.info("start-up pull skipped: %s: %s", type(e).__name__, e)
+            return None
+        report = PrefetchReport(step=step, source=backup_name or "cluster",
+                                bytes_by_tier={t: pulled[t][0] for t in ("peer", "backup")},
+                                blobs_by_tier={t: pulled[t][1] for t in ("peer", "backup")},
+                                seconds=time.perf_counter() - t0)
+        self.last_prefetch_report = report
+        log.info("- start-up pull of step %d; duration=%.3fs; peer=%d bytes backup=%d bytes", step, report.seconds,
+                 report.bytes_by_tier["peer"], report.bytes_by_tier["backup"])
+        return report
+
+    def wait_for_prefetch(self) -> PrefetchReport | None:
+        """Block until the start-up pull is done; its report (None: nothing was pulled or it was off)."""
+        pending = self._prefetch
+        return pending.result() if pending is not None else None
+
+    def _await_prefetch(self) -> PrefetchReport | None:
+        """The start-up pull's report, once, for the first restore (later restores count their own)."""
+        report = self.wait_for_prefetch()
+        if report is None or self._prefetch_counted:
+            return None
+        self._prefetch_counted = True
+        return report
 
     @staticmethod
     def _count_backup(pulled: dict, fetched: dict[str, dict]) -> None:
@@ -884,6 +959,7 @@ class CheckpointManager:
             self._closed = True
             self._closing.set()
             self._executor.shutdown(wait=True)
+            self._prefetch_executor.shutdown(wait=True)
             self._replication_executor.shutdown(wait=True)
             self._backup_executor.shutdown(wait=True)
             self._dispatch.close()

@@ -74,6 +74,9 @@ class MTCConfig:
     - ``cluster_spec``: path to a cluster spec JSON (cluster mode); empty: colocated mode.
     - ``max_save_wait_s``: how long ``save`` waits for the previous save to finish before
       failing (``None``: wait as long as it takes).
+    - ``prefetch_on_start``: creating the manager starts pulling, in the background, what the
+      hosts lack of the newest restorable step (from peers, else the backup), so that
+      ``restore`` finds it local (default true).
     """
 
     enable_checkpointing: bool = True
@@ -92,6 +95,7 @@ class MTCConfig:
     peer_token: str = field(default="", repr=False)
     cluster_spec: str = ""
     max_save_wait_s: float | None = None
+    prefetch_on_start: bool = True
 
     # ------------------------------------------------------------------ construction
 
@@ -344,7 +348,7 @@ def _kind_of(annotation: str) -> _Kind:
 _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields(MTCConfig)}
 # mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
 _MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "replication_factor", "peer_port", "peer_token",
-            "cluster_spec", "max_save_wait_s")
+            "cluster_spec", "max_save_wait_s", "prefetch_on_start")
 
 
 def _type_ok(base: type, value: Any) -> bool:
