@@ -211,12 +211,13 @@ def fetch(parent: Path, gib: float, repeats: int) -> dict:
                 if blob_name((cluster.store_root(receiver) / "blobs" / b).read_bytes()) != b:
                     raise SystemExit(f"fetched blob {b} does not verify")
             # Steady state of replication: every round saves a new step; committing it prunes the
-            # previous one on both hosts (local_max_to_keep=1), whose files go to the free pools,
-            # and the receiver's pull then overwrites recycled pages instead of allocating new ones.
-            m2_cfg = cfg.replace(local_max_to_keep=1)
+            # oldest kept one on both hosts (local_max_to_keep=2, the default), whose files go to
+            # the free pools, and the receiver's pull then overwrites recycled pages instead of
+            # allocating new ones.
+            m2_cfg = cfg.replace(local_max_to_keep=2)
             with CheckpointManager(m2_cfg) as m2:
                 m2._dispatch.peer_inventories()
-                for r in range(repeats + 2):  # two rounds to fill the receiver's pool
+                for r in range(repeats + 3):  # three rounds to fill the receiver's pool
                     step = 100 + r
                     m2.save(step, {k: v + 1.0 + r for k, v in state.items()})
                     m2.wait_until_finished()
@@ -227,7 +228,7 @@ def fetch(parent: Path, gib: float, repeats: int) -> dict:
                     dt = time.perf_counter() - t0
                     if "error" in out or out["failed"]:
                         raise SystemExit(f"peer fetch failed: {out}")
-                    if r >= 2:
+                    if r >= 3:
                         res["peer_steady"].append(dt * nbytes / max(1, out["pulled_bytes"]))
     shutil.rmtree(root, ignore_errors=True)
     return res

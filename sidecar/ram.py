@@ -1055,18 +1055,24 @@ class RamStore:
         return freed
 
     def _pool_cap(self, steps: list[int]) -> int:
-        """The free pool's bound: the bytes of the newest step's blobs held here."""
-        if not steps:
-            return 0
-        try:
-            names = self._blobs_in(self._step_path(steps[-1]))
-        except (OSError, ManifestError):
-            return 0
-        total = 0
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                total += self._round((self._blobs / name).stat().st_size)
-        return total
+        """The free pool's bound: the most bytes of blobs any kept step holds here.
+
+        Not only the newest step's: when a step commits, the copies this host keeps for its
+        peers (replication) have not arrived yet, while an older kept step holds them; the next
+        step's copies are received into those pool files (overwriting pages, not allocating).
+        """
+        best = 0
+        for step in steps:
+            try:
+                names = self._blobs_in(self._step_path(step))
+            except (OSError, ManifestError):
+                continue
+            total = 0
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += self._round((self._blobs / name).stat().st_size)
+            best = max(best, total)
+        return best
 
     def wipe(self) -> None:
         """Remove everything under root (a replaced node), leaving an empty store."""

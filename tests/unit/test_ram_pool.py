@@ -397,3 +397,40 @@ def test_a_received_blob_overwrites_a_pool_file_of_its_size(tmp_path):
     os.close(fd)
     assert os.stat(tmp).st_size == 0
     store.discard_temp_blob(tmp)
+
+
+@pytest.mark.unit
+def test_copies_kept_for_peers_are_recycled_for_the_next_steps_copies(ramdisk):
+    """A replica holder: at each commit its new step's copies have not arrived yet, while the
+    older kept step holds the last ones; those of the pruned step go to the pool (sized by the
+    largest kept step), and the next copies are received into them instead of new pages."""
+    store = RamStore(ramdisk / "s", max_to_keep=2)
+    sizes = [3 * MiB, 2 * MiB + 5]
+
+    def data(step: int) -> list[bytes]:
+        return [rand_bytes(n, 100 * step + i) for i, n in enumerate(sizes)]
+
+    def commit(step: int) -> None:  # another host's blobs: this host commits the manifest first ...
+        names = [blob_name(d) for d in data(step)]
+        store.write_pending(step, manifest(step, names))
+        store.commit(step, manifest(step, names))
+
+    def receive(step: int) -> set[int]:  # ... and replication brings the copies after it
+        inodes = set()
+        for d in data(step):
+            fd, tmp = store.open_temp_blob(len(d))
+            inodes.add(os.fstat(fd).st_ino)
+            os.write(fd, d)
+            os.close(fd)
+            store.finalize_temp_blob(tmp, blob_name(d))
+        return inodes
+
+    for step in (1, 2):
+        commit(step)
+        receive(step)
+    commit(3)  # prunes step 1: its copies are garbage, kept as pool files (step 2 holds as much)
+    pooled = pool_files(store)
+    assert sorted(p.stat().st_size for p in pooled.values()) == sorted(sizes)
+    assert receive(3) == set(pooled)  # step 3's copies overwrite those files: no new pages
+    assert pool_files(store) == {}
+    assert all(store.verify_blob(n) for n in store.list_blobs())
