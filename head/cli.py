@@ -126,8 +126,10 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     job.add_argument("--image", default="",
                      help="head image (MaxText and mtc); default mtc-head:<mtc>-python_X.Y-jax_X.Y.Z")
     job.add_argument("--sidecar-image", "--pathways-colocated-python-sidecar-image", dest="sidecar_image",
-                     default="", help="colocated Python sidecar image with mtc; default "
-                                      "mtc-sidecar:<same tag as the head>")
+                     default="", help="colocated Python sidecar image: the Pathways colocated Python server "
+                                      "with mtc (images/build.py --colocated-base); default "
+                                      "mtc-colocated-sidecar:<same tag as the head>; the cluster-mode "
+                                      "mtc-sidecar image is refused")
     job.add_argument("--image-registry", default="", help="registry prefix of the default images")
     job.add_argument("--pathways-version", default="latest", help="tag of the Pathways server and proxy images")
     job.add_argument("--pathways-gcs-location", default="",

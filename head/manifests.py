@@ -7,7 +7,7 @@
   Toolkit create: a ``pathways-head`` job (Pathways resource manager and proxy as native
   sidecars, and the user's training command with the MaxText multi-tier flags), and a
   ``worker`` job per slice (the Pathways worker on the TPUs, and the colocated Python sidecar
-  running the mtc sidecar image).
+  running the mtc colocated sidecar image: Google's colocated Python server with mtc in it).
 
 Decisions worth knowing:
 
@@ -55,6 +55,11 @@ RAMDISK_VOLUME = "mtc-ramdisk"
 HEAD_JOB = "pathways-head"
 WORKER_JOB = "worker"
 SIDECAR_CONTAINER = "colocated-python-sidecar"
+# images/build.py's names: the worker-side container runs the Pathways colocated Python server
+# with mtc installed (its base image's own command), never the cluster-mode daemon image.
+HEAD_IMAGE_NAME = "mtc-head"
+SIDECAR_IMAGE_NAME = "mtc-colocated-sidecar"
+DAEMON_IMAGE_NAME = "mtc-sidecar"
 
 # Pathways' ports, as PathwaysJob uses them; the peer port must stay clear of them because
 # the worker pods use the host's network.
@@ -259,7 +264,7 @@ def to_yaml(documents: list[dict]) -> str:
 
 
 def image_tag(fp: dict | None = None) -> str:
-    """``<mtc>-python_X.Y-jax_X.Y.Z``: the tag the build script gives both images.
+    """``<mtc>-python_X.Y-jax_X.Y.Z``: the tag the build script gives every image.
 
     Pathways sidecar images carry python and jax in the tag the same way; head and sidecar
     must match exactly, and a tag that says so makes skew visible before anything runs.
@@ -681,6 +686,13 @@ def _size_limit(o: ManifestOptions, hosts: int) -> str | None:
     return o.ramdisk_size.strip()
 
 
+def _repository_name(ref: str) -> str:
+    """The last path component of an image reference, without tag or digest:
+    ``mtc-sidecar`` for ``registry:5000/p/mtc-sidecar:1.0@sha256:...``."""
+    last = ref.split("@", 1)[0].rsplit("/", 1)[-1]
+    return last.split(":", 1)[0]
+
+
 _TAG_VERSIONS = re.compile(r"-python_(\d+\.\d+)-jax_([0-9][0-9A-Za-z.]*)$")
 
 
@@ -688,11 +700,21 @@ def _images(o: ManifestOptions) -> tuple[str, str]:
     """Head and sidecar image references; both default to this environment's versions."""
     tag = image_tag()
     prefix = o.image_registry.rstrip("/") + "/" if o.image_registry else ""
-    head = o.image or f"{prefix}mtc-head:{tag}"
-    sidecar = o.sidecar_image or f"{prefix}mtc-sidecar:{tag}"
-    for flag, ref in (("--image", head), ("--sidecar-image", sidecar)):
+    head = o.image or f"{prefix}{HEAD_IMAGE_NAME}:{tag}"
+    sidecar = o.sidecar_image or f"{prefix}{SIDECAR_IMAGE_NAME}:{tag}"
+    for flag, ref, name in (("--image", head, HEAD_IMAGE_NAME),
+                            ("--sidecar-image", sidecar, SIDECAR_IMAGE_NAME)):
         if not ref.strip() or any(c.isspace() for c in ref):
-            raise ConfigError(f"{flag}={ref!r} is not an image reference (e.g. registry/mtc-head:{tag})")
+            raise ConfigError(f"{flag}={ref!r} is not an image reference (e.g. registry/{name}:{tag})")
+    if _repository_name(sidecar) == DAEMON_IMAGE_NAME:
+        path, _, last = sidecar.split("@", 1)[0].rpartition("/")
+        fixed = (path + "/" if path else "") + SIDECAR_IMAGE_NAME + last[len(DAEMON_IMAGE_NAME):]
+        raise ConfigError(
+            f"--sidecar-image (--pathways-colocated-python-sidecar-image) is {sidecar}, the cluster-mode sidecar "
+            f"daemon image (python -m mtc.sidecar serve), which does not run the Pathways colocated Python "
+            f"server; use the colocated sidecar image, e.g. {fixed} (python images/build.py build "
+            "--colocated-base <pathways-colocated-python/sidecar image>), or drop the flag for the default "
+            f"[--image-registry/]{SIDECAR_IMAGE_NAME}:<tag>")
     hv, sv = _TAG_VERSIONS.search(head.split("@")[0]), _TAG_VERSIONS.search(sidecar.split("@")[0])
     if hv and sv and hv.groups() != sv.groups():
         raise ConfigError(f"--image is python {hv[1]}, jax {hv[2]} but --sidecar-image is python {sv[1]}, jax {sv[2]}; "

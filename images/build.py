@@ -1,13 +1,16 @@
 """Build the head and sidecar images from one lock file (DESIGN section 8).
 
 The head refuses to run against sidecars whose jax/jaxlib/python/mtc differ from its own
-(``mtc.shared.version``). This script makes that refusal rare: both images install the same
-``images/requirements.lock`` onto the same base image, and are tagged and labelled with the
-versions read from that lock, never from whatever interpreter runs the script.
+(``mtc.shared.version``). This script makes that refusal rare: every image installs the same
+``images/requirements.lock``, and is tagged and labelled with the versions read from that
+lock, never from whatever interpreter runs the script. ``mtc-head`` and ``mtc-sidecar`` (the
+cluster-mode daemon) share one base image; ``mtc-colocated-sidecar`` (colocated mode on
+Pathways, what ``mtc manifests render`` runs on the workers) is built on Google's colocated
+Python sidecar image (``--colocated-base``), whose tag must carry the lock's python and jax.
 
     python images/build.py lock                      # re-resolve requirements.lock (pip --dry-run --report)
-    python images/build.py tags [--registry R]       # the two image references
-    python images/build.py build [--registry R] [--dry-run]
+    python images/build.py tags [--registry R]       # the three image references
+    python images/build.py build [--registry R] [--colocated-base IMAGE] [--dry-run]
     python images/build.py check [--lock FILE]       # lock, Dockerfiles and this environment agree
 
 Runs with any Python >= 3.11 (tomllib); only ``check`` needs mtc installed (it compares with
@@ -34,10 +37,19 @@ from pathlib import Path
 IMAGES = Path(__file__).resolve().parent
 REPO = IMAGES.parent
 LOCK = IMAGES / "requirements.lock"
-DOCKERFILES = {"head": IMAGES / "Dockerfile.head", "sidecar": IMAGES / "Dockerfile.sidecar"}
+# role -> Dockerfile; the image is mtc-<role>. "sidecar" is the cluster-mode daemon
+# (`python -m mtc.sidecar serve`); "colocated-sidecar" is Google's Pathways colocated Python
+# server with mtc installed into it (colocated mode, the one `mtc manifests render` uses).
+COLOCATED = "colocated-sidecar"
+DOCKERFILES = {"head": IMAGES / "Dockerfile.head", "sidecar": IMAGES / "Dockerfile.sidecar",
+               COLOCATED: IMAGES / "Dockerfile.colocated"}
+# The colocated Python server ships only in these images (not on PyPI); the tag's
+# -python_X.Y-jax_X.Y.Z must equal the lock's.
+COLOCATED_BASE_EXAMPLE = ("us-docker.pkg.dev/cloud-tpu-v2-images/pathways-colocated-python/sidecar:"
+                          "<date>-python_{python}-jax_{jax}")
 DIST = IMAGES / "dist"  # the mtc wheel goes here; "dist/" is git-ignored
 
-# The one base image of both images, pinned by tag. Its Python minor is the lock's Python and
+# The base image of mtc-head and mtc-sidecar, pinned by tag. Its Python minor is the lock's Python and
 # its glibc (Debian bookworm: 2.36) bounds the manylinux wheels the lock may pick.
 BASE_IMAGE = "python:3.11.14-slim-bookworm"
 GLIBC = (2, 36)
@@ -127,7 +139,7 @@ def read_lock(path: Path = LOCK) -> Lock:
 
 
 def tag(lock: Lock) -> str:
-    """The image tag both images carry: ``<mtc>-python_<X.Y>-jax_<X.Y.Z>``.
+    """The image tag every image carries: ``<mtc>-python_<X.Y>-jax_<X.Y.Z>``.
 
     The ``python_X.Y-jax_X.Y.Z`` part follows the Pathways colocated Python sidecar tags
     (e.g. ``2025_10_29-python_3.10-jax_0.6.2``), so a glance at a manifest shows whether head
@@ -137,7 +149,7 @@ def tag(lock: Lock) -> str:
 
 
 def image_refs(lock: Lock, registry: str = "") -> dict[str, str]:
-    """``{"head": ref, "sidecar": ref}``: the same tag on the two image names."""
+    """``{"head": ref, "sidecar": ref, "colocated-sidecar": ref}``: the same tag on each image name."""
     prefix = registry.rstrip("/") + "/" if registry else ""
     return {role: f"{prefix}mtc-{role}:{tag(lock)}" for role in DOCKERFILES}
 
@@ -156,16 +168,50 @@ def build_args(lock: Lock, lock_text: str) -> dict[str, str]:
     }
 
 
+def colocated_base_problem(lock: Lock, base: str) -> str | None:
+    """Why ``base`` cannot be the colocated sidecar's base for ``lock``, or None when it can.
+
+    The colocated Python server in the base was built against the base's python and jax; the
+    lock must not swap them, and the head must run exactly the same ones. So the base's tag
+    must end in the lock's ``-python_X.Y-jax_X.Y.Z`` (a ``@sha256:...`` digest may follow).
+    """
+    want = f"-python_{lock.python}-jax_{lock.jax}"
+    example = COLOCATED_BASE_EXAMPLE.format(python=lock.python, jax=lock.jax)
+    name = base.strip().split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    if not base.strip() or any(c.isspace() for c in base.strip()):
+        return f"--colocated-base={base!r} is not an image reference; give e.g. {example}"
+    tag_ = last.split(":", 1)[1] if ":" in last else ""
+    m = re.search(r"(?:^|-)python_(\d+\.\d+)-jax_([0-9][0-9A-Za-z.]*)$", tag_)
+    if not m:
+        return (f"--colocated-base={base} has no -python_X.Y-jax_X.Y.Z at the end of its tag, so its "
+                f"versions cannot be checked against the lock ({want[1:]}); give the Pathways colocated "
+                f"Python sidecar tag, e.g. {example}")
+    if (m.group(1), m.group(2)) != (lock.python, lock.jax):
+        return (f"--colocated-base={base} is python {m.group(1)}, jax {m.group(2)}, but "
+                f"images/requirements.lock is python {lock.python}, jax {lock.jax} (the head runs the "
+                f"lock's); use the colocated sidecar tag ending {want}, e.g. {example}, or re-lock for "
+                f"the base (Python {m.group(1)} in BASE_IMAGE of images/build.py, jax=={m.group(2)} in "
+                "pyproject.toml, then python images/build.py lock)")
+    return None
+
+
 def docker_commands(lock: Lock, lock_text: str, registry: str = "",
-                    revision: str | None = None) -> list[list[str]]:
+                    revision: str | None = None, colocated_base: str = "") -> list[list[str]]:
     """One ``docker build`` command per image, run from the repository root with ``images/``
-    as the context (it holds the lock and ``dist/`` with the wheel, nothing else is sent)."""
+    as the context (it holds the lock and ``dist/`` with the wheel, nothing else is sent).
+    The colocated sidecar is built on ``colocated_base``, and left out without one."""
     refs = image_refs(lock, registry)
     cmds = []
     for role, dockerfile in DOCKERFILES.items():
+        args = build_args(lock, lock_text)
+        if role == COLOCATED:
+            if not colocated_base:
+                continue
+            args["BASE_IMAGE"] = colocated_base
         cmd = ["docker", "build", "--platform", f"linux/{'amd64' if ARCH == 'x86_64' else ARCH}",
                "--file", str(dockerfile.relative_to(REPO)), "--tag", refs[role]]
-        for key, value in build_args(lock, lock_text).items():
+        for key, value in args.items():
             cmd += ["--build-arg", f"{key}={value}"]
         if revision:
             cmd += ["--label", f"org.opencontainers.image.revision={revision}"]
@@ -323,10 +369,20 @@ def cmd_build(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     text = lock_path.read_text()
+    lock = parse_lock(text)
+    if args.colocated_base:
+        problem = colocated_base_problem(lock, args.colocated_base)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    else:
+        print(f"note: skipping mtc-{COLOCATED} (no --colocated-base; give the Pathways colocated Python "
+              f"sidecar image, e.g. {COLOCATED_BASE_EXAMPLE.format(python=lock.python, jax=lock.jax)})",
+              file=sys.stderr)
     # Relative paths: the printed commands are run from the repository root, like the docker ones.
     wheel_cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
                  str(DIST.relative_to(REPO)), "."]
-    docker = docker_commands(parse_lock(text), text, args.registry, _git_revision())
+    docker = docker_commands(lock, text, args.registry, _git_revision(), args.colocated_base)
     if args.dry_run:
         for cmd in [wheel_cmd] + docker:
             print(shlex.join(cmd))
@@ -371,7 +427,10 @@ def consistency_problems(lock: Lock) -> list[str]:
     for role, path in DOCKERFILES.items():
         text = path.read_text()
         default = dockerfile_arg_default(text, "BASE_IMAGE")
-        if default != base:
+        if role == COLOCATED:
+            if default is not None:  # its base is Google's server image, given with --colocated-base
+                problems.append(f"{path.name}: ARG BASE_IMAGE={default}; it must have no default")
+        elif default != base:
             problems.append(f"{path.name}: ARG BASE_IMAGE={default}, lock base-image {base}")
         if "requirements.lock" not in text or "--require-hashes" not in text:
             problems.append(f"{path.name}: does not install requirements.lock with --require-hashes")
@@ -435,8 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python images/build.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     commands = (("lock", cmd_lock, "re-resolve the lock from pyproject.toml"),
-                ("tags", cmd_tags, "print the head and sidecar image references"),
-                ("build", cmd_build, "build the mtc wheel and both images"),
+                ("tags", cmd_tags, "print the head, sidecar and colocated sidecar image references"),
+                ("build", cmd_build, "build the mtc wheel and the images"),
                 ("check", cmd_check, "the lock, the Dockerfiles and this environment agree"))
     for name, func, helptext in commands:
         p = sub.add_parser(name, help=helptext)
@@ -444,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("tags", "build"):
             p.add_argument("--registry", default="", help="e.g. us-docker.pkg.dev/PROJECT/REPO")
         if name == "build":
+            p.add_argument("--colocated-base", default="", metavar="IMAGE",
+                           help="Pathways colocated Python sidecar image to build mtc-colocated-sidecar on, "
+                                "tagged ...-python_X.Y-jax_X.Y.Z as the lock (without it that image is skipped)")
             p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
         p.set_defaults(func=func)
     return parser

