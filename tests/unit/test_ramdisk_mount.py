@@ -181,3 +181,22 @@ def test_a_mapped_receive_cut_short_keeps_nothing(huge_tmpfs, ramdisk):
     srv.close()
     assert not dst.has_blob(name)
     assert list((dst.root / "blobs").iterdir()) == []
+
+
+def test_a_sidecar_says_once_at_start_what_its_ramdisk_lacks(tmp_path, tmpfs16, huge_tmpfs, caplog):
+    import logging
+
+    from mtc.sidecar import service
+
+    if ramdisk.describe(tmp_path) is None or ramdisk.describe(tmp_path).is_tmpfs:
+        pytest.skip(f"{tmp_path} is not on a disk here")
+    service._advised.clear()
+    with caplog.at_level(logging.INFO, logger="mtc.sidecar.service"):
+        for root in (tmp_path / "disk" / "a", tmp_path / "disk" / "b", tmpfs16 / "a", huge_tmpfs / "a"):
+            service.SidecarService(root, host_id="h").close()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "mtc.sidecar.service"]
+    disk = [m for lvl, m in said if "is not a tmpfs" in m and lvl == "WARNING"]
+    small = [m for lvl, m in said if "4 KiB pages" in m and lvl == "INFO"]
+    assert len(disk) == 1 and len(small) == 1, said  # once per mount, however many sidecars
+    assert f"mount -o remount,huge=within_size {tmpfs16}" in small[0]
+    assert not any(str(huge_tmpfs) in m for _, m in said)  # a huge-page ramdisk: nothing to say
