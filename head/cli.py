@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--steps-kept", type=int, default=2,
                       help="steps the ramdisk holds at once (default 2: one committed, "
                            "one being written)")
+    size.add_argument("--peer-copies", type=int, default=0,
+                      help="copies of other hosts' shards each host keeps (the peer tier): 0 when slices are "
+                           "data-parallel twins (default), replication_factor - 1 with one slice")
     size.add_argument("--ramdisk", type=Path, metavar="DIR",
                       help="also check this ramdisk directory: its filesystem, page size and room "
                            "(exit status 1 when it is too small)")
@@ -191,7 +194,8 @@ def _count(text: str) -> float:
 def _cmd_size(args: argparse.Namespace) -> int:
     try:
         size = ramdisk_size(args.params, args.hosts, buffer=args.buffer,
-                            bytes_per_param=args.bytes_per_param, steps_kept=args.steps_kept)
+                            bytes_per_param=args.bytes_per_param, steps_kept=args.steps_kept,
+                            peer_copies=args.peer_copies)
     except ConfigError as e:
         print(f"mtc size: error: {e}", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ class RamdiskSize:
     shard_bytes: float
     kept_bytes: float
     required_bytes: int
+    peer_copies: int = 0
 
     @property
     def size_limit_bytes(self) -> int:
@@ -65,7 +66,9 @@ class RamdiskSize:
             ("checkpoint",
              f"{_count(self.params)} params x {self.bytes_per_param:g} bytes = {ckpt}"),
             ("per-host shard", f"{ckpt} / {hosts} = {shard}"),
-            (f"x {self.steps_kept} steps kept", f"{shard} x {self.steps_kept} = {kept}"),
+            (f"x {self.steps_kept} steps kept", f"{shard} x {self.steps_kept} = {kept}") if not self.peer_copies else
+            (f"x {self.steps_kept} steps x (1 + {self.peer_copies} peer cop{'y' if self.peer_copies == 1 else 'ies'})",
+             f"{shard} x {self.steps_kept} x {1 + self.peer_copies} = {kept}"),
             (f"+ {self.buffer * 100:g}% buffer",
              f"{kept} x {1 + self.buffer:g} = {required} ({self.required_bytes:,} bytes)"),
         ]
@@ -81,11 +84,15 @@ class RamdiskSize:
 
 
 def ramdisk_size(params: float, hosts: int, buffer: float = 0.15, bytes_per_param: float = 12,
-                 steps_kept: int = 2) -> RamdiskSize:
+                 steps_kept: int = 2, peer_copies: int = 0) -> RamdiskSize:
     """Ramdisk needed on each host for a model of ``params`` parameters over ``hosts`` hosts.
 
+    ``peer_copies``: copies of other hosts' shards each host keeps for the peer tier, beyond
+    the guide's rule: 0 when the slices are data-parallel twins (the twins are the copies),
+    ``replication_factor - 1`` when the job has one slice.
+
     Raises ConfigError (a ValueError) when params <= 0, hosts < 1, buffer is outside 0..1,
-    bytes_per_param <= 0 or steps_kept < 1.
+    bytes_per_param <= 0, steps_kept < 1 or peer_copies < 0.
     """
     p = _positive("params", params)
     bpp = _positive("bytes_per_param", bytes_per_param)
@@ -93,19 +100,22 @@ def ramdisk_size(params: float, hosts: int, buffer: float = 0.15, bytes_per_para
         raise ConfigError(f"hosts={hosts!r} must be a whole number >= 1 (hosts in the slice)")
     if not _whole(steps_kept) or steps_kept < 1:
         raise ConfigError(f"steps_kept={steps_kept!r} must be a whole number >= 1")
+    if not _whole(peer_copies) or peer_copies < 0:
+        raise ConfigError(f"peer_copies={peer_copies!r} must be a whole number >= 0 (replication_factor - 1 "
+                          "with one slice, 0 with data-parallel slices)")
     b = _exact("buffer", buffer)
     if not 0 <= b <= 1:
         raise ConfigError(f"buffer={buffer!r} must be between 0 and 1 (e.g. 0.15 for 15%)")
 
     checkpoint = p * bpp
     shard = checkpoint / int(hosts)
-    kept = shard * int(steps_kept)
+    kept = shard * int(steps_kept) * (1 + int(peer_copies))
     required = math.ceil(kept * (1 + b))
     return RamdiskSize(
         params=float(params), hosts=int(hosts), buffer=float(buffer),
         bytes_per_param=float(bytes_per_param), steps_kept=int(steps_kept),
         checkpoint_bytes=float(checkpoint), shard_bytes=float(shard), kept_bytes=float(kept),
-        required_bytes=required)
+        required_bytes=required, peer_copies=int(peer_copies))
 
 
 def format_bytes(n: float) -> str:

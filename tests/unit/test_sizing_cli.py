@@ -173,3 +173,15 @@ def test_cli_size_checks_a_ramdisk_that_fits(huge_tmpfs, capsys):
     check = json.loads(capsys.readouterr().out)["ramdisk"]
     assert check["fstype"] == "tmpfs" and check["huge"] == "within_size" and check["fits"]
     assert check["advice"] is None and check["total_bytes"] == 2 * GIB
+
+
+def test_peer_copies_a_host_keeps_are_sized_too(capsys):
+    # One slice, replication_factor=2: each host also keeps a copy of a peer's shard per step.
+    s = ramdisk_size(70e9, 32, buffer=0.15, peer_copies=1)
+    assert s.kept_bytes == 105e9 and s.required_bytes == 120_750_000_000 and s.peer_copies == 1
+    assert ramdisk_size(70e9, 32, peer_copies=0).required_bytes == 60_375_000_000  # the guide's rule
+    assert main(["size", "--params", "70e9", "--hosts", "32", "--peer-copies", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "x 2 steps x (1 + 1 peer copy)  26.25 GB x 2 x 2 = 105 GB" in out and "113Gi" in out
+    assert main(["size", "--params", "70e9", "--hosts", "32", "--peer-copies", "-1"]) == 2
+    assert "peer_copies=-1 must be a whole number >= 0" in capsys.readouterr().err
