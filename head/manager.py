@@ -765,6 +765,8 @@ class CheckpointManager:
             manifest = (self._dispatch.manifest(step) if backup_name is None
                         else self._dispatch.backup_manifest(backup_name))
             requests, _ = self._plan(manifest, None)  # the saved shardings (fails after a shrink: skipped)
+            if self._closing.is_set():  # closed before anything moved: a job that did not want it
+                return None
             pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}
             self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled)
         except Exception as e:  # nothing to restore, a resized job, a host down: restore handles it
