@@ -4,7 +4,8 @@
 that makes sense. Three ways to build one:
 
 - keyword arguments: ``MTCConfig(enable_multi_tier_checkpointing=True, ...)``;
-- MaxText-style ``key=value`` strings: ``MTCConfig.from_flags(sys.argv[1:], ignore_unknown=True)``;
+- MaxText-style ``key=value`` strings: ``MTCConfig.from_flags(sys.argv[1:], ignore_unknown=True)``
+  (mtc's own settings, which MaxText's parser would refuse, also from ``MTC_*`` variables);
 - environment variables ``MTC_<UPPER_FLAG_NAME>``: ``MTCConfig.from_env()``.
 
 Decisions worth knowing:

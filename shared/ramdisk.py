@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Mount", "advice", "describe"]
+__all__ = ["Mount", "advice", "advice_for", "describe"]
 
 MOUNTINFO = "/proc/self/mountinfo"
 
@@ -99,8 +99,11 @@ def describe(path: str | os.PathLike, mountinfo: str | None = None) -> Mount | N
 def advice(path: str | os.PathLike, mountinfo: str | None = None) -> str | None:
     """One line on what would make ``path`` a faster ramdisk, or None when it is fine or unknown."""
     m = describe(path, mountinfo)
-    if m is None:
-        return None
+    return None if m is None else advice_for(path, m)
+
+
+def advice_for(path: str | os.PathLike, m: Mount) -> str | None:
+    """``advice`` for ``path`` held by mount ``m`` (already described)."""
     if not m.is_tmpfs:
         return (f"ramdisk {path} is not a tmpfs but {m.fstype} (mounted at {m.mountpoint}): local checkpoints "
                 "go to that device at its speed. Point "

@@ -258,10 +258,10 @@ class RamStore:
         self._blobs_cache: dict[Path, tuple[tuple, frozenset]] = {}
         self._make_dirs()
         self._remove_leftovers()
-        mount = ramdisk.describe(self.root)
+        self.mount = ramdisk.describe(self.root)  # None where unknown (no /proc)
         # On a tmpfs with 2 MiB pages, mapping a file costs a fault per 2 MiB: receivers write
         # straight into the map (mtc.sidecar.peer). With 4 KiB pages a map is far slower than write().
-        self.huge_pages = mount is not None and mount.huge in ("always", "within_size")
+        self.huge_pages = self.mount is not None and self.mount.huge in ("always", "within_size")
 
     # --- layout ------------------------------------------------------------------------
 

@@ -33,13 +33,13 @@ log = logging.getLogger(__name__)
 _advised: set[str] = set()  # mount points already logged by this process
 
 
-def _log_ramdisk_advice(root) -> None:
+def _log_ramdisk_advice(store: RamStore) -> None:
     """Say once per mount, at start, when the ramdisk is not a tmpfs or has 4 KiB pages."""
-    m = ramdisk.describe(root)
+    m = store.mount
     if m is None or m.mountpoint in _advised:
         return
     _advised.add(m.mountpoint)
-    text = ramdisk.advice(root)
+    text = ramdisk.advice_for(store.root, m)
     if text:
         (log.info if m.is_tmpfs else log.warning)("%s", text)
 
@@ -66,7 +66,7 @@ class SidecarService:
         self._backup = None
         self._jobs: dict[str, dict] = {}
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
-        _log_ramdisk_advice(self.store.root)
+        _log_ramdisk_advice(self.store)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
         self._lock = threading.Lock()
         # step -> (shards written so far, bytes written so far, seconds so far), across parts.
