@@ -28,6 +28,8 @@ class Leaf:
     shape: tuple[int, ...] = ()
     sharding: Any = None  # the jax Sharding of a "jax" leaf
     device_boxes: dict[int, fmt.Box] = dataclasses.field(default_factory=dict)
+    prng_impl: str | None = None  # a typed PRNG key array: ``value`` is its key data
+    prng_key_shape: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:

@@ -135,6 +135,20 @@ class BackupReport:
     seconds: float = 0.0
 
 
+def _is_prng_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _prng_key_shape(impl: str) -> tuple[int, ...]:
+    """The trailing key data dimensions of one key of ``impl`` ((2,) for threefry2x32)."""
+    try:
+        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+    except (ValueError, TypeError, KeyError) as e:
+        raise TargetMismatchError(f"PRNG impl {impl!r} is not known to this jax {jax.__version__} ({e}); "
+                                  "restore with the jax the checkpoint was saved with") from None
+
+
 def _classify(key: str, leaf: Any) -> str:
     if isinstance(leaf, jax.Array):
         return "jax"
@@ -275,6 +289,11 @@ class CheckpointManager:
             kind = _classify(key, value)
             leaf = Leaf(index=i, key=key, kind=kind, value=value)
             if kind == "jax":
+                if _is_prng_key(value):
+                    # The format stores a key array as its key data and names the impl.
+                    leaf.prng_impl = str(jax.random.key_impl(value))
+                    value = leaf.value = jax.random.key_data(value)
+                    leaf.prng_key_shape = _prng_key_shape(leaf.prng_impl)
                 leaf.dtype = fmt.dtype_name(value.dtype)
                 leaf.shape = tuple(value.shape)
                 leaf.sharding = value.sharding
@@ -347,7 +366,8 @@ class CheckpointManager:
                 shards.append(fmt.ShardRecord(box, blob, nbytes,
                                               tuple(result.box_devices.get((leaf.index, box), ()))))
             records.append(fmt.ArrayRecord(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=leaf.shape,
-                                           sharding=sharding, shards=tuple(shards)))
+                                           sharding=sharding, shards=tuple(shards), prng_impl=leaf.prng_impl,
+                                           prng_key_shape=leaf.prng_key_shape))
         return fmt.StepManifest(
             step=step, arrays=tuple(records), tree=tree_doc, created=time.time(),
             topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint(),
@@ -912,11 +932,17 @@ class CheckpointManager:
                 slots.append(("value", _scalar_value(rec.value)))
                 continue
             sharding = self._target_sharding(rec, tgt)
-            slots.append(("array", len(requests)))
+            slots.append(("key" if rec.prng_impl else "array", len(requests)))
             requests.append(LoadRequest(rec, sharding))
 
         def finish(arrays: list[Any]) -> Any:
-            leaves = [v if kind == "value" else arrays[v] for kind, v in slots]
+            leaves = []
+            for kind, v in slots:
+                if kind == "key":
+                    rec = requests[v].record
+                    leaves.append(jax.random.wrap_key_data(arrays[v], impl=rec.prng_impl))
+                else:
+                    leaves.append(v if kind == "value" else arrays[v])
             return rebuild(leaves)
 
         return requests, finish
@@ -927,6 +953,8 @@ class CheckpointManager:
                 raise TargetMismatchError(f"array {rec.key!r}: target is a Python scalar but a {rec.kind} "
                                           "array was saved")
             raise TargetMismatchError(f"array {rec.key!r}: unsupported target leaf {type(tgt).__name__}")
+        if tgt is not None and (rec.prng_impl or _is_prng_key(tgt)):
+            return self._key_target_sharding(rec, tgt)
         if tgt is not None:
             if tuple(tgt.shape) != tuple(rec.shape):
                 raise TargetMismatchError(
@@ -944,6 +972,31 @@ class CheckpointManager:
                 return None
             sharding = shardings.rebuild(rec.sharding)
         return sharding
+
+    @staticmethod
+    def _key_target_sharding(rec: fmt.ArrayRecord, tgt: Any) -> Any:
+        """The sharding of a PRNG key array's key data, from a target of key dtype."""
+        if not rec.prng_impl:
+            raise TargetMismatchError(f"array {rec.key!r}: target is a PRNG key array ({tgt.dtype}) but a "
+                                      f"{rec.dtype} array was saved")
+        if not _is_prng_key(tgt):
+            raise TargetMismatchError(f"array {rec.key!r}: a PRNG key array ({rec.prng_impl}) was saved but the "
+                                      f"target has dtype {tgt.dtype}; pass a key-typed target "
+                                      "(jax.eval_shape of jax.random.key)")
+        impl = str(jax.random.key_impl(tgt)) if isinstance(tgt, jax.Array) else tgt.dtype._impl.name
+        if impl != rec.prng_impl:
+            raise TargetMismatchError(f"array {rec.key!r}: saved with PRNG impl {rec.prng_impl}, the target uses "
+                                      f"{impl}; restore with the saved impl (jax_default_prng_impl={rec.prng_impl})")
+        if tuple(tgt.shape) != rec.logical_shape:
+            raise TargetMismatchError(f"array {rec.key!r}: target shape {tuple(tgt.shape)} != saved key array "
+                                      f"shape {rec.logical_shape}")
+        sharding = getattr(tgt, "sharding", None)
+        if sharding is None:
+            return shardings.rebuild(rec.sharding) if rec.sharding is not None else None
+        if not isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+            raise TargetMismatchError(f"array {rec.key!r}: a PRNG key array restores onto a NamedSharding or a "
+                                      f"SingleDeviceSharding, not {type(sharding).__name__}")
+        return sharding  # names the leading dimensions; the key data dimensions stay whole
 
     # --- lifecycle -----------------------------------------------------------------------
 

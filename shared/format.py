@@ -137,10 +137,20 @@ class ArrayRecord:
     sharding: dict | None = None
     shards: tuple[ShardRecord, ...] = ()
     value: Any = None
+    # A typed PRNG key array (``jax.random.key``): the blobs hold its key data (``dtype`` and
+    # ``shape`` are those of ``jax.random.key_data``, whose last dimensions are ``prng_key_shape``),
+    # and restore wraps them again with the impl named here ("threefry2x32", "rbg", "unsafe_rbg").
+    prng_impl: str | None = None
+    prng_key_shape: tuple[int, ...] = ()
 
     @property
     def np_dtype(self) -> np.dtype:
         return dtype_from_name(self.dtype)
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The shape the user sees: without the key data dimensions of a PRNG key array."""
+        return self.shape[: len(self.shape) - len(self.prng_key_shape)] if self.prng_impl else self.shape
 
     @property
     def nbytes(self) -> int:
@@ -313,6 +323,8 @@ def _array_to_doc(a: ArrayRecord) -> dict:
             for s in a.shards
         ],
     )
+    if a.prng_impl:
+        doc.update(prng_impl=a.prng_impl, prng_key_shape=list(a.prng_key_shape))
     return doc
 
 
@@ -346,8 +358,17 @@ def _array_from_doc(doc: Any, where: str) -> ArrayRecord:
         devices = tuple(s.get("devices") or ())
         shards.append(ShardRecord(box, s["blob"], nbytes, devices))
     _expect(_covers(shape, [s.box for s in shards]), where, "shards do not cover the whole array")
+    impl, key_shape = doc.get("prng_impl"), doc.get("prng_key_shape", [])
+    if impl is not None:
+        _expect(isinstance(impl, str) and impl, where, f"prng_impl {impl!r} is not a PRNG impl name")
+        _expect(kind == "jax", where, "a PRNG key array must be of kind jax")
+        _expect(isinstance(key_shape, list) and all(isinstance(n, int) and n > 0 for n in key_shape)
+                and len(key_shape) <= len(shape) and shape[len(shape) - len(key_shape):] == key_shape, where,
+                f"prng_key_shape {key_shape!r} is not the trailing part of shape {shape}")
+        _expect(dtype == "uint32", where, f"PRNG key data has dtype {dtype}, expected uint32")
     return ArrayRecord(key=key, kind=kind, dtype=dtype, shape=tuple(shape),
-                       sharding=doc.get("sharding"), shards=tuple(shards))
+                       sharding=doc.get("sharding"), shards=tuple(shards),
+                       prng_impl=impl, prng_key_shape=tuple(key_shape) if impl else ())
 
 
 def _covers(shape: list[int], boxes: Iterable[Box]) -> bool:

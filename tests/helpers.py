@@ -7,7 +7,12 @@ import numpy as np
 
 
 def as_bytes(x) -> tuple:
-    """(type tag, dtype, shape, raw bytes) of a leaf: equal iff bit-for-bit equal."""
+    """(type tag, dtype, shape, raw bytes) of a leaf: equal iff bit-for-bit equal.
+
+    A typed PRNG key array compares by its impl and key data."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        a = np.asarray(jax.random.key_data(x))
+        return ("key", str(jax.random.key_impl(x)), x.shape, a.shape, a.tobytes())
     if isinstance(x, jax.Array):
         a = np.asarray(x)
         return ("jax", a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes())
