@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from mtc.head import tree as tree_lib
+from mtc.head.elastic import as_host_lost
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views, summarize
 from mtc.shared import format as fmt
@@ -196,6 +197,7 @@ class CheckpointManager:
         self._dispatch = dispatcher or _make_dispatcher(config)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-save")
         self._pending: Future | None = None
+        self._pending_step: int | None = None
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._checked_versions = False
@@ -244,8 +246,33 @@ class CheckpointManager:
         """Save ``state`` as ``step`` if due (or ``force``); returns whether a save started.
 
         Returns once the state is copied to host memory; the write continues in the
-        background (see ``wait_until_finished`` and ``check_for_errors``).
+        background (see ``wait_until_finished`` and ``check_for_errors``). A host that stops
+        answering raises ``HostLostError``, a ``jax.errors.JaxRuntimeError`` that elastic
+        training retries on.
         """
+        try:
+            return self._save(step, state, force)
+        except Exception as e:
+            lost = as_host_lost(e)
+            if lost is e:
+                raise
+            raise lost from e
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step whose background write is running (not committed yet), or None."""
+        pending, step = self._pending, self._pending_step
+        return step if pending is not None and not pending.done() else None
+
+    def has_step(self, step: int) -> bool:
+        """Whether ``step`` is committed on the hosts or being saved now (no new save of it will start)."""
+        if self.in_flight_step == step:
+            return True
+        if self._known_steps is None:
+            self._known_steps = set(self._cluster_steps())
+        return step in self._known_steps
+
+    def _save(self, step: int, state: Any, force: bool) -> bool:
         self._check_open()
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -267,6 +294,7 @@ class CheckpointManager:
         staged = self._dispatch.stage(leaves)
         stage_s = time.perf_counter() - t_stage
         blocked = time.perf_counter() - t0
+        self._pending_step = step
         self._pending = self._executor.submit(self._write, step, leaves, tree_doc, staged, waited,
                                               blocked, stage_s, t0)
         return True
@@ -596,9 +624,11 @@ class CheckpointManager:
             errs, self._errors = self._errors, []
         if errs:
             if len(errs) == 1:
-                raise errs[0]
-            raise SaveError("; ".join(str(e) for e in errs),
-                            hosts={h: m for e in errs for h, m in getattr(e, "hosts", {}).items()})
+                raise as_host_lost(errs[0])
+            e = SaveError("; ".join(str(e) for e in errs),
+                          hosts={h: m for e in errs for h, m in getattr(e, "hosts", {}).items()})
+            e.__cause__ = next((x for x in errs if as_host_lost(x) is not x), errs[0])
+            raise as_host_lost(e)
 
     # --- inventory -----------------------------------------------------------------------
 
@@ -675,12 +705,24 @@ class CheckpointManager:
 
     # --- restore -------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None) -> Any:
+    def restore(self, step: int | None = None, target: Any = None, *, partial: Any = False) -> Any:
         """Restore ``step`` (default: the latest) into the structure and shardings of ``target``.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``sharding``) or of arrays;
-        without it, arrays come back with the shardings they were saved with.
+        without it, arrays come back with the shardings they were saved with. With
+        ``partial=True``, ``target`` may hold only some of the saved leaves (the rest are not read);
+        with a collection of key prefixes, only the saved leaves under them must all be in ``target``.
+        A host that stops answering raises ``HostLostError`` (see ``save``).
         """
+        try:
+            return self._restore(step, target, partial)
+        except Exception as e:
+            lost = as_host_lost(e)
+            if lost is e:
+                raise
+            raise lost from e
+
+    def _restore(self, step: int | None, target: Any, partial: Any) -> Any:
         self._check_open()
         t0 = time.perf_counter()
         prefetched = self._await_prefetch()
@@ -689,7 +731,7 @@ class CheckpointManager:
         step, backup_name, fallback = self._choose_step(step, self._backup_listing())
         t1 = time.perf_counter()
         manifest = self._dispatch.manifest(step) if backup_name is None else self._dispatch.backup_manifest(backup_name)
-        requests, finish = self._plan(manifest, target)
+        requests, finish = self._plan(manifest, target, partial)
         pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}  # tier -> [bytes, blobs]
         needed = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled)
         if needed is None:
@@ -730,18 +772,21 @@ class CheckpointManager:
         for b in listing["backups"]:  # newest first: keep the newest backup of each step
             in_backup.setdefault(b["step"], b["name"])
         steps = sorted(set(cluster) | set(in_backup))
+        # While a host cannot be asked, "not found" may only mean "on the host that is gone".
+        lost = (HostUnreachableError("; ".join(f"{h}: {e}" for h, e in sorted(self._unreachable.items())))
+                if getattr(self, "_unreachable", None) else None)
         if step is None:
             if not steps:
                 raise StepNotFoundError(
                     f"no committed step in {self._config.ramdisk_root}"
                     + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
                     + "; nothing to restore (save a step first, or check local_checkpoint_directory)"
-                    + self._unreachable_note())
+                    + self._unreachable_note()) from lost
             step = steps[-1]
         elif step not in steps:
             raise StepNotFoundError(f"step {step} is not committed on every host, and not every blob of it has a "
                                     f"copy on some host or in a backup; committed steps: {steps}"
-                                    + self._unreachable_note())
+                                    + self._unreachable_note()) from lost
         return step, (None if step in cluster else in_backup[step]), in_backup.get(step)
 
     def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
@@ -906,7 +951,7 @@ class CheckpointManager:
                 out.setdefault(host, set()).update(blobs)
         return {h: sorted(b) for h, b in out.items()}
 
-    def _plan(self, manifest: fmt.StepManifest, target: Any):
+    def _plan(self, manifest: fmt.StepManifest, target: Any, partial: Any = False):
         by_key = {a.key: a for a in manifest.arrays}
         if target is None:
             keys = [a.key for a in manifest.arrays]
@@ -914,7 +959,11 @@ class CheckpointManager:
             rebuild = lambda leaves: tree_lib.decode(manifest.tree, leaves)  # noqa: E731
         else:
             keys, targets, treedef = tree_lib.flatten(target)
-            missing = sorted(set(by_key) - set(keys))
+            if partial is True:
+                missing = []
+            else:  # False: every saved leaf; key prefixes: every saved leaf under them
+                prefixes = tuple(partial) if partial else ("",)
+                missing = sorted(k for k in set(by_key) - set(keys) if k.startswith(prefixes))
             extra = sorted(set(keys) - set(by_key))
             if missing or extra:
                 raise TargetMismatchError(

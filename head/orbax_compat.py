@@ -1,0 +1,276 @@
+"""An Orbax-compatible checkpoint manager backed by mtc (DESIGN section 12).
+
+``OrbaxCompatibleManager`` has the surface of Orbax's ``AbstractCheckpointManager`` as Orbax
+and MaxText users call it, so switching is one constructor::
+
+    import orbax.checkpoint as ocp
+    from mtc.head import MTCConfig, OrbaxCompatibleManager
+
+    mngr = OrbaxCompatibleManager(MTCConfig(local_checkpoint_directory="/local", local_checkpoint_period=10))
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(item=state)))
+    restored = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args))).state
+
+Every item of the ``Composite`` is saved in one mtc step (a tree ``{name: item}``). Orbax is
+not imported: the ``args`` objects are read by their attributes (``item``, ``restore_args``,
+``partial_restore``), and ``restore`` answers with the ``Composite`` class it was given.
+
+Steps in flight: as in Orbax, a step is listed by ``all_steps``/``latest_step`` from the
+moment its (asynchronous) save starts, and a second ``save`` of it (MaxText's forced final
+save of a step it just saved) returns False without writing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from mtc.head.manager import CheckpointManager
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import MTCError, TargetMismatchError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ITEM = "default"  # the item name of a save/restore given one args object, not a Composite
+
+
+class UnsupportedOperationError(MTCError, NotImplementedError):
+    """An Orbax manager method that mtc does not provide; the message says what to use instead."""
+
+
+def _attr(obj: Any, name: str) -> Any:
+    """``obj.name`` or None (Orbax's Composite raises KeyError for a name it lacks)."""
+    try:
+        return getattr(obj, name, None)
+    except KeyError:
+        return None
+
+
+def _is_composite(args: Any) -> bool:
+    return isinstance(args, Mapping) or (callable(getattr(type(args), "keys", None))
+                                         and callable(getattr(type(args), "__getitem__", None)))
+
+
+def _is_item_args(args: Any) -> bool:
+    """A PyTreeSave/PyTreeRestore/StandardSave/StandardRestore (a dataclass with an ``item``)."""
+    return not _is_composite(args) and "item" in getattr(type(args), "__dataclass_fields__", {})
+
+
+def _items(args: Any, what: str) -> dict[str, Any]:
+    """name -> item args of a Composite (or of one args object, under DEFAULT_ITEM)."""
+    if args is None:
+        raise TypeError(f"{what} needs args=ocp.args.Composite(state=ocp.args.PyTree{what.capitalize()}(...))")
+    if _is_composite(args):
+        names = list(args.keys())
+        if not names:
+            raise TypeError(f"{what}: args is an empty Composite; name at least one item")
+        items = {str(n): args[n] for n in names}
+        for name, item_args in items.items():
+            if not _is_item_args(item_args):
+                raise TypeError(f"{what}: item {name!r} is a {type(item_args).__name__}; pass args=ocp.args."
+                                f"Composite({name}=ocp.args.PyTree{what.capitalize()}(item=...)) (or "
+                                f"ocp.args.Standard{what.capitalize()})")
+        return items
+    if _is_item_args(args):
+        return {DEFAULT_ITEM: args}
+    raise TypeError(f"{what}: args must be an ocp.args.Composite of PyTree{what.capitalize()}/Standard"
+                    f"{what.capitalize()} items, got {type(args).__name__}")
+
+
+def _restore_leaf(abstract: Any, restore_arg: Any) -> Any:
+    """A ShapeDtypeStruct for one target leaf: its shape and dtype, the sharding restore_args asks for."""
+    sharding = getattr(restore_arg, "sharding", None) if restore_arg is not None else None
+    if sharding is None:
+        sharding = getattr(abstract, "sharding", None)
+    if isinstance(abstract, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+    if isinstance(abstract, (np.ndarray, np.generic)):
+        return abstract
+    return abstract  # Python scalars: restored as saved
+
+
+def _cast(x: Any, restore_arg: Any) -> Any:
+    dtype = getattr(restore_arg, "dtype", None) if restore_arg is not None else None
+    if dtype is None or not hasattr(x, "dtype") or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    return x.astype(dtype) if np.dtype(x.dtype) != np.dtype(dtype) else x
+
+
+class OrbaxCompatibleManager:
+    """Orbax's ``CheckpointManager`` surface over mtc's multi-tier ``CheckpointManager``.
+
+    ``config`` is an ``MTCConfig`` (keyword arguments build or amend one); ``manager`` wraps an
+    existing mtc manager instead (closed with this one).
+    """
+
+    def __init__(self, config: MTCConfig | None = None, *, manager: CheckpointManager | None = None,
+                 **kwargs: Any):
+        if manager is not None and (config is not None or kwargs):
+            raise TypeError("pass either manager= or a config, not both")
+        self._mgr = manager if manager is not None else CheckpointManager(config, **kwargs)
+
+    # --- what it wraps ---------------------------------------------------------------------
+
+    @property
+    def mtc_manager(self) -> CheckpointManager:
+        """The mtc manager underneath (reports: last_save_report, last_restore_report, ...)."""
+        return self._mgr
+
+    @property
+    def directory(self) -> Any:
+        """The local checkpoint directory (the ramdisk), as an ``epath.Path`` when etils is installed."""
+        path = os.fspath(self._mgr.config.local_checkpoint_directory)
+        try:
+            from etils import epath
+
+            return epath.Path(path)
+        except ImportError:
+            from pathlib import Path
+
+            return Path(path)
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def all_steps(self, read: bool = False) -> list[int]:
+        """Restorable steps (hosts and backups), plus the step being saved now, ascending.
+
+        ``read`` is accepted for Orbax compatibility: mtc always asks the sidecars.
+        """
+        steps = set(self._mgr.all_steps())
+        inflight = self._mgr.in_flight_step
+        if inflight is not None:
+            steps.add(inflight)
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """mtc keeps no metrics: the latest step."""
+        return self.latest_step()
+
+    def reload(self) -> None:
+        """Nothing to refresh: every listing asks the sidecars and the backup root afresh."""
+
+    def should_save(self, step: int) -> bool:
+        return self._mgr.should_save(step) and not self._mgr.has_step(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether JAX's preemption sync point is reached at ``step`` (False without a distributed runtime)."""
+        from jax.experimental import multihost_utils
+
+        try:
+            return bool(multihost_utils.reached_preemption_sync_point(step))
+        except RuntimeError:  # no preemption sync manager: a single process, or Pathways' single controller
+            return False
+
+    # --- save / restore ----------------------------------------------------------------------
+
+    def save(self, step: int, args: Any = None, *, force: bool = False, metrics: Any = None,
+             custom_metadata: Any = None) -> bool:
+        """Save every item of ``args`` as ``step`` if due (or ``force``); whether a save started.
+
+        Returns after the device-to-host copy. A step that is committed or being saved is not
+        saved again (False). An earlier background save's error is raised here, as Orbax does;
+        a lost host raises ``HostLostError`` (a ``jax.errors.JaxRuntimeError``).
+        """
+        items = _items(args, "save")
+        if metrics is not None:
+            log.debug("mtc keeps no metrics; best_step() is latest_step()")
+        self._mgr.check_for_errors()
+        if self._mgr.has_step(int(step)):
+            log.info("step %d is already saved or being saved; not saving it again", step)
+            return False
+        state = {name: item_args.item for name, item_args in items.items()}
+        return self._mgr.save(int(step), state, force=force)
+
+    def restore(self, step: int | None = None, args: Any = None, directory: Any = None) -> Any:
+        """Restore ``step`` (default: the latest) into the items ``args`` names.
+
+        Each item's ``item`` gives the tree (abstract or concrete leaves), ``restore_args`` the
+        shardings (``ArrayRestoreArgs(sharding=...)``; a ``dtype`` casts after the restore);
+        ``partial_restore=True`` lets the item hold only some of the saved leaves. Returns the
+        Composite class of ``args`` (``.state``), or the tree itself for a lone args object.
+        """
+        if directory is not None:
+            raise UnsupportedOperationError(
+                "restore(directory=...) is not supported: mtc restores from its tiers; to restore a given "
+                "backup, pin it with `mtc restore-version set NAME`")
+        items = _items(args, "restore")
+        target: dict[str, Any] = {}
+        casts: dict[str, Any] = {}
+        whole: list[str] = []
+        partial = False
+        for name, item_args in items.items():
+            item = _attr(item_args, "item")
+            if item is None:
+                whole.append(name)
+                continue
+            restore_args = _attr(item_args, "restore_args")
+            partial = partial or bool(_attr(item_args, "partial_restore"))
+            if restore_args is None:
+                target[name] = jax.tree.map(lambda a: _restore_leaf(a, None), item)
+                continue
+            target[name] = jax.tree.map(_restore_leaf, item, restore_args)
+            casts[name] = restore_args
+        if whole:
+            if target:
+                raise TypeError(f"restore: items {whole} have no item tree; give every item one, or none")
+            restored = self._mgr.restore(step)
+            restored = {n: restored[n] for n in whole} if isinstance(restored, Mapping) else restored
+        else:
+            # Items the caller did not name are not read; within a named item every saved leaf
+            # must be in its tree unless it asked for partial_restore.
+            required = True if partial else tuple(jax.tree_util.keystr((jax.tree_util.DictKey(n),)) for n in target)
+            restored = self._mgr.restore(step, target=target, partial=required)
+        for name, restore_args in casts.items():
+            restored[name] = jax.tree.map(_cast, restored[name], restore_args)
+        if not _is_composite(args):
+            return restored[DEFAULT_ITEM]
+        return type(args)(**{n: restored[n] for n in items})
+
+    def item_metadata(self, step: int) -> Any:
+        raise UnsupportedOperationError(
+            "item_metadata() is not supported by mtc; restore(step) without an item tree gives the saved "
+            "arrays with their saved shardings, and `mtc restore-version show` lists the backups")
+
+    def metadata(self, step: int | None = None) -> Any:
+        raise UnsupportedOperationError(
+            "metadata() is not supported by mtc; the step manifests on the ramdisk "
+            "(<local_checkpoint_directory>/mtc/steps/) describe every saved array")
+
+    def metrics(self, step: int) -> Any:
+        """mtc keeps no metrics: None."""
+        return None
+
+    def delete(self, step: int) -> None:
+        raise UnsupportedOperationError(
+            f"delete({step}) is not supported: mtc keeps steps by policy (local_max_to_keep on the ramdisks, "
+            "backup_max_to_keep in the backup root); to restore an older backup, pin it with "
+            "`mtc restore-version set NAME`")
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def is_saving_in_progress(self) -> bool:
+        return self._mgr.in_flight_step is not None
+
+    def wait_until_finished(self) -> None:
+        """Block until the background save is done; raise its error (HostLostError for a lost host)."""
+        self._mgr.wait_until_finished()
+
+    def check_for_errors(self) -> None:
+        self._mgr.check_for_errors()
+
+    def close(self) -> None:
+        self._mgr.close()
+
+    def __enter__(self) -> "OrbaxCompatibleManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
