@@ -230,6 +230,11 @@ class OrbaxCompatibleManager:
             restored = self._mgr.restore(step, target=target, partial=required)
         for name, restore_args in casts.items():
             restored[name] = jax.tree.map(_cast, restored[name], restore_args)
+        rep = self._mgr.last_restore_report
+        if rep is not None:
+            log.info("mtc: restored step %d (%s) in %.2f s: %s", rep.step,
+                     "backup " + rep.source if rep.source != "cluster" else "from the hosts", rep.total_s,
+                     ", ".join(f"{tier} {rep.bytes_by_tier.get(tier, 0)} bytes" for tier in ("ram", "peer", "backup")))
         if not _is_composite(args):
             return restored[DEFAULT_ITEM]
         return type(args)(**{n: restored[n] for n in items})

@@ -1,0 +1,183 @@
+"""MaxText, from PyPI, trains on mtc unchanged: kill -9, restart, bit-identical metrics and state.
+
+Each run is ``python -m mtc.head.maxtext <MaxText's train arguments>`` in the MaxText
+environment (``env.py``: Python >= 3.12, built once and reused). A reference run trains N
+steps; a second run is killed with SIGKILL once mtc has committed a step, restarted with the
+same command (it resumes through MaxText's own restore path), killed again, every ramdisk is
+wiped, and restarted once more (it restores from the backup). Every metric of every step a
+resumed run logs (loss, grad norm, param norm, learning rate) and every byte of the final
+state equal the reference run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import env as mx_env  # noqa: E402
+
+pytestmark = [pytest.mark.maxtext, pytest.mark.integration]
+
+STEPS = 15
+PERIOD = 3
+BACKUP_STEPS = 6
+METRICS = ("learning/loss", "learning/grad_norm", "learning/param_norm", "learning/current_learning_rate")
+
+
+@pytest.fixture(scope="session")
+def maxtext_python():
+    try:
+        return str(mx_env.ensure())
+    except mx_env.EnvUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def base_yml(maxtext_python):
+    out = subprocess.run([maxtext_python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return str(Path(out) / "configs" / "base.yml")
+
+
+def tiny_flags(base_yml: str, run: Path, *, pathways: bool) -> list[str]:
+    flags = [
+        base_yml, "run_name=r", f"base_output_directory={run / 'out'}", "model_name=default",
+        "base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=128", "base_num_query_heads=2",
+        "base_num_kv_heads=2", "head_dim=32", "vocab_size=256", "max_target_length=32", "per_device_batch_size=1",
+        f"steps={STEPS}", f"learning_rate_schedule_steps={STEPS}", "dataset_type=synthetic", "hardware=cpu",
+        "enable_checkpointing=True", "enable_multi_tier_checkpointing=True",
+        f"local_checkpoint_directory={run / 'ramdisk'}", f"local_checkpoint_period={PERIOD}",
+        f"multi_tier_checkpointing_backup_interval_steps={BACKUP_STEPS}", f"metrics_file={run / 'metrics.txt'}",
+        "skip_jax_distributed_system=True",
+    ]
+    if pathways:
+        flags += ["enable_single_controller=True", "colocated_python_checkpointing=True"]
+    return flags
+
+
+def _env(devices: int) -> dict:
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    e["JAX_PLATFORMS"] = "cpu"
+    e.pop("MTC_CLUSTER_SPEC", None)
+    return e
+
+
+def _launch(py: str, flags: list[str], devices: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([py, "-m", "mtc.head.maxtext", *flags], env=_env(devices),
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    rc = proc.wait(timeout=timeout)
+    assert rc == 0, f"MaxText exited {rc}:\n{log.read_text()[-4000:]}"
+
+
+def _step_file(run: Path, step: int) -> Path:
+    return run / "ramdisk" / "mtc" / "steps" / f"{step:012d}.json"
+
+
+def _kill_after_commit(proc: subprocess.Popen, run: Path, step: int, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not _step_file(run, step).exists():
+        assert proc.poll() is None, f"MaxText ended before step {step} was committed:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"step {step} was not committed in {timeout} s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    """step -> the four metrics, from every line any run wrote (later runs overwrite earlier ones)."""
+    out: dict[int, dict] = {}
+    for line in (run / "metrics.txt").read_text().splitlines():
+        d = json.loads(line)
+        out[int(d["step"])] = {k: d[k] for k in METRICS}
+    return out
+
+
+def final_state(run: Path, step: int) -> dict:
+    """(array key, box) -> the raw bytes of that shard, read from the blob files of ``step``."""
+    doc = json.loads(_step_file(run, step).read_bytes())
+    blobs = run / "ramdisk" / "mtc" / "blobs"
+    out = {}
+    for a in doc["arrays"]:
+        if a["kind"] == "scalar":
+            out[(a["key"], "value")] = json.dumps(a["value"]).encode()
+            continue
+        for sh in a["shards"]:
+            out[(a["key"], json.dumps(sh["box"]))] = (blobs / sh["blob"]).read_bytes()
+        out[(a["key"], "meta")] = json.dumps([a["dtype"], a["shape"], a.get("prng_impl")]).encode()
+    return out
+
+
+def _restored(log_text: str) -> str:
+    """mtc's line about the restore of a run: which step, from where, bytes by tier."""
+    lines = [line for line in log_text.splitlines() if "mtc: restored step" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _backups(run: Path) -> list[str]:
+    d = run / "out" / "r" / "mtc" / "backups"
+    return sorted(p.name for p in d.glob("*.json")) if d.is_dir() else []
+
+
+@pytest.mark.parametrize("devices,pathways", [(1, False), (4, True)], ids=["1dev", "4dev-pathways-flags"])
+def test_kill_restart_and_backup_restore_match_the_reference(tmp_path, ramdisk, maxtext_python, base_yml,
+                                                             devices, pathways):
+    ref, run = tmp_path / "ref", ramdisk / "run"
+    for d in (ref, run):
+        d.mkdir(parents=True)
+    ref_log = ref / "log.txt"
+    logs = [run / f"log{i}.txt" for i in (1, 2, 3)]
+
+    _finish(_launch(maxtext_python, tiny_flags(base_yml, ref, pathways=pathways), devices, ref_log), ref_log)
+    reference = metrics(ref)
+    assert sorted(reference) == list(range(STEPS))
+    last = STEPS - 1
+    assert _step_file(ref, last).exists(), "the forced final save of the last step did not commit"
+
+    flags = tiny_flags(base_yml, run, pathways=pathways)
+    # 1. Killed with SIGKILL once step 6 is committed; restarted: resumes from the ramdisk.
+    _kill_after_commit(_launch(maxtext_python, flags, devices, logs[0]), run, 2 * PERIOD, logs[0])
+    seen_first = metrics(run)
+    _kill_after_commit(_launch(maxtext_python, flags, devices, logs[1]), run, 3 * PERIOD, logs[1])
+    after_restart = metrics(run)
+    # 2. Every ramdisk wiped (the ramdisk root and everything in it): the restart restores the backup.
+    assert _backups(run), "no backup was made"
+    shutil.rmtree(run / "ramdisk")
+    _finish(_launch(maxtext_python, flags, devices, logs[2]), logs[2])
+    final = metrics(run)
+    first, second, third = (p.read_text() for p in logs)
+    assert "No existing checkpoints found" in first
+    assert "restoring from this run's directory step" in second and "ram " in _restored(second), second[-3000:]
+    restored_backup = _restored(third)
+    assert "backup 2" in restored_backup and "ram 0 bytes" in restored_backup, restored_backup
+
+    for step, m in final.items():
+        assert m == reference[step], f"step {step}: {m} != reference {reference[step]}"
+    assert set(final) == set(range(STEPS))
+    assert set(after_restart) - set(seen_first), "the first restart trained no step"
+    assert final_state(run, last) == final_state(ref, last), "final state differs from the reference"
+
+
+def test_bad_flag_combination_fails_before_training(maxtext_python, base_yml, tmp_path):
+    flags = tiny_flags(base_yml, tmp_path, pathways=False)
+    no_dir = [f for f in flags if not f.startswith("local_checkpoint_directory=")]
+    r = subprocess.run([maxtext_python, "-m", "mtc.head.maxtext", *no_dir], env=_env(1), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "local_checkpoint_directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    both = flags + ["multi_tier_checkpointing_backup_interval_minutes=5"]
+    r = subprocess.run([maxtext_python, "-m", "mtc.head.maxtext", *both], env=_env(1), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "exclusive" in r.stderr and "Traceback" not in r.stderr, r.stderr
