@@ -464,10 +464,13 @@ class ClusterDispatcher(Dispatcher):
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
         hosts = {h: _cause(e) for h, e in sorted(failures.items())}
         lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
-        return SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self._hosts)} hosts "
-                         f"({lines}); step {step} is not committed and was aborted on the other hosts; "
-                         "earlier steps are unaffected, and the next save retries the failed hosts",
-                         step=step, hosts=hosts)
+        err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self._hosts)} hosts "
+                        f"({lines}); step {step} is not committed and was aborted on the other hosts; "
+                        "earlier steps are unaffected, and the next save retries the failed hosts",
+                        step=step, hosts=hosts)
+        # An unreachable host is the cause that matters (it means a lost slice to elastic training).
+        err.__cause__ = next((e for e in failures.values() if isinstance(e, HostUnreachableError)), None)
+        return err
 
     # --- inventory -------------------------------------------------------------------------
 
