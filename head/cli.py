@@ -124,6 +124,9 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     job.add_argument("--namespace", default="", help="namespace of the JobSet and Secret (default: kubectl's)")
     job.add_argument("--command", required=True,
                      help="the training command, run with bash -c; MaxText flags it lacks are appended")
+    job.add_argument("--mtc-launcher", action="store_true",
+                     help="run MaxText through mtc: 'python3 -m maxtext.trainers.pre_train.train' in --command "
+                          "becomes 'python3 -m mtc.head.maxtext' (mtc as MaxText's multi-tier manager)")
     job.add_argument("--max-restarts", type=int, default=4,
                      help="JobSet restarts on failure (default 4); each restart restores from the ramdisks")
     job.add_argument("--image", default="",
@@ -336,7 +339,7 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
         peer_port=args.peer_port, peer_token=token, peer_token_secret=args.peer_token_secret,
         image=args.image, sidecar_image=args.sidecar_image, image_registry=args.image_registry,
         pathways_version=args.pathways_version, pathways_gcs_location=args.pathways_gcs_location,
-        max_restarts=args.max_restarts)
+        max_restarts=args.max_restarts, mtc_launcher=args.mtc_launcher)
     try:
         text = manifests.to_yaml(manifests.render_documents(manifests.with_peer_token(options)))
     except ConfigError as e:

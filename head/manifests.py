@@ -130,6 +130,24 @@ class ManifestOptions:
     pathways_version: str = "latest"
     pathways_gcs_location: str = ""
     max_restarts: int = 4
+    mtc_launcher: bool = False  # run MaxText's pre-training through python3 -m mtc.head.maxtext
+
+
+MAXTEXT_TRAIN_MODULE = "maxtext.trainers.pre_train.train"
+MTC_LAUNCHER_MODULE = "mtc.head.maxtext"
+
+
+def launcher_command(command: str) -> str:
+    """``command`` with ``-m maxtext.trainers.pre_train.train`` replaced by mtc's launcher."""
+    pattern = re.compile(r"(-m\s+)" + re.escape(MAXTEXT_TRAIN_MODULE) + r"(?=\s|$)")
+    if MTC_LAUNCHER_MODULE in command and not pattern.search(command):
+        return command
+    out, n = pattern.subn(r"\g<1>" + MTC_LAUNCHER_MODULE, command)
+    if n != 1:
+        raise ConfigError(f"--mtc-launcher needs --command to run 'python3 -m {MAXTEXT_TRAIN_MODULE}' once "
+                          f"(found {n}); write the MaxText command as the guide does, or drop --mtc-launcher "
+                          f"and call python3 -m {MTC_LAUNCHER_MODULE} yourself")
+    return out
 
 
 @dataclass(frozen=True)
@@ -357,7 +375,10 @@ def ramdisk_volume(p: Plan) -> dict:
 
 def head_command(p: Plan) -> str:
     """The training command with the MaxText flags it lacks appended (shell-quoted)."""
-    return " ".join([p.options.command.strip(), *(shlex.quote(a) for a in p.appended)])
+    command = p.options.command.strip()
+    if p.options.mtc_launcher:
+        command = launcher_command(command)
+    return " ".join([command, *(shlex.quote(a) for a in p.appended)])
 
 
 def _replicated_job(name: str, replicas: int, pods: int, backoff: int, pod: dict, *,

@@ -435,3 +435,15 @@ def test_output_file(tmp_path, capsys, jobset_validator):
     assert [d["kind"] for d in docs] == ["Secret", "JobSet"]
     validate_all(docs, jobset_validator)
     assert [p.name for p in tmp_path.iterdir()] == ["job.yaml"]  # no temp file left behind
+
+
+def test_mtc_launcher_runs_maxtext_through_mtc():
+    js = render_documents(options(num_slices=2, local_checkpoint_period=20, backup_interval_minutes=15,
+                                  mtc_launcher=True))[1]
+    cmd = _head_command(js)
+    assert cmd.startswith("python3 -m mtc.head.maxtext model_name=llama3.1-8b steps=100 ")
+    assert "maxtext.trainers.pre_train.train" not in cmd
+    assert _command_flags(js)["enable_multi_tier_checkpointing"] == ["true"]
+    with pytest.raises(ConfigError, match="--mtc-launcher needs --command to run"):
+        render_documents(options(command="python3 train.py", mtc_launcher=True))
+    assert manifests.launcher_command("python3 -m mtc.head.maxtext a=1") == "python3 -m mtc.head.maxtext a=1"
