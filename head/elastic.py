@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 
-from mtc.shared.errors import HostUnreachableError, SaveError
+from mtc.shared.errors import HostUnreachableError, SaveError, StepNotFoundError
 
 # The status pathwaysutils.elastic.is_error_due_to_slice_down looks for first.
 SLICE_DOWN_STATUS = "DATA_LOSS"
@@ -24,6 +24,10 @@ class HostLostError(HostUnreachableError, jax.errors.JaxRuntimeError):
 
 class SaveHostLostError(SaveError, HostLostError):
     """A background save failed because a host stopped answering (a ``SaveError`` too)."""
+
+
+class StepOnLostHostError(StepNotFoundError, HostLostError):
+    """No step could be confirmed because a host did not answer (a ``StepNotFoundError`` too)."""
 
 
 def host_lost_cause(e: BaseException) -> HostUnreachableError | None:
@@ -45,6 +49,8 @@ def as_host_lost(e: BaseException) -> BaseException:
            "restores on the live slices)"
     if isinstance(e, SaveError):
         out: BaseException = SaveHostLostError(text, step=e.step, hosts=e.hosts)
+    elif isinstance(e, StepNotFoundError):
+        out = StepOnLostHostError(text)
     else:
         out = HostLostError(text)
     out.__cause__ = e

