@@ -181,3 +181,53 @@ def test_bad_flag_combination_fails_before_training(maxtext_python, base_yml, tm
     r = subprocess.run([maxtext_python, "-m", "mtc.head.maxtext", *both], env=_env(1), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and "exclusive" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+CLUSTER_SCRIPT = """
+import sys
+from mtc.sidecar.cluster import LocalCluster
+with LocalCluster(sys.argv[1], 1, 2, devices_per_host=2) as c:
+    print(c.spec_path, flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_cluster_mode_head_killed_and_restarted(tmp_path, ramdisk, maxtext_python, base_yml):
+    """MTC_CLUSTER_SPEC: the head (MaxText) is killed -9, its sidecar daemons live on; the restart resumes."""
+    ref, run = tmp_path / "ref", ramdisk / "run"
+    for d in (ref, run):
+        d.mkdir(parents=True)
+    _finish(_launch(maxtext_python, tiny_flags(base_yml, ref, pathways=False), 4, ref / "log.txt"), ref / "log.txt")
+    reference = metrics(ref)
+    # The daemons run in the MaxText environment too: head and sidecars must have one fingerprint.
+    cluster = subprocess.Popen([maxtext_python, "-c", CLUSTER_SCRIPT, str(run / "ramdisk")], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=_env(1))
+    try:
+        spec = cluster.stdout.readline().strip()
+        assert spec, "the local cluster did not start"
+        flags = tiny_flags(base_yml, run, pathways=False)
+        env = dict(_env(4), MTC_CLUSTER_SPEC=spec)
+        logs = [run / "log1.txt", run / "log2.txt"]
+        proc = subprocess.Popen([maxtext_python, "-m", "mtc.head.maxtext", *flags], env=env,
+                                stdout=logs[0].open("ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        hosts_dir = run / "ramdisk"
+        while not list(hosts_dir.glob(f"*/mtc/steps/{2 * PERIOD:012d}.json")):
+            assert proc.poll() is None, logs[0].read_text()[-4000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = subprocess.Popen([maxtext_python, "-m", "mtc.head.maxtext", *flags], env=env,
+                                stdout=logs[1].open("ab"), stderr=subprocess.STDOUT)
+        _finish(proc, logs[1])
+    finally:
+        cluster.stdin.close()
+        cluster.wait(timeout=60)
+    assert "cluster mode" in logs[0].read_text()
+    restored = _restored(logs[1].read_text())
+    assert "from the hosts" in restored and "ram 0 bytes" not in restored, restored
+    got = metrics(run)
+    assert set(got) == set(range(STEPS))
+    for step, m in got.items():
+        assert m == reference[step], f"step {step}: {m} != reference {reference[step]}"
