@@ -125,8 +125,9 @@ def install() -> None:
             modules[module] = importlib.import_module(module)
         except ImportError as e:
             raise UnsupportedMaxTextError(
-                f"cannot import {module} ({e}); the launcher needs {SUPPORTED_TEXT} with its dependencies "
-                "(pip install 'mtc[maxtext]')") from e
+                f"cannot import {module} ({type(e).__name__}: {e}); MaxText's dependencies are missing: install "
+                f"them with pip install 'mtc[maxtext]' (maxtext[tpu], {SUPPORTED_TEXT}) or, on CPU, the smaller set "
+                "in mtc's tests/maxtext/requirements-cpu.txt") from e
         if not hasattr(modules[module], attr):
             raise UnsupportedMaxTextError(
                 f"{module}.{attr} does not exist in this MaxText; the launcher hooks it and supports {SUPPORTED_TEXT}")

@@ -1,0 +1,56 @@
+"""The MaxText launcher's checks that need no MaxText: version range, flags refused before training."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from mtc.head import maxtext as launcher
+from mtc.shared.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+GOOD = ["base.yml", "run_name=r", "base_output_directory=/tmp/out", "enable_multi_tier_checkpointing=True",
+        "local_checkpoint_directory=/local", "local_checkpoint_period=10",
+        "multi_tier_checkpointing_backup_interval_minutes=30"]
+
+
+@pytest.mark.parametrize("version", ["0.2.4", "0.3.0", "1.0.0", "0.1.9"])
+def test_maxtext_outside_the_supported_range_is_refused(version):
+    with pytest.raises(launcher.UnsupportedMaxTextError, match=r"maxtext >= 0\.2\.5, < 0\.3"):
+        launcher.check_maxtext_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.2.5", "0.2.9", "0.2.5.post1"])
+def test_supported_versions_pass(version):
+    assert launcher.check_maxtext_version(version) == version
+
+
+@pytest.mark.parametrize("drop,add,names", [
+    ("local_checkpoint_directory=", [], "local_checkpoint_directory"),
+    ("local_checkpoint_period=", [], "local_checkpoint_period"),
+    (None, ["multi_tier_checkpointing_backup_interval_steps=20"], "exclusive"),
+    ("multi_tier_checkpointing_backup_interval_minutes=", [], "one backup interval"),
+    (None, ["local_checkpoint_period=abc"], "local_checkpoint_period"),
+])
+def test_bad_flags_fail_before_training_naming_the_flag(capsys, drop, add, names):
+    argv = ["mtc.head.maxtext"] + [a for a in GOOD if drop is None or not a.startswith(drop)] + add
+    assert launcher.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mtc: ") and names in err and "Traceback" not in err, err
+
+
+def test_config_from_maxtext_reads_its_flags_and_mtc_env():
+    mx = types.SimpleNamespace(enable_checkpointing=True, enable_multi_tier_checkpointing=True,
+                               colocated_python_checkpointing=True, local_checkpoint_directory="/local",
+                               local_checkpoint_period=5, multi_tier_checkpointing_backup_interval_minutes=None,
+                               multi_tier_checkpointing_backup_interval_steps=10, base_output_directory="/b",
+                               run_name="run")
+    cfg = launcher.config_from_maxtext(mx, environ={"MTC_REPLICATION_FACTOR": "3", "MTC_PEER_PORT": "29010"})
+    assert (cfg.local_checkpoint_period, cfg.multi_tier_checkpointing_backup_interval_steps) == (5, 10)
+    assert (cfg.replication_factor, cfg.peer_port, cfg.colocated_python_checkpointing) == (3, 29010, True)
+    assert cfg.backup_root.endswith("run/mtc")
+    with pytest.raises(ConfigError, match="exclusive"):
+        launcher.config_from_maxtext(types.SimpleNamespace(**{**vars(mx), "multi_tier_checkpointing_backup_interval_minutes": 5}),
+                                     environ={})
