@@ -112,6 +112,8 @@ class OrbaxCompatibleManager:
         if manager is not None and (config is not None or kwargs):
             raise TypeError("pass either manager= or a config, not both")
         self._mgr = manager if manager is not None else CheckpointManager(config, **kwargs)
+        self._listed: list[int] | None = None  # the last listing of the tiers ...
+        self._listed_at: Any = None  # ... and the save report it saw (a newer commit makes it stale)
 
     # --- what it wraps ---------------------------------------------------------------------
 
@@ -138,9 +140,15 @@ class OrbaxCompatibleManager:
     def all_steps(self, read: bool = False) -> list[int]:
         """Restorable steps (hosts and backups), plus the step being saved now, ascending.
 
-        ``read`` is accepted for Orbax compatibility: mtc always asks the sidecars.
+        As in Orbax, the listing is cached: it is asked of the sidecars and the backup root
+        again with ``read=True``, after ``reload()``, and once one of this manager's saves has
+        committed since (MaxText asks ``latest_step()`` and ``all_steps()`` before each save:
+        one listing, not two).
         """
-        steps = set(self._mgr.all_steps())
+        report = self._mgr.last_save_report
+        if read or self._listed is None or report is not self._listed_at:
+            self._listed, self._listed_at = self._mgr.all_steps(), report
+        steps = set(self._listed)
         inflight = self._mgr.in_flight_step
         if inflight is not None:
             steps.add(inflight)
@@ -155,7 +163,8 @@ class OrbaxCompatibleManager:
         return self.latest_step()
 
     def reload(self) -> None:
-        """Nothing to refresh: every listing asks the sidecars and the backup root afresh."""
+        """Forget the cached listing: the next ``all_steps``/``latest_step`` asks the tiers again."""
+        self._listed = None
 
     def should_save(self, step: int) -> bool:
         return self._mgr.should_save(step) and not self._mgr.has_step(step)
@@ -187,7 +196,8 @@ class OrbaxCompatibleManager:
             log.info("step %d is already saved or being saved; not saving it again", step)
             return False
         state = {name: item_args.item for name, item_args in items.items()}
-        return self._mgr.save(int(step), state, force=force)
+        started = self._mgr.save(int(step), state, force=force)
+        return started
 
     def restore(self, step: int | None = None, args: Any = None, directory: Any = None) -> Any:
         """Restore ``step`` (default: the latest) into the items ``args`` names.
@@ -202,6 +212,7 @@ class OrbaxCompatibleManager:
                 "restore(directory=...) is not supported: mtc restores from its tiers; to restore a given "
                 "backup, pin it with `mtc restore-version set NAME`")
         items = _items(args, "restore")
+        self._listed = None  # a restore may refill hosts (and lists the tiers itself)
         target: dict[str, Any] = {}
         casts: dict[str, Any] = {}
         whole: list[str] = []
