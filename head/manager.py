@@ -10,11 +10,13 @@ from peers (or the backup) first, then it comes back with the target's shardings
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -46,6 +48,27 @@ _REPLICATION_PATIENCE_S = 1800.0
 _REPLICATION_RETRY_S = (0.05, 2.0)  # first and longest wait between attempts
 # How long listing the backups may retry an unreachable store (latest_step, restore wait on it).
 _LISTING_DEADLINE_S = 30.0
+
+# Managers alive in this process. At interpreter exit (a training script that never calls
+# close(), as MaxText's does not), their background retries must stop, or the exit waits for
+# them: Python joins executor threads before atexit handlers run, so the hook goes where
+# concurrent.futures registers its own (threading._register_atexit, run before that join).
+_LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+_exit_hook_installed = False
+
+
+def _stop_background_retries() -> None:
+    for m in list(_LIVE):
+        m._closing.set()
+
+
+def _install_exit_hook() -> None:
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    register = getattr(threading, "_register_atexit", None) or atexit.register
+    register(_stop_background_retries)
+    _exit_hook_installed = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +238,8 @@ class CheckpointManager:
         self._replication_pending: Future | None = None
         self._replicate_step: int | None = None  # the newest step given to replication
         self._closing = threading.Event()
+        _install_exit_hook()
+        _LIVE.add(self)
         self.last_replication_report: ReplicationReport | None = None
         self._views: dict = {}
         self._backup_unreachable: str | None = None  # why the last backup listing failed
@@ -439,6 +464,8 @@ class CheckpointManager:
                 break
             except Exception as e:  # reported, retried
                 complete, error = False, f"{type(e).__name__}: {e}"
+                if isinstance(e, RuntimeError) and "after shutdown" in str(e):  # the process is exiting
+                    break
                 log.warning("replication of step %d, attempt %d: %s", step, attempts, error)
             if complete:
                 break

@@ -109,6 +109,16 @@ def _mtc_initialize_multi_tier_checkpointing(*args: Any, **kwargs: Any) -> None:
 
 
 _installed = False
+_managers: list = []  # made for MaxText, which never closes its checkpoint manager: closed at the end
+
+
+def _close_managers() -> None:
+    while _managers:
+        m = _managers.pop()
+        try:
+            m.close()
+        except Exception as e:  # the run's result is what MaxText said; this is cleanup
+            log.warning("mtc: closing the checkpoint manager: %s: %s", type(e).__name__, e)
 
 
 def install() -> None:
@@ -146,7 +156,9 @@ def install() -> None:
         log.info("mtc: multi-tier checkpointing (%s mode) at %s, every %d steps%s", cfg.mode,
                  cfg.local_checkpoint_directory, cfg.local_checkpoint_period,
                  f", backups to {cfg.backup_root}" if cfg.backup_enabled else "")
-        return OrbaxCompatibleManager(cfg)
+        manager = OrbaxCompatibleManager(cfg)
+        _managers.append(manager)
+        return manager
 
     # MaxText dispatches with isinstance on Orbax's class: make ours one of its (virtual) subclasses.
     rcm.ReplicatorCheckpointManager.register(OrbaxCompatibleManager)
@@ -175,7 +187,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from maxtext.trainers.pre_train import train
 
-    app.run(train.main, argv=argv)
+    def main_then_close(args: Sequence[str]) -> None:
+        try:
+            train.main(args)
+        finally:
+            _close_managers()
+
+    app.run(main_then_close, argv=argv)
     return 0
 
 
