@@ -121,6 +121,8 @@ class _Host:
     def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc) -> protocol.Reply:
         self._next_id += 1
         rid = self._next_id
+        if self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
+            args = {**args, "gen": self.owner.generation}
         protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
         reply = protocol.recv_reply(self.sock, alloc=alloc)
         if reply.id is None and reply.error is not None:  # the daemon could not read our frame
@@ -450,6 +452,29 @@ class ClusterDispatcher(Dispatcher):
             raise self._save_error(step, "phase 2 (commit)", failures)
         return results
 
+    def abort(self, step: int) -> None:
+        self._abort(step, {})
+
+    def leases(self) -> dict[str, dict | None]:
+        """The reachable hosts' leases (a host that is down is asked again when it is back)."""
+        results, failures = self._fan_out(lambda h: self._call(h, "lease").result)
+        for h, e in sorted(failures.items()):
+            if not isinstance(e, HostUnreachableError):
+                raise e
+        return {h: r.get("lease") for h, r in results.items()}
+
+    def claim(self, generation: int, head: dict) -> None:
+        """Every reachable host takes ``head``; one that is down adopts it with its first request."""
+        _, failures = self._fan_out(lambda h: self._call(h, "claim", {"generation": generation, "head": head}))
+        for h, e in sorted(failures.items()):
+            if isinstance(e, HostUnreachableError):
+                log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
+                            h, e, generation)
+                continue
+            if isinstance(e, _RemoteFailure):
+                e.reraise()
+            raise e
+
     def _abort(self, step: int, failed: dict[str, BaseException]) -> None:
         """Forget ``step`` everywhere: now on the hosts that answered, later on the others."""
         for h in failed:
@@ -468,7 +493,15 @@ class ClusterDispatcher(Dispatcher):
                         f"({lines}); step {step} is not committed and was aborted on the other hosts; "
                         "earlier steps are unaffected, and the next save retries the failed hosts",
                         step=step, hosts=hosts)
-        # An unreachable host is the cause that matters (it means a lost slice to elastic training).
+        # The cause that matters: a newer head took the hosts (fencing); else an unreachable host
+        # (a lost slice, to elastic training).
+        for e in failures.values():
+            if isinstance(e, _RemoteFailure) and e.type_name == "FencedError":
+                try:
+                    e.reraise()
+                except MTCError as typed:
+                    err.__cause__ = typed
+                    return err
         err.__cause__ = next((e for e in failures.values() if isinstance(e, HostUnreachableError)), None)
         return err
 

@@ -101,7 +101,7 @@ class ColocatedDispatcher(Dispatcher):
         devices = self._ctl_devices
         rid = uuid.uuid4().hex
         sharding = _row_sharding(devices)
-        req = self._request_array({"id": rid, "op": op, **args}, devices)
+        req = self._request_array({"id": rid, "op": op, "gen": self.generation, **args}, devices)
         call = self._obj.call.specialize(
             out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices),), np.int64, sharding=sharding))
         sizes = np.asarray(call(req))
@@ -199,7 +199,8 @@ class ColocatedDispatcher(Dispatcher):
             sharding = _row_sharding(g.devices)
             n = len(g.arrays)
             req = self._request_array(
-                {"step": step, "part": part, "leaves": [leaf.index for leaf in g.leaves]}, g.devices)
+                {"step": step, "part": part, "gen": self.generation, "leaves": [leaf.index for leaf in g.leaves]},
+                g.devices)
             fn = self._obj.write.specialize(out_specs_fn=lambda *a: jax.ShapeDtypeStruct(
                 (len(g.devices), n, DIGEST_LEN), np.uint8, sharding=sharding))
             digests = np.asarray(fn(req, *g.arrays))
@@ -220,6 +221,15 @@ class ColocatedDispatcher(Dispatcher):
 
     def commit(self, step: int, manifest: fmt.StepManifest) -> dict[str, dict]:
         return dict(self._control("commit", step=step, manifest=manifest.to_json().decode()))
+
+    def abort(self, step: int) -> None:
+        self._control("abort", step=step)
+
+    def leases(self) -> dict[str, dict | None]:
+        return dict(self._control("lease"))
+
+    def claim(self, generation: int, head: dict) -> None:
+        self._control("claim", generation=generation, head=head)
 
     def inventories(self) -> dict[str, dict]:
         return {h: inv for h, inv in self._control("inventory")}

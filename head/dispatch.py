@@ -57,7 +57,13 @@ class WriteResult:
 
 class Dispatcher(abc.ABC):
     """How the head reaches the sidecars. Every method is called from one thread at a time,
-    except the backup and peer methods, which background threads call beside the others."""
+    except the backup and peer methods, which background threads call beside the others.
+
+    Every request carries ``generation`` (set once the manager has claimed the hosts), so
+    that sidecars refuse changes from a head that a newer one fenced off.
+    """
+
+    generation: int | None = None
 
     @abc.abstractmethod
     def hosts(self) -> list[str]:
@@ -84,6 +90,18 @@ class Dispatcher(abc.ABC):
         """Phase 2 on every host; host id -> what the host wrote for the step."""
 
     @abc.abstractmethod
+    def abort(self, step: int) -> None:
+        """Forget ``step`` on every host that answers (its save failed); best effort."""
+
+    @abc.abstractmethod
+    def leases(self) -> dict[str, dict | None]:
+        """host id -> the lease of the head that drives it ({"generation", "head"}), or None."""
+
+    @abc.abstractmethod
+    def claim(self, generation: int, head: dict) -> None:
+        """Every host takes ``head`` (``generation`` newer than its lease) or raises FencedError."""
+
+    @abc.abstractmethod
     def inventories(self) -> dict[str, dict]:
         """host id -> the sidecar's inventory (committed steps, local blob counts)."""
 
@@ -99,45 +117,46 @@ class Dispatcher(abc.ABC):
         After an elastic resize a device id no longer names the host that wrote its shard.
         """
 
+    @abc.abstractmethod
     def host_of_device(self, device_id: int) -> str:
         """The host whose sidecar holds the shards of device ``device_id``."""
-        raise errors.MTCError(f"{type(self).__name__} does not map devices to hosts yet")
 
     # --- backup tier (run by the sidecars; the head only coordinates) --------------------
 
+    @abc.abstractmethod
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         """Every host uploads the blobs assigned to it; host id -> what it uploaded."""
-        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
+    @abc.abstractmethod
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
         """One host makes backup ``name`` visible (manifest last, create-only), then prunes."""
-        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
+    @abc.abstractmethod
     def backup_listing(self, deadline_s: float | None = None) -> dict:
         """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}.
 
         ``deadline_s`` bounds the retries of an unreachable store (None: the store's own).
         """
-        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
+    @abc.abstractmethod
     def backup_manifest(self, name: str) -> fmt.StepManifest:
         """The step manifest of backup ``name``."""
-        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
+    @abc.abstractmethod
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
-        raise errors.MTCError(f"the backup tier is not available through {type(self).__name__} yet")
 
     # --- peer tier (the sidecars pull from each other; the head plans) --------------------
 
+    @abc.abstractmethod
     def slice_of(self, host_id: str) -> int:
         """The slice of host ``host_id`` (0 where the dispatcher knows no slices)."""
-        return 0
 
     def peer_inventories(self) -> dict[str, dict]:
         """``inventories()`` for background replication (a dispatcher may use another connection)."""
         return self.inventories()
 
+    @abc.abstractmethod
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
                   manifest: fmt.StepManifest | None = None) -> dict[str, dict]:
         """Each host of ``pulls`` fetches [(blob, nbytes, [holders to try])] from its peers, verified.
@@ -145,7 +164,6 @@ class Dispatcher(abc.ABC):
         host -> what it pulled, or ``{"error": cause}``. With ``manifest``, a host that lacks
         the step commits it once all its pulls succeeded.
         """
-        raise errors.MTCError(f"the peer tier is not available through {type(self).__name__} yet")
 
     @abc.abstractmethod
     def close(self) -> None:

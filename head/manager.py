@@ -14,8 +14,10 @@ import atexit
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
+import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -33,6 +35,7 @@ from mtc.shared.config import MTCConfig
 from mtc.shared.errors import (
     ConfigError,
     CorruptBlobError,
+    FencedError,
     HostUnreachableError,
     MTCError,
     SaveError,
@@ -159,6 +162,16 @@ class BackupReport:
     seconds: float = 0.0
 
 
+def _fenced_cause(e: BaseException) -> FencedError | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, FencedError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _is_prng_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
@@ -224,6 +237,10 @@ class CheckpointManager:
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._checked_versions = False
+        self._ready_lock = threading.Lock()
+        self._started = time.time()
+        self._fenced: FencedError | None = None  # set once a newer head took the hosts
+        self.head: dict | None = None  # who this head is, as the hosts' leases name it
         self._known_steps: set[int] | None = None  # committed steps, to refuse a duplicate save cheaply
         self._closed = False
         self.last_save_report: SaveReport | None = None
@@ -257,9 +274,31 @@ class CheckpointManager:
     # --- versions ------------------------------------------------------------------------
 
     def _check_versions(self) -> None:
-        if not self._checked_versions:
-            version.check_fingerprints(version.fingerprint(), self._dispatch.fingerprints())
-            self._checked_versions = True
+        """Before the first save or restore: the sidecars' versions, then take the hosts (fencing)."""
+        if self._fenced is not None:
+            raise self._fenced
+        with self._ready_lock:  # the start-up pull and the first save/restore may race here
+            if not self._checked_versions:
+                version.check_fingerprints(version.fingerprint(), self._dispatch.fingerprints())
+                self._claim_hosts()
+                self._checked_versions = True
+
+    def _claim_hosts(self) -> None:
+        """Take every host for this head with a generation newer than any lease they hold.
+
+        A head that drove them before (alive, or killed -9) is fenced off: its next change
+        is refused with FencedError naming this one. Hosts that cannot be asked now take the
+        generation with this head's first request that reaches them.
+        """
+        head = {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex[:12],
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._started))}
+        newest = max((lease["generation"] for lease in self._dispatch.leases().values() if lease), default=0)
+        generation = max(time.time_ns() // 1000, newest + 1)
+        self._dispatch.claim(generation, head)
+        self._dispatch.generation = generation
+        self.head = head
+        log.info("head %s (pid %d) drives %d hosts as generation %d", head["host"], head["pid"],
+                 len(self._dispatch.hosts()), generation)
 
     # --- save ----------------------------------------------------------------------------
 
@@ -362,6 +401,7 @@ class CheckpointManager:
         return leaves, tree_lib.encode(state)
 
     def _write(self, step, leaves, tree_doc, staged, waited, blocked, stage_s, t0) -> SaveReport:
+        committed = None
         try:
             t1 = time.perf_counter()
             result = self._dispatch.write(step, staged)
@@ -385,15 +425,28 @@ class CheckpointManager:
                      report.bytes_total, report.bytes_total / max(report.total_s, 1e-9) / 1e9)
             return report
         except BaseException as e:
-            if not isinstance(e, SaveError):
+            fenced = _fenced_cause(e)
+            if fenced is not None:  # a newer head took the hosts: that, not "save failed", is the news
+                self._fenced = e = fenced
+            elif not isinstance(e, SaveError):
                 hosts = getattr(e, "hosts", None) or {}
                 e2 = SaveError(f"save of step {step} failed: {e}", step=step, hosts=hosts)
                 e2.__cause__ = e
                 e = e2
+            if committed is None and fenced is None:
+                self._abort(step)
             with self._lock:
                 self._errors.append(e)
             log.error("save of step %d failed: %s", step, e)
             raise e
+
+    def _abort(self, step: int) -> None:
+        """A save that failed before every host committed: forget its step everywhere (best effort:
+        a host that cannot be asked now drops its leftovers when a later step commits)."""
+        try:
+            self._dispatch.abort(step)
+        except Exception as e:
+            log.warning("could not abort step %d on every host: %s", step, e)
 
     def _build_manifest(self, step, leaves: list[Leaf], tree_doc, result) -> fmt.StepManifest:
         records = []

@@ -38,7 +38,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtc.shared.config import MTCConfig
+from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS, MTCConfig
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes, ramdisk_size
 from mtc.shared.version import fingerprint
@@ -47,10 +47,6 @@ JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
 PATHWAYS_REGISTRY = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways"
 TOKEN_KEY = "token"
-ENV_TOKEN = "MTC_PEER_TOKEN"
-# The sidecar refuses shorter tokens (mtc.sidecar.peer.MIN_TOKEN_CHARS); refuse them here,
-# before a job is submitted, rather than on every host after it starts.
-MIN_TOKEN_CHARS = 16
 RAMDISK_VOLUME = "mtc-ramdisk"
 HEAD_JOB = "pathways-head"
 WORKER_JOB = "worker"

@@ -34,6 +34,11 @@ from typing import Any
 from mtc.shared.errors import ConfigError
 
 ENV_PREFIX = "MTC_"
+# The peer token: the variable every sidecar reads it from (a Kubernetes Secret in production), and
+# the shortest one accepted (the sidecars refuse shorter ones; the manifest renderer refuses them
+# before a job is submitted).
+ENV_TOKEN = "MTC_PEER_TOKEN"
+MIN_TOKEN_CHARS = 16
 
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})

@@ -53,3 +53,15 @@ class ProtocolError(MTCError):
 
 class HostUnreachableError(MTCError, ConnectionError):
     """A sidecar daemon cannot be reached, or its connection broke in the middle of a request."""
+
+
+class FencedError(MTCError):
+    """A newer head drives these hosts: this head may no longer change them (DESIGN section 13)."""
+
+    def __init__(self, message: str, *, current: dict | None = None):
+        super().__init__(message)
+        self.current = current
+
+
+class InjectedFaultError(MTCError):
+    """A failure injected at a named fault point (``MTC_FAIL_AT``), for tests."""

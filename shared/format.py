@@ -272,11 +272,45 @@ class HostManifest:
 
 
 def collect_blob_names(data: bytes) -> set[str]:
-    """Blob names referenced by a step or host manifest (for garbage collection)."""
-    doc = json.loads(data)
-    if doc.get("format") == HOST_FORMAT:
-        return {row[2] for row in doc.get("shards", [])}
-    return {s["blob"] for a in doc.get("arrays", []) for s in a.get("shards", [])}
+    """Blob names a manifest keeps alive (garbage collection): a host manifest's shard rows, else
+    every string under any key named ``"blob"``, at any depth (step and backup manifests).
+
+    Manifests on disk are untrusted: bytes that are not JSON, or a name that is not a blob name
+    (which would reach the filesystem), raise ManifestError.
+    """
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"manifest is not valid JSON ({e}); cannot tell which blobs it uses") from None
+    names: set[str] = set()
+
+    def strings(v: Any) -> Iterable[str]:
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, (list, dict)):
+            for x in (v.values() if isinstance(v, dict) else v):
+                yield from strings(x)
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if k == "blob":
+                    names.update(strings(x))
+                else:
+                    walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    if isinstance(doc, dict) and doc.get("format") == HOST_FORMAT:
+        for row in doc.get("shards", []):
+            names.add(row[2] if isinstance(row, list) and len(row) > 2 else repr(row))
+    else:
+        walk(doc)
+    for n in names:
+        if not is_blob_name(n):
+            raise ManifestError(f"manifest names blob {n!r:.80}, which is not a blob name")
+    return names
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from mtc.shared.buffers import aligned_empty
+from mtc.shared.buffers import aligned_empty, byte_view
 from mtc.shared.errors import ConfigError, ProtocolError
 from mtc.shared.hashing import blob_name
 from mtc.shared.version import PROTOCOL_VERSION
@@ -60,7 +60,7 @@ _MAX_IOV = 512
 # Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
 OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
                  "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch",
-                 "peer_pull"})
+                 "peer_pull", "lease", "claim"})
 
 Buffer = Any  # bytes-like or C-contiguous numpy array
 Alloc = Callable[[dict, list[int]], Sequence[Buffer]]
@@ -76,20 +76,6 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     (``jax.device_put(buf.view(dtype), dev, may_alias=True)``).
     """
     return aligned_empty((int(nbytes),), np.uint8)
-
-
-def byte_view(x: Buffer) -> memoryview:
-    """A flat unsigned-byte memoryview of ``x`` without copying (any dtype, bfloat16 too)."""
-    if isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
-            raise ValueError("payload array is not C-contiguous; pass np.ascontiguousarray(a)")
-        return memoryview(x.reshape(-1).view(np.uint8))
-    mv = memoryview(x)
-    if not mv.c_contiguous:
-        raise ValueError("payload buffer is not C-contiguous")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
 
 
 # --- frames ----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import shardings
+from mtc.shared import errors as mtc_errors
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.sidecar.peer import resolve_token
 from mtc.sidecar.replication import parse_peers, parse_pulls
@@ -63,6 +64,49 @@ def _rows(like, rows: dict[Any, np.ndarray], row_shape: tuple[int, ...], dtype) 
 def _request(x) -> dict:
     row = np.asarray(x.addressable_shards[0].data)[0]
     return json.loads(row.tobytes().rstrip(b"\0"))
+
+
+def _op_peer_pull(svc: SidecarService, req: dict) -> Any:
+    rows = req["pulls"].get(svc.host_id)
+    if rows is None:  # nothing for this host; every host answers with a job
+        return svc.start_job(dict)
+    manifest = req.get("manifest")
+    return svc.start_job(svc.peer_pull, int(req["step"]), parse_pulls(rows), parse_peers(req["peers"]),
+                         manifest.encode() if manifest else None)
+
+
+def _op_backup_finalize(svc: SidecarService, req: dict) -> Any:
+    if req["host"] != svc.host_id:
+        return None
+    return svc.backup_finalize(req["name"], req["manifest"].encode(), int(req["max_to_keep"]))
+
+
+# Each control operation: decode the request, call one service method (long ones as a job the
+# head polls), encode. SERVICE_METHODS says which method; a test pins it against the daemon's.
+_OPS = {
+    "fingerprint": lambda svc, req: svc.fingerprint(),
+    "inventory": lambda svc, req: svc.inventory(),
+    "manifest": lambda svc, req: svc.manifest_bytes(int(req["step"])).decode(),
+    "commit": lambda svc, req: svc.commit(int(req["step"]), req["manifest"].encode()),
+    "abort": lambda svc, req: svc.abort(int(req["step"])),
+    "lease": lambda svc, req: svc.current_lease(),
+    "claim": lambda svc, req: svc.claim(req["generation"], req["head"]),
+    "job": lambda svc, req: svc.job(req["job"]),
+    "backup_upload": lambda svc, req: svc.start_job(svc.backup_upload, req["assignments"]),
+    "backup_finalize": _op_backup_finalize,
+    "backup_listing": lambda svc, req: svc.backup_listing(req.get("deadline_s")),
+    "backup_manifest": lambda svc, req: svc.backup_manifest(req["name"]).decode(),
+    "backup_fetch": lambda svc, req: svc.start_job(svc.backup_fetch, req["name"], req["needs"]),
+    "peer_pull": _op_peer_pull,
+    "close": None,  # handled in _dispatch: it also drops the service
+}
+SERVICE_METHODS = {
+    "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "commit": "commit",
+    "abort": "abort", "lease": "current_lease", "claim": "claim", "job": "job", "backup_upload": "backup_upload",
+    "backup_finalize": "backup_finalize", "backup_listing": "backup_listing", "backup_manifest": "backup_manifest",
+    "backup_fetch": "backup_fetch", "peer_pull": "peer_pull", "close": "close",
+    "write": "write_shards", "load": "read_boxes_each",  # the two data methods of ColocatedSidecar
+}
 
 
 class ColocatedSidecar:
@@ -123,47 +167,23 @@ class ColocatedSidecar:
     def _dispatch(self, req: dict) -> Any:
         svc = self._svc()
         op = req["op"]
-        if op == "fingerprint":
-            return svc.fingerprint()
-        if op == "inventory":
-            return svc.inventory()
-        if op == "manifest":
-            return svc.manifest_bytes(int(req["step"])).decode()
-        if op == "commit":
-            return svc.commit(int(req["step"]), req["manifest"].encode())
-        if op == "backup_upload":
-            return svc.start_job(svc.backup_upload, req["assignments"])
-        if op == "job":
-            return svc.job(req["job"])
-        if op == "backup_finalize":
-            if req["host"] != svc.host_id:
-                return None
-            return svc.backup_finalize(req["name"], req["manifest"].encode(), int(req["max_to_keep"]))
-        if op == "backup_listing":
-            return svc.backup_listing(req.get("deadline_s"))
-        if op == "backup_manifest":
-            return svc.backup_manifest(req["name"]).decode()
-        if op == "backup_fetch":
-            return svc.start_job(svc.backup_fetch, req["name"], req["needs"])
-        if op == "peer_pull":
-            rows = req["pulls"].get(svc.host_id)
-            if rows is None:  # nothing for this host; every host answers with a job
-                return svc.start_job(dict)
-            manifest = req.get("manifest")
-            return svc.start_job(svc.peer_pull, int(req["step"]), parse_pulls(rows), parse_peers(req["peers"]),
-                                 manifest.encode() if manifest else None)
+        if op not in _OPS:
+            raise ValueError(f"unknown sidecar operation {op!r}")
+        handler = _OPS[op]
+        svc.admit(op, req.get("gen"))
         if op == "close":
             svc.close()
             with self._lock:
                 self._service = None
             return True
-        raise ValueError(f"unknown sidecar operation {op!r}")
+        return handler(svc, req)
 
     # --- data --------------------------------------------------------------------------
 
     def write(self, request, *arrays):
         """Phase 1: write this host's shards of the staged state; answer digests per device."""
         req = _request(request)
+        self._svc().admit("write", req.get("gen"))
         step, part, leaves = int(req["step"]), int(req.get("part", 0)), list(req["leaves"])
         shards = []
         per_device: dict[Any, list[tuple[int, fmt.Box]]] = {}
@@ -209,7 +229,11 @@ class ColocatedSidecar:
                         jobs.append((spec["key"], box, False, None))
                 placed.append((dev, reads[(i, box)]))
             plans.append((shape, sharding, placed))
-        bufs = svc.read_boxes(step, jobs)
+        bufs, errors = svc.read_boxes_each(step, jobs)
+        if errors:  # on this host no other holder can stand in: the first failure, typed
+            _, name, message = errors[0]
+            cls = getattr(mtc_errors, name, MTCError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, MTCError) else MTCError)(message)
         out = []
         for shape, sharding, placed in plans:
             local = [jax.device_put(bufs[j], dev, may_alias=True) for dev, j in placed]

@@ -51,10 +51,10 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import protocol
-from mtc.shared.errors import ConfigError, ManifestError, MTCError, ProtocolError, StepNotFoundError
+from mtc.shared.errors import MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
-from mtc.sidecar.replication import held_bits, parse_peers, parse_pulls
+from mtc.sidecar.replication import parse_peers, parse_pulls
 from mtc.sidecar.service import SidecarService
 from mtc.sidecar.tcpserver import ThreadedTCPServer
 
@@ -162,6 +162,7 @@ class SidecarDaemon(ThreadedTCPServer):
             handler = _HANDLERS.get(req.op)
             if handler is None:
                 raise ProtocolError(f"unknown op {req.op!r}; known ops: {', '.join(sorted(_HANDLERS))}")
+            self.service.admit(req.op, req.args.get("gen"))
             result, payloads = handler(self, req.args, req.payloads)
             log.debug("op %s done in %.3fs", req.op, time.perf_counter() - t0)
             return Reply(req.id, result, None, tuple(payloads))
@@ -182,25 +183,18 @@ class SidecarDaemon(ThreadedTCPServer):
 
     def _op_inventory(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         devices = args.get("devices")
-        if devices is None:
-            return self.service.inventory(), []
-        if not isinstance(devices, list) or not all(type(d) is int for d in devices):
+        if devices is not None and (not isinstance(devices, list) or not all(type(d) is int for d in devices)):
             raise ProtocolError("inventory: 'devices' must be a list of device ids")
-        mine = set(devices)
-        svc = self.service
-        have = svc.store.list_blobs()
-        steps = []
-        for s in svc.steps():
-            try:
-                m = svc.manifest(s)
-            except (ManifestError, StepNotFoundError) as e:
-                log.warning("host %s: step %d manifest unreadable: %s", svc.host_id, s, e)
-                continue
-            # Shards with no device record (older manifests) count for every host.
-            own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
-            steps.append({"step": s, "blobs": len(own), "local_blobs": len(own & have),
-                          **held_bits(m.blob_names(), have)})
-        return {"host": svc.host_id, "steps": steps}, []
+        return self.service.inventory(devices), []
+
+    def _op_lease(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        return {"lease": self.service.current_lease()}, []
+
+    def _op_claim(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        head = args.get("head")
+        if not isinstance(head, dict):
+            raise ProtocolError("claim needs 'head' (an object naming the head)")
+        return self.service.claim(args.get("generation"), head), []
 
     def _op_manifest(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)
@@ -233,11 +227,7 @@ class SidecarDaemon(ThreadedTCPServer):
         return self.service.commit(step, bytes(payloads[0]), max_to_keep=keep), []
 
     def _op_abort(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
-        step = _step(args)
-        removed = self.service.store.delete_step(step)
-        if removed:
-            log.info("host %s: step %d aborted (its save failed on some host)", self.service.host_id, step)
-        return {"removed": removed}, []
+        return {"removed": self.service.abort(_step(args))}, []
 
     def _op_read(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)
@@ -249,21 +239,8 @@ class SidecarDaemon(ThreadedTCPServer):
             if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
                 raise ProtocolError(f"read: reads[{i}] is not [key, box or null]")
             boxes.append((row[0], None if row[1] is None else _box(row[1], f"read: reads[{i}]")))
-        try:  # all boxes on the I/O threads at once; on any failure, box by box to say which
-            return {"step": step, "errors": []}, self.service.read_boxes(
-                step, [(key, box, False, None) for key, box in boxes])
-        except MTCError:
-            pass
-        out, errors = [], []
-        for i, (key, box) in enumerate(boxes):
-            row = [key, box]
-            try:
-                out.append(self.service.read_box(step, row[0], box))
-            except MTCError as e:  # this box fails; the others of the request still count
-                log.warning("host %s: read of %r failed: %s", self.service.host_id, row[0], e)
-                errors.append([i, type(e).__name__, str(e)])
-                out.append(b"")
-        return {"step": step, "errors": errors}, out
+        out, errors = self.service.read_boxes_each(step, boxes)
+        return {"step": step, "errors": [list(e) for e in errors]}, out
 
     def _op_peer_pull(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)
@@ -280,14 +257,8 @@ class SidecarDaemon(ThreadedTCPServer):
         url = args.get("backup_url")
         if url is not None and not isinstance(url, str):
             raise ProtocolError("'backup_url' must be a string or null")
-        svc = self.service
-        with self._cond:
-            if url and svc.backup_url is None:
-                svc.backup_url = url  # the head's config names the backup root
-            elif url and svc.backup_url != url:
-                raise ConfigError(f"host {svc.host_id} backs up to {svc.backup_url}, but the head asks for "
-                                  f"{url}; restart the daemon (or the head) with one backup root")
-        return svc
+        self.service.use_backup_root(url)
+        return self.service
 
     def _op_backup_upload(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         svc = self._backup_service(args)
@@ -321,6 +292,15 @@ class SidecarDaemon(ThreadedTCPServer):
         return svc.backup_fetch(name, {svc.host_id: _names(args.get("blobs"), "backup_fetch")}), []
 
 
+# Which service method each operation calls (a test pins it against the colocated transport's).
+SERVICE_METHODS = {
+    "ping": None,  # the transport's own liveness answer
+    "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "write": "write_shards",
+    "commit": "commit", "abort": "abort", "read": "read_boxes_each", "lease": "current_lease", "claim": "claim",
+    "backup_upload": "backup_upload", "backup_finalize": "backup_finalize", "backup_listing": "backup_listing",
+    "backup_manifest": "backup_manifest", "backup_fetch": "backup_fetch", "peer_pull": "peer_pull",
+}
+
 _HANDLERS = {
     "ping": SidecarDaemon._op_ping,
     "fingerprint": SidecarDaemon._op_fingerprint,
@@ -329,6 +309,8 @@ _HANDLERS = {
     "write": SidecarDaemon._op_write,
     "commit": SidecarDaemon._op_commit,
     "abort": SidecarDaemon._op_abort,
+    "lease": SidecarDaemon._op_lease,
+    "claim": SidecarDaemon._op_claim,
     "read": SidecarDaemon._op_read,
     "backup_upload": SidecarDaemon._op_backup_upload,
     "backup_finalize": SidecarDaemon._op_backup_finalize,

@@ -24,9 +24,14 @@ import signal
 import threading
 from collections import Counter
 
-__all__ = ["CRASH_POINTS", "ENV_VAR", "crash_point"]
+from mtc.shared.errors import InjectedFaultError
+
+__all__ = ["CRASH_POINTS", "ENV_VAR", "FAIL_ENV_VAR", "crash_point"]
 
 ENV_VAR = "MTC_CRASH_AT"
+# The same points and syntax, but the point raises InjectedFaultError instead of killing the
+# process: a failure the sidecar reports (needed where the sidecar shares the head's process).
+FAIL_ENV_VAR = "MTC_FAIL_AT"
 CRASH_POINTS = frozenset({"before_blobs", "between_blobs", "before_commit", "after_commit", "between_uploads"})
 
 _counts: Counter[str] = Counter()
@@ -65,9 +70,12 @@ def crash_point(name: str) -> None:
     with _lock:
         _counts[name] += 1
         visit = _counts[name]
-    spec = os.environ.get(ENV_VAR, "")
-    if not spec:
-        return
-    wanted = _parse(spec).get(name)
-    if wanted is not None and (None in wanted or visit in wanted):
-        os.kill(os.getpid(), signal.SIGKILL)
+    for var in (ENV_VAR, FAIL_ENV_VAR):
+        spec = os.environ.get(var, "")
+        if not spec:
+            continue
+        wanted = _parse(spec).get(name)
+        if wanted is not None and (None in wanted or visit in wanted):
+            if var == FAIL_ENV_VAR:
+                raise InjectedFaultError(f"injected failure at {name} (visit {visit}; {FAIL_ENV_VAR}={spec})")
+            os.kill(os.getpid(), signal.SIGKILL)

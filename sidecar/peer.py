@@ -39,6 +39,7 @@ import threading
 from typing import Any, Iterable, Mapping
 
 from mtc.shared import protocol
+from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.shared.errors import (
     ConfigError,
     CorruptBlobError,
@@ -56,8 +57,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ENV_TOKEN", "HAVE_BATCH", "BadCopyError", "PeerClient", "PeerServer", "receive_blob", "resolve_token"]
 
-ENV_TOKEN = "MTC_PEER_TOKEN"
-MIN_TOKEN_CHARS = 16
 # Names per "have" request; the header limit below leaves room for them.
 HAVE_BATCH = 8192
 MAX_PEER_HEADER = 1 << 20

@@ -51,13 +51,15 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from mtc.shared import format as fmt
+from mtc.shared.buffers import byte_view
 from mtc.shared import ramdisk
 from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import HEX_LEN, blob_name, check_blob_name, is_blob_name, new_hasher
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RamStore", "collect_blob_names", "format_bytes"]
+__all__ = ["RamStore", "format_bytes"]
 
 TMP_PREFIX = ".tmp-"
 # Large enough that syscall overhead vanishes; small enough that hashing a chunk right after
@@ -131,48 +133,6 @@ def format_bytes(n: int) -> str:
     return f"{value:.2f} TiB"
 
 
-def collect_blob_names(json_bytes: bytes) -> set[str]:
-    """Blob names in a manifest: every string under any key named ``"blob"``, at any depth.
-
-    The default ``blobs_of`` of :class:`RamStore`; the format module provides the real one.
-    Raises :class:`ManifestError` when the bytes are not JSON or a ``"blob"`` value is not a
-    well-formed blob name (manifests on disk are untrusted).
-    """
-    try:
-        doc = json.loads(json_bytes)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"manifest is not valid JSON ({e}); cannot tell which blobs it uses") from None
-    names: set[str] = set()
-
-    def strings(v) -> Iterator[str]:
-        if isinstance(v, str):
-            yield v
-        elif isinstance(v, list):
-            for x in v:
-                yield from strings(x)
-        elif isinstance(v, dict):
-            for x in v.values():
-                yield from strings(x)
-
-    def walk(v) -> None:
-        if isinstance(v, dict):
-            for k, x in v.items():
-                if k == "blob":
-                    for s in strings(x):
-                        if not _valid_name(s):
-                            raise ManifestError(f"manifest names blob {s!r}, which is not a blob name "
-                                                f"({HEX_LEN} lowercase hex digits)")
-                        names.add(s)
-                else:
-                    walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-
-    walk(doc)
-    return names
-
-
 def _valid_name(name) -> bool:
     # The length check also refuses "<32 hex>\n", which a `$`-anchored regex lets through.
     return is_blob_name(name) and len(name) == HEX_LEN
@@ -189,23 +149,6 @@ def _check_step(step) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= _MAX_STEP:
         raise ValueError(f"invalid step {step!r}: expected an integer in [0, {_MAX_STEP}]")
     return int(step)
-
-
-def _byte_view(data) -> memoryview:
-    """A flat, read-only-or-writable unsigned-byte view of ``data`` without copying."""
-    if isinstance(data, np.ndarray):
-        if data.dtype.hasobject:
-            raise TypeError(f"cannot store an array of dtype {data.dtype}: it holds Python objects, not bytes")
-        if not data.flags.c_contiguous:
-            raise ValueError("array is not C-contiguous; pass np.ascontiguousarray(a) (blobs are raw C-order bytes)")
-        # Viewing as uint8 first also covers dtypes the buffer protocol cannot describe (bfloat16).
-        return memoryview(data.reshape(-1).view(np.uint8))
-    mv = memoryview(data)
-    if not mv.c_contiguous:
-        raise ValueError("buffer is not C-contiguous (blobs are raw C-order bytes)")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
 
 
 def _hash_fd(fd: int, size: int) -> str:
@@ -235,7 +178,7 @@ class RamStore:
     """
 
     def __init__(self, root: str | os.PathLike, *, max_to_keep: int = 2,
-                 blobs_of: BlobsOf = collect_blob_names, free_pool: bool = True):
+                 blobs_of: BlobsOf = fmt.collect_blob_names, free_pool: bool = True):
         if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"max_to_keep (local_max_to_keep) must be an integer >= 1, got {max_to_keep!r}")
         self.root = Path(root)
@@ -514,7 +457,7 @@ class RamStore:
         docstring); it is published only once completely written, like a new file.
         Raises InsufficientSpaceError (temp file removed) when the ramdisk fills up.
         """
-        mv = _byte_view(data)
+        mv = byte_view(data)
         name = blob_name(mv) if name is None else _check_name(name)
         final = self._blobs / name
         if final.exists():
@@ -554,7 +497,7 @@ class RamStore:
         not hash to its name; ``out`` holds garbage then.
         """
         path = self.blob_path(name)
-        mv = _byte_view(out)
+        mv = byte_view(out)
         if mv.readonly:
             raise TypeError(f"read_blob_into needs a writable buffer for blob {name}")
         hasher = new_hasher()

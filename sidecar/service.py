@@ -19,11 +19,12 @@ from typing import Sequence
 import numpy as np
 
 from mtc.shared import format as fmt
-from mtc.shared.buffers import aligned_empty
+from mtc.shared.buffers import aligned_empty, byte_view
 from mtc.shared import ramdisk, version
-from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, StepNotFoundError
+from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, MTCError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
+from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.peer import PeerServer
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.replication import held_bits, pull_blobs
@@ -48,15 +49,17 @@ def _log_ramdisk_advice(store: RamStore) -> None:
 _MAP_MIN = 1 << 20
 
 
-def _as_bytes(a: np.ndarray) -> memoryview:
-    a = np.ascontiguousarray(a)
-    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+# Requests that change a host: only the head holding the lease may send them (fencing).
+MUTATING_OPS = frozenset({"write", "commit", "abort", "peer_pull", "backup_upload", "backup_finalize",
+                          "backup_fetch"})
 
 
 class SidecarService:
     """One host's worker-side checkpointing: the RAM tier, phase 1/2 of saves, restores.
 
     Methods take and return plain values (ints, bytes, numpy arrays, frozen dataclasses).
+    Both transports (the colocated Python object and the daemon) call ``admit`` with each
+    request's operation and head generation before they call the method.
     """
 
     def __init__(self, root: str | os.PathLike, *, host_id: str = "host-0", max_to_keep: int = 2,
@@ -75,6 +78,32 @@ class SidecarService:
         self._peer = None  # the peer tier's server (start_peer_service)
         self._peer_token = ""
         self._closed = False
+        self.lease = HeadLease(self.store.root)
+
+    # --- fencing (one head at a time) --------------------------------------------------
+
+    def admit(self, op: str, generation: int | None) -> None:
+        """Refuse a changing request (``MUTATING_OPS``) from a head that was fenced off."""
+        if op in MUTATING_OPS:
+            self.lease.check(generation, f"{op} on host {self.host_id}")
+
+    def claim(self, generation: int, head: dict) -> dict:
+        """A starting head takes this host (its generation must be newer than the lease's)."""
+        return self.lease.claim(generation, head)
+
+    def current_lease(self) -> dict | None:
+        return self.lease.current()
+
+    def use_backup_root(self, url: str | None) -> None:
+        """Back up to ``url``: adopted if none is set yet; another one is refused."""
+        if not url:
+            return
+        with self._lock:
+            if self.backup_url is None:
+                self.backup_url = url  # the head's config names the backup root
+            elif self.backup_url != url:
+                raise ConfigError(f"host {self.host_id} backs up to {self.backup_url}, but the head asks for "
+                                  f"{url}; restart the daemon (or the head) with one backup root")
 
     # --- identity ----------------------------------------------------------------------
 
@@ -99,7 +128,7 @@ class SidecarService:
         t0 = time.perf_counter()
         unique: dict[tuple[int, fmt.Box], memoryview] = {}
         for array, box, data in shards:
-            unique.setdefault((array, tuple(box)), _as_bytes(data))
+            unique.setdefault((array, tuple(box)), byte_view(np.ascontiguousarray(data)))
         # When every shard fits as a new blob (the usual case), nothing has to be freed and the
         # names are not needed up front: each I/O thread hashes a shard, then writes it, so
         # hashing overlaps the writes of the other thread.
@@ -230,20 +259,40 @@ class SidecarService:
             self._manifests[step] = m
         return m
 
-    def inventory(self) -> dict:
-        """What this host holds: committed steps, and for each whether all its blobs are here."""
-        steps = self.store.committed_steps()
+    def inventory(self, devices: Sequence[int] | None = None) -> dict:
+        """What this host holds: committed steps, and for each which of its blobs are here.
+
+        ``blobs``/``local_blobs`` count this host's own share of the step: the shards of
+        ``devices`` (the head's device ids of this host) when given, else every blob of the
+        step (one host holding every device). The held bits cover every blob of the step.
+        """
+        mine = set(devices) if devices is not None else None
         have = self.store.list_blobs()
         out = []
-        for s in steps:
+        for s in self.store.committed_steps():
             try:
-                blobs = self.manifest(s).blob_names()
-            except ManifestError as e:
+                m = self.manifest(s)
+            except (ManifestError, StepNotFoundError) as e:
                 log.warning("host %s: step %d manifest unreadable: %s", self.host_id, s, e)
                 continue
-            out.append({"step": s, "blobs": len(blobs), "local_blobs": len(blobs & have),
-                        **held_bits(blobs, have)})
+            if mine is None:
+                own = m.blob_names()
+            else:  # shards with no device record (older manifests) count for every host
+                own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
+            out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have),
+                        **held_bits(m.blob_names(), have)})
         return {"host": self.host_id, "steps": out}
+
+    def abort(self, step: int) -> bool:
+        """Forget ``step`` here (its save failed on some host): committed or pending, and its
+        unshared blobs. True when there was something to remove."""
+        with self._lock:
+            self._partial.pop(step, None)
+        self._manifests.pop(step, None)
+        removed = self.store.delete_step(step)
+        if removed:
+            log.info("host %s: step %d aborted (its save failed on some host)", self.host_id, step)
+        return removed
 
     # --- restore -----------------------------------------------------------------------
 
@@ -284,18 +333,38 @@ class SidecarService:
             done.add(shard.box)
             try:
                 if shard.box == box:
-                    self.store.read_blob_into(shard.blob, _writable_bytes(target))
+                    self.store.read_blob_into(shard.blob, byte_view(target))
                 else:
                     tmp = self._map_shard(shard, dtype)
                     if tmp is None:
                         tmp = aligned_empty(fmt.box_shape(shard.box), dtype)
-                        self.store.read_blob_into(shard.blob, _writable_bytes(tmp))
+                        self.store.read_blob_into(shard.blob, byte_view(tmp))
                     src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(inter, shard.box))
                     dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
                     target[dst] = tmp[src]
             except (CorruptBlobError, FileNotFoundError, ValueError) as e:
                 raise _no_good_copy(step, key, shard, self.host_id, e) from None
         return out
+
+    def read_boxes_each(self, step: int, reads: Sequence[tuple]) -> tuple[list, list[tuple[int, str, str]]]:
+        """``read_boxes`` for (key, box) or (key, box, as_bytes, out) rows; on a failure, box by
+        box, so that the others still count: (buffers, [(index, error type, message)]), with b""
+        for a failed box. Both transports read through this (the daemon's head tries another
+        holder for a failed box; the colocated transport raises the first)."""
+        rows = [tuple(r) + (False, None)[len(r) - 2:] if len(r) < 4 else tuple(r) for r in reads]
+        try:
+            return self.read_boxes(step, rows), []
+        except MTCError:
+            pass
+        out, errors = [], []
+        for i, (key, box, as_bytes, buf) in enumerate(rows):
+            try:
+                out.append(self.read_box(step, key, box, as_bytes=as_bytes, out=buf))
+            except MTCError as e:  # this box fails; the others of the request still count
+                log.warning("host %s: read of %r failed: %s", self.host_id, key, e)
+                errors.append((i, type(e).__name__, str(e)))
+                out.append(b"")
+        return out, errors
 
     def read_boxes(self, step: int, reads: Sequence[tuple[str, fmt.Box | None, bool, np.ndarray | None]]
                    ) -> list[np.ndarray]:
@@ -466,7 +535,3 @@ def _no_good_copy(step: int, key: str, shard: fmt.ShardRecord, host: str, e: Exc
                             f"has no good copy on host {host}; tiers tried: ram ({e})")
 
 
-def _writable_bytes(a: np.ndarray) -> memoryview:
-    if a.size == 0:
-        return memoryview(bytearray())
-    return memoryview(a.reshape(-1).view(np.uint8))

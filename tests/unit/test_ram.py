@@ -15,7 +15,8 @@ import pytest
 from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar import faults, ram
-from mtc.sidecar.ram import RamStore, collect_blob_names, format_bytes
+from mtc.shared.format import collect_blob_names
+from mtc.sidecar.ram import RamStore, format_bytes
 
 MiB = 1 << 20
 
