@@ -162,6 +162,37 @@ class BackupReport:
     seconds: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """One look at the hosts (and the backup root): what each step's blobs have where.
+
+    A value, passed from the step choice to the planning of the same restore, so that two
+    threads (the start-up pull and a restore) never read each other's answers.
+    """
+
+    views: dict  # step -> StepView (mtc.head.replication)
+    unreachable: dict  # host -> why it could not be asked
+    backup_unreachable: str | None = None  # why the backup root could not be listed
+
+    @property
+    def restorable(self) -> list[int]:
+        """Steps whose every blob has a copy on some host, ascending; none while a host cannot be
+        asked (the restore would need that host)."""
+        if self.unreachable:
+            return []
+        return sorted(s for s, v in self.views.items() if v.restorable)
+
+    def note(self) -> str:
+        """What an error about a missing step should add: hosts and the backup root not asked."""
+        note = ""
+        if self.unreachable:
+            note = ("; hosts that could not be asked, so no step is confirmed on them: "
+                    + "; ".join(f"{h} ({e})" for h, e in sorted(self.unreachable.items())))
+        if self.backup_unreachable:
+            note += f"; the backup root could not be listed ({self.backup_unreachable})"
+        return note
+
+
 def _fenced_cause(e: BaseException) -> FencedError | None:
     seen = set()
     while e is not None and id(e) not in seen:
@@ -258,8 +289,6 @@ class CheckpointManager:
         _install_exit_hook()
         _LIVE.add(self)
         self.last_replication_report: ReplicationReport | None = None
-        self._views: dict = {}
-        self._backup_unreachable: str | None = None  # why the last backup listing failed
         self.last_prefetch_report: PrefetchReport | None = None
         self._prefetch_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch")
         self._prefetch: Future | None = None
@@ -712,30 +741,17 @@ class CheckpointManager:
 
     # --- inventory -----------------------------------------------------------------------
 
-    def _cluster_steps(self) -> list[int]:
-        """Steps restorable from the hosts, ascending: every blob has a copy on some host.
-
-        The copy may be on the host that saved it, on a data-parallel twin, or a peer copy,
-        so a host that lost its ramdisk does not make a step unrestorable. While a host cannot
-        be asked (cluster mode: its daemon is down), no step is confirmed: the restore would
-        need that host.
-        """
+    def _inventory(self, listing: dict | None = None) -> Inventory:
+        """Ask every host what it holds. A step is restorable while every blob has a copy on
+        some host: the one that saved it, a data-parallel twin or a peer copy, so a host that
+        lost its ramdisk does not make a step unrestorable."""
         inv = self._dispatch.inventories()
-        self._unreachable = {h: i["error"] for h, i in inv.items() if i.get("error")}
-        self._views = step_views(inv)
-        if self._unreachable or not inv:
-            return []
-        return sorted(s for s, v in self._views.items() if v.restorable)
+        return Inventory(views=step_views(inv), unreachable={h: i["error"] for h, i in inv.items() if i.get("error")},
+                         backup_unreachable=(listing or {}).get("unreachable"))
 
-    def _unreachable_note(self) -> str:
-        bad = getattr(self, "_unreachable", None) or {}
-        note = ""
-        if bad:
-            note = ("; hosts that could not be asked, so no step is confirmed on them: "
-                    + "; ".join(f"{h} ({e})" for h, e in sorted(bad.items())))
-        if getattr(self, "_backup_unreachable", None):
-            note += f"; the backup root could not be listed ({self._backup_unreachable})"
-        return note
+    def _cluster_steps(self) -> list[int]:
+        """Steps restorable from the hosts, ascending (see ``Inventory.restorable``)."""
+        return self._inventory().restorable
 
     def _backup_listing(self) -> dict:
         """The backups and ``restore.version``; empty, with a warning, while the store is unreachable.
@@ -744,17 +760,15 @@ class CheckpointManager:
         back from its ramdisks and peers, not wait out (or die of) the store's upload deadline.
         A bucket that answers with a refusal (missing, no permission) is still an error.
         """
-        self._backup_unreachable = None
         if not self._config.base_output_directory:
             return {"backups": [], "restore_version": None}
         try:
             return self._dispatch.backup_listing(deadline_s=_LISTING_DEADLINE_S)
         except (TransientStoreError, HostUnreachableError) as e:
-            self._backup_unreachable = str(e)
             log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on the "
                         "hosts (restore.version, if any, is not read)", self._config.backup_root,
                         _LISTING_DEADLINE_S, e)
-            return {"backups": [], "restore_version": None}
+            return {"backups": [], "restore_version": None, "unreachable": str(e)}
 
     def all_steps(self) -> list[int]:
         """Restorable steps, ascending: whole across the hosts (see ``_cluster_steps``), or in a
@@ -808,12 +822,12 @@ class CheckpointManager:
         prefetched = self._await_prefetch()
         self._wait_previous()
         self._check_versions()
-        step, backup_name, fallback = self._choose_step(step, self._backup_listing())
+        step, backup_name, fallback, inv = self._choose_step(step, self._backup_listing())
         t1 = time.perf_counter()
         manifest = self._dispatch.manifest(step) if backup_name is None else self._dispatch.backup_manifest(backup_name)
         requests, finish = self._plan(manifest, target, partial)
         pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}  # tier -> [bytes, blobs]
-        needed = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled)
+        needed = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
         if needed is None:
             needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
         t_pull = time.perf_counter()
@@ -821,7 +835,7 @@ class CheckpointManager:
             for tier in ("peer", "backup"):
                 pulled[tier][0] += prefetched.bytes_by_tier.get(tier, 0)
                 pulled[tier][1] += prefetched.blobs_by_tier.get(tier, 0)
-        view = self._views.get(step) if backup_name is None else None
+        view = inv.views.get(step) if backup_name is None else None
         holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
         arrays = self._dispatch.load(step, requests, holders)
         t2 = time.perf_counter()
@@ -839,45 +853,48 @@ class CheckpointManager:
         log.info("- restore step %d; duration=%.3fs; size=%d bytes", step, time.perf_counter() - t0, nbytes)
         return result
 
-    def _choose_step(self, step: int | None, listing: dict) -> tuple[int, str | None, str | None]:
-        """(step, backup to restore it from or None for the hosts, a backup of it as fallback)."""
+    def _choose_step(self, step: int | None, listing: dict) -> tuple[int, str | None, str | None, Inventory]:
+        """(step, backup to restore it from or None for the hosts, a backup of it as fallback,
+        the inventory the choice was made on)."""
         if listing["restore_version"]:
             backup_name, pinned = self._pinned_backup(listing)
             if step is not None and step != pinned:
                 raise StepNotFoundError(f"restore.version pins backup {backup_name} (step {pinned}); "
                                         f"step {step} was asked for; clear restore.version to restore it")
-            return pinned, backup_name, None
-        cluster = self._cluster_steps()
+            return pinned, backup_name, None, Inventory(views={}, unreachable={})  # the hosts are not asked
+        inv = self._inventory(listing)
+        cluster = inv.restorable
         in_backup: dict[int, str] = {}
         for b in listing["backups"]:  # newest first: keep the newest backup of each step
             in_backup.setdefault(b["step"], b["name"])
         steps = sorted(set(cluster) | set(in_backup))
         # While a host cannot be asked, "not found" may only mean "on the host that is gone".
-        lost = (HostUnreachableError("; ".join(f"{h}: {e}" for h, e in sorted(self._unreachable.items())))
-                if getattr(self, "_unreachable", None) else None)
+        lost = (HostUnreachableError("; ".join(f"{h}: {e}" for h, e in sorted(inv.unreachable.items())))
+                if inv.unreachable else None)
         if step is None:
             if not steps:
                 raise StepNotFoundError(
                     f"no committed step in {self._config.ramdisk_root}"
                     + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
                     + "; nothing to restore (save a step first, or check local_checkpoint_directory)"
-                    + self._unreachable_note()) from lost
+                    + inv.note()) from lost
             step = steps[-1]
         elif step not in steps:
             raise StepNotFoundError(f"step {step} is not committed on every host, and not every blob of it has a "
                                     f"copy on some host or in a backup; committed steps: {steps}"
-                                    + self._unreachable_note()) from lost
-        return step, (None if step in cluster else in_backup[step]), in_backup.get(step)
+                                    + inv.note()) from lost
+        return step, (None if step in cluster else in_backup[step]), in_backup.get(step), inv
 
     def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
-                       backup_name: str | None, fallback: str | None, pulled: dict) -> tuple[int, int] | None:
+                       backup_name: str | None, fallback: str | None, pulled: dict,
+                       inv: Inventory) -> tuple[int, int] | None:
         """Every host pulls the blobs it lacks for its shards of ``requests``; (bytes, blobs) needed.
 
         A replaced node lacks its own shards; after an elastic resize any host may lack saved
         shards its target shards overlap. Planned per host, and counted per host: a blob two
         hosts need is two transfers. None when the inventories did not see the step.
         """
-        view = self._views.get(step) if backup_name is None else None
+        view = inv.views.get(step) if backup_name is None else None
         if backup_name is None and view is None:
             return None
         needs = self._needs(manifest, requests)
@@ -886,7 +903,7 @@ class CheckpointManager:
         if backup_name is not None:
             self._count_backup(pulled, self._dispatch.backup_fetch(backup_name, needs))
         else:
-            self._pull_lacking(step, manifest, needs, fallback, pulled)
+            self._pull_lacking(step, manifest, needs, fallback, pulled, view)
             if pulled["peer"][1] or pulled["backup"][1]:
                 # A host was refilled: the copies it held for its peers are gone too; make them again.
                 self._maybe_replicate(manifest)
@@ -906,14 +923,14 @@ class CheckpointManager:
         t0 = time.perf_counter()
         try:
             self._check_versions()
-            step, backup_name, fallback = self._choose_step(None, self._backup_listing())
+            step, backup_name, fallback, inv = self._choose_step(None, self._backup_listing())
             manifest = (self._dispatch.manifest(step) if backup_name is None
                         else self._dispatch.backup_manifest(backup_name))
             requests, _ = self._plan(manifest, None)  # the saved shardings (fails after a shrink: skipped)
             if self._closing.is_set():  # closed before anything moved: a job that did not want it
                 return None
             pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}
-            self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled)
+            self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
         except Exception as e:  # nothing to restore, a resized job, a host down: restore handles it
             log.info("start-up pull skipped: %s: %s", type(e).__name__, e)
             return None
@@ -945,7 +962,7 @@ class CheckpointManager:
         pulled["backup"][1] += sum(f.get("downloaded", 0) for f in fetched.values())
 
     def _pull_lacking(self, step: int, manifest: fmt.StepManifest, needs: dict[str, list[str]],
-                      fallback: str | None, pulled: dict) -> None:
+                      fallback: str | None, pulled: dict, view: Any) -> None:
         """Hosts that lack blobs they need pull them from peers that hold them, verified.
 
         The load spreads over the holders; a bad or unreachable copy is skipped for the next
@@ -954,7 +971,6 @@ class CheckpointManager:
         tiers tried. A host that lacked the step altogether (a replaced node) commits it again
         once it holds its blobs.
         """
-        view = self._views.get(step)
         holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
         if holders is None:
             return  # the inventories did not see this step: the load reads from where it is
