@@ -1,11 +1,23 @@
-"""``mtc demo``: train a small model, crash it (kill -9), restore, finish, and compare.
+"""``mtc demo``: every tier and every recovery, on a local cluster of 2 slices x 2 hosts.
 
-Three fresh processes, on 8 CPU devices and the embedded defaults (a local ramdisk folder):
-1. the reference: train all steps without interruption;
-2. the victim: train with checkpoints every ``--period`` steps, killed with SIGKILL after
-   step ``--crash-at``;
-3. the recovery: a new process restores the latest checkpoint and finishes the run.
-The final parameters of (3) must equal those of (1) bit for bit.
+A small model trains on 8 CPU devices (4 per slice, data-parallel over the slices) with a local
+checkpoint every ``--period`` steps and a backup every three checkpoints, to a local directory.
+While it trains, the demo
+
+1. kills a sidecar in the middle of a save (kill -9 between two blob writes): the save fails,
+   the step is not committed, the job restores the previous step from RAM;
+2. replaces a host (its ramdisk wiped): the new host pulls its shards from its peer;
+3. loses a whole slice: the job goes on on one slice (an elastic restore onto 4 devices), then
+   the slice comes back and the job scales up again (the returned hosts pull from their peers);
+4. loses every ramdisk: the job restores from the backup.
+
+Each recovery is a new head (a new ``CheckpointManager``) that restores the latest step and
+trains on from there. At the end the final parameters are compared, bit for bit, with an
+uninterrupted run, a table lists every recovery (the fault, the step restored, the bytes from
+each tier, the time to recover) and a timeline picture (PNG) is written.
+
+The sidecars run as real daemon processes (``python -m mtc.sidecar cluster``); the head drives
+them through the cluster dispatcher, as a job without Pathways would.
 """
 
 from __future__ import annotations
@@ -13,13 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _XLA = "--xla_force_host_platform_device_count=8"
+SLICES, HOSTS, DEVICES_PER_HOST = 2, 2, 2
+MIN_STEPS = 16
 
 
 def _worker_env() -> dict:
@@ -31,136 +46,396 @@ def _worker_env() -> dict:
     return env
 
 
-def _train(workdir: Path, steps: int, period: int, crash_at: int | None, checkpoint: bool) -> None:
-    """The training job (runs in its own process)."""
+def fault_schedule(steps: int, period: int) -> dict[int, str]:
+    """step -> the fault injected before that step trains (spread over the run, on save steps)."""
+    def at(frac: float) -> int:
+        s = max(period + 1, int(steps * frac))
+        return s - (s % period) if s % period else s
+
+    plan = {at(0.2): "kill_mid_save", at(0.35): "replace_host", at(0.5): "lose_slice", at(0.65): "slice_back",
+            at(0.82): "lose_all_ramdisks"}
+    if len(plan) != 5 or max(plan) >= steps:
+        raise ValueError(f"--steps {steps} with --period {period} leaves no room for the five faults; "
+                         f"use --steps >= {MIN_STEPS} and a --period of at most --steps / 8")
+    return plan
+
+
+FAULT_SHORT = {
+    "kill_mid_save": "sidecar killed mid-save",
+    "replace_host": "host replaced",
+    "lose_slice": "slice lost",
+    "slice_back": "slice back (scale up)",
+    "lose_all_ramdisks": "every ramdisk lost",
+}
+FAULT_TEXT = {
+    "kill_mid_save": "sidecar s0-h1 killed (kill -9) in the middle of a save",
+    "replace_host": "host s1-h0 replaced (its ramdisk wiped)",
+    "lose_slice": "slice 1 lost (both its hosts killed): go on on slice 0",
+    "slice_back": "slice 1 back: scale up to 2 slices",
+    "lose_all_ramdisks": "every ramdisk lost (all 4 hosts wiped)",
+}
+
+
+class _Cluster:
+    """The local sidecar daemons, driven through ``python -m mtc.sidecar cluster`` (JSON lines)."""
+
+    def __init__(self, root: Path):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mtc.sidecar", "cluster", "--root", str(root), "--slices", str(SLICES),
+             "--hosts", str(HOSTS), "--devices-per-host", str(DEVICES_PER_HOST)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_worker_env())
+        first = self._read()
+        self.spec, self.hosts = Path(first["spec"]), first["hosts"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the local cluster stopped (see its logs under the work directory)")
+        doc = json.loads(line)
+        if "error" in doc:
+            raise RuntimeError(f"local cluster: {doc['error']}")
+        return doc
+
+    def do(self, op: str, host: str | None = None, env: dict | None = None) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, "host": host, "env": env}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def slice_hosts(self, s: int) -> list[str]:
+        return [h for h in self.hosts if h.startswith(f"s{s}-")]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@dataclass
+class Recovery:
+    fault: str
+    step: int
+    bytes_by_tier: dict
+    seconds: float
+
+
+@dataclass
+class Timeline:
+    t0: float = field(default_factory=time.perf_counter)
+    steps: list = field(default_factory=list)  # (t, step, slices)
+    saves: list = field(default_factory=list)  # (t, step)
+    backups: list = field(default_factory=list)  # (t, step)
+    faults: list = field(default_factory=list)  # (t, text)
+    recoveries: list = field(default_factory=list)  # (t start, t end, step)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
 
     from mtc.head import CheckpointManager, MTCConfig
+    from mtc.head.cluster import ClusterDispatcher
 
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    w_sh = NamedSharding(mesh, P(None, "model"))
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide enough that the table keeps one row a line
+        console = Console(width=120)
+    # The demo reports what its faults do; mtc's own log (errors included: they are the faults)
+    # goes to a file in the work directory.
+    import logging
 
-    def init():
-        k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-        params = {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
-                  "w2": jax.random.normal(k2, (64, 1)) * 0.3}
-        shard = {"w1": w_sh, "b1": NamedSharding(mesh, P("model")), "w2": NamedSharding(mesh, P("model"))}
-        params = {k: jax.device_put(v, shard[k]) for k, v in params.items()}
-        momentum = jax.tree.map(jnp.zeros_like, params)
-        return {"params": params, "momentum": momentum, "step": 0}
+    handler = logging.FileHandler(workdir / "head.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    mtc_log = logging.getLogger("mtc")
+    mtc_log.addHandler(handler)
+    mtc_log.setLevel(logging.INFO)
+    mtc_log.propagate = False
+    faults = fault_schedule(steps, period)
+    backup_every = 3 * period
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    slice_devices = {s: devices[s * 4:(s + 1) * 4] for s in range(SLICES)}
 
-    def batch(step):
-        k = jax.random.PRNGKey(1000 + step)
-        x = jax.random.normal(k, (32, 16))
-        y = jnp.sin(x.sum(axis=1, keepdims=True))
-        return jax.device_put(x, NamedSharding(mesh, P("data"))), jax.device_put(y, NamedSharding(mesh, P("data")))
+    def mesh_of(slices: list[int]) -> Mesh:
+        return Mesh(np.array([d for s in slices for d in slice_devices[s]]).reshape(len(slices), 4), ("data", "model"))
 
-    def loss_fn(params, x, y):
-        h = jnp.tanh(x @ params["w1"] + params["b1"])
-        return jnp.mean((h @ params["w2"] - y) ** 2)
+    def shardings(mesh: Mesh) -> dict:
+        # Sharded over "model" (inside a slice), replicated over "data" (the slices): each
+        # slice holds the whole state, so one slice's loss loses nothing.
+        p = {"w": NamedSharding(mesh, P(None, "model")), "b": NamedSharding(mesh, P("model"))}
+        return {"params": p, "momentum": p, "step": NamedSharding(mesh, P())}
+
+    def init(mesh: Mesh) -> dict:
+        sh = shardings(mesh)
+        w = (np.arange(64 * 32, dtype=np.float32).reshape(64, 32) % 7) / 7
+        state = {"params": {"w": w, "b": np.zeros(32, np.float32)},
+                 "momentum": {"w": np.zeros((64, 32), np.float32), "b": np.zeros(32, np.float32)},
+                 "step": np.int32(0)}
+        return jax.tree.map(lambda x, s: jax.device_put(x, s), state, sh)
 
     @jax.jit
-    def train_step(params, momentum, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        momentum = jax.tree.map(lambda m, g: 0.9 * m + g, momentum, grads)
-        params = jax.tree.map(lambda p, m: p - 0.05 * m, params, momentum)
-        return params, momentum, loss
+    def train_step(state):
+        # Elementwise only: every device runs the same program on its shard whatever the mesh,
+        # so a run that moved between meshes is bit-identical to one that did not.
+        step = state["step"] + 1
+        t = jax.tree.map(lambda p: jnp.sin(jnp.arange(p.size, dtype=jnp.float32).reshape(p.shape) * 0.01
+                                           + step.astype(jnp.float32) * 0.1), state["params"])
+        grads = jax.tree.map(lambda p, x: p - x, state["params"], t)
+        momentum = jax.tree.map(lambda m, g: 0.9 * m + g, state["momentum"], grads)
+        params = jax.tree.map(lambda p, m: p - 0.05 * m, state["params"], momentum)
+        loss = sum(jnp.mean((p - x) ** 2) for p, x in zip(jax.tree.leaves(params), jax.tree.leaves(t)))
+        return {"params": params, "momentum": momentum, "step": step}, loss
 
-    state = init()
-    mgr = None
-    if checkpoint:
-        cfg = MTCConfig(enable_multi_tier_checkpointing=True, local_checkpoint_directory=str(workdir / "ramdisk"),
-                        local_checkpoint_period=period)
-        mgr = CheckpointManager(cfg)
-        latest = mgr.latest_step()
-        if latest is not None:
-            print(f"  committed steps on the ramdisk: {mgr.all_steps()} (a step still being written "
-                  "when the job died is not visible)", flush=True)
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array)
-                else x, state)
-            state = mgr.restore(latest, target=abstract)
-            r = mgr.last_restore_report
-            print(f"  restored step {latest} ({sum(r.bytes_by_tier.values())} bytes from "
-                  f"{', '.join(r.bytes_by_tier)}) in {r.total_s * 1000:.1f} ms", flush=True)
-    params, momentum = state["params"], state["momentum"]
-    for step in range(state["step"] + 1, steps + 1):
-        x, y = batch(step)
-        params, momentum, loss = train_step(params, momentum, x, y)
-        t0 = time.perf_counter()
-        if mgr is not None and mgr.save(step, {"params": params, "momentum": momentum, "step": step}):
-            print(f"  step {step:3d}  loss {float(loss):.5f}  checkpoint started; training waited "
-                  f"{(time.perf_counter() - t0) * 1000:.1f} ms", flush=True)
-        if crash_at is not None and step == crash_at:
-            print(f"  step {step:3d}  *** kill -9 ***", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-    if mgr is not None:
-        mgr.close()
-    flat = {k: np.asarray(v) for k, v in params.items()}
-    np.savez(workdir / "final.npz", **flat)
-    print(f"  finished {steps} steps, loss {float(loss):.5f}", flush=True)
+    # The uninterrupted run, for the comparison at the end.
+    ref = init(mesh_of([0, 1]))
+    for _ in range(steps):
+        ref, _ = train_step(ref)
+    reference = {k: np.asarray(v) for k, v in ref["params"].items()}
+
+    root, backups = workdir / "cluster", workdir / "backup"
+    for d in (root, backups):
+        shutil.rmtree(d, ignore_errors=True)
+    console.print(f"[bold]mtc demo[/bold]: {steps} steps on {SLICES} slices x {HOSTS} hosts x {DEVICES_PER_HOST} "
+                  f"devices; a local checkpoint every {period} steps, a backup every {backup_every} steps")
+    console.print(f"  ramdisks under {root}, backups in {backups}")
+    cluster = _Cluster(root)
+    tl = Timeline()
+    recoveries: list[Recovery] = []
+    managers: list = []
+
+    def manager(slices: list[int]):
+        sub = workdir / f"spec-{len(managers)}.json"
+        spec = json.loads(cluster.spec.read_text())
+        sub.write_text(json.dumps({**spec, "hosts": [h for h in spec["hosts"] if h["slice"] in slices]}))
+        cfg = MTCConfig(local_checkpoint_directory=str(root), cluster_spec=str(sub), local_checkpoint_period=period,
+                        base_output_directory=str(backups), run_name="demo",
+                        multi_tier_checkpointing_backup_interval_steps=backup_every)
+        live = [d for s in slices for d in slice_devices[s]]
+        m = CheckpointManager(cfg, dispatcher=ClusterDispatcher(cfg, devices=live))
+        managers.append(m)
+        return m
+
+    def recover(fault: str, slices: list[int], t_fault: float):
+        m = manager(slices)
+        mesh = mesh_of(slices)
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              init(mesh), shardings(mesh))
+        latest = m.latest_step()
+        state = m.restore(latest, target=target)
+        r = m.last_restore_report
+        t_end = tl.now()
+        recoveries.append(Recovery(FAULT_SHORT[fault], latest, dict(r.bytes_by_tier), t_end - t_fault))
+        tl.recoveries.append((t_fault, t_end, latest))
+        served = ", ".join(f"{n} B from {tier}" for tier, n in r.bytes_by_tier.items() if n) or "nothing to move"
+        console.print(f"  [green]recovered[/green]: step {latest} restored on {len(slices)} slice(s) ({served}) "
+                      f"in {t_end - t_fault:.2f} s; training goes on from step {latest + 1}")
+        return m, state
+
+    seen_backups: set = set()
+
+    def note_backups() -> None:
+        for m in managers:
+            rep = m.last_backup_report
+            if rep is not None and rep.name and id(rep) not in seen_backups:
+                seen_backups.add(id(rep))
+                tl.backups.append((tl.now(), rep.step))
+
+    def abandon(m) -> None:
+        try:
+            m.close()  # waits for its background save and backup
+        except Exception:  # its failed save was the fault; a new head takes over
+            pass
+        note_backups()
+
+    ok = False
+    try:
+        slices = [0, 1]
+        mgr = manager(slices)
+        state = init(mesh_of(slices))
+        done = set()
+        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            task = progress.add_task("training", total=steps)
+            step = 1
+            while step <= steps:
+                fault = faults.get(step)
+                if fault and fault not in done:
+                    done.add(fault)
+                    t_fault = tl.now()
+                    tl.faults.append((t_fault, fault))
+                    console.print(f"step {step}: [red]fault[/red]: {FAULT_TEXT[fault]}")
+                    if fault == "kill_mid_save":
+                        mgr.wait_until_finished()  # the saves before it are committed
+                        cluster.do("restart", "s0-h1", env={"MTC_CRASH_AT": "between_blobs"})
+                        state, _ = train_step(state)
+                        mgr.save(step, state, force=True)
+                        failed = None
+                        try:
+                            mgr.wait_until_finished()
+                        except Exception as e:  # the save of this step failed: nothing committed
+                            failed = e
+                        if failed is None:
+                            raise RuntimeError("the save should have failed: its sidecar was killed mid-save")
+                        console.print(f"  the save of step {step} failed ({type(failed).__name__}); "
+                                      "nothing of it is visible")
+                        abandon(mgr)
+                        cluster.do("restart", "s0-h1")
+                    elif fault == "replace_host":
+                        mgr.wait_until_finished()
+                        abandon(mgr)
+                        cluster.do("wipe", "s1-h0")
+                        cluster.do("restart", "s1-h0")
+                    elif fault == "lose_slice":
+                        mgr.wait_until_finished()
+                        abandon(mgr)
+                        for h in cluster.slice_hosts(1):
+                            cluster.do("kill", h)
+                        slices = [0]
+                    elif fault == "slice_back":
+                        mgr.wait_until_finished()
+                        abandon(mgr)
+                        for h in cluster.slice_hosts(1):
+                            cluster.do("restart", h)
+                        slices = [0, 1]
+                    elif fault == "lose_all_ramdisks":
+                        mgr.wait_until_finished()
+                        mgr.wait_for_backup()
+                        abandon(mgr)
+                        for h in cluster.hosts:
+                            cluster.do("wipe", h)
+                            cluster.do("restart", h)
+                    mgr, state = recover(fault, slices, t_fault)
+                    step = int(state["step"]) + 1
+                    progress.update(task, completed=step - 1)
+                    continue
+                state, loss = train_step(state)
+                tl.steps.append((tl.now(), step, len(slices)))
+                if mgr.save(step, state):
+                    tl.saves.append((tl.now(), step))
+                note_backups()
+                progress.update(task, completed=step, description=f"training (loss {float(loss):.4f}, "
+                                f"{len(slices)} slice{'s' if len(slices) > 1 else ''})")
+                step += 1
+            mgr.wait_until_finished()
+            mgr.wait_for_backup()
+            note_backups()
+        final = {k: np.asarray(v) for k, v in state["params"].items()}
+        ok = sorted(final) == sorted(reference) and all(
+            final[k].dtype == reference[k].dtype and final[k].tobytes() == reference[k].tobytes() for k in final)
+        table = Table(title="recoveries")
+        for col in ("fault", "step restored", "from ram", "from peer", "from backup", "time to recover"):
+            table.add_column(col, justify="left" if col == "fault" else "right")
+        for r in recoveries:
+            table.add_row(r.fault, str(r.step), *(f"{r.bytes_by_tier.get(t, 0):,} B" for t in ("ram", "peer", "backup")),
+                          f"{r.seconds:.2f} s")
+        console.print(table)
+        _plot(tl, timeline_png, steps)
+        console.print(f"timeline: {timeline_png}")
+        print(json.dumps({"bitwise_equal": ok, "recoveries": len(recoveries),
+                          "tiers": sorted({t for r in recoveries for t, n in r.bytes_by_tier.items() if n}),
+                          "timeline": str(timeline_png)}), flush=True)
+        console.print("final parameters equal the uninterrupted run bit for bit" if ok
+                      else "[red]MISMATCH: the final parameters differ from the uninterrupted run[/red]")
+    finally:
+        for m in managers:
+            abandon(m)
+        cluster.close()
+    return 0 if ok else 1
 
 
-def _run(workdir: Path, args: argparse.Namespace, *extra: str) -> int:
-    cmd = [sys.executable, "-m", "mtc.head.demo", "train", "--workdir", str(workdir), "--steps", str(args.steps),
-           "--period", str(args.period), *extra]
-    return subprocess.run(cmd, env=_worker_env()).returncode
+def _plot(tl: Timeline, path: Path, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(11, 5))
+    if tl.steps:
+        ax.plot([t for t, _, _ in tl.steps], [s for _, s, _ in tl.steps], ".", color="0.4", ms=3, label="train step")
+        one = [(t, s) for t, s, n in tl.steps if n == 1]
+        if one:
+            ax.plot(*zip(*one), ".", color="tab:orange", ms=4, label="train step on one slice")
+    if tl.saves:
+        ax.plot(*zip(*tl.saves), "o", mfc="none", color="tab:blue", label="local checkpoint")
+    if tl.backups:
+        ax.plot(*zip(*tl.backups), "s", mfc="none", color="tab:purple", ms=9, label="backup")
+    for t, fault in tl.faults:
+        ax.axvline(t, color="tab:red", lw=1)
+        ax.text(t, steps * 1.03, " " + FAULT_SHORT[fault], rotation=90, va="bottom", ha="right", fontsize=8,
+                color="tab:red")
+    for t0, t1, step in tl.recoveries:
+        ax.axvspan(t0, t1, color="tab:green", alpha=0.25)
+        ax.plot([t1], [step], "*", color="tab:green", ms=10)
+    ax.plot([], [], "*", color="tab:green", label="restored step (green: time to recover)")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("step")
+    ax.set_ylim(0, steps * 1.6)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=6, frameon=False)
+    ax.set_title("mtc demo: steps, checkpoints, backups, faults and recoveries")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the demo; returns 0 when the recovered run equals the reference bit for bit."""
-    import numpy as np
-
+    """Run the demo (in a process with 8 CPU devices); 0 when the result equals the uninterrupted run."""
+    try:
+        import matplotlib  # noqa: F401
+        import rich  # noqa: F401
+    except ImportError as e:
+        print(f"mtc demo needs {e.name}: pip install 'mtc[demo]' (or pip install -e '.[demo]' in a checkout)",
+              file=sys.stderr)
+        return 2
+    steps = args.steps if args.steps is not None else (20 if args.quick else 40)
+    try:
+        fault_schedule(steps, args.period)
+    except ValueError as e:
+        print(f"mtc demo: {e}", file=sys.stderr)
+        return 2
     work = Path(args.workdir)
-    if args.crash_at < 1 or args.crash_at >= args.steps:
-        print(f"mtc demo: --crash-at must be between 1 and --steps - 1 ({args.steps - 1})", file=sys.stderr)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        probe = work / ".mtc-demo-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        print(f"mtc demo: --workdir {work} is not a writable directory ({e.strerror or e}); pass another one",
+              file=sys.stderr)
         return 2
-    if args.period < 1 or args.period > args.crash_at:
-        print("mtc demo: --period must be >= 1 and <= --crash-at, or there is nothing to restore", file=sys.stderr)
-        return 2
-    ref, run = work / "reference", work / "job"
-    for d in (ref, run):
-        d.mkdir(parents=True, exist_ok=True)
-    print(f"mtc demo in {work}: {args.steps} steps, a checkpoint every {args.period} steps, "
-          f"ramdisk {run / 'ramdisk'}")
-    print("1) reference run, no interruption")
-    if _run(ref, args, "--no-checkpoint") != 0:
-        return 1
-    print(f"2) training job with checkpoints, killed after step {args.crash_at}")
-    rc = _run(run, args, "--crash-at", str(args.crash_at))
-    if rc != -signal.SIGKILL:
-        print(f"mtc demo: the job should have been killed, exit status {rc}", file=sys.stderr)
-        return 1
-    print("3) a fresh process restores the latest checkpoint and finishes")
-    if _run(run, args) != 0:
-        return 1
-    a, b = np.load(ref / "final.npz"), np.load(run / "final.npz")
-    same = sorted(a.files) == sorted(b.files) and all(
-        a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in a.files)
-    result = {"bitwise_equal": same, "arrays": len(a.files), "workdir": str(work)}
-    print(json.dumps(result))
-    print("final parameters equal the uninterrupted run bit for bit" if same
-          else "MISMATCH: the recovered run differs from the reference")
-    return 0 if same else 1
-
-
-def _train_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mtc.head.demo train")
-    p.add_argument("--workdir", type=Path, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--period", type=int, required=True)
-    p.add_argument("--crash-at", type=int, default=None)
-    p.add_argument("--no-checkpoint", action="store_true")
-    a = p.parse_args(argv)
-    _train(a.workdir, a.steps, a.period, a.crash_at, not a.no_checkpoint)
-    return 0
+    timeline = Path(args.timeline).resolve()
+    cmd = [sys.executable, "-m", "mtc.head.demo", "run", "--workdir", str(work), "--steps", str(steps),
+           "--period", str(args.period), "--timeline", str(timeline)]
+    try:
+        return subprocess.run(cmd, env=_worker_env()).returncode
+    finally:
+        if not args.keep:
+            for name in ("cluster", "backup"):
+                shutil.rmtree(work / name, ignore_errors=True)
+            (work / "head.log").unlink(missing_ok=True)
+            for p in work.glob("spec-*.json"):
+                p.unlink()
+            if getattr(args, "created_workdir", False):
+                shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "train":
-        sys.exit(_train_main(sys.argv[2:]))
-    print("usage: mtc demo [--steps N --period N --crash-at N --workdir DIR]", file=sys.stderr)
+    if len(sys.argv) > 1 and sys.argv[1] == "run":
+        p = argparse.ArgumentParser(prog="mtc.head.demo run")
+        p.add_argument("--workdir", type=Path, required=True)
+        p.add_argument("--steps", type=int, required=True)
+        p.add_argument("--period", type=int, required=True)
+        p.add_argument("--timeline", type=Path, required=True)
+        a = p.parse_args(sys.argv[2:])
+        sys.exit(_run(a.workdir, a.steps, a.period, a.timeline))
+    print("usage: mtc demo [--quick] [--steps N] [--period N] [--workdir DIR] [--keep] [--timeline PNG]",
+          file=sys.stderr)
     sys.exit(2)

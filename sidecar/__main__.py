@@ -1,8 +1,13 @@
-"""``python -m mtc.sidecar serve --root DIR --host-id ID ...``: run a sidecar daemon."""
+"""``python -m mtc.sidecar serve ...``: one sidecar daemon; ``python -m mtc.sidecar cluster ...``:
+a local cluster of them driven from stdin (``mtc.sidecar.cluster.serve_cluster``)."""
 
 import sys
 
-from mtc.sidecar.daemon import main
-
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "cluster":
+        from mtc.sidecar.cluster import serve_cluster
+
+        sys.exit(serve_cluster(sys.argv[2:]))
+    from mtc.sidecar.daemon import main
+
     sys.exit(main())

@@ -38,7 +38,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from mtc.shared import protocol
 from mtc.shared.errors import HostUnreachableError, ProtocolError
@@ -358,3 +358,50 @@ def _ping(address: str, host_id: str) -> bool:
     except (OSError, ProtocolError):
         return False
     return reply.error is None and isinstance(reply.result, dict) and reply.result.get("host") == host_id
+
+
+def serve_cluster(argv: Sequence[str] | None = None) -> int:
+    """``python -m mtc.sidecar cluster --root R --slices S --hosts H [--devices-per-host D]``.
+
+    Starts a LocalCluster and takes commands from stdin, one JSON object a line, answering one
+    JSON line each on stdout: ``{"op": "spec"}`` (the spec path and the host ids), ``{"op": "kill",
+    "host": H}`` (SIGKILL), ``{"op": "wipe", "host": H}`` (kill and empty its ramdisk), ``{"op":
+    "restart", "host": H, "env": {...}}``, ``{"op": "alive"}`` (host -> running). End of input
+    stops the cluster. This is how a head-side program (the demo) drives local sidecars without
+    importing them.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m mtc.sidecar cluster")
+    p.add_argument("--root", required=True)
+    p.add_argument("--slices", type=int, required=True)
+    p.add_argument("--hosts", type=int, required=True)
+    p.add_argument("--devices-per-host", type=int, default=2)
+    a = p.parse_args(argv)
+    with LocalCluster(a.root, a.slices, a.hosts, devices_per_host=a.devices_per_host) as cluster:
+        def answer(doc: dict) -> None:
+            sys.stdout.write(json.dumps(doc) + "\n")
+            sys.stdout.flush()
+
+        answer({"spec": str(cluster.spec_path), "hosts": cluster.hosts})
+        for line in sys.stdin:
+            try:
+                cmd = json.loads(line)
+                op, host = cmd.get("op"), cmd.get("host")
+                if op == "spec":
+                    answer({"spec": str(cluster.spec_path), "hosts": cluster.hosts})
+                elif op == "kill":
+                    cluster.kill(host)
+                    answer({"ok": True})
+                elif op == "wipe":
+                    cluster.wipe(host)
+                    answer({"ok": True})
+                elif op == "restart":
+                    answer({"ok": True, "address": cluster.restart(host, env=cmd.get("env") or None)})
+                elif op == "alive":
+                    answer({"alive": {h: cluster.is_running(h) for h in cluster.hosts}})
+                else:
+                    answer({"error": f"unknown op {op!r}; ops: spec, kill, wipe, restart, alive"})
+            except Exception as e:  # one bad command must not take the cluster down
+                answer({"error": f"{type(e).__name__}: {e}"})
+    return 0

@@ -142,10 +142,12 @@ def test_cli_help_exits_0(capsys):
 
 def test_demo_subcommand_options():
     args = build_parser().parse_args(["demo"])
-    assert (args.steps, args.period, args.workdir, args.crash_at) == (30, 5, None, 17)
+    assert (args.steps, args.period, args.workdir, args.quick, args.keep) == (None, 2, None, False, False)
+    assert args.timeline == Path("demo-out") / "timeline.png"
     args = build_parser().parse_args(
-        ["demo", "--steps", "12", "--period", "3", "--workdir", "/tmp/x", "--crash-at", "7"])
-    assert (args.steps, args.period, args.workdir, args.crash_at) == (12, 3, Path("/tmp/x"), 7)
+        ["demo", "--steps", "24", "--period", "3", "--workdir", "/tmp/x", "--quick", "--keep", "--timeline", "t.png"])
+    assert (args.steps, args.period, args.workdir, args.quick, args.keep) == (24, 3, Path("/tmp/x"), True, True)
+    assert args.timeline == Path("t.png")
 
 
 def test_python_dash_m_cli():
