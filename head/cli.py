@@ -34,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     function can be called in-process.
     """
     parser = build_parser()
+    argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
@@ -46,7 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `mtc` (subcommands size, demo, restore-version, manifests)."""
+    from mtc.shared.version import MTC_VERSION, PROTOCOL_VERSION
+
     parser = argparse.ArgumentParser(prog="mtc", description="Multi-tier checkpointing tools.")
+    parser.add_argument("--version", action="version", version=f"mtc {MTC_VERSION} (protocol {PROTOCOL_VERSION})")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
     size = sub.add_parser(
@@ -199,6 +203,20 @@ def _count(text: str) -> float:
             f"{text!r} is not a number (e.g. 70e9 or 70B)") from None
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--params -70e9`` as ``--params=-70e9``: argparse takes "-70e9" for an option (only plain
+    negative numbers like -70 are values to it) and answers "expected one argument"; joined, the
+    value reaches its check, which says what is wrong with it."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and len(a) > 1 and a[0] == "-" and (
+                a[1].isdigit() or a[1] == "."):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def _cmd_size(args: argparse.Namespace) -> int:
     try:
         size = ramdisk_size(args.params, args.hosts, buffer=args.buffer,
@@ -244,6 +262,14 @@ def _check_ramdisk(path: Path, required: int) -> dict:
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent  # a directory mtc would create: measure the filesystem it would be on
+    if path.exists() and not path.is_dir():
+        return {"error": f"--ramdisk {path} is not a directory"}
+    if probe != path:
+        m = ramdisk.describe(probe)
+        if not (m and m.fstype == "tmpfs"):  # created on a disk, not in a ramdisk: almost surely a typo
+            return {"error": f"--ramdisk {path} does not exist, and would be created on {probe} "
+                             f"({m.fstype if m else 'unknown filesystem'}), which is not a ramdisk; mount the "
+                             "ramdisk (e.g. mount -t tmpfs -o size=64g,huge=within_size tmpfs DIR) and pass its path"}
     try:
         st = os.statvfs(probe)
     except OSError as e:
@@ -279,8 +305,17 @@ def _cmd_restore_version(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"mtc restore-version: error: {e} (or pass --backup-root)", file=sys.stderr)
         return 2
+    except Exception as e:  # a client library's error (credentials, a missing package): its message, no traceback
+        print(f"mtc restore-version: error: cannot open {root}: {type(e).__name__}: {_last_line(e)}"
+              + (_GCS_HINT if str(root).startswith("gs://") else ""), file=sys.stderr)
+        return 1
     try:
         names = layout.names_from_listing(store.list(layout.BACKUPS))
+        if not names and not store.list(""):
+            print(f"mtc restore-version: error: the backup root {root} does not exist or is empty: nothing was "
+                  "backed up there; check --base-output-directory and --run-name (backups go to "
+                  "<base_output_directory>/<run_name>/mtc)", file=sys.stderr)
+            return 1
         try:
             current = store.get_bytes(layout.RESTORE_VERSION).decode().strip()
         except ObjectNotFoundError:
@@ -297,6 +332,9 @@ def _cmd_restore_version(args: argparse.Namespace) -> int:
                       "until it is fixed or cleared", file=sys.stderr)
             return 0
         if args.action == "clear":
+            if current is None:
+                print(f"restore.version is not set in {root}; nothing to remove (restore takes the newest step)")
+                return 0
             store.delete(layout.RESTORE_VERSION)
             print(f"restore.version removed from {root}: restore takes the newest step")
             return 0
@@ -318,8 +356,22 @@ def _cmd_restore_version(args: argparse.Namespace) -> int:
     except StoreError as e:
         print(f"mtc restore-version: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # e.g. google.auth errors while listing a gs:// root
+        print(f"mtc restore-version: error: {root}: {type(e).__name__}: {_last_line(e)}"
+              + (_GCS_HINT if str(root).startswith("gs://") else ""), file=sys.stderr)
+        return 1
     finally:
         store.close()
+
+
+_GCS_HINT = ("; for gs:// the google-cloud-storage client needs credentials (gcloud auth application-default "
+             "login, or GOOGLE_APPLICATION_CREDENTIALS) and pip install 'mtc[gcs]'; STORAGE_EMULATOR_HOST points it "
+             "at an emulator")
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else "(no message)"
 
 
 def _cmd_manifests(args: argparse.Namespace) -> int:

@@ -227,6 +227,7 @@ class MTCConfig:
                                   "(e.g. local_checkpoint_period=10)")
             if key not in _KINDS:
                 if ignore_unknown:
+                    _warn_if_misspelt(key)
                     continue
                 raise ConfigError(_unknown_message(key, "flag"))
             if key in given:
@@ -404,6 +405,17 @@ def _unknown_message(key: str, what: str) -> str:
     if close:
         return f"unknown {what} {key!r}; did you mean {close[0]!r}?"
     return f"unknown {what} {key!r}; valid names: {', '.join(_KINDS)}"
+
+
+def _warn_if_misspelt(key: str) -> None:
+    """With ignore_unknown, MaxText's other flags pass silently, but one that looks like an mtc or
+    checkpointing flag is most likely a typo that would turn a feature off without a word."""
+    # 0.9: a letter or two off an mtc flag, not MaxText's own checkpoint_period or async_checkpointing.
+    close = difflib.get_close_matches(key, list(_KINDS), n=1, cutoff=0.9)
+    looks = close or key.startswith(("multi_tier", "mtc_"))
+    if looks:
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        warnings.warn(f"flag {key!r} is not an mtc flag and is ignored{hint}", stacklevel=3)
 
 
 def _check_known(names: Iterable[str]) -> None:

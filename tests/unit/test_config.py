@@ -403,3 +403,20 @@ def test_from_flags_takes_mtc_own_settings_from_the_environment_and_flags_win():
     assert MTCConfig.from_flags(flags, ignore_unknown=True, environ={}).peer_port == 0
     with pytest.raises(ConfigError, match="MTC_PEER_PORT"):
         MTCConfig.from_flags(flags, ignore_unknown=True, environ={"MTC_PEER_PORT": "many"})
+
+
+def test_ignore_unknown_warns_about_a_misspelt_checkpoint_flag():
+    import warnings as _w
+
+    with pytest.warns(UserWarning, match="'multi_tier_checkpointing_backup_interval_minute'.*did you mean "
+                                         "'multi_tier_checkpointing_backup_interval_minutes'"):
+        cfg = MTCConfig.from_flags(["enable_multi_tier_checkpointing=True", "local_checkpoint_directory=/l",
+                                    "local_checkpoint_period=5", "base_output_directory=/b",
+                                    "multi_tier_checkpointing_backup_interval_minute=30"],
+                                   ignore_unknown=True, environ={})
+    assert cfg.multi_tier_checkpointing_backup_interval_minutes is None
+    with _w.catch_warnings():
+        _w.simplefilter("error")  # MaxText's other flags stay silent
+        MTCConfig.from_flags(["model_name=llama3.1-8b", "steps=100", "checkpoint_period=100",
+                              "async_checkpointing=True", "enable_emergency_checkpoint=False"],
+                             ignore_unknown=True, environ={})

@@ -1,0 +1,51 @@
+"""What a new user tripped over, each pinned: the CLI says what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtc.head.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("mtc 0.")
+
+
+def test_size_of_a_ramdisk_that_does_not_exist(capsys, tmp_path):
+    assert main(["size", "--params", "70e9", "--hosts", "32", "--ramdisk", "/nonexistent-mtc-test/ramdisk"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "mount the ramdisk" in err and "fits" not in err
+
+
+def test_size_with_a_negative_parameter_count(capsys):
+    assert main(["size", "--params", "-70e9", "--hosts", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "expected one argument" not in err and "params" in err, err
+
+
+def test_restore_version_on_a_root_that_does_not_exist(capsys, tmp_path):
+    assert main(["restore-version", "show", "--base-output-directory", str(tmp_path), "--run-name", "typo"]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist or is empty" in err and "--run-name" in err
+
+
+def test_restore_version_clear_when_nothing_is_pinned(capsys, tmp_path):
+    root = tmp_path / "r" / "mtc"
+    (root / "backups").mkdir(parents=True)
+    (root / "blobs").mkdir()
+    (root / "blobs" / "x").write_text("")
+    assert main(["restore-version", "clear", "--backup-root", str(root)]) == 0
+    assert "is not set" in capsys.readouterr().out
+
+
+def test_restore_version_on_gcs_without_credentials_is_one_line(capsys, monkeypatch):
+    pytest.importorskip("google.cloud.storage")
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent/credentials.json")
+    rc = main(["restore-version", "show", "--backup-root", "gs://no-such-bucket-mtc/x"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "credentials" in err
