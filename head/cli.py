@@ -14,7 +14,9 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -93,6 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeline", type=Path, default=Path("demo-out") / "timeline.png",
                       help="where to write the timeline picture (default demo-out/timeline.png)")
     demo.set_defaults(func=_cmd_demo)
+
+    pl = sub.add_parser(
+        "plan", help="how often to checkpoint to each tier, and the goodput it buys",
+        description="Recommend local_checkpoint_period and the backup interval from the model size, the "
+                    "hosts, the mean time between failures and the cost of each tier (Young/Daly per tier), "
+                    "and print the expected goodput against a backup-only setup and against blocking saves.")
+    pl.add_argument("--params", type=_count, required=True, help="model parameters, e.g. 70e9 or 70B")
+    pl.add_argument("--hosts", type=int, required=True, help="hosts per slice")
+    pl.add_argument("--slices", type=int, default=1, help="slices (data-parallel: each holds the whole state)")
+    pl.add_argument("--mtbf", required=True, help="mean time between failures of the job: 1h, 30m, 3600 (seconds)")
+    pl.add_argument("--step-time", type=float, default=1.0, help="seconds per training step (default 1)")
+    pl.add_argument("--bytes-per-param", type=float, default=12.0, help="checkpoint bytes per parameter (12)")
+    pl.add_argument("--backup-fraction", type=float, default=0.05,
+                    help="share of failures that lose every ramdisk copy and need the backup (default 0.05)")
+    pl.add_argument("--peer-fraction", type=float, default=0.5,
+                    help="share of the other failures that replace a host, restored from a peer (default 0.5)")
+    pl.add_argument("--backup-overhead", type=float, default=0.05,
+                    help="share of a background upload's duration charged to training (default 0.05)")
+    src = pl.add_mutually_exclusive_group()
+    src.add_argument("--measure", action="store_true", help="measure the rates with mtc on this machine")
+    src.add_argument("--rates", help="GB/s per host: d2h,write,backup,ram_read,peer,backup_read")
+    src.add_argument("--costs", help="seconds per host: blocked,write,backup,restore_ram,restore_peer,restore_backup")
+    pl.set_defaults(func=_cmd_plan)
 
     rv = sub.add_parser(
         "restore-version", help="pin restore to one backup (restore.version)",
@@ -291,6 +316,75 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     rc = demo.main(args)
     return 0 if rc is None else int(rc)
+
+
+def _duration(text: str) -> float:
+    t = text.strip().lower()
+    scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(t[-1:], None)
+    try:
+        return float(t[:-1]) * scale if scale else float(t)
+    except ValueError:
+        raise ConfigError(f"--mtbf {text!r} is not a duration (e.g. 1h, 30m, 3600)") from None
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from mtc.head import plan as planner
+
+    def fail(msg: str) -> int:
+        print(f"mtc plan: error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        mtbf = _duration(args.mtbf)
+        if args.params <= 0 or args.hosts < 1 or args.slices < 1 or args.step_time <= 0:
+            return fail("--params, --hosts, --slices and --step-time must be positive")
+        per_host = args.params * args.bytes_per_param / args.hosts
+        if args.costs:
+            vals = [float(v) for v in args.costs.split(",")]
+            if len(vals) != 6:
+                return fail("--costs takes 6 numbers: blocked,write,backup,restore_ram,restore_peer,restore_backup")
+            costs, how = planner.Costs(*vals), "given (--costs)"
+        elif args.rates or args.measure:
+            if args.measure:
+                r = planner.measure_rates()
+                how = "measured with mtc on this machine (--measure)"
+            else:
+                vals = [float(v) for v in args.rates.split(",")]
+                if len(vals) != 6 or min(vals) <= 0:
+                    return fail("--rates takes 6 positive GB/s: d2h,write,backup,ram_read,peer,backup_read")
+                r = dict(zip(("d2h", "write", "backup", "ram_read", "peer", "backup_read"), vals))
+                how = "from the rates given (--rates)"
+            costs = planner.costs_from_rates(per_host, d2h_gbps=r["d2h"], write_gbps=r["write"],
+                                             backup_gbps=r["backup"], ram_read_gbps=r["ram_read"],
+                                             peer_gbps=r["peer"], backup_read_gbps=r["backup_read"])
+            how += " (GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()) + ")"
+        else:
+            return fail("give the costs: --measure (measure them here), --rates or --costs")
+        p = planner.plan(costs, mtbf_s=mtbf, backup_fraction=args.backup_fraction, peer_fraction=args.peer_fraction,
+                         backup_overhead=args.backup_overhead)
+    except (ConfigError, ValueError) as e:
+        return fail(str(e))
+    period = max(1, round(p.local.interval_s / args.step_time))
+    minutes = max(1, math.ceil(p.backup.interval_s / 60)) if math.isfinite(p.backup.interval_s) else None
+    print(f"{args.params:.3g} parameters x {args.bytes_per_param:g} B over {args.hosts} hosts per slice "
+          f"({args.slices} slice(s)): {format_bytes(int(per_host))} per host; MTBF {mtbf:.0f} s; "
+          f"{args.backup_fraction:.0%} of failures need the backup, {args.peer_fraction:.0%} of the rest a peer")
+    print(f"costs per host, {how}:")
+    for name, v in dataclasses.asdict(costs).items():
+        print(f"  {name:18} {v:9.2f} s")
+    print("recommended:")
+    print(f"  local_checkpoint_period={period}  (every {p.local.interval_s:.0f} s = sqrt(2 x blocked x MTBF_local), "
+          f"at {args.step_time:g} s a step)")
+    print("  multi_tier_checkpointing_backup_interval_minutes=" + (f"{minutes}" if minutes else "none (no failure "
+          "needs it)") + (f"  (every {p.backup.interval_s:.0f} s = sqrt(2 x overhead x upload x MTBF_backup), "
+                          "at least one upload)" if minutes else ""))
+    print("expected goodput (1 - sum over tiers of cost/tau + (tau/2 + restore)/MTBF_tier):")
+    print(f"  mtc (RAM + peers + backup)  {p.goodput:8.2%}")
+    print(f"  backup only                 {p.backup_only_goodput:8.2%}  (checkpoints every "
+          f"{p.backup_only_interval_s:.0f} s, every failure restores from the bucket)")
+    print(f"  blocking saves              {p.blocking_goodput:8.2%}  (training waits for each local write and "
+          "each backup)")
+    return 0
 
 
 def _cmd_restore_version(args: argparse.Namespace) -> int:

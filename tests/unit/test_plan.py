@@ -1,0 +1,69 @@
+"""`mtc plan`: Young/Daly intervals and goodput, against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mtc.head.cli import main
+from mtc.head.plan import Costs, plan
+from mtc.shared.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_two_tiers_by_hand():
+    c = Costs(local_blocked_s=1, local_write_s=2, backup_s=50, restore_ram_s=10, restore_peer_s=20,
+              restore_backup_s=100)
+    p = plan(c, mtbf_s=3600, backup_fraction=0.5, peer_fraction=0.5, backup_overhead=0.1)
+    # local: M = 3600 / 0.5 = 7200 s; tau = sqrt(2 * 1 * 7200) = 120 s; r = 0.5*10 + 0.5*20 = 15 s
+    assert p.local.interval_s == pytest.approx(120.0)
+    assert p.local.waste == pytest.approx(1 / 120 + (60 + 15) / 7200)
+    # backup: M = 7200 s; it costs training 0.1 x 50 = 5 s; tau = max(50, sqrt(2 * 5 * 7200)) = 268.33 s
+    assert p.backup.interval_s == pytest.approx(math.sqrt(72000))
+    assert p.backup.waste == pytest.approx(5 / math.sqrt(72000) + (math.sqrt(72000) / 2 + 100) / 7200)
+    assert p.goodput == pytest.approx(1 - 0.01875 - (5 / 268.3282 + (134.1641 + 100) / 7200), abs=1e-6)
+    # backup-only: every failure (M = 3600) restores from the bucket; cost 1 + 5 s; tau = sqrt(2*6*3600) = 207.8
+    assert p.backup_only_interval_s == pytest.approx(math.sqrt(43200))
+    assert p.backup_only_goodput == pytest.approx(1 - 6 / math.sqrt(43200) - (math.sqrt(43200) / 2 + 100) / 3600)
+    # blocking: local tau = sqrt(2 * 2 * 7200) = 169.7; backup tau = 848.5 and it costs 50 s of training each
+    assert p.blocking_local_interval_s == pytest.approx(math.sqrt(28800))
+    assert p.blocking_goodput == pytest.approx(
+        1 - (2 / math.sqrt(28800) + (math.sqrt(28800) / 2 + 15) / 7200)
+        - (50 / math.sqrt(720000) + (math.sqrt(720000) / 2 + 100) / 7200))
+    assert p.goodput > p.blocking_goodput and p.goodput > p.backup_only_goodput
+
+
+def test_a_write_longer_than_youngs_interval_bounds_it():
+    c = Costs(local_blocked_s=0.01, local_write_s=30, backup_s=600, restore_ram_s=1, restore_peer_s=2,
+              restore_backup_s=60)
+    p = plan(c, mtbf_s=36000, backup_fraction=0.0, peer_fraction=0.0)
+    # sqrt(2 * 0.01 * 36000) = 26.8 s < 30 s: the next save cannot start before the last one is written
+    assert p.local.interval_s == pytest.approx(30.0)
+    assert p.local.waste == pytest.approx(0.01 / 30 + (15 + 1) / 36000)
+    assert math.isinf(p.backup.interval_s) and p.backup.waste == 0  # no failure needs the backup
+
+
+@pytest.mark.parametrize("kw,msg", [({"mtbf_s": 0}, "--mtbf"), ({"mtbf_s": -5}, "--mtbf"),
+                                    ({"mtbf_s": 10, "backup_fraction": 2}, "--backup-fraction")])
+def test_bad_input(kw, msg):
+    c = Costs(1, 2, 3, 4, 5, 6)
+    with pytest.raises(ConfigError, match=msg):
+        plan(c, **kw)
+
+
+def test_cli_needs_costs_or_measure(capsys):
+    assert main(["plan", "--params", "70e9", "--hosts", "32", "--slices", "2", "--mtbf", "1h"]) == 2
+    assert "--measure" in capsys.readouterr().err
+    assert main(["plan", "--params", "70e9", "--hosts", "32", "--slices", "2", "--mtbf", "0",
+                 "--rates", "10,2,0.2,3.5,2,0.3"]) == 2
+    assert "--mtbf" in capsys.readouterr().err
+
+
+def test_cli_seed_example(capsys):
+    assert main(["plan", "--params", "70e9", "--hosts", "32", "--slices", "2", "--mtbf", "1h",
+                 "--rates", "10,2,0.2,3.5,2,0.3", "--step-time", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "local_checkpoint_period=" in out and "multi_tier_checkpointing_backup_interval_minutes=" in out
+    assert "goodput" in out and "backup only" in out and "blocking saves" in out
