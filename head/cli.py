@@ -119,6 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--costs", help="seconds per host: blocked,write,backup,restore_ram,restore_peer,restore_backup")
     pl.set_defaults(func=_cmd_plan)
 
+    st = sub.add_parser(
+        "status", help="which steps live where, and which one a restore would choose",
+        description="For a running local cluster (--cluster-spec) or the ramdisk folders of a stopped job "
+                    "(--local-checkpoint-directory, one per host), plus the backup root: a table of steps x tiers "
+                    "(hosts, replication, backups), the restore.version pin, and which step a restore would "
+                    "choose and why. Read-only: it never takes the hosts from a running head.")
+    st.add_argument("--cluster-spec", help="the cluster spec of a running local cluster (MTC_CLUSTER_SPEC)")
+    st.add_argument("--local-checkpoint-directory", nargs="+", metavar="DIR",
+                    help="ramdisk folder(s) of a stopped job, one per host")
+    st.add_argument("--base-output-directory", default="", help="the job's base_output_directory (backups)")
+    st.add_argument("--run-name", default="", help="the job's run_name")
+    st.add_argument("--replication-factor", type=int, default=2, help="copies a step should have (default 2)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=lambda a: __import__("mtc.head.status", fromlist=["run"]).run(a))
+
     rv = sub.add_parser(
         "restore-version", help="pin restore to one backup (restore.version)",
         description="Show the backups and the restore.version file, pin restore to one backup "

@@ -1,0 +1,239 @@
+"""``mtc status``: which steps live where, and which one a restore would choose, and why.
+
+Read-only: it asks the sidecars for their inventories and step manifests and lists the backup
+root, and never claims the hosts (a running job's head keeps driving them). For a stopped job
+whose ramdisks are folders on this machine, ``--local-checkpoint-directory`` starts a sidecar
+daemon on each folder for the time of the question.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from mtc.shared import backup_layout
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import ConfigError, MTCError
+
+
+@dataclass
+class StepRow:
+    step: int
+    hosts: list[str]  # hosts with the step committed
+    whole_on: list[str]  # ... of which hold all of their own share
+    min_copies: int  # fewest hosts holding any one blob of the step
+    replicated: bool  # every blob on >= replication_factor slices
+    backups: list[str]  # backups of this step
+    restorable: bool
+    why_not: str = ""  # what is missing, when not restorable
+
+
+@dataclass
+class Status:
+    hosts: list[str]
+    unreachable: dict
+    steps: list[StepRow]
+    backup_root: str | None
+    backups: list[dict]
+    restore_version: str | None
+    choice: int | None
+    reason: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def _slices(spec: dict) -> dict[str, int]:
+    return {h["id"]: h["slice"] for h in spec["hosts"]}
+
+
+def collect(dispatch: Any, spec: dict, config: MTCConfig) -> Status:
+    """The status of the hosts behind ``dispatch`` (read-only calls) and of the backup root."""
+    from mtc.head.replication import step_views
+
+    inv = dispatch.inventories()
+    unreachable = {h: i["error"] for h, i in inv.items() if i.get("error")}
+    views = step_views(inv)
+    listing = {"backups": [], "restore_version": None}
+    notes: list[str] = []
+    if config.base_output_directory:
+        try:
+            listing = dispatch.backup_listing(deadline_s=10)
+        except MTCError as e:
+            notes.append(f"the backup root could not be listed: {e}")
+    in_backup: dict[int, list[str]] = {}
+    for b in listing["backups"]:
+        in_backup.setdefault(b["step"], []).append(b["name"])
+    slice_of = _slices(spec)
+    factor = config.replication_factor
+    rows = []
+    for step in sorted(set(views) | set(in_backup)):
+        v = views.get(step)
+        backups = in_backup.get(step, [])
+        if v is None:
+            rows.append(StepRow(step, [], [], 0, False, backups, bool(backups) and not unreachable,
+                                "" if backups else "on no host"))
+            continue
+        n_slices = len(set(slice_of.values()))
+        copies = [len({slice_of.get(h, 0) for h in hs}) if n_slices > 1 else len(hs) for hs in v.holders]
+        why = ""
+        if not v.restorable:
+            missing = [i for i, hs in enumerate(v.holders) if not hs]
+            names = _blob_names(dispatch, step)
+            first = names[missing[0]][:12] + ".." if names else f"#{missing[0]}"
+            why = (f"blob {first} and {len(missing) - 1} more on no host" if len(missing) > 1
+                   else f"blob {first} on no host") + (" and in no backup" if not backups else "")
+        restorable = (v.restorable and not unreachable) or bool(backups)
+        rows.append(StepRow(step, sorted(v.hosts), sorted(v.whole), min(copies) if copies else 0,
+                            bool(copies) and min(copies) >= factor, backups, restorable, why))
+    rv = listing.get("restore_version")
+    if rv:
+        pinned = backup_layout.parse_backup_name(rv)
+        exists = any(b["name"] == rv for b in listing["backups"])
+        choice = pinned if exists else None
+        reason = (f"restore.version pins backup {rv} (step {pinned}): restore takes exactly that backup" if exists
+                  else f"restore.version names backup {rv}, which does not exist: restore fails until it is fixed "
+                       "(mtc restore-version set NAME) or cleared")
+    else:
+        good = [r for r in rows if r.restorable]
+        choice = good[-1].step if good else None
+        if choice is None:
+            reason = "no step is restorable" + (f"; hosts not answering: {', '.join(sorted(unreachable))}"
+                                                if unreachable else "")
+        else:
+            r = good[-1]
+            where = "from the hosts" if r.hosts and (not r.why_not) and not unreachable else f"from backup {r.backups[0]}"
+            skipped = [f"step {x.step}: {x.why_not}" for x in rows if x.step > choice]
+            reason = f"step {choice}, the newest whose every blob has a copy, {where}" + (
+                f" (newer: {'; '.join(skipped)})" if skipped else "")
+    if unreachable:
+        notes.append("hosts that did not answer (no step is confirmed on them): "
+                     + "; ".join(f"{h} ({e})" for h, e in sorted(unreachable.items())))
+    return Status(hosts=sorted(inv), unreachable=unreachable, steps=rows,
+                  backup_root=config.backup_root if config.base_output_directory else None,
+                  backups=listing["backups"], restore_version=rv, choice=choice, reason=reason, notes=notes)
+
+
+def _blob_names(dispatch: Any, step: int) -> list[str]:
+    try:
+        return sorted(dispatch.manifest(step).blob_names())
+    except MTCError:
+        return []
+
+
+def render(st: Status, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"steps x tiers ({len(st.hosts)} hosts)")
+    for col in ("step", "on hosts", "replicated", "backups", "restorable", ""):
+        table.add_column(col)
+    for r in st.steps:
+        table.add_row(str(r.step), ", ".join(r.hosts) or "-",
+                      f"yes ({r.min_copies} copies)" if r.replicated else f"no ({r.min_copies})",
+                      ", ".join(r.backups) or "-", "yes" if r.restorable else "no",
+                      ("<- restore" if r.step == st.choice else "") + (f" {r.why_not}" if r.why_not else ""))
+    console.print(table)
+    console.print(f"backup root: {st.backup_root or 'none configured'}; restore.version: "
+                  f"{st.restore_version or 'not set'}")
+    console.print(f"restore would choose: {st.reason}")
+    for n in st.notes:
+        console.print(f"note: {n}")
+
+
+class _TempDaemons:
+    """A sidecar daemon on each ramdisk folder of a stopped job, for the time of one question."""
+
+    def __init__(self, dirs: list[Path]):
+        self.tmp = Path(tempfile.mkdtemp(prefix="mtc-status-"))
+        self.procs = []
+        hosts = []
+        for i, d in enumerate(dirs):
+            ready = self.tmp / f"h{i}.ready"
+            p = subprocess.Popen([sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(d), "--host-id",
+                                  f"h{i}", "--ready-file", str(ready), "--log-file", str(self.tmp / f"h{i}.log")])
+            self.procs.append(p)
+            hosts.append((f"h{i}", ready))
+        rows = []
+        deadline = time.monotonic() + 60
+        for hid, ready in hosts:
+            while not ready.exists():
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise MTCError(f"the sidecar daemon on {dirs[int(hid[1:])]} did not start (see {self.tmp})")
+                time.sleep(0.05)
+            doc = json.loads(ready.read_text())
+            rows.append({"id": hid, "slice": 0, "address": doc["address"], "devices": 1})
+        from mtc.shared import protocol
+
+        self.spec_path = self.tmp / "cluster.json"
+        protocol.ClusterSpec(tuple(protocol.HostSpec(r["id"], r["slice"], r["address"], r["devices"])
+                                   for r in rows)).write(self.spec_path)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        import shutil
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run(args: Any) -> int:
+    """``mtc status`` (see cli.py for the options)."""
+    from rich.console import Console
+
+    from mtc.head.cluster import ClusterDispatcher
+    from mtc.shared import protocol
+
+    temp = None
+    try:
+        if bool(args.cluster_spec) == bool(args.local_checkpoint_directory):
+            raise ConfigError("give the job's --cluster-spec (a running local cluster) or its "
+                              "--local-checkpoint-directory (ramdisk folders of a stopped job; several allowed)")
+        if args.local_checkpoint_directory:
+            dirs = [Path(d) for d in args.local_checkpoint_directory]
+            for d in dirs:
+                if not (d / "mtc").is_dir():
+                    raise ConfigError(f"{d} holds no mtc ramdisk ({d / 'mtc'} does not exist); pass the "
+                                      "local_checkpoint_directory the job used")
+            temp = _TempDaemons(dirs)
+            spec_path = temp.spec_path
+        else:
+            spec_path = Path(args.cluster_spec)
+        protocol.ClusterSpec.read(spec_path)  # validated: a clear error for a wrong file
+        spec = json.loads(Path(spec_path).read_text())
+        config = MTCConfig(local_checkpoint_directory=str(args.local_checkpoint_directory[0]
+                                                          if args.local_checkpoint_directory else spec_path.parent),
+                           cluster_spec=str(spec_path), base_output_directory=args.base_output_directory or "",
+                           run_name=args.run_name or "", replication_factor=args.replication_factor)
+        # Device ids only name hosts here: status moves no array.
+        devices = [SimpleNamespace(id=i) for i in range(sum(h["devices"] for h in spec["hosts"]))]
+        dispatch = ClusterDispatcher(config, devices=devices)
+        try:
+            st = collect(dispatch, spec, config)
+        finally:
+            dispatch.close()
+    except (ConfigError, MTCError, OSError, ValueError) as e:
+        print(f"mtc status: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if temp is not None:
+            temp.close()
+    if args.json:
+        print(st.to_json())
+    else:
+        render(st, Console(width=max(100, os.get_terminal_size(1).columns if sys.stdout.isatty() else 120)))
+    return 0

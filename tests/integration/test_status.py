@@ -1,0 +1,87 @@
+"""`mtc status` on a live local cluster: a wiped host, a lost blob and a pinned backup."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.head.cli import main
+from mtc.sidecar.cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+
+def _status(capsys, *args) -> dict:
+    assert main(["status", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_status_tells_the_truth(tmp_path, capsys):
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    sh = NamedSharding(mesh, P(None, "model"))  # replicated over the slices: twins
+    backup = tmp_path / "backup"
+    with LocalCluster(tmp_path / "c", 2, 2, devices_per_host=2) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(tmp_path / "c"), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, base_output_directory=str(backup), run_name="r",
+                        multi_tier_checkpointing_backup_interval_steps=2, local_max_to_keep=3)
+        with CheckpointManager(cfg) as m:
+            for step in (1, 2, 3):
+                m.save(step, {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sh)})
+                m.wait_until_finished()
+            m.wait_for_backup()
+            m.wait_for_replication()
+            backups = m.backups()
+        args = ["--cluster-spec", str(cluster.spec_path), "--base-output-directory", str(backup), "--run-name", "r"]
+        st = _status(capsys, *args)
+        rows = {r["step"]: r for r in st["steps"]}
+        assert sorted(rows) == [1, 2, 3] and st["choice"] == 3
+        assert rows[3]["hosts"] == cluster.hosts and rows[3]["replicated"] and rows[3]["min_copies"] == 2
+        assert [r["step"] for r in st["steps"] if r["backups"]] == sorted({b["step"] for b in backups})
+
+        # A replaced host (wiped, restarted): its step is still restorable from its twin, but no
+        # longer replicated.
+        cluster.wipe("s1-h0")
+        cluster.restart("s1-h0")
+        st = _status(capsys, *args)
+        rows = {r["step"]: r for r in st["steps"]}
+        assert "s1-h0" not in rows[3]["hosts"] and rows[3]["restorable"] and not rows[3]["replicated"]
+        assert rows[3]["min_copies"] == 1 and st["choice"] == 3
+
+        # Its twin loses a blob of step 3 too: no host holds it; status names the blob.
+        twin = cluster.ramdisk("s0-h0") / "mtc"
+        doc = json.loads((twin / "steps" / f"{3:012d}.json").read_bytes())
+        blob = next(sh_["blob"] for a in doc["arrays"] for sh_ in a["shards"] if a["key"] == "['w']"
+                    and 0 in sh_["devices"])
+        (twin / "blobs" / blob).unlink()
+        st = _status(capsys, *args)
+        rows = {r["step"]: r for r in st["steps"]}
+        in_backup = bool(rows[3]["backups"])
+        assert f"blob {blob[:12]}.. on no host" in rows[3]["why_not"]
+        assert st["choice"] == (3 if in_backup else 2)
+
+        # A pinned backup wins, whatever the hosts hold.
+        name = backups[-1]["name"]
+        assert main(["restore-version", "set", name, "--base-output-directory", str(backup), "--run-name", "r"]) == 0
+        capsys.readouterr()
+        st = _status(capsys, *args)
+        assert st["restore_version"] == name and st["choice"] == backups[-1]["step"] and "pins" in st["reason"]
+        assert main(["status", *args]) == 0  # the table renders
+        out = capsys.readouterr().out
+        assert "restore would choose" in out and name in out
+
+
+def test_status_of_a_stopped_job_and_bad_input(tmp_path, capsys):
+    ram = tmp_path / "ram"
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    with CheckpointManager(MTCConfig(local_checkpoint_directory=str(ram), local_checkpoint_period=1)) as m:
+        m.save(5, {"w": jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("x")))})
+    st = _status(capsys, "--local-checkpoint-directory", str(ram))
+    assert [r["step"] for r in st["steps"]] == [5] and st["choice"] == 5
+    assert main(["status"]) == 2 and "--cluster-spec" in capsys.readouterr().err
+    assert main(["status", "--local-checkpoint-directory", str(tmp_path / "nope")]) == 2
+    assert "holds no mtc ramdisk" in capsys.readouterr().err
