@@ -388,20 +388,23 @@ def _plot(tl: Timeline, path: Path, steps: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo (in a process with 8 CPU devices); 0 when the result equals the uninterrupted run."""
+    problem = None
     try:
         import matplotlib  # noqa: F401
         import rich  # noqa: F401
     except ImportError as e:
-        print(f"mtc demo needs {e.name}: pip install 'mtc[demo]' (or pip install -e '.[demo]' in a checkout)",
-              file=sys.stderr)
-        return 2
+        problem = f"mtc demo needs {e.name}: pip install 'mtc[demo]' (or pip install -e '.[demo]' in a checkout)"
     steps = args.steps if args.steps is not None else (20 if args.quick else 40)
     try:
         fault_schedule(steps, args.period)
     except ValueError as e:
-        print(f"mtc demo: {e}", file=sys.stderr)
-        return 2
+        problem = problem or f"mtc demo: {e}"
     work = Path(args.workdir)
+    if problem:
+        print(problem, file=sys.stderr)
+        if getattr(args, "created_workdir", False):
+            shutil.rmtree(work, ignore_errors=True)  # nothing ran: leave nothing behind
+        return 2
     try:
         work.mkdir(parents=True, exist_ok=True)
         probe = work / ".mtc-demo-probe"

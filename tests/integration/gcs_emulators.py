@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import importlib.util
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,9 +98,14 @@ class EmulatorServer:
     def start(self) -> EmulatorServer:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"{self.kind} on port {self.port} is already running")
+        # The emulator dies with this process. util-linux's setpriv sets that in the child and execs
+        # the server, so this (threaded, JAX) process is not forked with a Python preexec_fn, which
+        # JAX warns may deadlock; without setpriv, the preexec_fn does it.
+        setpriv = shutil.which("setpriv")
+        argv = [setpriv, "--pdeathsig", "KILL", "--", *self.argv] if setpriv else list(self.argv)
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=self.workdir, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.workdir, preexec_fn=None if setpriv else _die_with_parent)
         self._wait_ready()
         if self._bucket_at_start:
             self._ensure_bucket(self._bucket_at_start)

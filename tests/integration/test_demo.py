@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,9 +41,15 @@ def test_demo_keep_and_bad_options(tmp_path):
     r = _demo(work, tmp_path / "t.png", "--keep")
     assert r.returncode == 0
     assert (work / "cluster").is_dir() and (work / "backup").is_dir()
+    import glob
+    import tempfile
+
+    tmp_root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    before = set(glob.glob(os.path.join(tmp_root, "mtc-demo-*")))
     bad = subprocess.run([sys.executable, "-m", "mtc.head.cli", "demo", "--steps", "5"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--steps >= 16" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert set(glob.glob(os.path.join(tmp_root, "mtc-demo-*"))) == before  # no empty folder left
     proc = subprocess.run([sys.executable, "-m", "mtc.head.cli", "demo", "--workdir", "/proc/nope"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--workdir /proc/nope" in proc.stderr and "Traceback" not in proc.stderr
