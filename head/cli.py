@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--base-output-directory", default="", help="the job's base_output_directory (backups)")
     st.add_argument("--run-name", default="", help="the job's run_name")
     st.add_argument("--replication-factor", type=int, default=2, help="copies a step should have (default 2)")
+    st.add_argument("--verify", action="store_true",
+                    help="have every host hash its blobs: a corrupt copy does not count (reads every byte)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=lambda a: __import__("mtc.head.status", fromlist=["run"]).run(a))
 

@@ -455,6 +455,11 @@ class ClusterDispatcher(Dispatcher):
     def abort(self, step: int) -> None:
         self._abort(step, {})
 
+    def verify(self, step: int) -> dict[str, dict]:
+        """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
+        results, failures = self._fan_out(lambda h: self._call(h, "verify", {"step": step}).result)
+        return {**results, **{h: {"error": _cause(e)} for h, e in failures.items()}}
+
     def leases(self) -> dict[str, dict | None]:
         """The reachable hosts' leases (a host that is down is asked again when it is back)."""
         results, failures = self._fan_out(lambda h: self._call(h, "lease").result)

@@ -56,8 +56,12 @@ def _slices(spec: dict) -> dict[str, int]:
     return {h["id"]: h["slice"] for h in spec["hosts"]}
 
 
-def collect(dispatch: Any, spec: dict, config: MTCConfig) -> Status:
-    """The status of the hosts behind ``dispatch`` (read-only calls) and of the backup root."""
+def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = False) -> Status:
+    """The status of the hosts behind ``dispatch`` (read-only calls) and of the backup root.
+
+    With ``verify``, every host hashes its blobs of every step, and a copy that fails its hash
+    does not count (without it, a corrupt copy is only found when a restore reads it).
+    """
     from mtc.head.replication import step_views
 
     inv = dispatch.inventories()
@@ -84,15 +88,26 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig) -> Status:
                                 "" if backups else "on no host"))
             continue
         n_slices = len(set(slice_of.values()))
-        copies = [len({slice_of.get(h, 0) for h in hs}) if n_slices > 1 else len(hs) for hs in v.holders]
-        why = ""
-        if not v.restorable:
-            missing = [i for i, hs in enumerate(v.holders) if not hs]
-            names = _blob_names(dispatch, step)
+        holders = [set(hs) for hs in v.holders]
+        corrupt: list[str] = []
+        names = _blob_names(dispatch, step) if (verify or not v.restorable) else []
+        if verify and names:
+            index = {n: i for i, n in enumerate(names)}
+            for host, res in sorted(dispatch.verify(step).items()):
+                for n in res.get("bad", []):
+                    if n in index:
+                        holders[index[n]].discard(host)
+                        corrupt.append(f"blob {n[:12]}.. corrupt on {host}")
+        copies = [len({slice_of.get(h, 0) for h in hs}) if n_slices > 1 else len(hs) for hs in holders]
+        whole_copies = all(holders)
+        why = "; ".join(corrupt)
+        if not whole_copies:
+            missing = [i for i, hs in enumerate(holders) if not hs]
             first = names[missing[0]][:12] + ".." if names else f"#{missing[0]}"
-            why = (f"blob {first} and {len(missing) - 1} more on no host" if len(missing) > 1
-                   else f"blob {first} on no host") + (" and in no backup" if not backups else "")
-        restorable = (v.restorable and not unreachable) or bool(backups)
+            why = "; ".join(filter(None, [why, (f"blob {first} and {len(missing) - 1} more on no host (no good copy)"
+                                                if len(missing) > 1 else f"blob {first} on no host (no good copy)")
+                                               + (" and in no backup" if not backups else "")]))
+        restorable = (whole_copies and not unreachable) or bool(backups)
         rows.append(StepRow(step, sorted(v.hosts), sorted(v.whole), min(copies) if copies else 0,
                             bool(copies) and min(copies) >= factor, backups, restorable, why))
     rv = listing.get("restore_version")
@@ -111,7 +126,8 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig) -> Status:
                                                 if unreachable else "")
         else:
             r = good[-1]
-            where = "from the hosts" if r.hosts and (not r.why_not) and not unreachable else f"from backup {r.backups[0]}"
+            from_hosts = r.hosts and r.min_copies > 0 and not unreachable and "no good copy" not in r.why_not
+            where = "from the hosts" if from_hosts else f"from backup {r.backups[0]}"
             skipped = [f"step {x.step}: {x.why_not}" for x in rows if x.step > choice]
             reason = f"step {choice}, the newest whose every blob has a copy, {where}" + (
                 f" (newer: {'; '.join(skipped)})" if skipped else "")
@@ -223,7 +239,7 @@ def run(args: Any) -> int:
         devices = [SimpleNamespace(id=i) for i in range(sum(h["devices"] for h in spec["hosts"]))]
         dispatch = ClusterDispatcher(config, devices=devices)
         try:
-            st = collect(dispatch, spec, config)
+            st = collect(dispatch, spec, config, verify=args.verify)
         finally:
             dispatch.close()
     except (ConfigError, MTCError, OSError, ValueError) as e:

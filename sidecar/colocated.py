@@ -89,6 +89,7 @@ _OPS = {
     "manifest": lambda svc, req: svc.manifest_bytes(int(req["step"])).decode(),
     "commit": lambda svc, req: svc.commit(int(req["step"]), req["manifest"].encode()),
     "abort": lambda svc, req: svc.abort(int(req["step"])),
+    "verify": lambda svc, req: svc.verify(int(req["step"])),
     "lease": lambda svc, req: svc.current_lease(),
     "claim": lambda svc, req: svc.claim(req["generation"], req["head"]),
     "job": lambda svc, req: svc.job(req["job"]),
@@ -102,7 +103,7 @@ _OPS = {
 }
 SERVICE_METHODS = {
     "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "commit": "commit",
-    "abort": "abort", "lease": "current_lease", "claim": "claim", "job": "job", "backup_upload": "backup_upload",
+    "abort": "abort", "verify": "verify", "lease": "current_lease", "claim": "claim", "job": "job", "backup_upload": "backup_upload",
     "backup_finalize": "backup_finalize", "backup_listing": "backup_listing", "backup_manifest": "backup_manifest",
     "backup_fetch": "backup_fetch", "peer_pull": "peer_pull", "close": "close",
     "write": "write_shards", "load": "read_boxes_each",  # the two data methods of ColocatedSidecar

@@ -187,6 +187,9 @@ class SidecarDaemon(ThreadedTCPServer):
             raise ProtocolError("inventory: 'devices' must be a list of device ids")
         return self.service.inventory(devices), []
 
+    def _op_verify(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        return self.service.verify(_step(args)), []
+
     def _op_lease(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         return {"lease": self.service.current_lease()}, []
 
@@ -297,6 +300,7 @@ SERVICE_METHODS = {
     "ping": None,  # the transport's own liveness answer
     "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "write": "write_shards",
     "commit": "commit", "abort": "abort", "read": "read_boxes_each", "lease": "current_lease", "claim": "claim",
+    "verify": "verify",
     "backup_upload": "backup_upload", "backup_finalize": "backup_finalize", "backup_listing": "backup_listing",
     "backup_manifest": "backup_manifest", "backup_fetch": "backup_fetch", "peer_pull": "peer_pull",
 }
@@ -310,6 +314,7 @@ _HANDLERS = {
     "commit": SidecarDaemon._op_commit,
     "abort": SidecarDaemon._op_abort,
     "lease": SidecarDaemon._op_lease,
+    "verify": SidecarDaemon._op_verify,
     "claim": SidecarDaemon._op_claim,
     "read": SidecarDaemon._op_read,
     "backup_upload": SidecarDaemon._op_backup_upload,

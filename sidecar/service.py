@@ -283,6 +283,14 @@ class SidecarService:
                         **held_bits(m.blob_names(), have)})
         return {"host": self.host_id, "steps": out}
 
+    def verify(self, step: int) -> dict:
+        """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}."""
+        names = sorted(self.manifest(step).blob_names() & self.store.list_blobs())
+        bad = [n for n in names if not self.store.verify_blob(n)]
+        if bad:
+            log.warning("host %s: step %d: %d blobs fail their hash: %s", self.host_id, step, len(bad), bad[:3])
+        return {"host": self.host_id, "checked": len(names), "bad": bad}
+
     def abort(self, step: int) -> bool:
         """Forget ``step`` here (its save failed on some host): committed or pending, and its
         unshared blobs. True when there was something to remove."""

@@ -52,11 +52,26 @@ def test_status_tells_the_truth(tmp_path, capsys):
         assert "s1-h0" not in rows[3]["hosts"] and rows[3]["restorable"] and not rows[3]["replicated"]
         assert rows[3]["min_copies"] == 1 and st["choice"] == 3
 
-        # Its twin loses a blob of step 3 too: no host holds it; status names the blob.
+        # A flipped byte in the one copy left of a blob of step 3: --verify finds it and does not
+        # count the copy; without --verify the copy still looks good (found only when read).
         twin = cluster.ramdisk("s0-h0") / "mtc"
         doc = json.loads((twin / "steps" / f"{3:012d}.json").read_bytes())
         blob = next(sh_["blob"] for a in doc["arrays"] for sh_ in a["shards"] if a["key"] == "['w']"
                     and 0 in sh_["devices"])
+        path = twin / "blobs" / blob
+        data = bytearray(path.read_bytes())
+        data[5] ^= 0x01
+        path.write_bytes(bytes(data))
+        assert _status(capsys, *args)["choice"] == 3
+        st = _status(capsys, *args, "--verify")
+        rows = {r["step"]: r for r in st["steps"]}
+        assert f"blob {blob[:12]}.. corrupt on s0-h0" in rows[3]["why_not"], rows[3]
+        assert st["choice"] == (3 if rows[3]["backups"] else 2)
+        if rows[3]["backups"]:
+            assert "from backup" in st["reason"]
+        path.write_bytes(bytes(data[:5]) + bytes([data[5] ^ 0x01]) + bytes(data[6:]))  # repaired
+
+        # Its twin loses a blob of step 3 too: no host holds it; status names the blob.
         (twin / "blobs" / blob).unlink()
         st = _status(capsys, *args)
         rows = {r["step"]: r for r in st["steps"]}
