@@ -21,6 +21,7 @@ import numpy as np
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
 from mtc.head.staging import HostStaging
 from mtc.shared import format as fmt
+from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ManifestError, MTCError
@@ -28,7 +29,6 @@ from mtc.shared.errors import ManifestError, MTCError
 log = logging.getLogger(__name__)
 
 SIDECAR_CLASS = "mtc.sidecar.colocated:ColocatedSidecar"
-DIGEST_LEN = 16
 
 
 def _load_sidecar_class() -> type:
@@ -92,7 +92,7 @@ class ColocatedDispatcher(Dispatcher):
     # --- control requests ---------------------------------------------------------------
 
     def _request_array(self, payload: dict, devices: list) -> jax.Array:
-        data = np.frombuffer(json.dumps(payload).encode(), np.uint8)
+        data = encode_request(payload)
         rows = np.broadcast_to(data, (len(devices), len(data)))
         return jax.device_put(np.ascontiguousarray(rows), _row_sharding(devices))
 
@@ -109,14 +109,14 @@ class ColocatedDispatcher(Dispatcher):
         fetch = self._obj.fetch.specialize(
             out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices), width), np.uint8, sharding=sharding))
         data = np.asarray(fetch(self._request_array({"id": rid, "width": width}, devices)))
-        replies = [json.loads(data[i, : sizes[i]].tobytes()) for i in range(len(devices))]
+        replies = [decode_reply(data[i, : sizes[i]].tobytes()) for i in range(len(devices))]
         hosts = self._hosts_of_rows() if op != "fingerprint" else [None] * len(devices)
         out = []
-        for i, reply in enumerate(replies):
-            host = hosts[i] or (reply.get("ok") or {}).get("host", f"row{i}")
-            if "error" in reply:
-                raise_remote(host, reply["error"], reply["message"])
-            out.append((host, reply["ok"]))
+        for i, (result, error) in enumerate(replies):
+            host = hosts[i] or (result if isinstance(result, dict) else {}).get("host", f"row{i}")
+            if error is not None:
+                raise_remote(host, *error)
+            out.append((host, result))
         return out
 
     def _hosts_of_rows(self) -> list[str]:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mtc.shared import format as fmt
+from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
 from mtc.shared import shardings
 from mtc.shared import errors as mtc_errors
 from mtc.shared.errors import ConfigError, MTCError
@@ -34,7 +35,6 @@ from mtc.sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
 
-DIGEST_LEN = 16
 
 
 def _device_list(x) -> list:
@@ -62,8 +62,7 @@ def _rows(like, rows: dict[Any, np.ndarray], row_shape: tuple[int, ...], dtype) 
 
 
 def _request(x) -> dict:
-    row = np.asarray(x.addressable_shards[0].data)[0]
-    return json.loads(row.tobytes().rstrip(b"\0"))
+    return decode_request(np.asarray(x.addressable_shards[0].data)[0])
 
 
 def _op_peer_pull(svc: SidecarService, req: dict) -> Any:
@@ -145,11 +144,7 @@ class ColocatedSidecar:
     def call(self, request):
         """Run one control request; answer the byte size of this host's reply per device."""
         req = _request(request)
-        try:
-            result = {"ok": self._dispatch(req)}
-        except MTCError as e:
-            result = {"error": type(e).__name__, "message": str(e)}
-        payload = json.dumps(result).encode()
+        payload = encode_reply(lambda: self._dispatch(req))
         with self._lock:
             self._replies[req["id"]] = payload
         n = np.array([len(payload)], np.int64)

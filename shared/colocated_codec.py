@@ -1,0 +1,55 @@
+"""The colocated seam's encoding, used by both sides (DESIGN section 4).
+
+Colocated Python calls take and return only ``jax.Array``s, so control messages travel as
+JSON bytes in uint8 rows (one row per CPU device, each host reading its own), replies as a
+JSON object ``{"ok": result}`` or ``{"error": type name, "message": text}`` padded to a width
+the head asks for, and phase-1 answers as the 16-byte xxh3-128 digest of each shard's blob.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from mtc.shared.errors import MTCError, ProtocolError
+
+DIGEST_LEN = 16  # bytes of a blob name's digest (xxh3-128) in a phase-1 answer
+
+
+def encode_request(payload: dict) -> np.ndarray:
+    """A request as uint8 bytes (the head broadcasts them to one row per device)."""
+    return np.frombuffer(json.dumps(payload).encode(), np.uint8)
+
+
+def decode_request(row: np.ndarray) -> dict:
+    """A request from one device's row (zero padding stripped)."""
+    try:
+        doc = json.loads(np.asarray(row, np.uint8).tobytes().rstrip(b"\0"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"colocated request is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("colocated request is not a JSON object")
+    return doc
+
+
+def encode_reply(fn: Any) -> bytes:
+    """Run ``fn()`` and encode its result, or the mtc error it raised (typed by name)."""
+    try:
+        return json.dumps({"ok": fn()}).encode()
+    except MTCError as e:
+        return json.dumps({"error": type(e).__name__, "message": str(e)}).encode()
+
+
+def decode_reply(data: bytes) -> tuple[Any, tuple[str, str] | None]:
+    """(result, None) or (None, (error type name, message)) of an encoded reply."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"colocated reply is not JSON: {e}") from None
+    if not isinstance(doc, dict) or not ("ok" in doc or "error" in doc):
+        raise ProtocolError("colocated reply is neither {'ok': ...} nor {'error': ...}")
+    if "error" in doc:
+        return None, (str(doc["error"]), str(doc.get("message", "")))
+    return doc["ok"], None
