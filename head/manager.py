@@ -27,6 +27,7 @@ import numpy as np
 
 from mtc.head import tree as tree_lib
 from mtc.head.elastic import as_host_lost
+from mtc.head.restore_plan import is_prng_key, make_plan, plan_target, prng_key_shape
 from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views, summarize
 from mtc.shared import format as fmt
@@ -203,20 +204,6 @@ def _fenced_cause(e: BaseException) -> FencedError | None:
     return None
 
 
-def _is_prng_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _prng_key_shape(impl: str) -> tuple[int, ...]:
-    """The trailing key data dimensions of one key of ``impl`` ((2,) for threefry2x32)."""
-    try:
-        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
-    except (ValueError, TypeError, KeyError) as e:
-        raise TargetMismatchError(f"PRNG impl {impl!r} is not known to this jax {jax.__version__} ({e}); "
-                                  "restore with the jax the checkpoint was saved with") from None
-
-
 def _classify(key: str, leaf: Any) -> str:
     if isinstance(leaf, jax.Array):
         return "jax"
@@ -237,11 +224,6 @@ def _scalar_doc(v: Any) -> dict:
     if isinstance(v, float):
         return {"type": "float", "v": v.hex()}
     return {"type": "str", "v": v}
-
-
-def _scalar_value(doc: dict) -> Any:
-    t, v = doc["type"], doc["v"]
-    return {"bool": bool, "int": int, "float": float.fromhex, "str": str}[t](v)
 
 
 class CheckpointManager:
@@ -410,11 +392,11 @@ class CheckpointManager:
             kind = _classify(key, value)
             leaf = Leaf(index=i, key=key, kind=kind, value=value)
             if kind == "jax":
-                if _is_prng_key(value):
+                if is_prng_key(value):
                     # The format stores a key array as its key data and names the impl.
                     leaf.prng_impl = str(jax.random.key_impl(value))
                     value = leaf.value = jax.random.key_data(value)
-                    leaf.prng_key_shape = _prng_key_shape(leaf.prng_impl)
+                    leaf.prng_key_shape = prng_key_shape(leaf.prng_impl)
                 leaf.dtype = fmt.dtype_name(value.dtype)
                 leaf.shape = tuple(value.shape)
                 leaf.sharding = value.sharding
@@ -825,7 +807,7 @@ class CheckpointManager:
         step, backup_name, fallback, inv = self._choose_step(step, self._backup_listing())
         t1 = time.perf_counter()
         manifest = self._dispatch.manifest(step) if backup_name is None else self._dispatch.backup_manifest(backup_name)
-        requests, finish = self._plan(manifest, target, partial)
+        requests, finish = plan_target(manifest, target, partial)
         pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}  # tier -> [bytes, blobs]
         needed = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
         if needed is None:
@@ -897,13 +879,13 @@ class CheckpointManager:
         view = inv.views.get(step) if backup_name is None else None
         if backup_name is None and view is None:
             return None
-        needs = self._needs(manifest, requests)
-        sizes = manifest.blob_sizes()
-        needed = (sum(sizes[b] for bs in needs.values() for b in bs), sum(len(bs) for bs in needs.values()))
+        holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
+        plan = make_plan(step, manifest, requests, self._dispatch.hosts(), self._dispatch.host_of_device, holders)
+        needed = plan.nbytes(manifest.blob_sizes())
         if backup_name is not None:
-            self._count_backup(pulled, self._dispatch.backup_fetch(backup_name, needs))
+            self._count_backup(pulled, self._dispatch.backup_fetch(backup_name, plan.needs))
         else:
-            self._pull_lacking(step, manifest, needs, fallback, pulled, view)
+            self._pull_lacking(step, manifest, plan, fallback, pulled)
             if pulled["peer"][1] or pulled["backup"][1]:
                 # A host was refilled: the copies it held for its peers are gone too; make them again.
                 self._maybe_replicate(manifest)
@@ -926,7 +908,7 @@ class CheckpointManager:
             step, backup_name, fallback, inv = self._choose_step(None, self._backup_listing())
             manifest = (self._dispatch.manifest(step) if backup_name is None
                         else self._dispatch.backup_manifest(backup_name))
-            requests, _ = self._plan(manifest, None)  # the saved shardings (fails after a shrink: skipped)
+            requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
             if self._closing.is_set():  # closed before anything moved: a job that did not want it
                 return None
             pulled = {"peer": [0, 0], "backup": [0, 0], "skipped": []}
@@ -961,8 +943,8 @@ class CheckpointManager:
         pulled["backup"][0] += sum(f.get("downloaded_bytes", 0) for f in fetched.values())
         pulled["backup"][1] += sum(f.get("downloaded", 0) for f in fetched.values())
 
-    def _pull_lacking(self, step: int, manifest: fmt.StepManifest, needs: dict[str, list[str]],
-                      fallback: str | None, pulled: dict, view: Any) -> None:
+    def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: Any, fallback: str | None,
+                      pulled: dict) -> None:
         """Hosts that lack blobs they need pull them from peers that hold them, verified.
 
         The load spreads over the holders; a bad or unreachable copy is skipped for the next
@@ -971,11 +953,10 @@ class CheckpointManager:
         tiers tried. A host that lacked the step altogether (a replaced node) commits it again
         once it holds its blobs.
         """
-        holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
-        if holders is None:
+        if plan.holders is None:
             return  # the inventories did not see this step: the load reads from where it is
-        lacking = {h: [b for b in bs if h not in holders[b]] for h, bs in needs.items()}
-        lacking = {h: bs for h, bs in lacking.items() if bs}
+        holders = {b: set(h) for b, h in plan.holders.items()}
+        lacking = plan.lacking
         if not lacking:
             return
         failed: dict[tuple[str, str], list[str]] = {}
@@ -1023,125 +1004,6 @@ class CheckpointManager:
             f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {blob}) has no good copy for host {host}; "
             f"tiers tried: ram (not on {host}), peer ({'; '.join(causes)}), backup ({backup}){more}. "
             "Restore an older step (all_steps()) or a backup")
-
-    def _needs(self, manifest: fmt.StepManifest, requests: list[LoadRequest]) -> dict[str, list[str]]:
-        """host -> the blobs it needs to assemble its shards of the restore target."""
-        out: dict[str, set[str]] = {h: set() for h in self._dispatch.hosts()}
-        for r in requests:
-            rec = r.record
-            if r.sharding is None:
-                for h in out:
-                    out[h].update(sh.blob for sh in rec.shards)
-                continue
-            # Saved boxes of one array are disjoint or identical (replicas), so a target box that was
-            # saved as is overlaps exactly the shards with that box: no scan in the common case
-            # (every restore plans this, and a scan is arrays x devices x shards).
-            exact: dict[Any, list[str]] = {}
-            for sh in rec.shards:
-                exact.setdefault(sh.box, []).append(sh.blob)
-            for dev_id, box in shardings.device_boxes(r.sharding, rec.shape).items():
-                host = self._dispatch.host_of_device(dev_id)
-                blobs = exact.get(box)
-                if blobs is None:  # resharded: every saved shard it overlaps
-                    blobs = [sh.blob for sh in rec.shards if fmt.box_intersect(sh.box, box) is not None]
-                out.setdefault(host, set()).update(blobs)
-        return {h: sorted(b) for h, b in out.items()}
-
-    def _plan(self, manifest: fmt.StepManifest, target: Any, partial: Any = False):
-        by_key = {a.key: a for a in manifest.arrays}
-        if target is None:
-            keys = [a.key for a in manifest.arrays]
-            targets = [None] * len(keys)
-            rebuild = lambda leaves: tree_lib.decode(manifest.tree, leaves)  # noqa: E731
-        else:
-            keys, targets, treedef = tree_lib.flatten(target)
-            if partial is True:
-                missing = []
-            else:  # False: every saved leaf; key prefixes: every saved leaf under them
-                prefixes = tuple(partial) if partial else ("",)
-                missing = sorted(k for k in set(by_key) - set(keys) if k.startswith(prefixes))
-            extra = sorted(set(keys) - set(by_key))
-            if missing or extra:
-                raise TargetMismatchError(
-                    f"restore target does not match the tree saved at step {manifest.step}: "
-                    + (f"missing {missing[:5]}" if missing else "")
-                    + (" " if missing and extra else "")
-                    + (f"not in checkpoint {extra[:5]}" if extra else "")
-                    + "; pass a target with the saved structure (or none)")
-            rebuild = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)  # noqa: E731
-        requests: list[LoadRequest] = []
-        slots: list[tuple[str, Any]] = []
-        for key, tgt in zip(keys, targets):
-            rec = by_key[key]
-            if rec.kind == "scalar":
-                slots.append(("value", _scalar_value(rec.value)))
-                continue
-            sharding = self._target_sharding(rec, tgt)
-            slots.append(("key" if rec.prng_impl else "array", len(requests)))
-            requests.append(LoadRequest(rec, sharding))
-
-        def finish(arrays: list[Any]) -> Any:
-            leaves = []
-            for kind, v in slots:
-                if kind == "key":
-                    rec = requests[v].record
-                    leaves.append(jax.random.wrap_key_data(arrays[v], impl=rec.prng_impl))
-                else:
-                    leaves.append(v if kind == "value" else arrays[v])
-            return rebuild(leaves)
-
-        return requests, finish
-
-    def _target_sharding(self, rec: fmt.ArrayRecord, tgt: Any) -> Any:
-        if tgt is not None and not isinstance(tgt, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-            if isinstance(tgt, (bool, int, float, str)):
-                raise TargetMismatchError(f"array {rec.key!r}: target is a Python scalar but a {rec.kind} "
-                                          "array was saved")
-            raise TargetMismatchError(f"array {rec.key!r}: unsupported target leaf {type(tgt).__name__}")
-        if tgt is not None and (rec.prng_impl or _is_prng_key(tgt)):
-            return self._key_target_sharding(rec, tgt)
-        if tgt is not None:
-            if tuple(tgt.shape) != tuple(rec.shape):
-                raise TargetMismatchError(
-                    f"array {rec.key!r}: target shape {tuple(tgt.shape)} != saved shape {tuple(rec.shape)}")
-            if np.dtype(tgt.dtype) != rec.np_dtype:
-                raise TargetMismatchError(
-                    f"array {rec.key!r}: target dtype {np.dtype(tgt.dtype).name} != saved dtype {rec.dtype}; "
-                    "restore with the saved dtype and cast afterwards")
-        if rec.kind == "numpy" or isinstance(tgt, (np.ndarray, np.generic)):
-            if tgt is None or isinstance(tgt, (np.ndarray, np.generic)):
-                return None
-        sharding = getattr(tgt, "sharding", None) if tgt is not None else None
-        if sharding is None:
-            if rec.sharding is None:
-                return None
-            sharding = shardings.rebuild(rec.sharding)
-        return sharding
-
-    @staticmethod
-    def _key_target_sharding(rec: fmt.ArrayRecord, tgt: Any) -> Any:
-        """The sharding of a PRNG key array's key data, from a target of key dtype."""
-        if not rec.prng_impl:
-            raise TargetMismatchError(f"array {rec.key!r}: target is a PRNG key array ({tgt.dtype}) but a "
-                                      f"{rec.dtype} array was saved")
-        if not _is_prng_key(tgt):
-            raise TargetMismatchError(f"array {rec.key!r}: a PRNG key array ({rec.prng_impl}) was saved but the "
-                                      f"target has dtype {tgt.dtype}; pass a key-typed target "
-                                      "(jax.eval_shape of jax.random.key)")
-        impl = str(jax.random.key_impl(tgt)) if isinstance(tgt, jax.Array) else tgt.dtype._impl.name
-        if impl != rec.prng_impl:
-            raise TargetMismatchError(f"array {rec.key!r}: saved with PRNG impl {rec.prng_impl}, the target uses "
-                                      f"{impl}; restore with the saved impl (jax_default_prng_impl={rec.prng_impl})")
-        if tuple(tgt.shape) != rec.logical_shape:
-            raise TargetMismatchError(f"array {rec.key!r}: target shape {tuple(tgt.shape)} != saved key array "
-                                      f"shape {rec.logical_shape}")
-        sharding = getattr(tgt, "sharding", None)
-        if sharding is None:
-            return shardings.rebuild(rec.sharding) if rec.sharding is not None else None
-        if not isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
-            raise TargetMismatchError(f"array {rec.key!r}: a PRNG key array restores onto a NamedSharding or a "
-                                      f"SingleDeviceSharding, not {type(sharding).__name__}")
-        return sharding  # names the leading dimensions; the key data dimensions stay whole
 
     # --- lifecycle -----------------------------------------------------------------------
 

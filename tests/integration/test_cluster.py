@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.head.cluster import ClusterDispatcher
+from mtc.head.restore_plan import plan_target
 from mtc.shared import protocol
 from mtc.shared.errors import CorruptBlobError, HostUnreachableError, SaveError, StepNotFoundError
 from mtc.shared.hashing import blob_name
@@ -239,7 +240,7 @@ def test_restore_fails_clearly_when_no_host_has_a_good_copy(local_cluster):
         m.save(4, state)
         m.wait_until_finished()
         manifest = m._dispatch.manifest(4)
-        requests, _ = m._plan(manifest, None)
+        requests, _ = plan_target(manifest, None)
         # Corrupt one shard of "w" on both of its holders (the twins s0-h0 and s1-h0).
         rec = next(a for a in manifest.arrays if a.key == "['params']['w']")
         shard = next(s for s in rec.shards if s.devices and HOST_OF_DEVICE[s.devices[0]] == "s0-h0")

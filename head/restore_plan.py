@@ -1,0 +1,196 @@
+"""Restore planning, as values the dispatcher executes (DESIGN section 13).
+
+``plan_target`` turns a step manifest and a restore target (the shardings of the *current*
+mesh) into load requests; ``host_needs`` says which saved blobs each host needs for its
+shards of them; ``RestorePlan`` adds where those blobs are now (the inventory's holders) and
+so which host must pull which blob before the load. All of it is computed on the head from
+plain values, and unit-tested without processes (a lost slice, a resized mesh, a bad holder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from mtc.head import tree as tree_lib
+from mtc.head.dispatch import LoadRequest
+from mtc.shared import format as fmt
+from mtc.shared import shardings
+from mtc.shared.errors import TargetMismatchError
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """What a restore of ``step`` does before the load: per host, the blobs it needs and lacks."""
+
+    step: int
+    needs: dict  # host -> sorted blob names for its shards of the target
+    holders: dict | None  # blob -> hosts that hold it now (None: restore from a backup, or unknown)
+
+    @property
+    def lacking(self) -> dict[str, list[str]]:
+        """host -> the needed blobs it does not hold (to pull from a peer, else the backup)."""
+        if self.holders is None:
+            return {}
+        out = {h: [b for b in bs if h not in self.holders.get(b, ())] for h, bs in self.needs.items()}
+        return {h: bs for h, bs in out.items() if bs}
+
+    @property
+    def unavailable(self) -> list[str]:
+        """Needed blobs that no host holds (only a backup can give them)."""
+        if self.holders is None:
+            return []
+        return sorted({b for bs in self.needs.values() for b in bs if not self.holders.get(b)})
+
+    def nbytes(self, sizes: Mapping[str, int]) -> tuple[int, int]:
+        """(bytes, blobs) the hosts need in all (a blob two hosts need counts twice)."""
+        return (sum(sizes[b] for bs in self.needs.values() for b in bs), sum(len(bs) for bs in self.needs.values()))
+
+
+def make_plan(step: int, manifest: fmt.StepManifest, requests: list[LoadRequest], hosts: Sequence[str],
+              host_of_device: Callable[[int], str], holders: Mapping[str, set] | None) -> RestorePlan:
+    return RestorePlan(step=step, needs=host_needs(manifest, requests, hosts, host_of_device),
+                       holders=None if holders is None else {b: frozenset(h) for b, h in holders.items()})
+
+
+def scalar_value(doc: dict) -> Any:
+    t, v = doc["type"], doc["v"]
+    return {"bool": bool, "int": int, "float": float.fromhex, "str": str}[t](v)
+
+
+def is_prng_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def prng_key_shape(impl: str) -> tuple[int, ...]:
+    """The trailing key data dimensions of one key of ``impl`` ((2,) for threefry2x32)."""
+    try:
+        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+    except (ValueError, TypeError, KeyError) as e:
+        raise TargetMismatchError(f"PRNG impl {impl!r} is not known to this jax {jax.__version__} ({e}); "
+                                  "restore with the jax the checkpoint was saved with") from None
+
+
+def host_needs(manifest: fmt.StepManifest, requests: list[LoadRequest], hosts: Sequence[str],
+               host_of_device: Callable[[int], str]) -> dict[str, list[str]]:
+    """host -> the blobs it needs to assemble its shards of the restore target."""
+    out: dict[str, set[str]] = {h: set() for h in hosts}
+    for r in requests:
+        rec = r.record
+        if r.sharding is None:
+            for h in out:
+                out[h].update(sh.blob for sh in rec.shards)
+            continue
+        # Saved boxes of one array are disjoint or identical (replicas), so a target box that was
+        # saved as is overlaps exactly the shards with that box: no scan in the common case
+        # (every restore plans this, and a scan is arrays x devices x shards).
+        exact: dict[Any, list[str]] = {}
+        for sh in rec.shards:
+            exact.setdefault(sh.box, []).append(sh.blob)
+        for dev_id, box in shardings.device_boxes(r.sharding, rec.shape).items():
+            host = host_of_device(dev_id)
+            blobs = exact.get(box)
+            if blobs is None:  # resharded: every saved shard it overlaps
+                blobs = [sh.blob for sh in rec.shards if fmt.box_intersect(sh.box, box) is not None]
+            out.setdefault(host, set()).update(blobs)
+    return {h: sorted(b) for h, b in out.items()}
+
+def plan_target(manifest: fmt.StepManifest, target: Any, partial: Any = False) -> tuple[list[LoadRequest], Callable]:
+    """The arrays to load (each with the sharding it must come back in) and how to rebuild the tree."""
+    by_key = {a.key: a for a in manifest.arrays}
+    if target is None:
+        keys = [a.key for a in manifest.arrays]
+        targets = [None] * len(keys)
+        rebuild = lambda leaves: tree_lib.decode(manifest.tree, leaves)  # noqa: E731
+    else:
+        keys, targets, treedef = tree_lib.flatten(target)
+        if partial is True:
+            missing = []
+        else:  # False: every saved leaf; key prefixes: every saved leaf under them
+            prefixes = tuple(partial) if partial else ("",)
+            missing = sorted(k for k in set(by_key) - set(keys) if k.startswith(prefixes))
+        extra = sorted(set(keys) - set(by_key))
+        if missing or extra:
+            raise TargetMismatchError(
+                f"restore target does not match the tree saved at step {manifest.step}: "
+                + (f"missing {missing[:5]}" if missing else "")
+                + (" " if missing and extra else "")
+                + (f"not in checkpoint {extra[:5]}" if extra else "")
+                + "; pass a target with the saved structure (or none)")
+        rebuild = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)  # noqa: E731
+    requests: list[LoadRequest] = []
+    slots: list[tuple[str, Any]] = []
+    for key, tgt in zip(keys, targets):
+        rec = by_key[key]
+        if rec.kind == "scalar":
+            slots.append(("value", scalar_value(rec.value)))
+            continue
+        sharding = target_sharding(rec, tgt)
+        slots.append(("key" if rec.prng_impl else "array", len(requests)))
+        requests.append(LoadRequest(rec, sharding))
+
+    def finish(arrays: list[Any]) -> Any:
+        leaves = []
+        for kind, v in slots:
+            if kind == "key":
+                rec = requests[v].record
+                leaves.append(jax.random.wrap_key_data(arrays[v], impl=rec.prng_impl))
+            else:
+                leaves.append(v if kind == "value" else arrays[v])
+        return rebuild(leaves)
+
+    return requests, finish
+
+def target_sharding(rec: fmt.ArrayRecord, tgt: Any) -> Any:
+    if tgt is not None and not isinstance(tgt, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        if isinstance(tgt, (bool, int, float, str)):
+            raise TargetMismatchError(f"array {rec.key!r}: target is a Python scalar but a {rec.kind} "
+                                      "array was saved")
+        raise TargetMismatchError(f"array {rec.key!r}: unsupported target leaf {type(tgt).__name__}")
+    if tgt is not None and (rec.prng_impl or is_prng_key(tgt)):
+        return key_target_sharding(rec, tgt)
+    if tgt is not None:
+        if tuple(tgt.shape) != tuple(rec.shape):
+            raise TargetMismatchError(
+                f"array {rec.key!r}: target shape {tuple(tgt.shape)} != saved shape {tuple(rec.shape)}")
+        if np.dtype(tgt.dtype) != rec.np_dtype:
+            raise TargetMismatchError(
+                f"array {rec.key!r}: target dtype {np.dtype(tgt.dtype).name} != saved dtype {rec.dtype}; "
+                "restore with the saved dtype and cast afterwards")
+    if rec.kind == "numpy" or isinstance(tgt, (np.ndarray, np.generic)):
+        if tgt is None or isinstance(tgt, (np.ndarray, np.generic)):
+            return None
+    sharding = getattr(tgt, "sharding", None) if tgt is not None else None
+    if sharding is None:
+        if rec.sharding is None:
+            return None
+        sharding = shardings.rebuild(rec.sharding)
+    return sharding
+
+def key_target_sharding(rec: fmt.ArrayRecord, tgt: Any) -> Any:
+    """The sharding of a PRNG key array's key data, from a target of key dtype."""
+    if not rec.prng_impl:
+        raise TargetMismatchError(f"array {rec.key!r}: target is a PRNG key array ({tgt.dtype}) but a "
+                                  f"{rec.dtype} array was saved")
+    if not is_prng_key(tgt):
+        raise TargetMismatchError(f"array {rec.key!r}: a PRNG key array ({rec.prng_impl}) was saved but the "
+                                  f"target has dtype {tgt.dtype}; pass a key-typed target "
+                                  "(jax.eval_shape of jax.random.key)")
+    impl = str(jax.random.key_impl(tgt)) if isinstance(tgt, jax.Array) else tgt.dtype._impl.name
+    if impl != rec.prng_impl:
+        raise TargetMismatchError(f"array {rec.key!r}: saved with PRNG impl {rec.prng_impl}, the target uses "
+                                  f"{impl}; restore with the saved impl (jax_default_prng_impl={rec.prng_impl})")
+    if tuple(tgt.shape) != rec.logical_shape:
+        raise TargetMismatchError(f"array {rec.key!r}: target shape {tuple(tgt.shape)} != saved key array "
+                                  f"shape {rec.logical_shape}")
+    sharding = getattr(tgt, "sharding", None)
+    if sharding is None:
+        return shardings.rebuild(rec.sharding) if rec.sharding is not None else None
+    if not isinstance(sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+        raise TargetMismatchError(f"array {rec.key!r}: a PRNG key array restores onto a NamedSharding or a "
+                                  f"SingleDeviceSharding, not {type(sharding).__name__}")
+    return sharding  # names the leading dimensions; the key data dimensions stay whole
