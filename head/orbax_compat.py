@@ -31,7 +31,7 @@ import numpy as np
 
 from mtc.head.manager import CheckpointManager
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import MTCError, TargetMismatchError
+from mtc.shared.errors import MTCError
 
 log = logging.getLogger(__name__)
 

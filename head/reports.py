@@ -1,0 +1,124 @@
+"""What the manager reports (frozen values), and the inventory snapshot a restore plans on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReport:
+    """What one save did: sizes, blob counts and the time of each phase (seconds)."""
+
+    step: int
+    bytes_total: int = 0
+    bytes_written: int = 0
+    blobs_total: int = 0
+    hosts: int = 0
+    waited_for_previous_s: float = 0.0
+    blocked_s: float = 0.0  # time save() kept the caller (mostly the device-to-host copy)
+    stage_s: float = 0.0
+    phase1_s: float = 0.0
+    phase2_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreReport:
+    """What one restore did: bytes and blobs by tier, and the time of each phase (seconds)."""
+
+    step: int
+    bytes_by_tier: dict = dataclasses.field(default_factory=dict)  # "ram", "peer", "backup"
+    blobs_by_tier: dict = dataclasses.field(default_factory=dict)
+    source: str = "cluster"  # "cluster", or the name of the backup restored
+    skipped_copies: tuple = ()  # "host <- holder: blob: why" for each bad or unreachable copy passed over
+    inventory_s: float = 0.0
+    pull_s: float = 0.0  # hosts pulling what they lacked from peers (and the backup)
+    load_s: float = 0.0
+    total_s: float = 0.0
+    prefetched: bool = False  # the start-up pull had brought this step's missing blobs (counted above)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchReport:
+    """What the start-up pull did: the newest restorable step, brought local in its saved layout."""
+
+    step: int
+    source: str = "cluster"  # "cluster", or the name of the backup it came from
+    bytes_by_tier: dict = dataclasses.field(default_factory=dict)  # "peer", "backup": bytes pulled
+    blobs_by_tier: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationReport:
+    """What the replication of one step did (the peer tier), or why it is not complete."""
+
+    step: int
+    planned_blobs: int = 0  # copies the first plan asked for
+    planned_bytes: int = 0
+    moved_blobs: int = 0  # copies made, over every attempt
+    moved_bytes: int = 0
+    bad_copies: int = 0  # received copies that failed their hash (skipped for another holder)
+    removed_bad_copies: int = 0  # ... that were corrupt at their holder, which removed them (then re-copied)
+    complete: bool = False  # every planned copy was made (nothing left to retry)
+    replicated: bool = False  # every blob is on >= replication_factor slices (hosts with one slice)
+    attempts: int = 0
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatus:
+    """One step as the inventories see it."""
+
+    step: int
+    restorable: bool  # every blob has a copy on some host (and every host answered)
+    replicated: bool  # every blob on >= replication_factor slices (hosts with one slice)
+    min_copies: int  # fewest slices (hosts) holding any one blob of the step
+    hosts: tuple = ()  # hosts with the step committed
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupReport:
+    """What one backup did, or why it did not run."""
+
+    step: int
+    name: str | None = None
+    uploaded_bytes: int = 0
+    uploaded_blobs: int = 0
+    skipped_blobs: int = 0  # already in the store (incremental backups)
+    bytes_by_host: dict = dataclasses.field(default_factory=dict)
+    skipped_because_running: int = 0  # due backups skipped while this one ran
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """One look at the hosts (and the backup root): what each step's blobs have where.
+
+    A value, passed from the step choice to the planning of the same restore, so that two
+    threads (the start-up pull and a restore) never read each other's answers.
+    """
+
+    views: dict  # step -> StepView (mtc.head.replication)
+    unreachable: dict  # host -> why it could not be asked
+    backup_unreachable: str | None = None  # why the backup root could not be listed
+
+    @property
+    def restorable(self) -> list[int]:
+        """Steps whose every blob has a copy on some host, ascending; none while a host cannot be
+        asked (the restore would need that host)."""
+        if self.unreachable:
+            return []
+        return sorted(s for s, v in self.views.items() if v.restorable)
+
+    def note(self) -> str:
+        """What an error about a missing step should add: hosts and the backup root not asked."""
+        note = ""
+        if self.unreachable:
+            note = ("; hosts that could not be asked, so no step is confirmed on them: "
+                    + "; ".join(f"{h} ({e})" for h, e in sorted(self.unreachable.items())))
+        if self.backup_unreachable:
+            note += f"; the backup root could not be listed ({self.backup_unreachable})"
+        return note
