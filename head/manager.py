@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from mtc.head import tree as tree_lib
+from mtc.head.backup_plan import assign_uploads, backup_due
 from mtc.head.elastic import as_host_lost
 from mtc.head.reports import (BackupReport, Inventory, PrefetchReport, ReplicationReport, RestoreReport,
                                SaveReport, StepStatus)
@@ -503,20 +504,8 @@ class CheckpointManager:
 
     # --- backup --------------------------------------------------------------------------
 
-    def _backup_due(self, step: int) -> bool:
-        cfg = self._config
-        if not cfg.backup_enabled:
-            return False
-        if self._last_backup is None:
-            return True  # a job's first committed step is backed up at once
-        last_step, last_t = self._last_backup
-        if cfg.multi_tier_checkpointing_backup_interval_steps:
-            n = cfg.multi_tier_checkpointing_backup_interval_steps
-            return step // n > last_step // n
-        return time.monotonic() - last_t >= cfg.multi_tier_checkpointing_backup_interval_minutes * 60
-
     def _maybe_backup(self, step: int, manifest: fmt.StepManifest) -> None:
-        if not self._backup_due(step):
+        if not backup_due(self._config, step, self._last_backup, time.monotonic()):
             return
         running = self._backup_pending
         if running is not None and not running.done():
@@ -527,29 +516,11 @@ class CheckpointManager:
         skipped, self._backup_skipped = self._backup_skipped, 0
         self._backup_pending = self._backup_executor.submit(self._backup, manifest, skipped)
 
-    def _assign_uploads(self, manifest: fmt.StepManifest) -> dict[str, list[str]]:
-        """Each unique blob to one of its holders, largest first to the least loaded holder."""
-        holders: dict[str, set[str]] = {}
-        sizes: dict[str, int] = {}
-        for rec in manifest.arrays:
-            for sh in rec.shards:
-                sizes[sh.blob] = sh.nbytes
-                hs = holders.setdefault(sh.blob, set())
-                hs.update(self._dispatch.host_of_device(d) for d in sh.devices)
-        load = {h: 0 for h in self._dispatch.hosts()}
-        out: dict[str, list[str]] = {h: [] for h in load}
-        for blob in sorted(sizes, key=lambda b: (-sizes[b], b)):
-            cands = sorted(holders[blob] & set(load)) or sorted(load)
-            host = min(cands, key=lambda h: (load[h], h))
-            load[host] += sizes[blob]
-            out[host].append(blob)
-        return out
-
     def _backup(self, manifest: fmt.StepManifest, skipped: int) -> BackupReport:
         t0 = time.perf_counter()
         step = manifest.step
         try:
-            up = self._dispatch.backup_upload(self._assign_uploads(manifest))
+            up = self._dispatch.backup_upload(assign_uploads(manifest, self._dispatch.hosts(), self._dispatch.host_of_device))
             name = backup_layout.backup_name(step)
             host = sorted(up)[0] if up else self._dispatch.hosts()[0]
             self._dispatch.backup_finalize(host, name, manifest, self._config.backup_max_to_keep)

@@ -1,0 +1,49 @@
+"""Backup scheduling and upload assignment, as values (DESIGN sections 5 and 13).
+
+``backup_due`` says whether a committed step is due for a backup under the config's interval;
+``assign_uploads`` gives each unique blob of a step to one of the hosts that hold it, largest
+first to the least loaded, so that uploads spread over every host. Both are plain functions of
+plain values, unit-tested without processes; the manager calls them and the dispatcher runs
+the uploads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from mtc.shared import format as fmt
+from mtc.shared.config import MTCConfig
+
+
+def backup_due(config: MTCConfig, step: int, last: tuple[int, float] | None, now: float) -> bool:
+    """Whether ``step`` is due: the first committed step at once, then every N steps (step
+    boundaries crossed) or every N minutes since the last one started (``last`` = (step, time))."""
+    if not config.backup_enabled:
+        return False
+    if last is None:
+        return True
+    last_step, last_t = last
+    if config.multi_tier_checkpointing_backup_interval_steps:
+        n = config.multi_tier_checkpointing_backup_interval_steps
+        return step // n > last_step // n
+    return now - last_t >= config.multi_tier_checkpointing_backup_interval_minutes * 60
+
+
+def assign_uploads(manifest: fmt.StepManifest, hosts: Sequence[str],
+                   host_of_device: Callable[[int], str]) -> dict[str, list[str]]:
+    """host -> the blobs it uploads: each unique blob once, by a host that holds it (any host when
+    none of its holders is among ``hosts``), largest first to the least loaded holder."""
+    holders: dict[str, set[str]] = {}
+    sizes: dict[str, int] = {}
+    for rec in manifest.arrays:
+        for sh in rec.shards:
+            sizes[sh.blob] = sh.nbytes
+            holders.setdefault(sh.blob, set()).update(host_of_device(d) for d in sh.devices)
+    load = {h: 0 for h in hosts}
+    out: dict[str, list[str]] = {h: [] for h in load}
+    for blob in sorted(sizes, key=lambda b: (-sizes[b], b)):
+        cands = sorted(holders[blob] & set(load)) or sorted(load)
+        host = min(cands, key=lambda h: (load[h], h))
+        load[host] += sizes[blob]
+        out[host].append(blob)
+    return out
