@@ -93,8 +93,7 @@ def save_and_catch_a_transfer(m: CheckpointManager, cluster: LocalCluster, first
         state = big_state(step)
         m.save(step, state)
         m.wait_until_finished()  # committed: from here on, blob temp files are peer receives
-        pending = m._replication_pending
-        while not pending.done():
+        while m.is_replicating():
             busy = receiving(cluster)
             if busy:
                 return step, state, next(iter(busy))

@@ -1,0 +1,164 @@
+"""The replication loop (the peer tier, head side): after each commit, bring every blob of the
+step to ``replication_factor`` copies on distinct slices, retrying while hosts are down.
+
+The plan of each attempt is a value (``mtc.head.replication.ReplicationStrategy``); this class
+runs attempts in the background, with backoff, until the copies exist, a newer step is saved,
+the manager closes, or its patience runs out. It never raises: training must not fail for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from mtc.head.dispatch import Dispatcher
+from mtc.head.replication import ReplicationStrategy, step_views
+from mtc.head.reports import ReplicationReport
+from mtc.shared import format as fmt
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import StepNotFoundError
+
+log = logging.getLogger("mtc.head.manager")  # one log for the manager's background work
+
+# How long replication of a step keeps retrying while a host it needs is down or a pull failed.
+_REPLICATION_PATIENCE_S = 1800.0
+_REPLICATION_RETRY_S = (0.05, 2.0)  # first and longest wait between attempts
+
+
+class Replicator:
+    """Replicates committed steps in the background, one at a time, newest wins."""
+
+    def __init__(self, dispatch: Dispatcher, config: MTCConfig, strategy: ReplicationStrategy,
+                 closing: threading.Event):
+        self._dispatch = dispatch
+        self._config = config
+        self._strategy = strategy
+        self._closing = closing
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-replicate")
+        self._pending: Future | None = None
+        self._newest: int | None = None  # the newest step given to replication
+        self.last_report: ReplicationReport | None = None
+
+    @property
+    def running(self) -> bool:
+        pending = self._pending
+        return pending is not None and not pending.done()
+
+    def wait(self) -> ReplicationReport | None:
+        pending = self._pending
+        if pending is not None:
+            pending.result()
+        return self.last_report
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def submit(self, manifest: fmt.StepManifest) -> None:
+        """Start replicating ``manifest``'s step in the background (the step is committed)."""
+        try:
+            if self._config.replication_factor < 2 or len(self._dispatch.hosts()) < 2:
+                return  # nothing to copy, or nowhere to copy it
+            if self._newest is None or manifest.step > self._newest:
+                self._newest = manifest.step
+            self._pending = self._executor.submit(self._replicate, manifest)
+        except Exception as e:  # the step is committed: a save never fails because of its copies
+            log.error("replication of step %d could not start: %s", manifest.step, e)
+
+    def _replicate(self, manifest: fmt.StepManifest) -> ReplicationReport:
+        """Bring every blob of the step to ``replication_factor`` copies; retry until done.
+
+        Each attempt asks the inventories (who holds what now), plans the missing copies and
+        has the receiving hosts pull them. It tries again, with backoff, while a pull failed or a
+        host is down and copies are still short; it gives up when a newer step is saved, the
+        manager closes, or after half an hour. Never raises: training must not fail for this.
+        """
+        step, t0 = manifest.step, time.perf_counter()
+        names = sorted(manifest.blob_names())
+        stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0,
+                 "removed_bad_copies": 0}
+        attempts, delay, error = 0, _REPLICATION_RETRY_S[0], None
+        complete = replicated = False
+        deadline = time.monotonic() + _REPLICATION_PATIENCE_S
+        while True:
+            attempts += 1
+            try:
+                complete, replicated = self._replicate_once(manifest, names, stats, first=attempts == 1)
+                error = None
+            except StepNotFoundError as e:  # pruned or aborted meanwhile: nothing left to do
+                error = str(e)
+                break
+            except Exception as e:  # reported, retried
+                complete, error = False, f"{type(e).__name__}: {e}"
+                if isinstance(e, RuntimeError) and "after shutdown" in str(e):  # the process is exiting
+                    break
+                log.warning("replication of step %d, attempt %d: %s", step, attempts, error)
+            if complete:
+                break
+            if self._newest > step or self._closing.is_set() or time.monotonic() > deadline:
+                error = error or "copies still missing: " + (
+                    "a newer step was saved" if self._newest > step else
+                    "the manager closed" if self._closing.is_set() else "gave up retrying")
+                break
+            self._closing.wait(delay)
+            delay = min(delay * 2, _REPLICATION_RETRY_S[1])
+        report = ReplicationReport(step=step, complete=complete, replicated=replicated, attempts=attempts,
+                                   error=error, seconds=time.perf_counter() - t0, **stats)
+        self.last_report = report
+        log.info("- replicate step %d; duration=%.3fs; moved=%d bytes in %d blobs (%d planned); complete=%s "
+                 "replicated=%s attempts=%d", step, report.seconds, report.moved_bytes, report.moved_blobs,
+                 report.planned_blobs, complete, replicated, attempts)
+        return report
+
+    def topology(self) -> dict[str, int]:
+        return {h: self._dispatch.slice_of(h) for h in self._dispatch.hosts()}
+
+    def _replicate_once(self, manifest: fmt.StepManifest, names: list[str], stats: dict, *,
+                        first: bool) -> tuple[bool, bool]:
+        """One attempt: (nothing left to retry, every blob has its copies)."""
+        step = manifest.step
+        inv = self._dispatch.peer_inventories()
+        down = {h for h, i in inv.items() if i.get("error")}
+        view = step_views(inv).get(step)
+        holders = view.by_name(names) if view is not None else None
+        if holders is None:
+            if down:
+                return False, False  # the hosts that hold it may be the ones down
+            raise StepNotFoundError(f"step {step} is no longer committed on any host; nothing to replicate")
+        topology = self.topology()
+        plan = self._strategy.plan(manifest, holders, topology, targets=set(view.hosts) - down)
+        if first:
+            stats["planned_blobs"], stats["planned_bytes"] = len(plan), sum(t.nbytes for t in plan)
+        failed = repaired = 0
+        if plan:
+            pulls: dict[str, list[tuple[str, int, list[str]]]] = {}
+            for t in plan:
+                others = sorted(holders[t.blob] - {t.src, t.dst} - down)
+                pulls.setdefault(t.dst, []).append((t.blob, t.nbytes, [t.src, *others]))
+            for dst, res in self._dispatch.peer_pull(step, pulls).items():
+                if "error" in res:
+                    failed += len(pulls[dst])
+                    continue
+                bad = {row[0] for row in res.get("failed", [])}
+                failed += len(bad)
+                stats["moved_blobs"] += res.get("pulled", 0)
+                stats["moved_bytes"] += res.get("pulled_bytes", 0)
+                stats["bad_copies"] += len(res.get("bad_copies", []))
+                repaired += len(res.get("removed_bad_copies", []))
+                stats["removed_bad_copies"] += len(res.get("removed_bad_copies", []))
+                for blob, _, _ in pulls[dst]:
+                    if blob not in bad:
+                        holders[blob].add(dst)
+        short = self._strategy.shortfall(manifest, holders, topology)
+        lost = [b for b in short if not holders[b]]
+        if lost:
+            log.error("step %d: %d blobs have no copy on any host (e.g. %s); they cannot be replicated",
+                      step, len(lost), lost[0])
+        elif short and not failed and not down:
+            log.warning("step %d: %d blobs stay below replication_factor=%d: the topology has %d failure domains "
+                        "(slices, or hosts when there is one slice)", step, len(short), self._strategy.factor,
+                        self._strategy.domains(topology))
+        if repaired:  # holders dropped corrupt copies: they hold less than the inventory said; look again
+            return False, False
+        return failed == 0 and not (short and down), not short
