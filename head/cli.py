@@ -119,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--costs", help="seconds per host: blocked,write,backup,restore_ram,restore_peer,restore_backup")
     pl.set_defaults(func=_cmd_plan)
 
+    im = sub.add_parser("images", help="check that a head and a sidecar image can run together")
+    im_sub = im.add_subparsers(dest="images_action", metavar="ACTION")
+    ic = im_sub.add_parser("check", help="compare the versions two image references carry",
+                           description="Compare the mtc, Python and jax versions in the tags of a head and a "
+                                       "sidecar image (<mtc>-python_X.Y-jax_X.Y.Z, as images/build.py tags them); "
+                                       "a mismatch prints the table and exits 1. No registry or Docker is reached: "
+                                       "the labels inside the images are checked by the images themselves at build "
+                                       "time and by the head at start-up.")
+    ic.add_argument("head_image")
+    ic.add_argument("sidecar_image")
+    ic.set_defaults(func=_cmd_images_check)
+
     st = sub.add_parser(
         "status", help="which steps live where, and which one a restore would choose",
         description="For a running local cluster (--cluster-spec) or the ramdisk folders of a stopped job "
@@ -333,6 +345,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     rc = demo.main(args)
     return 0 if rc is None else int(rc)
+
+
+def _cmd_images_check(args: argparse.Namespace) -> int:
+    from mtc.head import manifests
+
+    try:
+        bad = manifests.image_mismatches(args.head_image, args.sidecar_image)
+    except ConfigError as e:
+        print(f"mtc images check: error: {e}", file=sys.stderr)
+        return 2
+    hv, sv = manifests.image_versions(args.head_image), manifests.image_versions(args.sidecar_image)
+    print(f"{'':8} {'head':24} {'sidecar':24}")
+    for k in ("mtc", "python", "jax"):
+        mark = "  <- differs" if hv[k] != sv[k] else ""
+        print(f"{k:8} {hv[k]:24} {sv[k]:24}{mark}")
+    if bad:
+        print("mtc images check: the head and sidecar images differ (" + ", ".join(k for k, _, _ in bad) + "); "
+              "build both from the same lock (python images/build.py build) and use the same tag", file=sys.stderr)
+        return 1
+    print("ok: the images carry the same mtc, python and jax")
+    return 0
 
 
 def _duration(text: str) -> float:

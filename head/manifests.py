@@ -713,6 +713,29 @@ def _repository_name(ref: str) -> str:
 _TAG_VERSIONS = re.compile(r"-python_(\d+\.\d+)-jax_([0-9][0-9A-Za-z.]*)$")
 
 
+def image_versions(ref: str) -> dict | None:
+    """{"mtc", "python", "jax"} from an image reference's tag (``<mtc>-python_X.Y-jax_X.Y.Z``, as
+    images/build.py tags every image; a Pathways sidecar tag ``<date>-python_X.Y-jax_X.Y.Z`` gives
+    its date as "mtc"), or None when the tag does not carry them."""
+    tag = ref.split("@", 1)[0].rsplit("/", 1)[-1].partition(":")[2]
+    m = _TAG_VERSIONS.search(tag)
+    if not m:
+        return None
+    return {"mtc": tag[: m.start()], "python": m[1], "jax": m[2]}
+
+
+def image_mismatches(head: str, sidecar: str) -> list[tuple[str, str, str]]:
+    """(what, head image's, sidecar image's) for each version the two tags disagree on.
+
+    ConfigError when a tag does not carry its versions (nothing can be compared)."""
+    hv, sv = image_versions(head), image_versions(sidecar)
+    for ref, v in ((head, hv), (sidecar, sv)):
+        if v is None:
+            raise ConfigError(f"image {ref} has no <mtc>-python_X.Y-jax_X.Y.Z tag, so its versions cannot be "
+                              "checked; use the tags images/build.py gives (python images/build.py tags)")
+    return [(k, hv[k], sv[k]) for k in ("mtc", "python", "jax") if hv[k] != sv[k]]
+
+
 def _images(o: ManifestOptions) -> tuple[str, str]:
     """Head and sidecar image references; both default to this environment's versions."""
     tag = image_tag()
@@ -732,9 +755,10 @@ def _images(o: ManifestOptions) -> tuple[str, str]:
             f"server; use the colocated sidecar image, e.g. {fixed} (python images/build.py build "
             "--colocated-base <pathways-colocated-python/sidecar image>), or drop the flag for the default "
             f"[--image-registry/]{SIDECAR_IMAGE_NAME}:<tag>")
-    hv, sv = _TAG_VERSIONS.search(head.split("@")[0]), _TAG_VERSIONS.search(sidecar.split("@")[0])
-    if hv and sv and hv.groups() != sv.groups():
-        raise ConfigError(f"--image is python {hv[1]}, jax {hv[2]} but --sidecar-image is python {sv[1]}, jax {sv[2]}; "
-                          "head and sidecar must run exactly the same python and jax: use images built "
-                          "together (same tag)")
+    if image_versions(head) and image_versions(sidecar):  # the same check as `mtc images check`
+        bad = image_mismatches(head, sidecar)
+        if bad:
+            raise ConfigError("--image and --sidecar-image differ: " + "; ".join(
+                f"{k}: head {h}, sidecar {v}" for k, h, v in bad) + "; head and sidecar must run exactly the same "
+                "mtc, python and jax: use images built together (same tag)")
     return head, sidecar

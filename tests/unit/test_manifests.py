@@ -447,3 +447,17 @@ def test_mtc_launcher_runs_maxtext_through_mtc():
     with pytest.raises(ConfigError, match="--mtc-launcher needs --command to run"):
         render_documents(options(command="python3 train.py", mtc_launcher=True))
     assert manifests.launcher_command("python3 -m mtc.head.maxtext a=1") == "python3 -m mtc.head.maxtext a=1"
+
+
+def test_images_check_compares_the_tags(capsys):
+    same = ("r/mtc-head:0.1.0-python_3.12-jax_0.12.0", "r/mtc-colocated-sidecar:0.1.0-python_3.12-jax_0.12.0")
+    assert main(["images", "check", *same]) == 0
+    assert "ok: the images carry the same" in capsys.readouterr().out
+    assert main(["images", "check", "r/mtc-head:0.1.0-python_3.12-jax_0.12.0",
+                 "r/mtc-colocated-sidecar:0.1.0-python_3.11-jax_0.10.2"]) == 1
+    out, err = capsys.readouterr()
+    assert "python   3.12" in out and "<- differs" in out and "python, jax" in err
+    assert main(["images", "check", "r/mtc-head:latest", same[1]]) == 2
+    assert "has no <mtc>-python_X.Y-jax_X.Y.Z tag" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="python: head 3.12, sidecar 3.11"):  # render uses the same check
+        render_documents(options(image=same[0], sidecar_image="r/mtc-colocated-sidecar:0.1.0-python_3.11-jax_0.12.0"))
