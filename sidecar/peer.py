@@ -38,7 +38,7 @@ import socket
 import threading
 from typing import Any, Iterable, Mapping
 
-from mtc.shared import protocol
+from mtc.shared import protocol, version
 from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.shared.errors import (
     ConfigError,
@@ -314,6 +314,12 @@ class PeerServer(ThreadedTCPServer):
             raise _Refused("request without a peer token", "PermissionError")
         if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self._token):
             raise _Refused("wrong peer token (every sidecar of a job must share MTC_PEER_TOKEN)", "PermissionError")
+        # Peers of one job run one image: another mtc or protocol version is refused, not half understood.
+        theirs = (req.args.get("mtc"), req.args.get("protocol"))
+        if theirs != (version.MTC_VERSION, version.PROTOCOL_VERSION):
+            raise _Refused(f"peer runs mtc {theirs[0]} protocol {theirs[1]}, this sidecar mtc {version.MTC_VERSION} "
+                           f"protocol {version.PROTOCOL_VERSION}; run every sidecar of a job from the same image",
+                           "VersionMismatchError")
 
     def _reply(self, conn: socket.socket, reply: Reply) -> bool:
         try:
@@ -443,7 +449,8 @@ class PeerClient:
     def _send(self, op: str, args: dict, payload_sizes: list[int] | None = None) -> int:
         sock = self._connect()
         self._next_id += 1
-        req = Request(op, self._next_id, {**args, "token": self._token})
+        req = Request(op, self._next_id, {**args, "token": self._token, "mtc": version.MTC_VERSION,
+                                          "protocol": version.PROTOCOL_VERSION})
         try:
             if payload_sizes is None:
                 protocol.send_request(sock, req)

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.shared import protocol
+from mtc.shared import protocol, version
 from mtc.shared.errors import ConfigError, CorruptBlobError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.cluster import LocalCluster
@@ -324,10 +324,15 @@ def test_daemon_peer_port_refuses_bad_requests_and_keeps_serving(local_cluster):
                 pass
 
     def req(op: str, args: dict) -> bytes:
+        # A peer of this mtc version (what a current sidecar sends besides its own arguments).
+        args = {"mtc": version.MTC_VERSION, "protocol": version.PROTOCOL_VERSION, **args}
         return protocol.frame_head(protocol.Request(op, 1, args).header(), [])
 
     refused(req("get", {"blob": held[0]}), "without a peer token")
     refused(req("get", {"blob": held[0], "token": "f" * 64}), "wrong peer token")
+    refused(req("get", {"blob": held[0], "token": local_cluster.peer_token, "mtc": "0.0.9"}),
+            f"peer runs mtc 0.0.9 protocol {version.PROTOCOL_VERSION}, this sidecar mtc {version.MTC_VERSION}")
+    refused(req("get", {"blob": held[0], "token": local_cluster.peer_token, "protocol": 0}), "protocol 0")
     refused(req("get", {"blob": "../../../etc/passwd", "token": local_cluster.peer_token}), "invalid blob name")
     refused(req("have", {"blobs": ["../steps/000000000001.json"], "token": local_cluster.peer_token}),
             "invalid blob name")

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from mtc.shared import protocol
+from mtc.shared import protocol, version
 from mtc.shared.errors import ConfigError, CorruptBlobError, HostUnreachableError
 from mtc.shared.hashing import blob_name
 from mtc.shared.version import PROTOCOL_VERSION
@@ -24,6 +24,8 @@ from mtc.sidecar.ram import RamStore
 pytestmark = pytest.mark.unit
 
 TOKEN = "7" * 64
+# What a current sidecar sends besides the token: its mtc and protocol versions.
+V = {"mtc": version.MTC_VERSION, "protocol": version.PROTOCOL_VERSION}
 
 
 @pytest.fixture
@@ -140,7 +142,7 @@ def test_verify_removes_a_corrupt_copy_at_its_holder_and_never_a_good_one(server
         s.sendall(request("verify", {"blob": good}))
         refused(s, "without a peer token", "PermissionError")
     with connect(server) as s:
-        s.sendall(request("verify", {"blob": "../steps/000000000001.json", "token": TOKEN}))
+        s.sendall(request("verify", {"blob": "../steps/000000000001.json", "token": TOKEN, **V}))
         refused(s, "blob name")
     assert a.verify_blob(good)
 
@@ -149,11 +151,11 @@ def test_a_put_whose_bytes_do_not_match_its_name_is_not_kept(server, stores):
     a, _ = stores
     name = blob_name(b"the real bytes")
     with connect(server) as s:
-        s.sendall(protocol.frame_head(protocol.Request("put", 1, {"blob": name, "token": TOKEN}).header(), [5])
+        s.sendall(protocol.frame_head(protocol.Request("put", 1, {"blob": name, "token": TOKEN, **V}).header(), [5])
                   + b"wrong")
         reply = protocol.recv_reply(s)
         assert reply.error.type == "CorruptBlobError"
-        protocol.send_request(s, protocol.Request("have", 2, {"blobs": [name], "token": TOKEN}))
+        protocol.send_request(s, protocol.Request("have", 2, {"blobs": [name], "token": TOKEN, **V}))
         assert protocol.recv_reply(s).result == {"have": []}  # same connection, nothing kept
     assert not a.has_blob(name)
 
@@ -162,7 +164,7 @@ def test_a_put_cut_short_leaves_no_blob_and_no_temp_file(server, stores):
     a, _ = stores
     name = blob_name(b"x" * 100_000)
     with connect(server) as s:
-        s.sendall(protocol.frame_head(protocol.Request("put", 1, {"blob": name, "token": TOKEN}).header(), [100_000])
+        s.sendall(protocol.frame_head(protocol.Request("put", 1, {"blob": name, "token": TOKEN, **V}).header(), [100_000])
                   + b"x" * 50_000)
     deadline = time.monotonic() + 10
     while [p for p in (a.root / "blobs").iterdir() if p.name.startswith(".tmp-")]:
@@ -178,7 +180,7 @@ def test_a_put_cut_short_leaves_no_blob_and_no_temp_file(server, stores):
 def test_requests_without_the_right_token_are_refused_and_logged(server, stores, token, caplog):
     a, b = stores
     names = blobs(a, 1)
-    args = {"blob": names[0]} if token is None else {"blob": names[0], "token": token}
+    args = {"blob": names[0]} if token is None else {"blob": names[0], "token": token, **V}
     with caplog.at_level(logging.WARNING, logger="mtc.sidecar.peer"), connect(server) as s:
         s.sendall(request("get", args))
         refused(s, "token", kind="PermissionError")
@@ -200,7 +202,7 @@ def test_malformed_blob_names_are_refused_before_any_file_is_touched(server, sto
     before = tree(a)
     args = {"blobs": [name]} if op == "have" else {"blob": name}
     with connect(server) as s:
-        s.sendall(protocol.frame_head(protocol.Request(op, 1, {**args, "token": TOKEN}).header(),
+        s.sendall(protocol.frame_head(protocol.Request(op, 1, {**args, "token": TOKEN, **V}).header(),
                                       [4] if op == "put" else []) + (b"data" if op == "put" else b""))
         refused(s, "blob name")
     assert tree(a) == before
@@ -214,16 +216,16 @@ def test_malformed_blob_names_are_refused_before_any_file_is_touched(server, sto
     ("not json", protocol.MAGIC + struct.pack("!I", 5) + b"{{{{{", "not valid JSON"),
     ("other version", protocol.MAGIC + struct.pack("!I", 11) + b'{"v": 9999}', "protocol version"),
     ("huge payload", protocol.frame_head({"v": PROTOCOL_VERSION, "kind": "request", "op": "put", "id": 1,
-                                          "args": {"blob": "0" * 32, "token": TOKEN}}, [1 << 40]), "over the limit"),
+                                          "args": {"blob": "0" * 32, "token": TOKEN, **V}}, [1 << 40]), "over the limit"),
     ("payload on get", protocol.frame_head({"v": PROTOCOL_VERSION, "kind": "request", "op": "get", "id": 1,
-                                            "args": {"blob": "0" * 32, "token": TOKEN}}, [3]) + b"abc", "no payload"),
+                                            "args": {"blob": "0" * 32, "token": TOKEN, **V}}, [3]) + b"abc", "no payload"),
     ("two payloads on put", protocol.frame_head({"v": PROTOCOL_VERSION, "kind": "request", "op": "put", "id": 1,
-                                                 "args": {"blob": "0" * 32, "token": TOKEN}}, [1, 1]) + b"ab",
+                                                 "args": {"blob": "0" * 32, "token": TOKEN, **V}}, [1, 1]) + b"ab",
      "exactly one payload"),
-    ("unknown op", request("rm -rf", {"token": TOKEN}), "unknown peer op"),
+    ("unknown op", request("rm -rf", {"token": TOKEN, **V}), "unknown peer op"),
     ("a reply, not a request", protocol.frame_head({"v": PROTOCOL_VERSION, "kind": "reply", "id": 1}, []),
      "expected a request"),
-    ("too many names", request("have", {"blobs": ["0" * 32] * (HAVE_BATCH + 1), "token": TOKEN}), "at most"),
+    ("too many names", request("have", {"blobs": ["0" * 32] * (HAVE_BATCH + 1), "token": TOKEN, **V}), "at most"),
 ])
 def test_oversized_or_garbage_frames_are_refused(server, stores, what, data, match):
     a, _ = stores
