@@ -10,9 +10,11 @@ manager raises these, which are mtc errors and ``JaxRuntimeError``s at once. The
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
-from mtc.shared.errors import HostUnreachableError, SaveError, StepNotFoundError
+from mtc.shared.errors import HostUnreachableError, SaveError, StepNotFoundError, cause_in_chain
 
 # The status pathwaysutils.elastic.is_error_due_to_slice_down looks for first.
 SLICE_DOWN_STATUS = "DATA_LOSS"
@@ -30,20 +32,9 @@ class StepOnLostHostError(StepNotFoundError, HostLostError):
     """No step could be confirmed because a host did not answer (a ``StepNotFoundError`` too)."""
 
 
-def host_lost_cause(e: BaseException) -> HostUnreachableError | None:
-    """The HostUnreachableError in ``e``'s cause chain, if any."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, HostUnreachableError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
-
-
 def as_host_lost(e: BaseException) -> BaseException:
     """``e`` as a HostLostError (SaveHostLostError for a SaveError) when a host was lost; else ``e``."""
-    if isinstance(e, HostLostError) or host_lost_cause(e) is None:
+    if isinstance(e, HostLostError) or cause_in_chain(e, HostUnreachableError) is None:
         return e
     text = f"{SLICE_DOWN_STATUS}: {e} (a host stopped answering: its slice is taken as lost; an elastic retry " \
            "restores on the live slices)"
@@ -55,3 +46,15 @@ def as_host_lost(e: BaseException) -> BaseException:
         out = HostLostError(text)
     out.__cause__ = e
     return out
+
+
+@contextlib.contextmanager
+def host_lost_as_elastic():
+    """Inside: an error caused by a lost host leaves as ``as_host_lost`` makes it; others unchanged."""
+    try:
+        yield
+    except Exception as e:
+        lost = as_host_lost(e)
+        if lost is e:
+            raise
+        raise lost from e

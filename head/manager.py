@@ -26,7 +26,7 @@ import numpy as np
 
 from mtc.head import tree as tree_lib
 from mtc.head.backup_plan import assign_uploads, backup_due
-from mtc.head.elastic import as_host_lost
+from mtc.head.elastic import as_host_lost, host_lost_as_elastic
 from mtc.head.reports import (BackupReport, Inventory, PrefetchReport, ReplicationReport, RestoreReport,
                                SaveReport, StepStatus)
 from mtc.head.replication_loop import Replicator
@@ -45,6 +45,7 @@ from mtc.shared.errors import (
     SaveError,
     StepNotFoundError,
     TargetMismatchError,
+    cause_in_chain,
 )
 from mtc.shared.objstore.store import TransientStoreError
 
@@ -73,16 +74,6 @@ def _install_exit_hook() -> None:
     register = getattr(threading, "_register_atexit", None) or atexit.register
     register(_stop_background_retries)
     _exit_hook_installed = True
-
-
-def _fenced_cause(e: BaseException) -> FencedError | None:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, FencedError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _classify(key: str, leaf: Any) -> str:
@@ -203,13 +194,8 @@ class CheckpointManager:
         answering raises ``HostLostError``, a ``jax.errors.JaxRuntimeError`` that elastic
         training retries on.
         """
-        try:
+        with host_lost_as_elastic():
             return self._save(step, state, force)
-        except Exception as e:
-            lost = as_host_lost(e)
-            if lost is e:
-                raise
-            raise lost from e
 
     @property
     def in_flight_step(self) -> int | None:
@@ -314,7 +300,7 @@ class CheckpointManager:
                      report.bytes_total, report.bytes_total / max(report.total_s, 1e-9) / 1e9)
             return report
         except BaseException as e:
-            fenced = _fenced_cause(e)
+            fenced = cause_in_chain(e, FencedError)
             if fenced is not None:  # a newer head took the hosts: that, not "save failed", is the news
                 self._fenced = e = fenced
             elif not isinstance(e, SaveError):
@@ -538,13 +524,8 @@ class CheckpointManager:
         with a collection of key prefixes, only the saved leaves under them must all be in ``target``.
         A host that stops answering raises ``HostLostError`` (see ``save``).
         """
-        try:
+        with host_lost_as_elastic():
             return self._restore(step, target, partial)
-        except Exception as e:
-            lost = as_host_lost(e)
-            if lost is e:
-                raise
-            raise lost from e
 
     def _restore(self, step: int | None, target: Any, partial: Any) -> Any:
         self._check_open()

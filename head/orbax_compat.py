@@ -88,9 +88,7 @@ def _restore_leaf(abstract: Any, restore_arg: Any) -> Any:
         sharding = getattr(abstract, "sharding", None)
     if isinstance(abstract, (jax.Array, jax.ShapeDtypeStruct)):
         return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
-    if isinstance(abstract, (np.ndarray, np.generic)):
-        return abstract
-    return abstract  # Python scalars: restored as saved
+    return abstract  # numpy leaves and Python scalars: restored as saved
 
 
 def _cast(x: Any, restore_arg: Any) -> Any:
@@ -196,8 +194,7 @@ class OrbaxCompatibleManager:
             log.info("step %d is already saved or being saved; not saving it again", step)
             return False
         state = {name: item_args.item for name, item_args in items.items()}
-        started = self._mgr.save(int(step), state, force=force)
-        return started
+        return self._mgr.save(int(step), state, force=force)
 
     def restore(self, step: int | None = None, args: Any = None, directory: Any = None) -> Any:
         """Restore ``step`` (default: the latest) into the items ``args`` names.

@@ -10,6 +10,17 @@ class MTCError(Exception):
     """Base class of every mtc error."""
 
 
+def cause_in_chain(e: BaseException | None, cls: type) -> BaseException | None:
+    """The first exception of type ``cls`` in ``e``'s cause/context chain (``e`` itself first)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, cls):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class ConfigError(MTCError, ValueError):
     """A configuration flag is missing, malformed or inconsistent with another."""
 

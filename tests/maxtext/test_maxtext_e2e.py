@@ -16,14 +16,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import env as mx_env  # noqa: E402
 
 pytestmark = [pytest.mark.maxtext, pytest.mark.integration]
 
@@ -31,14 +28,6 @@ STEPS = 15
 PERIOD = 3
 BACKUP_STEPS = 6
 METRICS = ("learning/loss", "learning/grad_norm", "learning/param_norm", "learning/current_learning_rate")
-
-
-@pytest.fixture(scope="session")
-def maxtext_python():
-    try:
-        return str(mx_env.ensure())
-    except mx_env.EnvUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")

@@ -10,30 +10,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import env as mx_env  # noqa: E402
 
-from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
-from mtc.shared import protocol, version  # noqa: E402
-from mtc.shared.errors import VersionMismatchError  # noqa: E402
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.shared import protocol, version
+from mtc.shared.errors import VersionMismatchError
 
 pytestmark = [pytest.mark.maxtext, pytest.mark.integration]
-
-
-@pytest.fixture(scope="module")
-def other_python():
-    try:
-        return str(mx_env.ensure())
-    except mx_env.EnvUnavailable as e:
-        pytest.skip(str(e))
 
 
 def _other_fingerprint(py: str) -> dict:
@@ -42,15 +30,15 @@ def _other_fingerprint(py: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_the_two_environments_really_differ(other_python):
-    mine, other = version.fingerprint(), _other_fingerprint(other_python)
+def test_the_two_environments_really_differ(maxtext_python):
+    mine, other = version.fingerprint(), _other_fingerprint(maxtext_python)
     differ = {pkg for pkg, _, _ in version.mismatches(mine, other)}
     assert {"jax", "jaxlib", "python"} <= differ, differ
     assert mine["mtc"] == other["mtc"]  # the same mtc source in both
 
 
-def test_colocated_fingerprint_from_the_other_environment_is_refused(other_python):
-    other = _other_fingerprint(other_python)
+def test_colocated_fingerprint_from_the_other_environment_is_refused(maxtext_python):
+    other = _other_fingerprint(maxtext_python)
     with pytest.raises(VersionMismatchError) as info:
         version.check_fingerprints(version.fingerprint(), {"s0-h0": other})
     msg = str(info.value)
@@ -58,9 +46,9 @@ def test_colocated_fingerprint_from_the_other_environment_is_refused(other_pytho
     assert "images/build.py" in msg
 
 
-def test_a_daemon_from_the_other_environment_is_refused_before_any_byte_moves(other_python, tmp_path):
+def test_a_daemon_from_the_other_environment_is_refused_before_any_byte_moves(maxtext_python, tmp_path):
     root, ready = tmp_path / "ram", tmp_path / "ready.json"
-    proc = subprocess.Popen([other_python, "-m", "mtc.sidecar", "serve", "--root", str(root), "--host-id", "s0-h0",
+    proc = subprocess.Popen([maxtext_python, "-m", "mtc.sidecar", "serve", "--root", str(root), "--host-id", "s0-h0",
                              "--ready-file", str(ready), "--log-file", str(tmp_path / "daemon.log")])
     try:
         deadline = time.monotonic() + 60
