@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
 from mtc.shared.hashing import blob_name  # noqa: E402
-from mtc.sidecar.cluster import LocalCluster  # noqa: E402
+from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402
 
 NDEV = 8
 _CHUNK = 4 << 20

@@ -17,7 +17,7 @@ receiver's ``max_payload``. A frame that breaks a limit, is not JSON, has the wr
 another protocol version raises ``ProtocolError`` before anything is allocated for it.
 
 The cluster spec (``ClusterSpec``) is the contract between the launcher that starts the
-daemons (``mtc.sidecar.cluster``) and the head that reads it (``mtc.head.topology``).
+daemons (``mtc.sidecar.local_cluster``) and the head that reads it (``mtc.head.topology``).
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ class ClusterSpec:
     def from_json(cls, data: bytes | str, *, source: str = "cluster spec") -> "ClusterSpec":
         def bad(what: str) -> ConfigError:
             return ConfigError(f"{source} is invalid: {what}; it is written by "
-                               "mtc.sidecar.cluster.LocalCluster (or by hand in the same format)")
+                               "mtc.sidecar.local_cluster.LocalCluster (or by hand in the same format)")
 
         try:
             doc = json.loads(data)

@@ -13,7 +13,7 @@ from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.objstore import open_store
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.chaos
 

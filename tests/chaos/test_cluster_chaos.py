@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared.errors import SaveError
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 from mtc.sidecar.faults import CRASH_POINTS
 
 SAVE_POINTS = sorted(CRASH_POINTS - {"between_uploads"})  # the crash points of a save

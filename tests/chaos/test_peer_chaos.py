@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared.hashing import blob_name
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.chaos
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 
 @pytest.fixture

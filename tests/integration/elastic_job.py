@@ -53,7 +53,7 @@ def main() -> int:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from mtc.head import CheckpointManager, MTCConfig
-    from mtc.sidecar.cluster import LocalCluster
+    from mtc.sidecar.local_cluster import LocalCluster
 
     mesh = Mesh(np.array(jax.devices()).reshape(a.slices, -1), ("data", "model"))
     specs = {"w": P(None, "model"), "u": P("data", "model"), "e": P(("data", "model")), "c": P()}

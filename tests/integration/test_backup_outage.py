@@ -80,7 +80,7 @@ def test_a_restart_during_a_bucket_outage_comes_back_from_the_ramdisks(ramdisk, 
 
     import mtc.head.manager as manager_mod
     from mtc.shared.objstore import FatalStoreError
-    from mtc.sidecar.cluster import LocalCluster
+    from mtc.sidecar.local_cluster import LocalCluster
 
     monkeypatch.setattr(manager_mod, "_LISTING_DEADLINE_S", 2.0)
     server = emulator_factory("fake-gcs-server", persistent=True)

@@ -29,7 +29,7 @@ from mtc.head.restore_plan import plan_target
 from mtc.shared import protocol
 from mtc.shared.errors import CorruptBlobError, HostUnreachableError, SaveError, StepNotFoundError
 from mtc.shared.hashing import blob_name
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -409,7 +409,7 @@ def test_daemon_refuses_garbage_and_keeps_serving(local_cluster):
 
 FAILING_TESTS = '''
 import json, os
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 ROOT = {root!r}
 
@@ -440,7 +440,7 @@ def test_local_cluster_leaves_no_process_behind_a_failing_test(ramdisk):
 def test_kill_9_of_the_owner_takes_its_daemons_down(ramdisk):
     script = textwrap.dedent(f"""
         import json, sys, time
-        from mtc.sidecar.cluster import LocalCluster
+        from mtc.sidecar.local_cluster import LocalCluster
         c = LocalCluster({str(ramdisk / 'c')!r}, 2, 1).start()
         print(json.dumps(list(c.pids().values())), flush=True)
         sys.stdin.read()  # until killed

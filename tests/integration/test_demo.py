@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def _demo(workdir, timeline, *extra):
-    return subprocess.run([sys.executable, "-m", "mtc.head.cli", "demo", "--quick", "--workdir", str(workdir),
+    return subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "demo", "--quick", "--workdir", str(workdir),
                            "--timeline", str(timeline), *extra], capture_output=True, text=True, timeout=300)
 
 
@@ -46,10 +46,10 @@ def test_demo_keep_and_bad_options(tmp_path):
 
     tmp_root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     before = set(glob.glob(os.path.join(tmp_root, "mtc-demo-*")))
-    bad = subprocess.run([sys.executable, "-m", "mtc.head.cli", "demo", "--steps", "5"], capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "demo", "--steps", "5"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--steps >= 16" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     assert set(glob.glob(os.path.join(tmp_root, "mtc-demo-*"))) == before  # no empty folder left
-    proc = subprocess.run([sys.executable, "-m", "mtc.head.cli", "demo", "--workdir", "/proc/nope"],
+    proc = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "demo", "--workdir", "/proc/nope"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--workdir /proc/nope" in proc.stderr and "Traceback" not in proc.stderr

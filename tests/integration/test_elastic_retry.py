@@ -32,7 +32,7 @@ from helpers import assert_trees_bitwise_equal  # noqa: E402
 from mtc.head import HostLostError, MTCConfig, OrbaxCompatibleManager  # noqa: E402
 from mtc.head.cluster import ClusterDispatcher  # noqa: E402
 from mtc.head.manager import CheckpointManager  # noqa: E402
-from mtc.sidecar.cluster import LocalCluster  # noqa: E402
+from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared.errors import FencedError
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared import protocol, version
 from mtc.shared.errors import ConfigError, CorruptBlobError, StepNotFoundError
 from mtc.shared.hashing import blob_name
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 from mtc.sidecar.peer import ENV_TOKEN, PeerClient
 
 pytestmark = pytest.mark.integration

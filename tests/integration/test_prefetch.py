@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.cli import main
-from mtc.sidecar.cluster import LocalCluster
+from mtc.head.tools.cli import main
+from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -174,7 +174,7 @@ def test_bad_flag_combination_fails_before_training(maxtext_python, base_yml, tm
 
 CLUSTER_SCRIPT = """
 import sys
-from mtc.sidecar.cluster import LocalCluster
+from mtc.sidecar.local_cluster import LocalCluster
 with LocalCluster(sys.argv[1], 1, 2, devices_per_host=2) as c:
     print(c.spec_path, flush=True)
     sys.stdin.read()  # until the test closes it

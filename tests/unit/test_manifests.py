@@ -20,9 +20,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mtc.head import manifests
-from mtc.head.cli import main
-from mtc.head.manifests import ManifestOptions, render_documents
+from mtc.head.tools import manifests
+from mtc.head.tools.cli import main
+from mtc.head.tools.manifests import ManifestOptions, render_documents
 from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from mtc.head.cli import main
-from mtc.head.plan import Costs, plan
+from mtc.head.tools.cli import main
+from mtc.head.tools.plan import Costs, plan
 from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtc.head.cli import build_parser, main
+from mtc.head.tools.cli import build_parser, main
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import GIB, MIB, format_bytes, ramdisk_size
 
@@ -151,11 +151,11 @@ def test_demo_subcommand_options():
 
 
 def test_python_dash_m_cli():
-    ok = subprocess.run([sys.executable, "-m", "mtc.head.cli", "size", "--params", "70e9",
+    ok = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "size", "--params", "70e9",
                          "--hosts", "32"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "57Gi" in ok.stdout and "26.25 GB" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "mtc.head.cli", "size", "--params", "0",
+    bad = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "size", "--params", "0",
                           "--hosts", "32"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "params" in bad.stderr

@@ -415,7 +415,7 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     timeline = Path(args.timeline).resolve()
-    cmd = [sys.executable, "-m", "mtc.head.demo", "run", "--workdir", str(work), "--steps", str(steps),
+    cmd = [sys.executable, "-m", "mtc.head.tools.demo", "run", "--workdir", str(work), "--steps", str(steps),
            "--period", str(args.period), "--timeline", str(timeline)]
     try:
         return subprocess.run(cmd, env=_worker_env()).returncode
@@ -432,7 +432,7 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "run":
-        p = argparse.ArgumentParser(prog="mtc.head.demo run")
+        p = argparse.ArgumentParser(prog="mtc.head.tools.demo run")
         p.add_argument("--workdir", type=Path, required=True)
         p.add_argument("--steps", type=int, required=True)
         p.add_argument("--period", type=int, required=True)

@@ -4,11 +4,11 @@ Subcommands:
 
 - ``mtc size --params 70e9 --hosts 32 [--ramdisk DIR]``: ramdisk size per host, with the steps of
   the calculation and a Kubernetes ``sizeLimit``; with ``--ramdisk``, whether DIR fits and is fast.
-- ``mtc demo``: a small training run with a crash and a restore (``mtc.head.demo``).
+- ``mtc demo``: a small training run with a crash and a restore (``mtc.head.tools.demo``).
 - ``mtc restore-version show|set|clear``: list backups and pin the one to restore.
-- ``mtc manifests render ...``: the JobSet of a Pathways job with mtc (``mtc.head.manifests``).
+- ``mtc manifests render ...``: the JobSet of a Pathways job with mtc (``mtc.head.tools.manifests``).
 
-``python -m mtc.head.cli ...`` works the same as ``mtc ...``.
+``python -m mtc.head.tools.cli ...`` works the same as ``mtc ...``.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--verify", action="store_true",
                     help="have every host hash its blobs: a corrupt copy does not count (reads every byte)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.set_defaults(func=lambda a: __import__("mtc.head.status", fromlist=["run"]).run(a))
+    st.set_defaults(func=lambda a: __import__("mtc.head.tools.status", fromlist=["run"]).run(a))
 
     rv = sub.add_parser(
         "restore-version", help="pin restore to one backup (restore.version)",
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     """`mtc manifests render`: the JobSet (and peer-token Secret) of a Pathways job with mtc."""
-    from mtc.head.manifests import DEFAULT_PEER_PORT, MACHINES
+    from mtc.head.tools.manifests import DEFAULT_PEER_PORT, MACHINES
 
     manifests = sub.add_parser("manifests", help="Kubernetes manifests (JobSet) for a Pathways job",
                                description="Kubernetes manifests for a Pathways job that uses mtc.")
@@ -341,14 +341,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         args.workdir = Path(tempfile.mkdtemp(prefix="mtc-demo-", dir=shm))
     # Imported on use: only this command needs the demo (and whatever it imports).
-    from mtc.head import demo
+    from mtc.head.tools import demo
 
     rc = demo.main(args)
     return 0 if rc is None else int(rc)
 
 
 def _cmd_images_check(args: argparse.Namespace) -> int:
-    from mtc.head import manifests
+    from mtc.head.tools import manifests
 
     try:
         bad = manifests.image_mismatches(args.head_image, args.sidecar_image)
@@ -378,7 +378,7 @@ def _duration(text: str) -> float:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from mtc.head import plan as planner
+    from mtc.head.tools import plan as planner
 
     def fail(msg: str) -> int:
         print(f"mtc plan: error: {msg}", file=sys.stderr)
@@ -519,7 +519,7 @@ def _last_line(e: BaseException) -> str:
 
 
 def _cmd_manifests(args: argparse.Namespace) -> int:
-    from mtc.head import manifests
+    from mtc.head.tools import manifests
 
     def fail(message: str) -> int:
         print(f"mtc manifests render: error: {message}", file=sys.stderr)
