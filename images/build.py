@@ -24,7 +24,6 @@ import ast
 import dataclasses
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import shlex

@@ -170,7 +170,7 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
 
     manifests = sub.add_parser("manifests", help="Kubernetes manifests (JobSet) for a Pathways job",
                                description="Kubernetes manifests for a Pathways job that uses mtc.")
-    msub = manifests.add_subparsers(dest="manifests_action", metavar="{render}", required=True)
+    msub = manifests.add_subparsers(dest="manifests_action", metavar="{render,check}", required=True)
     r = msub.add_parser(
         "render", help="print the JobSet and the peer-token Secret as YAML",
         description="Render a JobSet (jobset.x-k8s.io/v1alpha2) for a Pathways job with multi-tier "
@@ -242,6 +242,25 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--output", "-o", type=Path, default=None, metavar="FILE",
                    help="write the YAML here (mode 0600: it holds the token) instead of stdout")
     r.set_defaults(func=_cmd_manifests)
+
+    c = msub.add_parser(
+        "check", help="validate a JobSet edited by hand",
+        description="Validate a JobSet file (and the Secret beside it): the JobSet CRD schema (strict: unknown "
+                    "fields are problems), kubernetes-validate for the core kinds and every pod template, and "
+                    "mtc's rules: the ramdisk is mounted in the sidecar at local_checkpoint_directory, the sidecar "
+                    "image carries the head image's versions (as mtc images check), the peer token's Secret is in "
+                    "the file or named with --peer-token-secret, and a memory emptyDir's sizeLimit is at least "
+                    "what mtc size gives for --params. Each problem on its own line; exit 1 when there is one.",
+        epilog="example: mtc manifests render ... --params 8e9 > job.yaml; (edit job.yaml); "
+               "mtc manifests check job.yaml --params 8e9")
+    c.add_argument("file", type=Path, help="the YAML file (- for standard input)")
+    c.add_argument("--params", type=_count, default=None,
+                   help="model parameters (e.g. 8e9, 70B): the emptyDir sizeLimit must hold what mtc size gives")
+    c.add_argument("--peer-token-secret", default="", metavar="NAME",
+                   help="a Secret with the peer token that exists in the cluster (not in FILE)")
+    c.add_argument("--kubernetes-version", default=None, metavar="X.Y",
+                   help="the cluster's Kubernetes version for kubernetes-validate (default 1.32)")
+    c.set_defaults(func=_cmd_manifests_check)
 
 
 def _count(text: str) -> float:
@@ -561,6 +580,40 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
     except OSError as e:
         return fail(f"--output: cannot write {out}: {e.strerror or e}")
     print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_manifests_check(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"mtc manifests check: error: {message}", file=sys.stderr)
+        return 2
+
+    name = "standard input" if str(args.file) == "-" else str(args.file)
+    try:
+        text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        return fail(f"cannot read {name}: {getattr(e, 'strerror', None) or e}")
+    if args.params is not None and args.params <= 0:
+        return fail(f"--params={args.params:g} must be more than 0 (the model's parameters, e.g. 8e9)")
+    try:
+        from mtc.head.tools import manifest_check
+
+        options = {"params": args.params, "peer_token_secret": args.peer_token_secret}
+        if args.kubernetes_version:
+            options["kubernetes_version"] = args.kubernetes_version
+        report = manifest_check.check_text(text, **options)
+    except ImportError as e:
+        return fail(f"{e}; checking manifests needs pip install 'mtc[k8s]'")
+    except Exception as e:  # e.g. kubernetes-validate without a schema for --kubernetes-version
+        return fail(f"{type(e).__name__}: {getattr(e, 'message', None) or _last_line(e)}")
+    for note in report.notes:
+        print(f"note: {note}")
+    for problem in report.problems:
+        print(f"{name}: {problem}")
+    if report.problems:
+        print(f"mtc manifests check: {len(report.problems)} problem(s) in {name}", file=sys.stderr)
+        return 1
+    print(f"ok: {name} passes the JobSet CRD schema, kubernetes-validate and mtc's rules")
     return 0
 
 
