@@ -282,3 +282,107 @@ def build_images(env: dict, *, lock: Path, base: str, wheels: Path, pip_conf: Pa
     if not colocated_base:
         refs.pop(build.COLOCATED)
     return Built(refs, seconds, out.stdout + out.stderr)
+
+
+def skew_lock(lock: Path, jax: str) -> Path:
+    """A lock like ``lock`` (same requirements, same date) with jax and jaxlib ``jax``: what a
+    sidecar image built from another release would install. Resolved once (uv), then cached."""
+    key = hashlib.sha256(lock.read_bytes() + jax.encode()).hexdigest()[:16]
+    dest = cache_dir() / f"skew-{key}" / "requirements.lock"
+    if dest.exists():
+        return dest
+    sys.path.insert(0, str(IMAGES))
+    try:
+        import build  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(IMAGES))
+    when = build.read_lock(lock).header["exclude-newer"]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    out = subprocess.run([sys.executable, str(IMAGES / "build.py"), "lock", "--lock", str(tmp), "--exclude-newer",
+                          when, "--constraint", f"jax=={jax}", "--constraint", f"jaxlib=={jax}"],
+                         capture_output=True, text=True, cwd=REPO)
+    if out.returncode != 0:
+        raise RuntimeError(f"resolving a lock with jax {jax} failed:\n{out.stderr[-3000:]}")
+    tmp.rename(dest)
+    return dest
+
+
+# ------------------------------------------------------------------------------- containers
+
+
+class Containers:
+    """Containers this test run started (named ``mtc-test-<pid>-...``), removed by ``close()``."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.prefix = f"mtc-test-{os.getpid()}"
+        self.names: list[str] = []
+
+    def run(self, image: str, *args: str, volumes: dict[Path, str] = {}, envs: dict[str, str] = {},
+            entrypoint: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run a container to the end on the host network; its exit code and output."""
+        cmd = ["run", "--rm", "--network", "host"]
+        for host, inside in volumes.items():
+            cmd += ["--volume", f"{host}:{inside}"]
+        for k, v in envs.items():
+            cmd += ["--env", f"{k}={v}"]
+        if entrypoint is not None:
+            cmd += ["--entrypoint", entrypoint]
+        return podman(self.env, *cmd, image, *args, check=False, timeout=timeout)
+
+    def start(self, name: str, image: str, *args: str, volumes: dict[Path, str] = {}) -> str:
+        """Start a detached container on the host network; its name."""
+        full = f"{self.prefix}-{name}"
+        cmd = ["run", "--detach", "--name", full, "--network", "host"]
+        for host, inside in volumes.items():
+            cmd += ["--volume", f"{host}:{inside}"]
+        self.names.append(full)
+        podman(self.env, *cmd, image, *args)
+        return full
+
+    def running(self, name: str) -> bool:
+        out = podman(self.env, "inspect", "--format", "{{.State.Running}}", name, check=False)
+        return out.stdout.strip() == "true"
+
+    def logs(self, name: str) -> str:
+        out = podman(self.env, "logs", name, check=False)
+        return out.stdout + out.stderr
+
+    def remove(self, name: str) -> None:
+        podman(self.env, "rm", "--force", "--time", "5", name, check=False, timeout=60)
+        if name in self.names:
+            self.names.remove(name)
+
+    def close(self) -> None:
+        for name in list(self.names):
+            self.remove(name)
+
+
+def start_sidecar(containers: Containers, image: str, host_id: str, ramdisk: Path, run: Path,
+                  timeout: float = 120) -> str:
+    """One sidecar daemon container (the image's entrypoint, ``python -m mtc.sidecar serve``) for
+    ``host_id`` with ``ramdisk`` as its /local; its control address, once it listens."""
+    ready = run / f"{host_id}.ready"
+    ready.unlink(missing_ok=True)
+    name = containers.start(host_id, image, "--root", "/local", "--host-id", host_id, "--listen", "127.0.0.1:0",
+                            "--peer-listen", "127.0.0.1:0", "--ready-file", f"/run/mtc/{host_id}.ready",
+                            "--peer-token-file", "/run/mtc/token",
+                            volumes={ramdisk: "/local", run: "/run/mtc"})
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if not containers.running(name):
+            raise RuntimeError(f"sidecar container {name} exited:\n{containers.logs(name)[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sidecar container {name} did not listen in {timeout:.0f} s:\n"
+                               f"{containers.logs(name)[-3000:]}")
+        time.sleep(0.1)
+    return json.loads(ready.read_text())["address"]
+
+
+def owned_by(path: Path, uid: int = 1000, mode: int = 0o755) -> Path:
+    """``path`` (created) owned by ``uid``: the images run as uid 1000."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, uid, uid)
+    path.chmod(mode)
+    return path
