@@ -395,3 +395,17 @@ def test_build_with_another_lock_refuses_a_dry_run(tmp_path):
     other.write_text(build.LOCK.read_text())
     out = _run("build", "--dry-run", "--lock", str(other))
     assert out.returncode == 2 and "staged context" in out.stderr and out.stdout == ""
+
+
+def test_the_lock_runs_the_jax_and_numpy_of_the_maxtext_environment():
+    """The head runs MaxText: the MaxText test environment (tests/maxtext/requirements-cpu.txt,
+    what MaxText 0.2.5 runs on here) and the images agree on the packages the fingerprint pins
+    exactly, so a head built on the lock's Python can run MaxText against these sidecars."""
+    pins = {}
+    for line in (REPO / "tests" / "maxtext" / "requirements-cpu.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line.strip())
+        if m:
+            pins[build.normalize(m.group(1))] = m.group(2)
+    lock = build.read_lock()
+    for pkg in ("jax", "jaxlib", "numpy"):
+        assert lock.pins[pkg] == pins[pkg], (pkg, lock.pins[pkg], pins[pkg])
