@@ -7,6 +7,9 @@ Subcommands:
 - ``mtc demo``: a small training run with a crash and a restore (``mtc.head.tools.demo``).
 - ``mtc restore-version show|set|clear``: list backups and pin the one to restore.
 - ``mtc manifests render ...``: the JobSet of a Pathways job with mtc (``mtc.head.tools.manifests``).
+- ``mtc manifests check FILE``: a hand-edited JobSet against the schemas and mtc's rules
+  (``mtc.head.tools.manifest_check``).
+- ``mtc images check HEAD SIDECAR [--engine podman]``: the two images' versions (tags, labels).
 
 ``python -m mtc.head.tools.cli ...`` works the same as ``mtc ...``.
 """

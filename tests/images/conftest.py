@@ -10,8 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oci  # noqa: E402
 
-LOCK = oci.IMAGES / "requirements.lock"
-SKEW_JAX = "0.10.2"  # another jax release with wheels for the lock's Python
+LOCK, SKEW_JAX = oci.LOCK, oci.SKEW_JAX
 TIMES: dict[str, float] = {}
 
 

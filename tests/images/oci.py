@@ -49,6 +49,8 @@ _SKIP = {"test", "idlelib", "tkinter", "turtledemo", "site-packages", "__pycache
 _SKIP_SUFFIXES = (".a",)
 _SKIP_PREFIXES = ("_tkinter", "pip", "idle", "2to3", "pydoc")
 BASE_REPOSITORY = "localhost/mtc-test-base"
+LOCK = IMAGES / "requirements.lock"
+SKEW_JAX = "0.10.2"  # another jax release with wheels for the lock's Python: the skewed sidecar's
 TOOLS = ("podman", "runc", "mmdebstrap")
 
 

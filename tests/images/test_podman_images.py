@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import oci
-from conftest import LOCK, SKEW_JAX
+from oci import LOCK, SKEW_JAX
 
 from mtc.shared import protocol
 
@@ -209,3 +209,22 @@ def test_colocated_build_refuses_a_base_whose_jax_is_not_the_locks(podman_env, b
     assert "the colocated base differs from requirements.lock" in built.output, built.output[-3000:]
     assert f"jax: base {SKEW_JAX}, lock '{lock.jax}'" in built.output
     assert f"error: podman build of {built.refs['colocated-sidecar']} failed" in built.output
+
+
+def test_images_check_refuses_a_tag_that_lies_about_the_labels_and_an_unknown_image(podman_env, images):
+    lock = build.read_lock(LOCK)
+    liar = images["sidecar"].rsplit(":", 1)[0] + f":{lock.mtc}-python_{lock.python}-jax_{SKEW_JAX}"
+    oci.podman(podman_env, "tag", images["sidecar"], liar)
+    try:
+        out = _mtc("images", "check", "--engine", "podman", images["head"], liar, env=podman_env)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert (f"the sidecar image {liar} is tagged with other versions than its labels say "
+                f"(jax: tag {SKEW_JAX}, label {lock.jax})") in out.stderr
+        # Without --engine only the tags are compared: the same pair is refused for the tags alone.
+        assert _mtc("images", "check", images["head"], liar, env=podman_env).returncode == 1
+    finally:
+        oci.podman(podman_env, "untag", images["sidecar"], liar, check=False)
+    missing = images["head"].rsplit(":", 1)[0] + f":{lock.mtc}-python_{lock.python}-jax_0.0.1"
+    out = _mtc("images", "check", "--engine", "podman", missing, images["sidecar"], env=podman_env)
+    assert out.returncode == 2 and f"podman has no image {missing}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

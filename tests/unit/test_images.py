@@ -4,9 +4,9 @@ Three images: mtc-head, mtc-sidecar (the cluster-mode daemon) on one python base
 mtc-colocated-sidecar (colocated mode on Pathways) on Google's colocated Python sidecar image,
 whose tag must carry the lock's python and jax.
 
-No Docker engine runs here, so these tests pin what the images would install and how they
-would be tagged: the lock, the Dockerfiles, the tag format, the commands `build` prints and
-the mismatches `check` reports.
+These tests pin, without building anything, what the images install and how they are tagged:
+the lock, the Dockerfiles, the tag format, the commands `build` prints and the mismatches
+`check` reports. tests/images/ builds and runs the images with podman.
 """
 
 from __future__ import annotations
@@ -300,7 +300,8 @@ def test_check_passes_for_the_lock_in_this_environment():
              if lock.pins.get(k.replace("_", "-")) != fp.get(k)}
     if drift:  # e.g. a fresh `pip install -e .` resolved a newer jax than the lock holds
         pytest.skip(f"this venv was not installed from images/requirements.lock: {drift}; "
-                    "`python images/build.py check` says what differs, `lock` re-resolves")
+                    "`python images/build.py check` says what differs; tests/images runs `check` in the head image, "
+                    "which is installed from the lock")
     out = _run("check")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok:" in out.stdout
