@@ -8,13 +8,13 @@ cluster-mode daemon) share one base image; ``mtc-colocated-sidecar`` (colocated 
 Pathways, what ``mtc manifests render`` runs on the workers) is built on Google's colocated
 Python sidecar image (``--colocated-base``), whose tag must carry the lock's python and jax.
 
-    python images/build.py lock                      # re-resolve requirements.lock (pip --dry-run --report)
+    python images/build.py lock [--check]            # re-resolve requirements.lock (uv pip compile), or repeat it
     python images/build.py tags [--registry R]       # the three image references
-    python images/build.py build [--registry R] [--colocated-base IMAGE] [--dry-run]
+    python images/build.py build [--registry R] [--colocated-base IMAGE] [--engine podman] [--dry-run]
     python images/build.py check [--lock FILE]       # lock, Dockerfiles and this environment agree
 
-Runs with any Python >= 3.11 (tomllib); only ``check`` needs mtc installed (it compares with
-``mtc.shared.version.fingerprint()``).
+Runs with any Python >= 3.11 (tomllib); ``lock`` needs uv (``pip install uv``), and only ``check``
+needs mtc installed (it compares with ``mtc.shared.version.fingerprint()``).
 """
 
 from __future__ import annotations
