@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,15 +120,34 @@ def test_head_container_saves_and_restores_bit_for_bit_through_sidecar_container
              for h, root in ram.items()}
     assert blobs["s0-h0"] and blobs["s0-h0"] == blobs["s0-h1"], blobs  # replication_factor 2 on 2 hosts
 
-    restored = _head(containers, images["head"], "restore", job)  # a new head process
-    assert restored.returncode == 0, restored.stdout + restored.stderr
-    report = json.loads((job / "out" / "restore.json").read_text())
-    assert report["step"] == 5 and report["bytes_by_tier"].get("ram", 0) > 0, report
-    before, after = _arrays(job / "out" / "saved"), _arrays(job / "out" / "restored")
-    assert before.keys() == after.keys() == {"w", "e", "c"}
-    for k in before:
-        assert before[k][:2] == after[k][:2], k  # dtype (bfloat16 too) and shape
-        assert before[k][2] == after[k][2], f"{k} differs after the restore"
+    before = _arrays(job / "out" / "saved")
+    assert before.keys() == {"w", "e", "c"}
+
+    def restore_bit_for_bit() -> dict:
+        restored = _head(containers, images["head"], "restore", job)  # a new head process each time
+        assert restored.returncode == 0, restored.stdout + restored.stderr
+        after = _arrays(job / "out" / "restored")
+        assert after.keys() == before.keys()
+        for k in before:
+            assert before[k][:2] == after[k][:2], k  # dtype (bfloat16 too) and shape
+            assert before[k][2] == after[k][2], f"{k} differs after the restore"
+        report = json.loads((job / "out" / "restore.json").read_text())
+        assert report["step"] == 5, report
+        return report["bytes_by_tier"]
+
+    by_tier = restore_bit_for_bit()
+    assert by_tier.get("ram", 0) > 0 and not by_tier.get("peer"), by_tier
+    # A host replaced: its container gone, its ramdisk empty, a new container on a new port. The
+    # next restore pulls that host's shards from its peer's container, over the host network.
+    containers.remove(f"{containers.prefix}-s0-h1")
+    shutil.rmtree(ram["s0-h1"])
+    oci.owned_by(ram["s0-h1"])
+    hosts = protocol.ClusterSpec.read(spec).hosts
+    address = oci.start_sidecar(containers, images["sidecar"], "s0-h1", ram["s0-h1"], tmp_path / "run")
+    protocol.ClusterSpec((hosts[0], protocol.HostSpec("s0-h1", 0, address, 2))).write(spec)
+    os.chown(spec, 1000, 1000)
+    by_tier = restore_bit_for_bit()
+    assert by_tier.get("peer", 0) > 0, by_tier
 
 
 def test_a_sidecar_image_with_another_jax_is_refused(podman_env, images, skew, containers, tmp_path):
