@@ -97,8 +97,13 @@ def _path(parts) -> str:
     return out or "(top)"
 
 
+class _NoSchema(Exception):
+    """kubernetes-validate has no schema for a custom resource's kind (not a core kind)."""
+
+
 def _kubernetes_problem(doc: dict, version: str) -> str | None:
-    """kubernetes-validate's first complaint about ``doc``, or None."""
+    """kubernetes-validate's first complaint about ``doc``, or None; _NoSchema for a kind of
+    an API group with a domain (a custom resource), which it does not know."""
     import kubernetes_validate
 
     try:
@@ -106,6 +111,8 @@ def _kubernetes_problem(doc: dict, version: str) -> str | None:
     except kubernetes_validate.ValidationError as e:
         return f"{_path(e.path)}: {e.message}"
     except kubernetes_validate.SchemaNotFoundError as e:
+        if "." in str(doc.get("apiVersion", "")).split("/")[0] and "/" in str(doc.get("apiVersion", "")):
+            raise _NoSchema(e.message) from None
         return e.message
     return None
 
@@ -196,7 +203,11 @@ def check_documents(docs: list, *, params: float | None = None, peer_token_secre
             r.problems += [f"{name}: {_path(e.path)}: {e.message} (JobSet CRD schema)" for e in errors]
             jobsets.append(doc)
             continue
-        problem = _kubernetes_problem(doc, kubernetes_version)
+        try:
+            problem = _kubernetes_problem(doc, kubernetes_version)
+        except _NoSchema:
+            r.notes.append(f"{name}: {doc['apiVersion']} is a custom resource without a schema here; not checked")
+            continue
         if problem:
             r.problems.append(f"{name}: {problem} (kubernetes-validate {kubernetes_version})")
         if doc["kind"] == "Secret" and doc["apiVersion"] == "v1":

@@ -245,3 +245,14 @@ def test_the_packaged_jobset_schema_is_the_vendored_crds():
     assert strict["properties"]["spec"]["additionalProperties"] is False
     assert gzip.decompress((REPO / "head" / "tools" / "schemas" / manifest_check.SCHEMA_FILE).read_bytes()) == \
         json.dumps(v["schema"]["openAPIV3Schema"], separators=(",", ":"), sort_keys=True).encode()
+
+
+def test_an_unknown_core_kind_is_refused_and_a_custom_resource_is_a_note(tmp_path, capsys):
+    docs = _docs() + [{"apiVersion": "v1", "kind": "Secrte", "metadata": {"name": "x"}},
+                      {"apiVersion": "checkpointing.gke.io/v1", "kind": "CheckpointConfiguration",
+                       "metadata": {"name": "c"}, "spec": {}}]
+    rc, problems, _ = _check(tmp_path, docs, capsys=capsys)
+    assert rc == 1 and len(problems) == 1 and problems[0].startswith("Secrte x: Couldn't find schema"), problems
+    path = tmp_path / "job.yaml"
+    main(["manifests", "check", str(path)])
+    assert "note: CheckpointConfiguration c: checkpointing.gke.io/v1 is a custom resource" in capsys.readouterr().out
