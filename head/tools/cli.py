@@ -389,6 +389,13 @@ def _image_labels(engine: str, ref: str) -> dict[str, str]:
     except subprocess.TimeoutExpired:
         raise ConfigError(f"{engine} image inspect {ref} did not answer in 120 s") from None
     if out.returncode != 0:
+        try:
+            answers = subprocess.run([engine, "info"], capture_output=True, timeout=60).returncode == 0
+        except subprocess.TimeoutExpired:
+            answers = False
+        if not answers:
+            raise ConfigError(f"--engine {engine}: {engine} does not answer here ({_last_line(Exception(out.stderr))});"
+                              " start its engine, or drop --engine to compare the tags only")
         raise ConfigError(f"{engine} has no image {ref} ({_last_line(Exception(out.stderr))}); pull or build it "
                           "first (python images/build.py build), or drop --engine to compare the tags only")
     try:

@@ -445,3 +445,24 @@ def test_images_check_compares_the_tags(capsys):
     assert "has no <mtc>-python_X.Y-jax_X.Y.Z tag" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="python: head 3.12, sidecar 3.11"):  # render uses the same check
         render_documents(options(image=same[0], sidecar_image="r/mtc-colocated-sidecar:0.1.0-python_3.11-jax_0.12.0"))
+
+
+def test_images_check_with_an_engine_that_cannot_answer_is_an_error_naming_it(tmp_path):
+    """--engine reads the labels from a local engine: one missing, or without its daemon (a docker
+    CLI with no engine, as here), is a one-line error with the way out, never a traceback."""
+    import subprocess
+    import sys
+
+    same = ("r/mtc-head:0.1.0-python_3.12-jax_0.12.0", "r/mtc-colocated-sidecar:0.1.0-python_3.12-jax_0.12.0")
+    env = {"PATH": str(tmp_path)}  # no docker here at all
+    out = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "images", "check", "--engine", "docker", *same],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "docker is not installed here; drop --engine" in out.stderr, out.stderr
+    fake = tmp_path / "docker"  # a docker CLI whose engine does not answer
+    fake.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon at unix:///var/run/docker.sock.' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    out = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "images", "check", "--engine", "docker", *same],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "--engine docker: docker does not answer here (Cannot connect" in out.stderr
+    assert "Traceback" not in out.stderr
