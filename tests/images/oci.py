@@ -322,16 +322,22 @@ class Containers:
         self.names: list[str] = []
 
     def run(self, image: str, *args: str, volumes: dict[Path, str] = {}, envs: dict[str, str] = {},
-            entrypoint: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-        """Run a container to the end on the host network; its exit code and output."""
+            secret_envs: dict[str, str] = {}, entrypoint: str | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run a container to the end on the host network; its exit code and output.
+        ``secret_envs`` reach the container through podman's environment (``--env NAME``), never
+        its command line."""
         cmd = ["run", "--rm", "--network", "host"]
         for host, inside in volumes.items():
             cmd += ["--volume", f"{host}:{inside}"]
         for k, v in envs.items():
             cmd += ["--env", f"{k}={v}"]
+        for k in secret_envs:
+            cmd += ["--env", k]
         if entrypoint is not None:
             cmd += ["--entrypoint", entrypoint]
-        return podman(self.env, *cmd, image, *args, check=False, timeout=timeout)
+        env = dict(self.env, **secret_envs)
+        return podman(env, *cmd, image, *args, check=False, timeout=timeout)
 
     def start(self, name: str, image: str, *args: str, volumes: dict[Path, str] = {}) -> str:
         """Start a detached container on the host network; its name."""

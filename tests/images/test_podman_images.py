@@ -29,6 +29,7 @@ import oci
 from oci import LOCK, SKEW_JAX
 
 from mtc.shared import protocol
+from mtc.shared.config import ENV_TOKEN
 
 pytestmark = [pytest.mark.images, pytest.mark.integration]
 
@@ -98,9 +99,13 @@ def _cluster(containers, image, tmp_path, hosts=("s0-h0", "s0-h1")) -> tuple[Pat
 
 
 def _head(containers, image, mode: str, job: Path) -> subprocess.CompletedProcess:
+    """A head container running head_job.py; it gets the job token as a head pod does, in
+    MTC_PEER_TOKEN (the sidecars read the same one from their token file)."""
     (job / "head_job.py").write_text((HERE / "head_job.py").read_text())
+    token = (job.parent / "run" / "token").read_text()
     return containers.run(image, "python", "/job/head_job.py", mode, "/job/cluster.json", "/job/out",
-                          volumes={job: "/job"}, envs={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                          volumes={job: "/job"}, envs={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+                          secret_envs={ENV_TOKEN: token})
 
 
 def _arrays(folder: Path) -> dict[str, tuple[str, list, bytes]]:
