@@ -23,20 +23,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
+from mtc.head.cluster_reads import ClusterLoader
+from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
+from mtc.head.cluster_client import HostConnection, RemoteFailure, cause
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
-from mtc.shared import protocol, version
-from mtc.shared.config import MTCConfig
+from mtc.shared import auth, protocol, version
+from mtc.shared.config import ENV_TOKEN, MTCConfig
 from mtc.shared.errors import (
     ConfigError,
     HostUnreachableError,
@@ -54,159 +56,8 @@ __all__ = ["ClusterDispatcher"]
 Box = fmt.Box
 # Ops whose answer may take as long as moving a host's share of a step.
 _DATA_OPS = frozenset({"write", "commit", "read"})
-
-
-class _RemoteFailure(MTCError):
-    """An error a sidecar answered with (the host is reachable; the request failed there)."""
-
-    def __init__(self, host: str, type_name: str, message: str):
-        super().__init__(f"{type_name}: {message}")
-        self.host, self.type_name, self.message = host, type_name, message
-
-    def reraise(self) -> None:
-        raise_remote(self.host, self.type_name, self.message)
-
-
-def _cause(e: BaseException) -> str:
-    """One line that says why a host failed, for error messages and SaveError.hosts."""
-    if isinstance(e, _RemoteFailure):
-        return str(e)
-    if isinstance(e, HostUnreachableError):
-        return str(e)
-    return f"{type(e).__name__}: {e}"
-
-
-class _Host:
-    """One connection to one daemon. Requests on it are serialised by a lock.
-
-    Each host has three: the ``control`` lane (saves, inventories, restores), the ``backup``
-    lane, so that an upload stuck on a dead bucket never holds up the next save, and the
-    ``peer`` lane (replication, restore pulls), for the same reason. The daemon serves each
-    connection on its own thread.
-    """
-
-    def __init__(self, owner: "ClusterDispatcher", host_id: str, lane: str = "control"):
-        self.owner = owner
-        self.id = host_id
-        self.lane = lane
-        self.lock = threading.Lock()
-        self.sock: socket.socket | None = None
-        self.address: str | None = None
-        self._next_id = 0
-
-    def call(self, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
-             alloc: protocol.Alloc | None = None) -> protocol.Reply:
-        """Run ``op``; HostUnreachableError if the daemon cannot be reached, _RemoteFailure if it
-        answers with an error. A stale connection (daemon restarted since) is retried once."""
-        with self.lock:
-            for attempt in (0, 1):
-                fresh = self.sock is None
-                if fresh:
-                    self._connect()
-                timeout = self.owner._timeout_for(op)
-                try:
-                    self.sock.settimeout(timeout)
-                    reply = self._roundtrip(op, args or {}, payloads, alloc)
-                except (OSError, ProtocolError) as e:
-                    self._drop()
-                    if fresh or attempt or isinstance(e, TimeoutError):
-                        raise HostUnreachableError(
-                            f"host {self.id} at {self.address}: {_transport_cause(e, timeout)}") from e
-                    continue
-                if reply.error is not None:
-                    raise _RemoteFailure(self.id, reply.error.type, reply.error.message)
-                return reply
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc) -> protocol.Reply:
-        self._next_id += 1
-        rid = self._next_id
-        if self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
-            args = {**args, "gen": self.owner.generation}
-        protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
-        reply = protocol.recv_reply(self.sock, alloc=alloc)
-        if reply.id is None and reply.error is not None:  # the daemon could not read our frame
-            raise ProtocolError(f"host {self.id} refused a {op} request: {reply.error.message}")
-        if reply.id != rid:
-            raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
-        return reply
-
-    def _connect(self) -> None:
-        address = self.owner._address_of(self.id)
-        self.address = address
-        try:
-            sock = socket.create_connection(protocol.parse_address(address), timeout=self.owner.connect_timeout_s)
-        except OSError as e:
-            raise HostUnreachableError(f"host {self.id} at {address}: {_transport_cause(e, self.owner.connect_timeout_s)}"
-                                       ) from e
-        sock.settimeout(self.owner.control_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        try:
-            reply = self._roundtrip("fingerprint", {}, (), None)
-            if reply.error is not None:
-                raise _RemoteFailure(self.id, reply.error.type, reply.error.message)
-            fp = reply.result if isinstance(reply.result, dict) else {}
-            if fp.get("host") != self.id:
-                raise HostUnreachableError(
-                    f"host {self.id}: the daemon at {address} answers as host {fp.get('host')!r}; the cluster "
-                    f"spec {self.owner.spec_path} is stale or wrong")
-            version.check_fingerprints(self.owner.head_fingerprint, {self.id: fp})
-            if isinstance(fp.get("peer"), str):  # the address book the head hands to the peer tier
-                self.owner._peer_addresses[self.id] = fp["peer"]
-            # A save that failed while this host was away may have left its step here.
-            for step in self.owner._take_aborts(self.id):
-                try:
-                    r = self._roundtrip("abort", {"step": step}, (), None)
-                except BaseException:
-                    self.owner._add_aborts(self.id, [step])
-                    raise
-                if r.error is not None:
-                    self.owner._add_aborts(self.id, [step])
-                    raise _RemoteFailure(self.id, r.error.type, r.error.message)
-                log.info("host %s: aborted step %d left by a failed save", self.id, step)
-        except (OSError, ProtocolError) as e:
-            self._drop()
-            raise HostUnreachableError(f"host {self.id} at {address}: "
-                                       f"{_transport_cause(e, self.owner.control_timeout_s)}") from e
-        except BaseException:
-            self._drop()
-            raise
-
-    def _drop(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            finally:
-                self.sock = None
-
-    def close(self) -> None:
-        with self.lock:
-            self._drop()
-
-
-def _read_errors(result: Any) -> list[tuple[int, str, str]]:
-    """The per-box errors of a read answer: (index, error type, message)."""
-    rows = (result or {}).get("errors", []) if isinstance(result, dict) else []
-    out = []
-    for e in rows:
-        if not (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str)
-                and isinstance(e[2], str)):
-            raise ProtocolError(f"malformed read error entry {e!r:.100}")
-        out.append((e[0], e[1], e[2]))
-    return out
-
-
-def _transport_cause(e: BaseException, timeout: float) -> str:
-    if isinstance(e, ConnectionRefusedError):
-        return "connection refused (daemon not running?)"
-    if isinstance(e, TimeoutError):
-        return f"no answer within {timeout:.0f}s (daemon hung or overloaded?)"
-    if isinstance(e, (ConnectionResetError, BrokenPipeError)):
-        return "connection lost (daemon killed or restarted?)"
-    if isinstance(e, ProtocolError):
-        return f"connection lost or garbled ({e})"
-    return f"{type(e).__name__}: {e}"
+# How long one ``job`` request waits on the daemon for a long operation to end (a long poll).
+_JOB_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -218,30 +69,16 @@ class _Staged:
     nbytes: int
 
 
-@dataclasses.dataclass
-class _Read:
-    """One piece of a restore: ``box`` of array ``key`` into ``dest``, from one of ``candidates``."""
-
-    key: str
-    box: Box
-    dest: np.ndarray  # a view into the target box buffer (may be strided for a piece)
-    candidates: list[str]
-    tried: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (host, error type, cause)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.dest.nbytes)
-
-
 class ClusterDispatcher(Dispatcher):
     """Reach sidecar daemons over TCP, as described by the cluster spec of ``config``.
 
     ``devices`` are the head devices mapped onto the hosts (default ``jax.devices()``).
     ``timeout_s`` bounds each wait for a daemon's bytes (not a whole request) in the data ops
     (write, commit, read); ``control_timeout_s`` in the others (inventory, manifest, version
-    check, abort), so that ``latest_step()`` does not hang on a hung host; ``backup_timeout_s``
-    in the backup tier's ops, which run on their own connections and may wait out a bucket
-    outage (the sidecar retries with backoff).
+    check, abort), so that ``latest_step()`` does not hang on a hung host. The long operations
+    (uploads, downloads, peer pulls) run as sidecar jobs on their own connections
+    (``_run_job``); ``backup_timeout_s`` and ``peer_timeout_s`` bound one such job from start
+    to end: a backup may wait out a bucket outage (the sidecar retries with backoff).
     """
 
     def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
@@ -261,13 +98,19 @@ class ClusterDispatcher(Dispatcher):
         self.peer_timeout_s = float(peer_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.head_fingerprint = version.fingerprint()
+        token = auth.resolve_token(config.peer_token)
+        if not token:
+            raise ConfigError(f"cluster mode needs the job token: set {ENV_TOKEN} (or peer_token) in the head's "
+                              "environment to the secret the sidecars were started with; the sidecars refuse "
+                              "every control request without it")
+        self.control_key = auth.control_key(token)
         self._addresses = {h.id: h.address for h in self.topology.hosts}
         self._spec_stamp = self._stamp()
         self._spec_lock = threading.Lock()
-        self._hosts = {h: _Host(self, h) for h in self.topology.host_ids}
-        self._backup_lanes = {h: _Host(self, h, "backup") for h in self.topology.host_ids}
-        self._peer_lanes = {h: _Host(self, h, "peer") for h in self.topology.host_ids}
-        self._peer_addresses: dict[str, str] = {}  # host -> peer service address, from fingerprints
+        self._hosts = {h: HostConnection(self, h) for h in self.topology.host_ids}
+        self._backup_lanes = {h: HostConnection(self, h, "backup") for h in self.topology.host_ids}
+        self._peer_lanes = {h: HostConnection(self, h, "peer") for h in self.topology.host_ids}
+        self.peer_addresses: dict[str, str] = {}  # host -> peer service address, from fingerprints
         self._aborts: dict[str, set[int]] = {}
         self._aborts_lock = threading.Lock()
         workers = max(1, min(64, len(self._hosts)))
@@ -276,10 +119,8 @@ class ClusterDispatcher(Dispatcher):
         self._backup_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-backup")
         self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
         self._staging = HostStaging()
+        self._loader = ClusterLoader(self)
         self._backup_url = config.backup_root if config.base_output_directory else None
-        # blob -> hosts that pulled it at a restore (from the backup or a peer); values are replaced, never
-        # changed in place, so a load may read them while another thread records a pull.
-        self._fetched: dict[str, frozenset[str]] = {}
         self._closed = False
 
     # --- plumbing --------------------------------------------------------------------------
@@ -291,7 +132,7 @@ class ClusterDispatcher(Dispatcher):
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _address_of(self, host_id: str) -> str:
+    def address_of(self, host_id: str) -> str:
         """The host's current address; the spec is re-read when it changed on disk."""
         with self._spec_lock:
             stamp = self._stamp()
@@ -312,15 +153,15 @@ class ClusterDispatcher(Dispatcher):
                             self._addresses[h] = new[h]
             return self._addresses[host_id]
 
-    def _take_aborts(self, host_id: str) -> list[int]:
+    def take_aborts(self, host_id: str) -> list[int]:
         with self._aborts_lock:
             return sorted(self._aborts.pop(host_id, set()))
 
-    def _add_aborts(self, host_id: str, steps: Sequence[int]) -> None:
+    def add_aborts(self, host_id: str, steps: Sequence[int]) -> None:
         with self._aborts_lock:
             self._aborts.setdefault(host_id, set()).update(steps)
 
-    def _timeout_for(self, op: str) -> float:
+    def timeout_for(self, op: str) -> float:
         if op.startswith("backup_"):
             return self.backup_timeout_s
         if op.startswith("peer_"):
@@ -332,6 +173,28 @@ class ClusterDispatcher(Dispatcher):
         lane = lane or ("backup" if op.startswith("backup_") else "peer" if op.startswith("peer_") else "control")
         lanes = {"control": self._hosts, "backup": self._backup_lanes, "peer": self._peer_lanes}[lane]
         return lanes[host_id].call(op, args, payloads, alloc)
+
+    def _run_job(self, host_id: str, op: str, args: dict, payloads: Sequence[Any] = ()) -> Any:
+        """Start the long operation ``op`` on a host as a job, then ask for its end until it is done
+        (``mtc.sidecar.jobs``), on the op's own lane, within the op's deadline."""
+        lane = "backup" if op.startswith("backup_") else "peer"
+        started = self._call(host_id, op, args, payloads, lane=lane).result
+        job_id = started.get("job") if isinstance(started, dict) else None
+        if not isinstance(job_id, str):
+            raise ProtocolError(f"host {host_id}: {op} answered {started!r:.100} instead of a job id")
+        deadline_s = self.timeout_for(op)
+        deadline = time.monotonic() + deadline_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HostUnreachableError(f"host {host_id}: {op} did not finish within {deadline_s:.0f} s")
+            status = self._call(host_id, "job", {"job": job_id, "wait_s": min(_JOB_WAIT_S, left)}, lane=lane).result
+            if not isinstance(status, dict) or not isinstance(status.get("done"), bool):
+                raise ProtocolError(f"host {host_id}: malformed job status {status!r:.100}")
+            if status["done"]:
+                if "error" in status:
+                    raise RemoteFailure(host_id, str(status["error"]), str(status.get("message", "")))
+                return status.get("result")
 
     def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
                  pool: ThreadPoolExecutor | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]:
@@ -359,11 +222,11 @@ class ClusterDispatcher(Dispatcher):
         """Fingerprints of the reachable hosts (each connection checks its own host's too)."""
         results, failures = self._fan_out(lambda h: self._call(h, "fingerprint").result)
         for h, e in failures.items():
-            if isinstance(e, _RemoteFailure):
+            if isinstance(e, RemoteFailure):
                 e.reraise()
             if not isinstance(e, HostUnreachableError):
                 raise e
-            log.warning("version check: %s; it is checked when the host comes back", _cause(e))
+            log.warning("version check: %s; it is checked when the host comes back", cause(e))
         return results
 
     # --- save ------------------------------------------------------------------------------
@@ -458,7 +321,7 @@ class ClusterDispatcher(Dispatcher):
     def verify(self, step: int) -> dict[str, dict]:
         """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
         results, failures = self._fan_out(lambda h: self._call(h, "verify", {"step": step}).result)
-        return {**results, **{h: {"error": _cause(e)} for h, e in failures.items()}}
+        return {**results, **{h: {"error": cause(e)} for h, e in failures.items()}}
 
     def leases(self) -> dict[str, dict | None]:
         """The reachable hosts' leases (a host that is down is asked again when it is back)."""
@@ -476,23 +339,23 @@ class ClusterDispatcher(Dispatcher):
                 log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
                             h, e, generation)
                 continue
-            if isinstance(e, _RemoteFailure):
+            if isinstance(e, RemoteFailure):
                 e.reraise()
             raise e
 
     def _abort(self, step: int, failed: dict[str, BaseException]) -> None:
         """Forget ``step`` everywhere: now on the hosts that answered, later on the others."""
         for h in failed:
-            self._add_aborts(h, [step])
+            self.add_aborts(h, [step])
         others = [h for h in self._hosts if h not in failed]
         _, failures = self._fan_out(lambda h: self._call(h, "abort", {"step": step}), others)
         for h, e in failures.items():
-            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, _cause(e))
-            self._add_aborts(h, [step])
+            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, cause(e))
+            self.add_aborts(h, [step])
             self._hosts[h].close()  # so that the next call reconnects and aborts first
 
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
-        hosts = {h: _cause(e) for h, e in sorted(failures.items())}
+        hosts = {h: cause(e) for h, e in sorted(failures.items())}
         lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
         err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self._hosts)} hosts "
                         f"({lines}); step {step} is not committed and was aborted on the other hosts; "
@@ -501,7 +364,7 @@ class ClusterDispatcher(Dispatcher):
         # The cause that matters: a newer head took the hosts (fencing); else an unreachable host
         # (a lost slice, to elastic training).
         for e in failures.values():
-            if isinstance(e, _RemoteFailure) and e.type_name == "FencedError":
+            if isinstance(e, RemoteFailure) and e.type_name == "FencedError":
                 try:
                     e.reraise()
                 except MTCError as typed:
@@ -512,27 +375,23 @@ class ClusterDispatcher(Dispatcher):
 
     # --- inventory -------------------------------------------------------------------------
 
-    def inventories(self) -> dict[str, dict]:
-        """host id -> inventory; an unreachable host has no steps and an ``"error"``."""
+    def inventories(self) -> dict[str, HostInventory]:
+        """host id -> inventory; an unreachable host has no steps and an ``error``."""
         return self._inventories("control")
 
-    def peer_inventories(self) -> dict[str, dict]:
+    def peer_inventories(self) -> dict[str, HostInventory]:
         """``inventories()`` on the peer lane: background replication never holds the control lane."""
         return self._inventories("peer")
 
-    def _inventories(self, lane: str) -> dict[str, dict]:
-        def one(h: str) -> dict:
-            inv = self._call(h, "inventory", {"devices": list(self.topology.host(h).devices)}, lane=lane).result
-            if not (isinstance(inv, dict) and isinstance(inv.get("steps"), list) and all(
-                    isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
-                    for s in inv["steps"])):
-                raise ProtocolError(f"host {h}: malformed inventory {inv!r:.200}")
-            return inv
+    def _inventories(self, lane: str) -> dict[str, HostInventory]:
+        def one(h: str) -> HostInventory:
+            args = {"devices": list(self.topology.host(h).devices)}
+            return HostInventory.from_wire(h, self._call(h, "inventory", args, lane=lane).result)
 
         results, failures = self._fan_out(one, pool=self._peer_pool if lane == "peer" else None)
         for h, e in failures.items():
-            log.warning("inventory: %s; its steps cannot be confirmed", _cause(e))
-            results[h] = {"host": h, "steps": [], "error": _cause(e)}
+            log.warning("inventory: %s; its steps cannot be confirmed", cause(e))
+            results[h] = HostInventory.unreachable(h, cause(e))
         return {h: results[h] for h in self._hosts}
 
     def manifest(self, step: int) -> fmt.StepManifest:
@@ -540,8 +399,8 @@ class ClusterDispatcher(Dispatcher):
         for h in self._hosts:
             try:
                 reply = self._call(h, "manifest", {"step": step})
-            except (_RemoteFailure, HostUnreachableError) as e:
-                causes.append(f"{h}: {_cause(e)}")
+            except (RemoteFailure, HostUnreachableError) as e:
+                causes.append(f"{h}: {cause(e)}")
                 continue
             if len(reply.payloads) != 1:
                 causes.append(f"{h}: no manifest payload")
@@ -551,150 +410,14 @@ class ClusterDispatcher(Dispatcher):
 
     # --- restore ---------------------------------------------------------------------------
 
-    def _holders(self, shard: fmt.ShardRecord, known: Mapping[str, set[str]] | None = None) -> list[str]:
-        """Hosts that hold a saved shard now, the host of its devices first (all hosts if unknown).
-
-        ``known`` (blob -> hosts, from the inventories) overrides the device mapping: after an
-        elastic resize device ``d`` may sit on another host than the one that wrote its shard.
-        """
-        have = known.get(shard.blob) if known is not None else None
-        hosts = []
-        for d in shard.devices:
-            try:
-                h = self.topology.host_of(d)
-            except ConfigError:
-                continue
-            if h not in hosts and (have is None or h in have):
-                hosts.append(h)
-        for h in sorted(have or ()):
-            if h not in hosts:
-                hosts.append(h)
-        for h in sorted(self._fetched.get(shard.blob, ())):
-            if h not in hosts:
-                hosts.append(h)
-        return hosts or list(self._hosts)
-
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
-        reads: list[_Read] = []
-        layouts: list[tuple[dict, dict] | np.ndarray] = []
-        for r in requests:
-            rec = r.record
-            dtype = rec.np_dtype
-            full = tuple((0, n) for n in rec.shape)
-            if r.sharding is None:
-                dev_box: dict[Any, Box] = {}
-                boxes = [full]
-            else:
-                idx = r.sharding.addressable_devices_indices_map(tuple(rec.shape))
-                dev_box = {d: fmt.box_from_index(i, rec.shape) for d, i in idx.items()}
-                boxes = list(dict.fromkeys(dev_box.values()))
-            bufs: dict[Box, np.ndarray] = {}
-            for box in boxes:
-                shape = fmt.box_shape(box)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
-                if nbytes:
-                    owners = [self._owner(d) for d, b in dev_box.items() if b == box]
-                    reads.extend(self._plan_box(rec, box, buf, owners, holders))
-            layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
-        self._run_reads(step, reads)
-        out: list[Any] = []
-        for r, lay in zip(requests, layouts):
-            if r.sharding is None:
-                out.append(lay)
-                continue
-            dev_box, bufs = lay
-            # 64-byte aligned host buffers: device_put is zero-copy on a CPU backend.
-            arrays = [jax.device_put(bufs[b], d, may_alias=True) for d, b in dev_box.items()]
-            out.append(jax.make_array_from_single_device_arrays(tuple(r.record.shape), r.sharding, arrays))
-        return out
+        return self._loader.load(step, requests, holders)
 
-    def _owner(self, device: Any) -> str:
-        return self.topology.host_of(int(device.id))
-
-    def _plan_box(self, rec: fmt.ArrayRecord, box: Box, buf: np.ndarray, owners: list[str],
-                  known: Mapping[str, set[str]] | None = None) -> list[_Read]:
-        needed = {}
-        for s in rec.shards:
-            if s.box not in needed and fmt.box_intersect(s.box, box) is not None:
-                needed[s.box] = s
-        holders = {b: set(self._holders(s, known)) for b, s in needed.items()}
-        order = list(dict.fromkeys(owners + list(self._hosts)))
-        whole = [h for h in order if all(h in hs for hs in holders.values())]
-        if whole:
-            # One host holds every saved shard the box overlaps: it assembles the box.
-            return [_Read(rec.key, box, buf, whole)]
-        # Resharded restore where no single host holds it all: fetch each overlap from a holder.
-        out = []
-        for b, s in needed.items():
-            inter = fmt.box_intersect(b, box)
-            dest = buf[tuple(slice(a - t0, z - t0) for (a, z), (t0, _) in zip(inter, box))]
-            cands = [h for h in order if h in holders[b]]
-            out.append(_Read(rec.key, inter, dest, cands))
-        return out
-
-    def _run_reads(self, step: int, reads: list[_Read]) -> None:
-        """Run every read, batched per host and in parallel; a failed read moves on to its next
-        candidate host. Raises when a read has no candidate left."""
-        pending = list(reads)
-        while pending:
-            by_host: dict[str, list[_Read]] = {}
-            for r in pending:
-                by_host.setdefault(r.candidates[len(r.tried)], []).append(r)
-            results, failures = self._fan_out(lambda h: self._read_batch(h, step, by_host[h]), list(by_host))
-            pending = []
-            for h, batch in by_host.items():
-                if h in failures:
-                    e = failures[h]
-                    kind = e.type_name if isinstance(e, _RemoteFailure) else type(e).__name__
-                    bad = [(r, kind, _cause(e)) for r in batch]
-                else:
-                    bad = results[h]
-                for r, kind, cause in bad:
-                    r.tried.append((h, kind, cause))
-                    if len(r.tried) >= len(r.candidates):
-                        self._raise_read_error(step, r)
-                    pending.append(r)
-
-    def _read_batch(self, h: str, step: int, batch: list[_Read]) -> list[tuple[_Read, str, str]]:
-        """Read every box of ``batch`` from host ``h`` in one request; returns the failed ones
-        as (read, error type, cause)."""
-        tmp: dict[int, np.ndarray] = {}
-
-        def alloc(header: dict, sizes: list[int]) -> list[Any]:
-            if "error" in header:
-                return [protocol.aligned_buffer(n) for n in sizes]
-            errors = {e[0] for e in _read_errors(header.get("result"))}
-            if len(sizes) != len(batch):
-                raise ProtocolError(f"host {h}: read answered {len(sizes)} payloads for {len(batch)} boxes")
-            out = []
-            for i, (r, n) in enumerate(zip(batch, sizes)):
-                want = 0 if i in errors else r.nbytes
-                if n != want:
-                    raise ProtocolError(f"host {h}: read of {r.key!r} {fmt.box_str(r.box)} answered {n} bytes, "
-                                        f"expected {want}")
-                if n and r.dest.flags.c_contiguous:
-                    out.append(r.dest)  # straight into the target buffer
-                else:
-                    out.append(tmp.setdefault(i, protocol.aligned_buffer(n)))
-            return out
-
-        reads = [[r.key, [list(p) for p in r.box]] for r in batch]
-        reply = self._call(h, "read", {"step": step, "reads": reads}, alloc=alloc)
-        failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in _read_errors(reply.result)}
-        for i, buf in tmp.items():
-            if i not in failed and buf.nbytes:
-                batch[i].dest[...] = buf.view(batch[i].dest.dtype).reshape(batch[i].dest.shape)
-        return [(batch[i], kind, cause) for i, (kind, cause) in failed.items()]
-
-    def _raise_read_error(self, step: int, r: _Read) -> None:
-        tried = "; ".join(f"{h}: {c}" for h, _, c in r.tried)
-        msg = (f"step {step}: array {r.key!r} box {fmt.box_str(r.box)} could not be read from any host that "
-               f"holds it (tiers tried: ram; hosts tried: {tried})")
-        if any(kind == "HostUnreachableError" for _, kind, _ in r.tried):
-            raise HostUnreachableError(msg + "; restart the host's daemon and retry the restore")
-        host, kind, _ = r.tried[-1]
-        raise_remote(host, kind, msg)
+    def _host_or_none(self, device_id: int) -> str | None:
+        try:
+            return self.topology.host_of(device_id)
+        except ConfigError:  # a device of the saving mesh that this one does not have
+            return None
 
     def host_of_device(self, device_id: int) -> str:
         return self.topology.host_of(device_id)
@@ -707,11 +430,11 @@ class ClusterDispatcher(Dispatcher):
     def _raise_failures(self, what: str, failures: dict[str, BaseException]) -> None:
         if len(failures) == 1:
             (h, e), = failures.items()
-            if isinstance(e, _RemoteFailure):
+            if isinstance(e, RemoteFailure):
                 e.reraise()
             raise e
         raise MTCError(f"{what} failed on {len(failures)} hosts: "
-                       + "; ".join(f"{h}: {_cause(e)}" for h, e in sorted(failures.items())))
+                       + "; ".join(f"{h}: {cause(e)}" for h, e in sorted(failures.items())))
 
     def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""
@@ -721,15 +444,14 @@ class ClusterDispatcher(Dispatcher):
                 return h, self._call(h, op, args)
             except HostUnreachableError as e:
                 failures[h] = e
-            except _RemoteFailure as e:
+            except RemoteFailure as e:
                 e.reraise()
         self._raise_failures(op, failures)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self._fan_out(lambda h: self._call(
-            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))).result,
-            pool=self._backup_pool)
+        results, failures = self._fan_out(lambda h: self._run_job(
+            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))), pool=self._backup_pool)
         if failures:
             self._raise_failures("backup upload", failures)
         return results
@@ -738,7 +460,7 @@ class ClusterDispatcher(Dispatcher):
         try:
             return self._call(host, "backup_finalize", self._backup_args(name=name, max_to_keep=max_to_keep),
                               [manifest.to_json()]).result
-        except _RemoteFailure as e:
+        except RemoteFailure as e:
             e.reraise()
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
@@ -751,15 +473,10 @@ class ClusterDispatcher(Dispatcher):
         return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"backup {name} (via {h})")
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self._fan_out(lambda h: self._call(
-            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))).result,
-            pool=self._backup_pool)
+        results, failures = self._fan_out(lambda h: self._run_job(
+            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))), pool=self._backup_pool)
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
-        # The next load reads those blobs where they were fetched to (peer pulls add theirs too).
-        for h, blobs in needs.items():
-            for b in blobs:
-                self._fetched[b] = self._fetched.get(b, frozenset()) | {h}
         return results
 
     # --- peer tier (the sidecars move the bytes; the head plans and hands out addresses) ----
@@ -768,30 +485,23 @@ class ClusterDispatcher(Dispatcher):
         return self.topology.slice_of(host_id)
 
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None) -> dict[str, dict]:
+                  manifest: fmt.StepManifest | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches its blobs from the holders listed, verified.
 
-        host -> what it pulled (see ``mtc.sidecar.replication.pull_blobs``), or ``{"error"}``
-        when the host could not be asked or failed as a whole. With ``manifest``, a host that
+        host -> what it pulled (an ``error`` when the host could not be asked or failed as a whole). With ``manifest``, a host that
         lacks the step commits it once all its pulls succeeded (restore onto a wiped host).
         """
-        peers = dict(self._peer_addresses)
+        peers = dict(self.peer_addresses)
         data = [manifest.to_json()] if manifest is not None else []
 
-        def one(h: str) -> dict:
+        def one(h: str) -> PullResult:
             args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls[h]], "peers": peers}
-            return self._call(h, "peer_pull", args, data).result
+            return PullResult.from_wire(h, self._run_job(h, "peer_pull", args, data))
 
         results, failures = self._fan_out(one, list(pulls), pool=self._peer_pool)
-        if manifest is not None:  # a restore: its load reads the blobs where they were pulled to
-            for h, res in results.items():
-                failed = {row[0] for row in res.get("failed", [])} if isinstance(res, dict) else set()
-                for b, _, _ in pulls[h]:
-                    if b not in failed:
-                        self._fetched[b] = self._fetched.get(b, frozenset()) | {h}
         for h, e in failures.items():
-            log.warning("peer pull of step %d on %s failed: %s", step, h, _cause(e))
-            results[h] = {"error": _cause(e)}
+            log.warning("peer pull of step %d on %s failed: %s", step, h, cause(e))
+            results[h] = PullResult.unreachable(h, cause(e))
         return results
 
     # --- lifecycle -------------------------------------------------------------------------
