@@ -18,15 +18,16 @@ from typing import Sequence
 import numpy as np
 
 from mtc.shared import format as fmt
-from mtc.shared.buffers import aligned_empty, byte_view
+from mtc.shared.buffers import byte_view
 from mtc.shared import ramdisk, version
-from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, MTCError, StepNotFoundError
+from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.peer import PeerServer
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.reads import BoxReader
 from mtc.sidecar.replication import held_bits, pull_blobs
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,6 @@ def _log_ramdisk_advice(store: RamStore) -> None:
     text = ramdisk.advice_for(store.root, m)
     if text:
         (log.info if m.is_tmpfs else log.warning)("%s", text)
-
-# Shards at least this large are restored by mapping their blob (RamStore.map_blob), not read:
-# smaller ones are cheap to read, and mappings are a limited resource (vm.max_map_count).
-_MAP_MIN = 1 << 20
 
 
 # Requests that change a host: only the head holding the lease may send them (fencing).
@@ -71,6 +68,7 @@ class SidecarService:
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
         _log_ramdisk_advice(self.store)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
+        self._reader = BoxReader(self.store, self._io, self.host_id)
         self._lock = threading.Lock()
         # step -> (shards written so far, bytes written so far, seconds so far), across parts.
         self._partial: dict[int, tuple[list[fmt.HostShard], int, float]] = {}
@@ -302,125 +300,31 @@ class SidecarService:
             log.info("host %s: step %d aborted (its save failed on some host)", self.host_id, step)
         return removed
 
-    # --- restore -----------------------------------------------------------------------
+    # --- restore (mtc.sidecar.reads) ---------------------------------------------------
 
     def read_box(self, step: int, key: str, box: fmt.Box | None = None, *, as_bytes: bool = False,
                  out: np.ndarray | None = None) -> np.ndarray:
-        """Assemble the part ``box`` of array ``key`` of ``step`` from verified blobs.
-
-        With ``as_bytes`` the whole array comes back as a flat uint8 buffer (for host numpy
-        leaves whose dtype JAX may not hold).
-        """
-        manifest = self.manifest(step)
-        rec = _record(manifest, key)
-        full = tuple((0, n) for n in rec.shape)
-        box = full if box is None else tuple(box)
-        dtype = rec.np_dtype
-        if out is None and not as_bytes:
-            # A saved shard that is exactly the box comes back as a private mapping of its
-            # blob: no copy, no fresh pages (see RamStore.map_blob for why it never changes).
-            for shard in rec.shards:
-                if shard.box == box:
-                    try:
-                        mapped = self._map_shard(shard, dtype)
-                    except CorruptBlobError as e:
-                        raise _no_good_copy(step, key, shard, self.host_id, e) from None
-                    if mapped is not None:
-                        return mapped
-                    break
-        if out is None:
-            out = aligned_empty(fmt.box_shape(box), dtype)
-        target = out.view(dtype).reshape(fmt.box_shape(box)) if as_bytes else out
-        done: set[fmt.Box] = set()
-        for shard in rec.shards:
-            if shard.box in done:
-                continue
-            inter = fmt.box_intersect(shard.box, box)
-            if inter is None:
-                continue
-            done.add(shard.box)
-            try:
-                if shard.box == box:
-                    self.store.read_blob_into(shard.blob, byte_view(target))
-                else:
-                    tmp = self._map_shard(shard, dtype)
-                    if tmp is None:
-                        tmp = aligned_empty(fmt.box_shape(shard.box), dtype)
-                        self.store.read_blob_into(shard.blob, byte_view(tmp))
-                    src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(inter, shard.box))
-                    dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
-                    target[dst] = tmp[src]
-            except (CorruptBlobError, FileNotFoundError, ValueError) as e:
-                raise _no_good_copy(step, key, shard, self.host_id, e) from None
-        return out
+        """Assemble the part ``box`` of array ``key`` of ``step`` from verified blobs (``as_bytes``:
+        the whole array as a flat uint8 buffer, for host numpy leaves)."""
+        return self._reader.read_box(self.manifest(step), key, box, as_bytes=as_bytes, out=out)
 
     def read_boxes_each(self, step: int, reads: Sequence[tuple], *,
                         manifest: str | None = None) -> tuple[list, list[tuple[int, str, str]]]:
-        """``read_boxes`` for (key, box) or (key, box, as_bytes, out) rows; on a failure, box by
-        box, so that the others still count: (buffers, [(index, error type, message)]), with b""
-        for a failed box. Both transports read through this (the daemon's head tries another
-        holder for a failed box; the colocated transport raises the first).
+        """Read (key, box) or (key, box, as_bytes, out) rows; on a failure, box by box, so that the
+        others still count: (buffers, [(index, error type, message)]), with b"" for a failed box.
+        Both transports read through this (the daemon's head tries another holder for a failed
+        box; the colocated transport raises the first).
 
         ``manifest`` is the digest of the step manifest the head restores by: when this host's
         copy differs, every box fails (this host's copy counts as missing, never as data)."""
         rows = [tuple(r) + (False, None)[len(r) - 2:] if len(r) < 4 else tuple(r) for r in reads]
-        if manifest is not None:
-            mine = self.manifest(step).digest
-            if mine != manifest:
-                why = (f"host {self.host_id}: its manifest of step {step} ({mine[:12]}) is not the one the head "
-                       f"restores by ({manifest[:12]}); not reading from it")
-                log.error(why)
-                return [b"" for _ in rows], [(i, "ManifestError", why) for i in range(len(rows))]
-        try:
-            return self.read_boxes(step, rows), []
-        except MTCError:
-            pass
-        out, errors = [], []
-        for i, (key, box, as_bytes, buf) in enumerate(rows):
-            try:
-                out.append(self.read_box(step, key, box, as_bytes=as_bytes, out=buf))
-            except MTCError as e:  # this box fails; the others of the request still count
-                log.warning("host %s: read of %r failed: %s", self.host_id, key, e)
-                errors.append((i, type(e).__name__, str(e)))
-                out.append(b"")
-        return out, errors
-
-    def read_boxes(self, step: int, reads: Sequence[tuple[str, fmt.Box | None, bool, np.ndarray | None]]
-                   ) -> list[np.ndarray]:
-        """``read_box(step, key, box, as_bytes=, out=)`` for each (key, box, as_bytes, out) of
-        ``reads``, on the I/O threads; results in order, the first error raised once all ended.
-
-        Mapping a blob and hashing it (which releases the GIL) fault pages in, which two threads
-        do side by side. Buffers that are read into, not mapped, are allocated here, in the
-        calling thread: large allocations from worker threads land in per-thread heaps.
-        """
-        manifest = self.manifest(step)
-        jobs = []
-        for key, box, as_bytes, out in reads:
-            if out is None and not as_bytes:
-                rec = _record(manifest, key)
-                b = tuple((0, n) for n in rec.shape) if box is None else tuple(box)
-                if not any(s.box == b and s.nbytes >= _MAP_MIN for s in rec.shards):
-                    out = aligned_empty(fmt.box_shape(b), rec.np_dtype)
-            jobs.append(self._io.submit(self.read_box, step, key, box, as_bytes=as_bytes, out=out))
-        wait(jobs)
-        return [j.result() for j in jobs]
-
-    def _map_shard(self, shard: fmt.ShardRecord, dtype: np.dtype) -> np.ndarray | None:
-        """The verified blob of ``shard`` as a mapped array of its box, or None (small, or the
-        mapping failed: the caller reads it instead). CorruptBlobError when it is bad."""
-        shape = fmt.box_shape(shard.box)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if nbytes < _MAP_MIN:
-            return None
-        try:
-            data = self.store.map_blob(shard.blob, nbytes)
-        except CorruptBlobError:
-            raise
-        except OSError as e:  # e.g. out of mappings (vm.max_map_count): read instead
-            log.debug("host %s: cannot map blob %s (%s); reading it", self.host_id, shard.blob, e)
-            return None
-        return data.view(dtype).reshape(shape)
+        mine = self.manifest(step)
+        if manifest is not None and mine.digest != manifest:
+            why = (f"host {self.host_id}: its manifest of step {step} ({mine.digest[:12]}) is not the one the head "
+                   f"restores by ({manifest[:12]}); not reading from it")
+            log.error(why)
+            return [b"" for _ in rows], [(i, "ManifestError", why) for i in range(len(rows))]
+        return self._reader.read_each(mine, rows)
 
     # --- long operations (mtc.sidecar.jobs) --------------------------------------------
 
@@ -516,17 +420,3 @@ class SidecarService:
             self._io.shutdown(wait=True)
             if self._backup is not None:
                 self._backup.close()
-
-
-def _record(manifest: fmt.StepManifest, key: str) -> fmt.ArrayRecord:
-    for rec in manifest.arrays:
-        if rec.key == key:
-            return rec
-    raise StepNotFoundError(f"step {manifest.step} has no array {key!r}")
-
-
-def _no_good_copy(step: int, key: str, shard: fmt.ShardRecord, host: str, e: Exception) -> CorruptBlobError:
-    return CorruptBlobError(f"step {step}: array {key!r} shard {fmt.box_str(shard.box)} (blob {shard.blob}) "
-                            f"has no good copy on host {host}; tiers tried: ram ({e})")
-
-

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import as_bytes, assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.sidecar import ram, service
+from mtc.sidecar import ram, reads
 from test_save_restore import abstract, make_state, mesh1d
 
 pytestmark = pytest.mark.unit
@@ -87,7 +87,7 @@ def test_restored_arrays_can_be_donated_and_changed(ramdisk):
 
 
 def test_every_kind_of_leaf_round_trips_through_mappings(ramdisk, monkeypatch):
-    monkeypatch.setattr(service, "_MAP_MIN", 1)  # map every shard, however small
+    monkeypatch.setattr(reads, "_MAP_MIN", 1)  # map every shard, however small
     state = make_state(3)
     with manager(ramdisk) as m:
         m.save(1, state)

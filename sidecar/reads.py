@@ -1,0 +1,148 @@
+"""Restore reads on a sidecar: a box of an array assembled from this host's verified blobs.
+
+A saved shard that is exactly the box comes back as a private mapping of its blob (no copy);
+anything else is read, or cut out of mapped shards, into one buffer. Used by ``SidecarService``
+for both transports.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Sequence
+
+import numpy as np
+
+from mtc.shared import format as fmt
+from mtc.shared.buffers import aligned_empty, byte_view
+from mtc.shared.errors import CorruptBlobError, MTCError, StepNotFoundError
+from mtc.sidecar.ram import RamStore
+
+log = logging.getLogger(__name__)
+
+# Shards at least this large are restored by mapping their blob (RamStore.map_blob), not read:
+# smaller ones are cheap to read, and mappings are a limited resource (vm.max_map_count).
+_MAP_MIN = 1 << 20
+
+
+class BoxReader:
+    def __init__(self, store: RamStore, io: ThreadPoolExecutor, host_id: str):
+        self.store = store
+        self._io = io
+        self.host_id = host_id
+
+    def read_box(self, manifest: fmt.StepManifest, key: str, box: fmt.Box | None = None, *, as_bytes: bool = False,
+                 out: np.ndarray | None = None) -> np.ndarray:
+        """Assemble the part ``box`` of array ``key`` of ``step`` from verified blobs.
+
+        With ``as_bytes`` the whole array comes back as a flat uint8 buffer (for host numpy
+        leaves whose dtype JAX may not hold).
+        """
+        step = manifest.step
+        rec = _record(manifest, key)
+        full = tuple((0, n) for n in rec.shape)
+        box = full if box is None else tuple(box)
+        dtype = rec.np_dtype
+        if out is None and not as_bytes:
+            # A saved shard that is exactly the box comes back as a private mapping of its
+            # blob: no copy, no fresh pages (see RamStore.map_blob for why it never changes).
+            for shard in rec.shards:
+                if shard.box == box:
+                    try:
+                        mapped = self._map_shard(shard, dtype)
+                    except CorruptBlobError as e:
+                        raise _no_good_copy(step, key, shard, self.host_id, e) from None
+                    if mapped is not None:
+                        return mapped
+                    break
+        if out is None:
+            out = aligned_empty(fmt.box_shape(box), dtype)
+        target = out.view(dtype).reshape(fmt.box_shape(box)) if as_bytes else out
+        done: set[fmt.Box] = set()
+        for shard in rec.shards:
+            if shard.box in done:
+                continue
+            inter = fmt.box_intersect(shard.box, box)
+            if inter is None:
+                continue
+            done.add(shard.box)
+            try:
+                if shard.box == box:
+                    self.store.read_blob_into(shard.blob, byte_view(target))
+                else:
+                    tmp = self._map_shard(shard, dtype)
+                    if tmp is None:
+                        tmp = aligned_empty(fmt.box_shape(shard.box), dtype)
+                        self.store.read_blob_into(shard.blob, byte_view(tmp))
+                    src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(inter, shard.box))
+                    dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
+                    target[dst] = tmp[src]
+            except (CorruptBlobError, FileNotFoundError, ValueError) as e:
+                raise _no_good_copy(step, key, shard, self.host_id, e) from None
+        return out
+
+    def read_each(self, manifest: fmt.StepManifest, rows: Sequence[tuple]) -> tuple[list, list[tuple[int, str, str]]]:
+        """``read_boxes``; on a failure, box by box, so that the others still count."""
+        try:
+            return self.read_boxes(manifest, rows), []
+        except MTCError:
+            pass
+        out, errors = [], []
+        for i, (key, box, as_bytes, buf) in enumerate(rows):
+            try:
+                out.append(self.read_box(manifest, key, box, as_bytes=as_bytes, out=buf))
+            except MTCError as e:  # this box fails; the others of the request still count
+                log.warning("host %s: read of %r failed: %s", self.host_id, key, e)
+                errors.append((i, type(e).__name__, str(e)))
+                out.append(b"")
+        return out, errors
+
+    def read_boxes(self, manifest: fmt.StepManifest,
+                   reads: Sequence[tuple[str, fmt.Box | None, bool, np.ndarray | None]]) -> list[np.ndarray]:
+        """``read_box(step, key, box, as_bytes=, out=)`` for each (key, box, as_bytes, out) of
+        ``reads``, on the I/O threads; results in order, the first error raised once all ended.
+
+        Mapping a blob and hashing it (which releases the GIL) fault pages in, which two threads
+        do side by side. Buffers that are read into, not mapped, are allocated here, in the
+        calling thread: large allocations from worker threads land in per-thread heaps.
+        """
+        jobs = []
+        for key, box, as_bytes, out in reads:
+            if out is None and not as_bytes:
+                rec = _record(manifest, key)
+                b = tuple((0, n) for n in rec.shape) if box is None else tuple(box)
+                if not any(s.box == b and s.nbytes >= _MAP_MIN for s in rec.shards):
+                    out = aligned_empty(fmt.box_shape(b), rec.np_dtype)
+            jobs.append(self._io.submit(self.read_box, manifest, key, box, as_bytes=as_bytes, out=out))
+        wait(jobs)
+        return [j.result() for j in jobs]
+
+    def _map_shard(self, shard: fmt.ShardRecord, dtype: np.dtype) -> np.ndarray | None:
+        """The verified blob of ``shard`` as a mapped array of its box, or None (small, or the
+        mapping failed: the caller reads it instead). CorruptBlobError when it is bad."""
+        shape = fmt.box_shape(shard.box)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes < _MAP_MIN:
+            return None
+        try:
+            data = self.store.map_blob(shard.blob, nbytes)
+        except CorruptBlobError:
+            raise
+        except OSError as e:  # e.g. out of mappings (vm.max_map_count): read instead
+            log.debug("host %s: cannot map blob %s (%s); reading it", self.host_id, shard.blob, e)
+            return None
+        return data.view(dtype).reshape(shape)
+
+
+def _record(manifest: fmt.StepManifest, key: str) -> fmt.ArrayRecord:
+    for rec in manifest.arrays:
+        if rec.key == key:
+            return rec
+    raise StepNotFoundError(f"step {manifest.step} has no array {key!r}")
+
+
+def _no_good_copy(step: int, key: str, shard: fmt.ShardRecord, host: str, e: Exception) -> CorruptBlobError:
+    return CorruptBlobError(f"step {step}: array {key!r} shard {fmt.box_str(shard.box)} (blob {shard.blob}) "
+                            f"has no good copy on host {host}; tiers tried: ram ({e})")
+
+
