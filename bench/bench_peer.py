@@ -194,7 +194,7 @@ def fetch(parent: Path, gib: float, repeats: int) -> dict:
                 t0 = time.perf_counter()
                 out = m._dispatch.peer_pull(1, {receiver: rows})[receiver]
                 dt = time.perf_counter() - t0
-                if "error" in out or out["failed"] or out["pulled_bytes"] != nbytes:
+                if out.error or out.failed or out.pulled_bytes != nbytes:
                     raise SystemExit(f"peer fetch failed: {out}")
                 raw1 = raw_copy(files, "mem", "mem", streams=1, sink=sink)
                 raw = min(raw1, raw_copy(files, "mem", "mem", streams=2, sink=sink))
@@ -226,10 +226,10 @@ def fetch(parent: Path, gib: float, repeats: int) -> dict:
                     t0 = time.perf_counter()
                     out = m2._dispatch.peer_pull(step, {receiver: rows2})[receiver]
                     dt = time.perf_counter() - t0
-                    if "error" in out or out["failed"]:
+                    if out.error or out.failed:
                         raise SystemExit(f"peer fetch failed: {out}")
                     if r >= 3:
-                        res["peer_steady"].append(dt * nbytes / max(1, out["pulled_bytes"]))
+                        res["peer_steady"].append(dt * nbytes / max(1, out.pulled_bytes))
     shutil.rmtree(root, ignore_errors=True)
     return res
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
+from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
@@ -512,27 +512,23 @@ class ClusterDispatcher(Dispatcher):
 
     # --- inventory -------------------------------------------------------------------------
 
-    def inventories(self) -> dict[str, dict]:
-        """host id -> inventory; an unreachable host has no steps and an ``"error"``."""
+    def inventories(self) -> dict[str, HostInventory]:
+        """host id -> inventory; an unreachable host has no steps and an ``error``."""
         return self._inventories("control")
 
-    def peer_inventories(self) -> dict[str, dict]:
+    def peer_inventories(self) -> dict[str, HostInventory]:
         """``inventories()`` on the peer lane: background replication never holds the control lane."""
         return self._inventories("peer")
 
-    def _inventories(self, lane: str) -> dict[str, dict]:
-        def one(h: str) -> dict:
-            inv = self._call(h, "inventory", {"devices": list(self.topology.host(h).devices)}, lane=lane).result
-            if not (isinstance(inv, dict) and isinstance(inv.get("steps"), list) and all(
-                    isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
-                    for s in inv["steps"])):
-                raise ProtocolError(f"host {h}: malformed inventory {inv!r:.200}")
-            return inv
+    def _inventories(self, lane: str) -> dict[str, HostInventory]:
+        def one(h: str) -> HostInventory:
+            args = {"devices": list(self.topology.host(h).devices)}
+            return HostInventory.from_wire(h, self._call(h, "inventory", args, lane=lane).result)
 
         results, failures = self._fan_out(one, pool=self._peer_pool if lane == "peer" else None)
         for h, e in failures.items():
             log.warning("inventory: %s; its steps cannot be confirmed", _cause(e))
-            results[h] = {"host": h, "steps": [], "error": _cause(e)}
+            results[h] = HostInventory.unreachable(h, _cause(e))
         return {h: results[h] for h in self._hosts}
 
     def manifest(self, step: int) -> fmt.StepManifest:
@@ -768,30 +764,29 @@ class ClusterDispatcher(Dispatcher):
         return self.topology.slice_of(host_id)
 
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None) -> dict[str, dict]:
+                  manifest: fmt.StepManifest | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches its blobs from the holders listed, verified.
 
-        host -> what it pulled (see ``mtc.sidecar.replication.pull_blobs``), or ``{"error"}``
-        when the host could not be asked or failed as a whole. With ``manifest``, a host that
+        host -> what it pulled (an ``error`` when the host could not be asked or failed as a whole). With ``manifest``, a host that
         lacks the step commits it once all its pulls succeeded (restore onto a wiped host).
         """
         peers = dict(self._peer_addresses)
         data = [manifest.to_json()] if manifest is not None else []
 
-        def one(h: str) -> dict:
+        def one(h: str) -> PullResult:
             args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls[h]], "peers": peers}
-            return self._call(h, "peer_pull", args, data).result
+            return PullResult.from_wire(h, self._call(h, "peer_pull", args, data).result)
 
         results, failures = self._fan_out(one, list(pulls), pool=self._peer_pool)
         if manifest is not None:  # a restore: its load reads the blobs where they were pulled to
             for h, res in results.items():
-                failed = {row[0] for row in res.get("failed", [])} if isinstance(res, dict) else set()
+                failed = res.failed_blobs
                 for b, _, _ in pulls[h]:
                     if b not in failed:
                         self._fetched[b] = self._fetched.get(b, frozenset()) | {h}
         for h, e in failures.items():
             log.warning("peer pull of step %d on %s failed: %s", step, h, _cause(e))
-            results[h] = {"error": _cause(e)}
+            results[h] = PullResult.unreachable(h, _cause(e))
         return results
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from mtc.head.dispatch import Dispatcher, Leaf, LoadRequest, WriteResult, raise_remote
+from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
 from mtc.head.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
@@ -231,8 +231,8 @@ class ColocatedDispatcher(Dispatcher):
     def claim(self, generation: int, head: dict) -> None:
         self._control("claim", generation=generation, head=head)
 
-    def inventories(self) -> dict[str, dict]:
-        return {h: inv for h, inv in self._control("inventory")}
+    def inventories(self) -> dict[str, HostInventory]:
+        return {h: HostInventory.from_wire(h, inv) for h, inv in self._control("inventory")}
 
     def manifest(self, step: int) -> fmt.StepManifest:
         (host, text), *_ = self._control("manifest", step=step)
@@ -308,7 +308,7 @@ class ColocatedDispatcher(Dispatcher):
 
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
                   manifest: fmt.StepManifest | None = None, *, peers: dict[str, str] | None = None
-                  ) -> dict[str, dict]:
+                  ) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches its blobs from the holders, as a sidecar job.
 
         The address book is what the sidecars report with their fingerprints; ``peers`` adds
@@ -322,8 +322,9 @@ class ColocatedDispatcher(Dispatcher):
                 pulls={h: [[b, n, list(srcs)] for b, n, srcs in rows] for h, rows in pulls.items()},
                 manifest=manifest.to_json().decode() if manifest is not None else None)
         except MTCError as e:
-            return {h: {"error": str(e)} for h in pulls}
-        return {h: results.get(h, {"error": f"host {h} did not answer"}) for h in pulls}
+            return {h: PullResult.unreachable(h, str(e)) for h in pulls}
+        return {h: PullResult.from_wire(h, results[h]) if h in results
+                else PullResult.unreachable(h, f"host {h} did not answer") for h in pulls}
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         return self._run_job("backup_upload", assignments=assignments)

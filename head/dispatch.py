@@ -55,6 +55,94 @@ class WriteResult:
     hosts: dict[str, dict]  # host id -> {"written_bytes": ..., "blobs": ...}
 
 
+@dataclasses.dataclass(frozen=True)
+class StepHolding:
+    """One committed step on one host, as the host's inventory reports it.
+
+    ``blobs``/``local_blobs``: this host's own share of the step (the shards of its devices)
+    and how many of those it holds; ``held`` is the bitmap (``protocol.encode_bitmap``) over
+    all ``step_blobs`` blobs of the step, in the order whose digest is ``digest``.
+    """
+
+    step: int
+    blobs: int
+    local_blobs: int
+    step_blobs: int
+    digest: str
+    held: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInventory:
+    """What one host holds. ``error`` is set (and ``steps`` empty) when the host could not be
+    asked: it confirms nothing while it is down."""
+
+    host: str
+    steps: tuple[StepHolding, ...] = ()
+    error: str | None = None
+
+    @classmethod
+    def unreachable(cls, host: str, cause: str) -> "HostInventory":
+        return cls(host=host, error=cause)
+
+    @classmethod
+    def from_wire(cls, host: str, doc: Any) -> "HostInventory":
+        """Parse a sidecar's inventory answer; ProtocolError names the host when it is malformed."""
+        rows = doc.get("steps") if isinstance(doc, dict) else None
+        if not isinstance(rows, list):
+            raise errors.ProtocolError(f"host {host}: malformed inventory {doc!r:.200}")
+        steps = []
+        for s in rows:
+            ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
+            if not ok:
+                raise errors.ProtocolError(f"host {host}: malformed inventory entry {s!r:.200}")
+            if type(s.get("step_blobs")) is not int or not isinstance(s.get("digest"), str) \
+                    or not isinstance(s.get("held"), str):
+                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']} lacks its blob bitmap; "
+                                           "run the same mtc version on the head and every sidecar")
+            steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
+                                     s["held"]))
+        return cls(host=host, steps=tuple(steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class PullResult:
+    """What one host did with its peer pulls. ``error`` is set when the host could not be asked
+    or failed as a whole (then nothing else is known); otherwise ``failed`` lists the blobs no
+    holder had a good copy of, with (holder, cause) per holder tried."""
+
+    host: str
+    pulled: int = 0
+    pulled_bytes: int = 0
+    failed: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    bad_copies: tuple[tuple[str, str, str], ...] = ()  # (blob, holder, cause): copies that failed their hash
+    removed_bad_copies: tuple[tuple[str, str], ...] = ()  # (blob, holder): bad at the holder, now removed
+    error: str | None = None
+
+    @property
+    def failed_blobs(self) -> set[str]:
+        return {b for b, _ in self.failed}
+
+    @classmethod
+    def unreachable(cls, host: str, cause: str) -> "PullResult":
+        return cls(host=host, error=cause)
+
+    @classmethod
+    def from_wire(cls, host: str, doc: Any) -> "PullResult":
+        """Parse ``mtc.sidecar.replication.pull_blobs``'s answer (ProtocolError if malformed)."""
+        if not isinstance(doc, dict):
+            raise errors.ProtocolError(f"host {host}: malformed peer pull answer {doc!r:.200}")
+        try:
+            return cls(
+                host=host, pulled=int(doc.get("pulled", 0)), pulled_bytes=int(doc.get("pulled_bytes", 0)),
+                failed=tuple((str(b), tuple((str(src), str(c)) for src, c in causes))
+                             for b, causes in doc.get("failed", [])),
+                bad_copies=tuple((str(b), str(src), str(c)) for b, src, c in doc.get("bad_copies", [])),
+                removed_bad_copies=tuple((str(b), str(src)) for b, src in doc.get("removed_bad_copies", [])))
+        except (TypeError, ValueError) as e:
+            raise errors.ProtocolError(f"host {host}: malformed peer pull answer ({e}): {doc!r:.200}") from None
+
+
 class Dispatcher(abc.ABC):
     """How the head reaches the sidecars. Every method is called from one thread at a time,
     except the backup and peer methods, which background threads call beside the others.
@@ -102,8 +190,8 @@ class Dispatcher(abc.ABC):
         """Every host takes ``head`` (``generation`` newer than its lease) or raises FencedError."""
 
     @abc.abstractmethod
-    def inventories(self) -> dict[str, dict]:
-        """host id -> the sidecar's inventory (committed steps, local blob counts)."""
+    def inventories(self) -> dict[str, HostInventory]:
+        """host id -> what it holds; an unreachable host has an ``error`` and no steps."""
 
     @abc.abstractmethod
     def manifest(self, step: int) -> fmt.StepManifest:
@@ -152,17 +240,17 @@ class Dispatcher(abc.ABC):
     def slice_of(self, host_id: str) -> int:
         """The slice of host ``host_id`` (0 where the dispatcher knows no slices)."""
 
-    def peer_inventories(self) -> dict[str, dict]:
+    def peer_inventories(self) -> dict[str, HostInventory]:
         """``inventories()`` for background replication (a dispatcher may use another connection)."""
         return self.inventories()
 
     @abc.abstractmethod
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None) -> dict[str, dict]:
+                  manifest: fmt.StepManifest | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches [(blob, nbytes, [holders to try])] from its peers, verified.
 
-        host -> what it pulled, or ``{"error": cause}``. With ``manifest``, a host that lacks
-        the step commits it once all its pulls succeeded.
+        host -> what it pulled (a host that could not be asked has an ``error``). With
+        ``manifest``, a host that lacks the step commits it once all its pulls succeeded.
         """
 
     @abc.abstractmethod

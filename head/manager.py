@@ -374,7 +374,7 @@ class CheckpointManager:
     def step_status(self) -> list[StepStatus]:
         """Every committed step, ascending: restorable? replicated? fewest copies of a blob?"""
         inv = self._dispatch.inventories()
-        down = any(i.get("error") for i in inv.values())
+        down = any(i.error for i in inv.values())
         topology = self._replicator.topology()
         out = []
         for step, view in sorted(step_views(inv).items()):
@@ -462,7 +462,7 @@ class CheckpointManager:
         some host: the one that saved it, a data-parallel twin or a peer copy, so a host that
         lost its ramdisk does not make a step unrestorable."""
         inv = self._dispatch.inventories()
-        return Inventory(views=step_views(inv), unreachable={h: i["error"] for h, i in inv.items() if i.get("error")},
+        return Inventory(views=step_views(inv), unreachable={h: i.error for h, i in inv.items() if i.error},
                          backup_unreachable=(listing or {}).get("unreachable"))
 
     def _cluster_steps(self) -> list[int]:
@@ -700,15 +700,14 @@ class CheckpointManager:
             log.info("restore of step %d: %d hosts pull %d blobs from peers", step, len(asked),
                      sum(len(r) for r in asked.values()))
             for h, res in self._dispatch.peer_pull(step, asked, manifest).items():
-                if "error" in res:
+                if res.error:
                     for blob, _, _ in asked[h]:
-                        failed[(h, blob)] = [f"{h} could not pull: {res['error']}"]
+                        failed[(h, blob)] = [f"{h} could not pull: {res.error}"]
                     continue
-                pulled["peer"][0] += res.get("pulled_bytes", 0)
-                pulled["peer"][1] += res.get("pulled", 0)
-                pulled["skipped"].extend(f"{h} <- {src}: blob {blob}: {cause}"
-                                         for blob, src, cause in res.get("bad_copies", []))
-                for blob, causes in res.get("failed", []):
+                pulled["peer"][0] += res.pulled_bytes
+                pulled["peer"][1] += res.pulled
+                pulled["skipped"].extend(f"{h} <- {src}: blob {blob}: {cause}" for blob, src, cause in res.bad_copies)
+                for blob, causes in res.failed:
                     failed[(h, blob)] = [f"{src}: {cause}" for src, cause in causes]
         if not failed:
             return

@@ -18,9 +18,9 @@ import logging
 from collections import Counter
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+from mtc.head.dispatch import HostInventory
 from mtc.shared import format as fmt
 from mtc.shared import protocol
-from mtc.shared.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class StepView:
         return {b: set(hs) for b, hs in zip(names, self.holders)}
 
 
-def step_views(inventories: Mapping[str, dict]) -> dict[int, StepView]:
+def step_views(inventories: Mapping[str, HostInventory]) -> dict[int, StepView]:
     """step -> StepView, from every reachable host's inventory.
 
     Hosts agree on a step's blob list (they committed the same manifest); if some did not
@@ -176,18 +176,15 @@ def step_views(inventories: Mapping[str, dict]) -> dict[int, StepView]:
     groups: dict[int, dict[tuple[int, str], tuple[list[set[str]], list[str]]]] = {}
     whole: dict[int, set[str]] = {}
     for host, inv in inventories.items():
-        if inv.get("error"):
+        if inv.error:
             continue
-        for s in inv.get("steps", ()):
-            step, n, digest, held = s.get("step"), s.get("step_blobs"), s.get("digest"), s.get("held")
-            if type(n) is not int or not isinstance(digest, str):
-                raise ProtocolError(f"host {host}: inventory of step {step} lacks its blob bitmap; "
-                                             "run the same mtc version on the head and every sidecar")
-            bits = protocol.decode_bitmap(held, n)
-            sets, hosts = groups.setdefault(step, {}).setdefault((n, digest), ([set() for _ in range(n)], []))
+        for s in inv.steps:
+            bits = protocol.decode_bitmap(s.held, s.step_blobs)
+            sets, hosts = groups.setdefault(s.step, {}).setdefault((s.step_blobs, s.digest),
+                                                                   ([set() for _ in range(s.step_blobs)], []))
             hosts.append(host)
-            if s.get("local_blobs") == s.get("blobs"):
-                whole.setdefault(step, set()).add(host)
+            if s.local_blobs == s.blobs:
+                whole.setdefault(s.step, set()).add(host)
             for i, b in enumerate(bits):
                 if b:
                     sets[i].add(host)

@@ -119,7 +119,7 @@ class Replicator:
         """One attempt: (nothing left to retry, every blob has its copies)."""
         step = manifest.step
         inv = self._dispatch.peer_inventories()
-        down = {h for h, i in inv.items() if i.get("error")}
+        down = {h for h, i in inv.items() if i.error}
         view = step_views(inv).get(step)
         holders = view.by_name(names) if view is not None else None
         if holders is None:
@@ -137,16 +137,16 @@ class Replicator:
                 others = sorted(holders[t.blob] - {t.src, t.dst} - down)
                 pulls.setdefault(t.dst, []).append((t.blob, t.nbytes, [t.src, *others]))
             for dst, res in self._dispatch.peer_pull(step, pulls).items():
-                if "error" in res:
+                if res.error:
                     failed += len(pulls[dst])
                     continue
-                bad = {row[0] for row in res.get("failed", [])}
+                bad = res.failed_blobs
                 failed += len(bad)
-                stats["moved_blobs"] += res.get("pulled", 0)
-                stats["moved_bytes"] += res.get("pulled_bytes", 0)
-                stats["bad_copies"] += len(res.get("bad_copies", []))
-                repaired += len(res.get("removed_bad_copies", []))
-                stats["removed_bad_copies"] += len(res.get("removed_bad_copies", []))
+                stats["moved_blobs"] += res.pulled
+                stats["moved_bytes"] += res.pulled_bytes
+                stats["bad_copies"] += len(res.bad_copies)
+                repaired += len(res.removed_bad_copies)
+                stats["removed_bad_copies"] += len(res.removed_bad_copies)
                 for blob, _, _ in pulls[dst]:
                     if blob not in bad:
                         holders[blob].add(dst)

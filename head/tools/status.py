@@ -65,7 +65,7 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     from mtc.head.replication import step_views
 
     inv = dispatch.inventories()
-    unreachable = {h: i["error"] for h, i in inv.items() if i.get("error")}
+    unreachable = {h: i.error for h, i in inv.items() if i.error}
     views = step_views(inv)
     listing = {"backups": [], "restore_version": None}
     notes: list[str] = []

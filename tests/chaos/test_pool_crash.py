@@ -25,7 +25,7 @@ BLOB = 1 << 20
 DRIVER = textwrap.dedent(f"""
     import json, os, signal, sys
     import numpy as np
-    from mtc.sidecar import ram
+    from mtc.sidecar.ram import blobs as ram
     from mtc.sidecar.ram import RamStore
 
     def data(step, i):

@@ -53,8 +53,8 @@ def test_colocated_sidecar_pulls_lost_blobs_from_a_peer(ramdisk, tmp_path):
             out = m._dispatch.peer_pull(1, {host: rows}, peers={"other": server.address,
                                                                  "ghost": f"127.0.0.1:{free_port()}"})
             res = out[host]
-            assert "error" not in res and not res["failed"], res
-            assert res["pulled_bytes"] == sum(sizes[b] for b in lost)
+            assert res.error is None and not res.failed, res
+            assert res.pulled_bytes == sum(sizes[b] for b in lost)
             assert m._cluster_steps() == [1]
             assert_trees_bitwise_equal(state, m.restore(1))
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mtc.head.dispatch import HostInventory
 from mtc.head.manager import Inventory
 from mtc.head.replication import step_views
 from mtc.shared.hashing import blob_name
@@ -11,11 +12,12 @@ from mtc.shared.hashing import blob_name
 pytestmark = pytest.mark.unit
 
 
-def _inv(host: str, steps: dict[int, list[str]], have: set[str]) -> dict:
+def _inv(host: str, steps: dict[int, list[str]], have: set[str]) -> HostInventory:
     from mtc.sidecar.replication import held_bits
 
-    return {"host": host, "steps": [{"step": s, "blobs": len(b), "local_blobs": len(set(b) & have),
-                                     **held_bits(set(b), have)} for s, b in steps.items()]}
+    return HostInventory.from_wire(host, {"host": host, "steps": [
+        {"step": s, "blobs": len(b), "local_blobs": len(set(b) & have), **held_bits(set(b), have)}
+        for s, b in steps.items()]})
 
 
 def test_restorable_steps_and_what_an_error_adds():

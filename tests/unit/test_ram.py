@@ -17,6 +17,7 @@ from mtc.shared.hashing import blob_name
 from mtc.sidecar import faults, ram
 from mtc.shared.format import collect_blob_names
 from mtc.sidecar.ram import RamStore, format_bytes
+from mtc.sidecar.ram import blobs as ram_blobs
 
 MiB = 1 << 20
 
@@ -70,8 +71,8 @@ def test_array_round_trip_bit_for_bit(store, dtype):
 @pytest.mark.unit
 def test_multi_chunk_round_trip(store, monkeypatch):
     # Small chunks force the write/read loops through many partial iterations.
-    monkeypatch.setattr(ram, "_WRITE_CHUNK", 4096)
-    monkeypatch.setattr(ram, "_READ_CHUNK", 1000)
+    monkeypatch.setattr(ram_blobs, "_WRITE_CHUNK", 4096)
+    monkeypatch.setattr(ram_blobs, "_READ_CHUNK", 1000)
     data = rand_bytes(100_003, 1)
     name, written = store.write_blob(memoryview(data))
     assert written and name == blob_name(data)

@@ -23,6 +23,7 @@ from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar import ram
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram import blobs as ram_blobs, readers as ram_readers, steps as ram_steps
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -90,7 +91,7 @@ def test_a_failed_rewrite_of_a_pool_file_leaves_nothing_visible(tmp_path, monkey
     save_step(store, 1, [a])
     save_step(store, 2, [b])
     assert len(pool_files(store)) == 1
-    monkeypatch.setattr(ram, "_WRITE_CHUNK", 64 * KiB)
+    monkeypatch.setattr(ram_blobs, "_WRITE_CHUNK", 64 * KiB)
     real_write, calls = os.write, []
 
     def failing_write(fd, data):
@@ -99,10 +100,10 @@ def test_a_failed_rewrite_of_a_pool_file_leaves_nothing_visible(tmp_path, monkey
             raise OSError(5, "Input/output error")
         return real_write(fd, data)
 
-    monkeypatch.setattr(ram.os, "write", failing_write)
+    monkeypatch.setattr(ram_blobs.os, "write", failing_write)
     with pytest.raises(OSError, match="Input/output"):
         store.write_blob(c)
-    monkeypatch.setattr(ram.os, "write", real_write)
+    monkeypatch.setattr(ram_blobs.os, "write", real_write)
     assert len(calls) == 2  # it did rewrite the pool file, part way
     assert not store.has_blob(blob_name(c))
     assert temps(store.root) == []  # the half-rewritten file is gone, not back in the pool
@@ -208,12 +209,12 @@ def test_without_a_mapping_the_same_file_is_recycled(tmp_path):
 @pytest.mark.unit
 def test_a_blob_collected_while_being_read_is_not_recycled_under_the_reader(tmp_path, monkeypatch):
     store = RamStore(tmp_path / "mtc", max_to_keep=1)
-    monkeypatch.setattr(ram, "_READ_CHUNK", 16 * KiB)
+    monkeypatch.setattr(ram_blobs, "_READ_CHUNK", 16 * KiB)
     a, b, c = (rand_bytes(256 * KiB, s) for s in (90, 91, 92))
     (na,) = save_step(store, 1, [a])
     nb, _ = store.write_blob(b)
     store.write_pending(2, manifest(2, [nb]))
-    real_hasher, fired = ram.new_hasher, []
+    real_hasher, fired = ram_blobs.new_hasher, []
 
     class Hasher:
         def __init__(self):
@@ -230,7 +231,7 @@ def test_a_blob_collected_while_being_read_is_not_recycled_under_the_reader(tmp_
         def hexdigest(self):
             return self._h.hexdigest()
 
-    monkeypatch.setattr(ram, "new_hasher", Hasher)
+    monkeypatch.setattr(ram_blobs, "new_hasher", Hasher)
     buf = bytearray(len(a))
     store.read_blob_into(na, buf)  # CorruptBlobError if c had been written over a's file
     assert fired and bytes(buf) == a
@@ -253,7 +254,7 @@ def test_a_mapping_freed_by_the_collector_inside_the_registry_lock_does_not_dead
     done = threading.Event()
 
     def collect_holding_the_lock():
-        with ram._registry:
+        with ram_readers.registry:
             gc.collect()  # the mapping's finaliser runs here, in a thread that holds the lock
         done.set()
 
@@ -294,13 +295,13 @@ def test_committed_steps_parses_each_step_file_once_and_sees_replacements(tmp_pa
     for s in (1, 2):
         save_step(store, s, [rand_bytes(1000, s)])
     parsed = []
-    real = RamStore._parse_step
+    real = ram_steps.parse_step
 
     def counting(data, step, where):
         parsed.append(step)
         return real(data, step, where)
 
-    monkeypatch.setattr(RamStore, "_parse_step", staticmethod(counting))
+    monkeypatch.setattr(ram_steps, "parse_step", counting)
     assert store.committed_steps() == [1, 2]
     assert parsed == []  # cached since the commits
     # A step file replaced (a new inode) is parsed again: here, by something bad.

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from mtc.head.replication import ReplicationStrategy, Transfer, step_views, summarize
+from mtc.head.dispatch import HostInventory, PullResult
 from mtc.shared import protocol
 from mtc.shared.errors import ProtocolError
 
@@ -184,9 +185,10 @@ def test_bitmaps_round_trip_and_refuse_garbage():
 def test_step_views_say_who_holds_what_and_whether_a_step_is_restorable():
     names = sorted([blob(3), blob(1), blob(2)])
     inv = {
-        "a": {"steps": [inv_step(5, names, {blob(1)}, {blob(1)}), inv_step(6, names, {blob(1)})]},
-        "b": {"steps": [inv_step(5, names, {blob(2), blob(3)}, {blob(2)})]},
-        "c": {"steps": [], "error": "connection refused"},
+        "a": HostInventory.from_wire("a", {"steps": [inv_step(5, names, {blob(1)}, {blob(1)}),
+                                                     inv_step(6, names, {blob(1)})]}),
+        "b": HostInventory.from_wire("b", {"steps": [inv_step(5, names, {blob(2), blob(3)}, {blob(2)})]}),
+        "c": HostInventory.unreachable("c", "connection refused"),
     }
     views = step_views(inv)
     assert views[5].restorable and not views[6].restorable
@@ -200,12 +202,27 @@ def test_step_views_say_who_holds_what_and_whether_a_step_is_restorable():
 def test_step_views_keep_the_blob_list_most_hosts_agree_on():
     names = [blob(1), blob(2)]
     other = [blob(1), blob(7)]
-    inv = {"a": {"steps": [inv_step(1, names, set(names))]}, "b": {"steps": [inv_step(1, names, {blob(2)})]},
-           "c": {"steps": [inv_step(1, other, set(other))]}}
-    v = step_views(inv)[1]
+    wire = {"a": {"steps": [inv_step(1, names, set(names))]}, "b": {"steps": [inv_step(1, names, {blob(2)})]},
+            "c": {"steps": [inv_step(1, other, set(other))]}}
+    v = step_views({h: HostInventory.from_wire(h, doc) for h, doc in wire.items()})[1]
     assert v.hosts == ("a", "b") and v.by_name(names) == {blob(1): {"a"}, blob(2): {"a", "b"}}
 
 
 def test_an_inventory_without_bitmaps_is_refused():
-    with pytest.raises(ProtocolError, match="same mtc version"):
-        step_views({"a": {"steps": [{"step": 1, "blobs": 1, "local_blobs": 1}]}})
+    with pytest.raises(ProtocolError, match="host a: inventory of step 1 lacks its blob bitmap.*same mtc version"):
+        HostInventory.from_wire("a", {"steps": [{"step": 1, "blobs": 1, "local_blobs": 1}]})
+    for bad in (None, [], {"steps": {}}, {"steps": [{"step": "1", "blobs": 1, "local_blobs": 1}]}):
+        with pytest.raises(ProtocolError, match="host a: malformed inventory"):
+            HostInventory.from_wire("a", bad)
+
+
+def test_a_peer_pull_answer_is_parsed_into_a_value_and_garbage_is_refused():
+    res = PullResult.from_wire("h", {"pulled": 2, "pulled_bytes": 10, "failed": [[blob(1), [["p", "timeout"]]]],
+                                     "bad_copies": [[blob(2), "q", "hash"]], "removed_bad_copies": [[blob(2), "q"]]})
+    assert (res.pulled, res.pulled_bytes, res.error) == (2, 10, None)
+    assert res.failed_blobs == {blob(1)} and res.failed == ((blob(1), (("p", "timeout"),)),)
+    assert res.bad_copies == ((blob(2), "q", "hash"),) and res.removed_bad_copies == ((blob(2), "q"),)
+    assert PullResult.unreachable("h", "down").error == "down"
+    for bad in (None, {"failed": [1]}, {"pulled": "x"}, {"bad_copies": [["a"]]}):
+        with pytest.raises(ProtocolError, match="host h: malformed peer pull answer"):
+            PullResult.from_wire("h", bad)

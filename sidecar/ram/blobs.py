@@ -1,0 +1,297 @@
+"""Blob files: content-addressed under ``blobs/<32-hex>``, written through temp files, read verified.
+
+Blob writes may run from several threads at once: a finished temp file is published with a
+hard link, which cannot overwrite, so among racing writers of one blob exactly one wins and a
+committed file is never replaced under a reader. Reads and maps register the file by inode
+(``mtc.sidecar.ram.readers``) so that it is never recycled while in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from mtc.shared.buffers import byte_view
+from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError
+from mtc.shared.hashing import blob_name, new_hasher
+from mtc.sidecar.ram import readers
+from mtc.sidecar.ram.common import FREE_PREFIX, HUGE_PAGE, TMP_PREFIX, check_name, temp_name, valid_name
+from mtc.sidecar.ram.pool import FreePool
+
+# Large enough that syscall overhead vanishes; small enough that hashing a chunk right after
+# reading it finds it still in cache.
+_WRITE_CHUNK = 64 << 20
+_READ_CHUNK = 4 << 20
+
+NoSpace = Callable[[str, "int | None", "int | None", OSError], InsufficientSpaceError]
+
+
+def _hash_fd(fd: int, size: int) -> str:
+    if size == 0:
+        return blob_name(b"")
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+        return blob_name(m)
+
+
+def _presize(fd: int, size: int) -> None:
+    """Give a new blob file its final size before the first write (sparse: nothing allocated).
+
+    A tmpfs mounted ``huge=within_size`` hands out 2 MiB pages only inside the file's size,
+    which older kernels take from ``i_size`` alone: without this, a file written front to
+    back would get 4 KiB pages there (``mtc.shared.ramdisk``).
+    """
+    if size >= HUGE_PAGE:
+        os.ftruncate(fd, size)
+
+
+class BlobFiles:
+    """The blobs of one store in ``directory``; ``pool`` supplies files to overwrite in place,
+    ``no_space(what, step, needed, err)`` makes the error of a write that ran out of space."""
+
+    def __init__(self, directory: Path, *, pool: FreePool, round: Callable[[int], int], no_space: NoSpace):
+        self.directory = directory
+        self.pool = pool
+        self.round = round
+        self._no_space = no_space
+
+    def path(self, name: str) -> Path:
+        """The file of blob ``name``; the name is validated first (ValueError if malformed)."""
+        return self.directory / check_name(name)
+
+    def has(self, name: str) -> bool:
+        return self.path(name).is_file()
+
+    def size(self, name: str) -> int:
+        path = self.path(name)
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"blob {name} is not in the ramdisk", str(path)) from None
+
+    def names(self) -> set[str]:
+        """Names of all committed blobs (temp files excluded)."""
+        return {p.name for p in self.directory.iterdir() if valid_name(p.name)}
+
+    def missing_bytes(self, blobs: dict[str, int]) -> int:
+        return sum(self.round(n) for name, n in blobs.items() if not self.has(name))
+
+    @contextlib.contextmanager
+    def reading(self, name: str) -> Iterator[tuple[int, int, tuple[int, int]]]:
+        """Open committed blob ``name`` for reading, registered so that it is not recycled.
+
+        Yields (fd, size, key); raises FileNotFoundError when the blob is not there. The file
+        is registered first and its name checked after, so a collection that moves it to the
+        free pool either sees the registration (and unlinks it instead) or has already moved it
+        (and the name check fails).
+        """
+        path = self.path(name)
+        for _ in range(3):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: not there
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                readers.acquire(key)
+                try:
+                    try:
+                        now = os.stat(path)
+                    except FileNotFoundError:
+                        now = None
+                    if now is not None and (now.st_dev, now.st_ino) == key:
+                        yield fd, st.st_size, key
+                        return
+                finally:
+                    readers.release(key)
+            finally:
+                os.close(fd)
+            if now is None:
+                break
+        raise FileNotFoundError(errno.ENOENT, f"blob {name} is not in the ramdisk", str(path))
+
+    def publish(self, tmp: Path, final: Path) -> bool:
+        """Move a finished temp file to its final name; False if the blob already existed."""
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            if final.exists():
+                return False
+            os.replace(tmp, final)  # filesystem without hard links: same bytes, so replacing is harmless
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return True
+
+    def write(self, data, *, name: str | None = None) -> tuple[str, bool]:
+        """See ``RamStore.write_blob``."""
+        mv = byte_view(data)
+        name = blob_name(mv) if name is None else check_name(name)
+        final = self.directory / name
+        if final.exists():
+            return name, False
+        n = mv.nbytes
+        retried = False
+        while True:
+            taken = self.pool.take(n) if n else None
+            if taken is not None:
+                fd, tmp = taken
+            else:
+                tmp = temp_name(self.directory)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                try:
+                    _presize(fd, n)
+                    off = 0
+                    while off < n:
+                        off += os.write(fd, mv[off:off + _WRITE_CHUNK])
+                finally:
+                    os.close(fd)
+            except BaseException as e:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    if not retried and self.pool.drain():
+                        retried = True  # the pool held the space: free it, write anew
+                        continue
+                    raise self._no_space(f"blob {name}", None, n, e) from e
+                raise
+            return name, self.publish(tmp, final)
+
+    def read_into(self, name: str, out) -> None:
+        """See ``RamStore.read_blob_into``."""
+        path = self.path(name)
+        mv = byte_view(out)
+        if mv.readonly:
+            raise TypeError(f"read_blob_into needs a writable buffer for blob {name}")
+        hasher = new_hasher()
+        try:
+            with self.reading(name) as (fd, size, _):
+                if size != mv.nbytes:
+                    raise CorruptBlobError(f"blob {name} at {path} has {size} bytes, but the reader expects "
+                                           f"{mv.nbytes}: wrong size, not using it")
+                off = 0
+                while off < size:
+                    got = os.readv(fd, [mv[off:off + _READ_CHUNK]])
+                    if not got:
+                        raise CorruptBlobError(f"blob {name} at {path} ended after {off} of {size} bytes "
+                                               "(truncated while reading)")
+                    hasher.update(mv[off:off + got])
+                    off += got
+        except FileNotFoundError:
+            raise CorruptBlobError(f"blob {name} is missing from the ramdisk ({path})") from None
+        actual = hasher.hexdigest()
+        if actual != name:
+            raise CorruptBlobError(f"blob {name} at {path} is corrupt: its bytes hash to {actual}")
+
+    def verify(self, name: str) -> bool:
+        try:
+            with self.reading(name) as (fd, size, _):
+                return _hash_fd(fd, size) == name
+        except FileNotFoundError:
+            return False
+
+    def map(self, name: str, nbytes: int | None = None) -> np.ndarray:
+        """See ``RamStore.map_blob``."""
+        path = self.path(name)
+        try:
+            with self.reading(name) as (fd, size, key):
+                if nbytes is not None and size != nbytes:
+                    raise CorruptBlobError(f"blob {name} at {path} has {size} bytes, but the reader expects "
+                                           f"{nbytes}: wrong size, not using it")
+                if size == 0:
+                    return np.empty(0, np.uint8)
+                m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                readers.hold_while_mapped(m, key)  # released when it is unmapped
+        except FileNotFoundError:
+            raise CorruptBlobError(f"blob {name} is missing from the ramdisk ({path})") from None
+        actual = blob_name(m)
+        if actual != name:
+            raise CorruptBlobError(f"blob {name} at {path} is corrupt: its bytes hash to {actual}")
+        return np.frombuffer(m, np.uint8)
+
+    def open_temp(self, size: int | None = None) -> tuple[int, Path]:
+        """See ``RamStore.open_temp_blob``."""
+        tmp = temp_name(self.directory)
+        if size is not None and self.pool.enabled:
+            taken = self.pool.take(int(size))
+            if taken is not None:
+                fd, path = taken
+                os.rename(path, tmp)  # a plain temp name: finalize/discard accept it
+                return fd, tmp
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if size is not None:
+            try:
+                _presize(fd, int(size))
+            except BaseException:
+                os.close(fd)
+                self.discard_temp(tmp)
+                raise
+        return fd, tmp
+
+    def _check_temp(self, temp_path) -> Path:
+        tmp = Path(temp_path)
+        if tmp.parent != self.directory or not tmp.name.startswith(TMP_PREFIX) or tmp.name.startswith(FREE_PREFIX):
+            raise ValueError(f"{tmp} is not a temp blob of the ramdisk {self.directory.parent} (use open_temp_blob)")
+        return tmp
+
+    def discard_temp(self, temp_path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._check_temp(temp_path).unlink()
+
+    def finalize_temp(self, temp_path, name: str, verify: bool = True) -> bool:
+        """See ``RamStore.finalize_temp_blob``."""
+        tmp = self._check_temp(temp_path)
+        try:
+            check_name(name)
+            if verify:
+                fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    actual = _hash_fd(fd, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+                if actual != name:
+                    raise CorruptBlobError(f"received copy of blob {name} is corrupt: it hashes to {actual}; "
+                                           f"discarded {tmp}")
+        except BaseException:
+            self.discard_temp(tmp)
+            raise
+        return self.publish(tmp, self.directory / name)
+
+    def put_file(self, name: str, src_path: str | os.PathLike) -> bool:
+        """See ``RamStore.put_blob_file``."""
+        check_name(name)
+        if self.has(name):
+            return False
+        retried = False
+        while True:
+            fd, tmp = self.open_temp()
+            os.close(fd)
+            try:
+                shutil.copyfile(src_path, tmp)  # sendfile on Linux: no copy through Python
+            except BaseException as e:
+                self.discard_temp(tmp)
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    if not retried and self.pool.drain():
+                        retried = True  # the free pool held the space
+                        continue
+                    raise self._no_space(f"blob {name}", None, os.stat(src_path).st_size, e) from e
+                raise
+            return self.finalize_temp(tmp, name, verify=True)
+
+    def allocated(self, names: Iterable[str]) -> int:
+        """Bytes the filesystem holds for the blobs ``names`` that exist (st_blocks)."""
+        total = 0
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                total += (self.directory / name).stat().st_blocks * 512
+        return total

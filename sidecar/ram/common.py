@@ -1,0 +1,75 @@
+"""Names, limits and messages shared by the parts of the RAM tier."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import numpy as np
+
+from mtc.shared.errors import InsufficientSpaceError
+from mtc.shared.hashing import HEX_LEN, check_blob_name, is_blob_name
+
+TMP_PREFIX = ".tmp-"
+FREE_PREFIX = TMP_PREFIX + "free-"
+HUGE_PAGE = 2 << 20  # a tmpfs huge page (x86-64, arm64 with 4 KiB base pages)
+MAX_STEP = 10**12 - 1
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units with two decimals, e.g. ``"1.20 GiB"``."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def valid_name(name) -> bool:
+    # The length check also refuses "<32 hex>\n", which a `$`-anchored regex lets through.
+    return is_blob_name(name) and len(name) == HEX_LEN
+
+
+def check_name(name) -> str:
+    if not valid_name(name):
+        check_blob_name(name)  # raises ValueError with the standard message
+        raise ValueError(f"invalid blob name {name!r}: expected {HEX_LEN} lowercase hex digits")
+    return name
+
+
+def check_step(step) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"invalid step {step!r}: expected an integer in [0, {MAX_STEP}]")
+    return int(step)
+
+
+def temp_name(directory: Path, tag: str = "") -> Path:
+    """A fresh temp file name in ``directory`` (never looks like committed data)."""
+    return directory / f"{TMP_PREFIX}{tag}{secrets.token_hex(8)}"
+
+
+def free_bytes(root: Path) -> int:
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(root: Path, what: str, step: int | None, needed: int | None, err: OSError) -> InsufficientSpaceError:
+    """The error for a write of ``what`` that ran out of ramdisk (its partial file removed)."""
+    free = free_bytes(root)
+    need = f"{format_bytes(needed)} ({needed} bytes)" if needed is not None else "more space"
+    step_s = f"step {step}" if step is not None else "a step"
+    return InsufficientSpaceError(
+        f"ramdisk {root} is full while writing {what} of {step_s}: needed {need}, "
+        f"{format_bytes(free)} ({free} bytes) free ({err.strerror}); the partial file was removed. "
+        f"Make the ramdisk larger: see `mtc size --params ... --hosts ...`, or lower local_max_to_keep")
+
+
+def page_rounder(path: Path):
+    """A function that rounds a byte count up to ``path``'s filesystem block (a tmpfs page),
+    as the filesystem allocates it."""
+    block = os.statvfs(path).f_frsize or 1
+    return lambda n: -(-int(n) // block) * block

@@ -1,0 +1,225 @@
+"""The step catalog: phase-1 host manifests under ``pending/`` and commits under ``steps/``.
+
+A step is committed iff ``steps/<step:012d>.json`` exists and parses as JSON whose ``"step"``
+equals the number in the file name. Nothing else makes a step visible. Manifest files are
+only ever replaced atomically (a new inode), never rewritten in place, so what was parsed of
+a file is cached by (inode, mtime, size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable
+
+from mtc.shared.errors import InsufficientSpaceError, ManifestError, StepNotFoundError
+from mtc.sidecar.ram.common import TMP_PREFIX, check_step, temp_name
+
+log = logging.getLogger(__name__)
+
+_STEP_FILE_RE = re.compile(r"^(\d{12})\.json$")
+_STEP_DIR_RE = re.compile(r"^(\d{12})$")
+HOST_JSON = "host.json"
+
+BlobsOf = Callable[[bytes], "set[str]"]
+NoSpace = Callable[[str, "int | None", "int | None", OSError], InsufficientSpaceError]
+
+
+def parse_step(data: bytes, step: int, where: str) -> None:
+    """ManifestError unless ``data`` is a JSON object whose ``"step"`` is ``step``."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where}: the step manifest is not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("step") != step or isinstance(doc.get("step"), bool):
+        got = doc.get("step") if isinstance(doc, dict) else type(doc).__name__
+        raise ManifestError(f"{where}: the step manifest must be a JSON object with \"step\": {step}, "
+                            f"got {got!r}")
+
+
+def _file_key(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class StepCatalog:
+    """Pending and committed steps under ``root``; ``blobs_of`` reads the blob names a manifest uses."""
+
+    def __init__(self, root: Path, *, blobs_of: BlobsOf, no_space: NoSpace):
+        self.root = root
+        self.pending_root = root / "pending"
+        self.steps_root = root / "steps"
+        self._blobs_of = blobs_of
+        self._no_space = no_space
+        self._warned: set[str] = set()
+        self._step_ok: dict[str, tuple[tuple, str | None]] = {}
+        self._blobs_cache: dict[Path, tuple[tuple, frozenset]] = {}
+
+    def path(self, step: int) -> Path:
+        return self.steps_root / f"{step:012d}.json"
+
+    def pending_dir(self, step: int) -> Path:
+        return self.pending_root / f"{step:012d}"
+
+    def _atomic_write(self, final: Path, data: bytes, what: str, step: int) -> os.stat_result:
+        """Write ``final`` atomically; returns its stat (the cache keys of ``committed``)."""
+        tmp = temp_name(final.parent, f"{final.name}-")
+        try:
+            with open(tmp, "xb") as f:
+                f.write(memoryview(data))
+                f.flush()
+                st = os.fstat(f.fileno())
+            os.replace(tmp, final)
+            return st
+        except BaseException as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._no_space(what, step, len(data), e) from e
+            raise
+
+    # --- pending (phase 1) ---------------------------------------------------------------
+
+    def write_pending(self, step: int, host_manifest: bytes) -> None:
+        d = self.pending_dir(step)
+        d.mkdir(exist_ok=True)
+        self._atomic_write(d / HOST_JSON, bytes(host_manifest), "the host manifest", step)
+
+    def read_pending(self, step: int) -> bytes | None:
+        try:
+            return (self.pending_dir(check_step(step)) / HOST_JSON).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def pending_dirs(self) -> dict[int, Path]:
+        out = {}
+        for p in self.pending_root.iterdir():
+            m = _STEP_DIR_RE.match(p.name)
+            if m and p.is_dir():
+                out[int(m.group(1))] = p
+        return out
+
+    def pending_steps(self) -> list[int]:
+        return sorted(s for s, p in self.pending_dirs().items() if (p / HOST_JSON).is_file())
+
+    def live_pending(self, steps: list[int]) -> list[int]:
+        """Pending dirs that still matter: those of uncommitted steps newer than the newest."""
+        newest = steps[-1] if steps else None
+        return [p for p in self.pending_dirs() if newest is None or (p > newest and p not in steps)]
+
+    def remove_stale_pending(self, live_pending: list[int]) -> None:
+        for p, d in self.pending_dirs().items():
+            if p not in live_pending:
+                shutil.rmtree(d, ignore_errors=True)
+
+    # --- committed (phase 2) -------------------------------------------------------------
+
+    def write_commit(self, step: int, data: bytes) -> None:
+        """Write ``steps/<step>.json`` atomically (``data`` already validated), then drop the
+        step's pending manifest."""
+        st = self._atomic_write(self.path(step), data, "the step manifest", step)
+        self._step_ok[self.path(step).name] = (_file_key(st), None)  # validated: no second parse
+        d = self.pending_dir(step)
+        if d.exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def committed(self) -> list[int]:
+        """Committed steps, ascending. Malformed files in steps/ are ignored (with a warning)."""
+        out = []
+        seen = {}
+        for p in self.steps_root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                continue
+            m = _STEP_FILE_RE.match(p.name)
+            if not m:
+                self._warn_once(p.name, "ramdisk %s: ignoring %s in steps/: not a step file name", self.root, p)
+                continue
+            step = int(m.group(1))
+            try:
+                with open(p, "rb") as f:
+                    key = _file_key(os.fstat(f.fileno()))
+                    cached = self._step_ok.get(p.name)
+                    if cached is not None and cached[0] == key:
+                        error = cached[1]
+                    else:
+                        try:
+                            parse_step(f.read(), step, str(p))
+                            error = None
+                        except ManifestError as e:
+                            error = str(e)
+                seen[p.name] = (key, error)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except OSError as e:
+                error = str(e)
+            if error is not None:
+                self._warn_once(p.name, "ramdisk %s: ignoring %s: %s", self.root, p, error)
+                continue
+            out.append(step)
+        self._step_ok = seen
+        return sorted(out)
+
+    def read(self, step: int) -> bytes:
+        step = check_step(step)
+        path = self.path(step)
+        try:
+            data = path.read_bytes()
+            parse_step(data, step, str(path))
+            return data
+        except (FileNotFoundError, ManifestError):
+            raise StepNotFoundError(f"step {step} is not committed in the ramdisk {self.root}; "
+                                    f"committed steps: {self.committed()}") from None
+
+    def remove(self, step: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(step).unlink()
+        d = self.pending_dir(step)
+        if d.exists():
+            shutil.rmtree(d, ignore_errors=True)
+
+    def exists(self, step: int) -> bool:
+        return self.path(step).exists() or self.pending_dir(step).exists()
+
+    # --- what the manifests keep alive ---------------------------------------------------
+
+    def blobs_in(self, path: Path) -> set[str]:
+        """The blob names the manifest file ``path`` uses (ManifestError if unreadable)."""
+        with open(path, "rb") as f:
+            key = _file_key(os.fstat(f.fileno()))
+            cached = self._blobs_cache.get(path)
+            if cached is not None and cached[0] == key:
+                return set(cached[1])
+            data = f.read()
+        try:
+            names = frozenset(self._blobs_of(data))
+        except ManifestError:
+            raise
+        except Exception as e:  # the callback's own parsing errors: untrusted bytes from disk
+            raise ManifestError(f"{path}: cannot tell which blobs it uses ({e!r})") from None
+        if len(self._blobs_cache) > 256:
+            self._blobs_cache = {p: v for p, v in self._blobs_cache.items() if p.exists()}
+        self._blobs_cache[path] = (key, names)
+        return set(names)
+
+    def live_blobs(self, steps: list[int], pending: Iterable[int], pinned: Iterable[str]) -> set[str]:
+        """Blobs used by ``steps``, the ``pending`` host manifests, and ``pinned``."""
+        live = set(pinned)
+        for s in steps:
+            live |= self.blobs_in(self.path(s))
+        dirs = self.pending_dirs()
+        for p in pending:
+            try:
+                live |= self.blobs_in(dirs[p] / HOST_JSON)
+            except (FileNotFoundError, KeyError):
+                pass
+        return live
