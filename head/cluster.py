@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
@@ -31,7 +30,9 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from mtc.head.restore_plan import BoxRead, box_reads
 from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
+from mtc.head.cluster_client import HostConnection, RemoteFailure, cause, read_errors
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
@@ -56,159 +57,6 @@ Box = fmt.Box
 _DATA_OPS = frozenset({"write", "commit", "read"})
 
 
-class _RemoteFailure(MTCError):
-    """An error a sidecar answered with (the host is reachable; the request failed there)."""
-
-    def __init__(self, host: str, type_name: str, message: str):
-        super().__init__(f"{type_name}: {message}")
-        self.host, self.type_name, self.message = host, type_name, message
-
-    def reraise(self) -> None:
-        raise_remote(self.host, self.type_name, self.message)
-
-
-def _cause(e: BaseException) -> str:
-    """One line that says why a host failed, for error messages and SaveError.hosts."""
-    if isinstance(e, _RemoteFailure):
-        return str(e)
-    if isinstance(e, HostUnreachableError):
-        return str(e)
-    return f"{type(e).__name__}: {e}"
-
-
-class _Host:
-    """One connection to one daemon. Requests on it are serialised by a lock.
-
-    Each host has three: the ``control`` lane (saves, inventories, restores), the ``backup``
-    lane, so that an upload stuck on a dead bucket never holds up the next save, and the
-    ``peer`` lane (replication, restore pulls), for the same reason. The daemon serves each
-    connection on its own thread.
-    """
-
-    def __init__(self, owner: "ClusterDispatcher", host_id: str, lane: str = "control"):
-        self.owner = owner
-        self.id = host_id
-        self.lane = lane
-        self.lock = threading.Lock()
-        self.sock: socket.socket | None = None
-        self.address: str | None = None
-        self._next_id = 0
-
-    def call(self, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
-             alloc: protocol.Alloc | None = None) -> protocol.Reply:
-        """Run ``op``; HostUnreachableError if the daemon cannot be reached, _RemoteFailure if it
-        answers with an error. A stale connection (daemon restarted since) is retried once."""
-        with self.lock:
-            for attempt in (0, 1):
-                fresh = self.sock is None
-                if fresh:
-                    self._connect()
-                timeout = self.owner._timeout_for(op)
-                try:
-                    self.sock.settimeout(timeout)
-                    reply = self._roundtrip(op, args or {}, payloads, alloc)
-                except (OSError, ProtocolError) as e:
-                    self._drop()
-                    if fresh or attempt or isinstance(e, TimeoutError):
-                        raise HostUnreachableError(
-                            f"host {self.id} at {self.address}: {_transport_cause(e, timeout)}") from e
-                    continue
-                if reply.error is not None:
-                    raise _RemoteFailure(self.id, reply.error.type, reply.error.message)
-                return reply
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc) -> protocol.Reply:
-        self._next_id += 1
-        rid = self._next_id
-        if self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
-            args = {**args, "gen": self.owner.generation}
-        protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
-        reply = protocol.recv_reply(self.sock, alloc=alloc)
-        if reply.id is None and reply.error is not None:  # the daemon could not read our frame
-            raise ProtocolError(f"host {self.id} refused a {op} request: {reply.error.message}")
-        if reply.id != rid:
-            raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
-        return reply
-
-    def _connect(self) -> None:
-        address = self.owner._address_of(self.id)
-        self.address = address
-        try:
-            sock = socket.create_connection(protocol.parse_address(address), timeout=self.owner.connect_timeout_s)
-        except OSError as e:
-            raise HostUnreachableError(f"host {self.id} at {address}: {_transport_cause(e, self.owner.connect_timeout_s)}"
-                                       ) from e
-        sock.settimeout(self.owner.control_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
-        try:
-            reply = self._roundtrip("fingerprint", {}, (), None)
-            if reply.error is not None:
-                raise _RemoteFailure(self.id, reply.error.type, reply.error.message)
-            fp = reply.result if isinstance(reply.result, dict) else {}
-            if fp.get("host") != self.id:
-                raise HostUnreachableError(
-                    f"host {self.id}: the daemon at {address} answers as host {fp.get('host')!r}; the cluster "
-                    f"spec {self.owner.spec_path} is stale or wrong")
-            version.check_fingerprints(self.owner.head_fingerprint, {self.id: fp})
-            if isinstance(fp.get("peer"), str):  # the address book the head hands to the peer tier
-                self.owner._peer_addresses[self.id] = fp["peer"]
-            # A save that failed while this host was away may have left its step here.
-            for step in self.owner._take_aborts(self.id):
-                try:
-                    r = self._roundtrip("abort", {"step": step}, (), None)
-                except BaseException:
-                    self.owner._add_aborts(self.id, [step])
-                    raise
-                if r.error is not None:
-                    self.owner._add_aborts(self.id, [step])
-                    raise _RemoteFailure(self.id, r.error.type, r.error.message)
-                log.info("host %s: aborted step %d left by a failed save", self.id, step)
-        except (OSError, ProtocolError) as e:
-            self._drop()
-            raise HostUnreachableError(f"host {self.id} at {address}: "
-                                       f"{_transport_cause(e, self.owner.control_timeout_s)}") from e
-        except BaseException:
-            self._drop()
-            raise
-
-    def _drop(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            finally:
-                self.sock = None
-
-    def close(self) -> None:
-        with self.lock:
-            self._drop()
-
-
-def _read_errors(result: Any) -> list[tuple[int, str, str]]:
-    """The per-box errors of a read answer: (index, error type, message)."""
-    rows = (result or {}).get("errors", []) if isinstance(result, dict) else []
-    out = []
-    for e in rows:
-        if not (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str)
-                and isinstance(e[2], str)):
-            raise ProtocolError(f"malformed read error entry {e!r:.100}")
-        out.append((e[0], e[1], e[2]))
-    return out
-
-
-def _transport_cause(e: BaseException, timeout: float) -> str:
-    if isinstance(e, ConnectionRefusedError):
-        return "connection refused (daemon not running?)"
-    if isinstance(e, TimeoutError):
-        return f"no answer within {timeout:.0f}s (daemon hung or overloaded?)"
-    if isinstance(e, (ConnectionResetError, BrokenPipeError)):
-        return "connection lost (daemon killed or restarted?)"
-    if isinstance(e, ProtocolError):
-        return f"connection lost or garbled ({e})"
-    return f"{type(e).__name__}: {e}"
-
-
 @dataclasses.dataclass
 class _Staged:
     """What ``write`` sends: per host, its unique (leaf index, box, buffer) shards."""
@@ -220,13 +68,23 @@ class _Staged:
 
 @dataclasses.dataclass
 class _Read:
-    """One piece of a restore: ``box`` of array ``key`` into ``dest``, from one of ``candidates``."""
+    """A planned read (``restore_plan.BoxRead``) being run: its destination and the hosts tried."""
 
-    key: str
-    box: Box
+    plan: BoxRead
     dest: np.ndarray  # a view into the target box buffer (may be strided for a piece)
-    candidates: list[str]
     tried: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (host, error type, cause)
+
+    @property
+    def key(self) -> str:
+        return self.plan.key
+
+    @property
+    def box(self) -> Box:
+        return self.plan.region
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        return self.plan.candidates
 
     @property
     def nbytes(self) -> int:
@@ -264,10 +122,10 @@ class ClusterDispatcher(Dispatcher):
         self._addresses = {h.id: h.address for h in self.topology.hosts}
         self._spec_stamp = self._stamp()
         self._spec_lock = threading.Lock()
-        self._hosts = {h: _Host(self, h) for h in self.topology.host_ids}
-        self._backup_lanes = {h: _Host(self, h, "backup") for h in self.topology.host_ids}
-        self._peer_lanes = {h: _Host(self, h, "peer") for h in self.topology.host_ids}
-        self._peer_addresses: dict[str, str] = {}  # host -> peer service address, from fingerprints
+        self._hosts = {h: HostConnection(self, h) for h in self.topology.host_ids}
+        self._backup_lanes = {h: HostConnection(self, h, "backup") for h in self.topology.host_ids}
+        self._peer_lanes = {h: HostConnection(self, h, "peer") for h in self.topology.host_ids}
+        self.peer_addresses: dict[str, str] = {}  # host -> peer service address, from fingerprints
         self._aborts: dict[str, set[int]] = {}
         self._aborts_lock = threading.Lock()
         workers = max(1, min(64, len(self._hosts)))
@@ -277,9 +135,6 @@ class ClusterDispatcher(Dispatcher):
         self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
         self._staging = HostStaging()
         self._backup_url = config.backup_root if config.base_output_directory else None
-        # blob -> hosts that pulled it at a restore (from the backup or a peer); values are replaced, never
-        # changed in place, so a load may read them while another thread records a pull.
-        self._fetched: dict[str, frozenset[str]] = {}
         self._closed = False
 
     # --- plumbing --------------------------------------------------------------------------
@@ -291,7 +146,7 @@ class ClusterDispatcher(Dispatcher):
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _address_of(self, host_id: str) -> str:
+    def address_of(self, host_id: str) -> str:
         """The host's current address; the spec is re-read when it changed on disk."""
         with self._spec_lock:
             stamp = self._stamp()
@@ -312,15 +167,15 @@ class ClusterDispatcher(Dispatcher):
                             self._addresses[h] = new[h]
             return self._addresses[host_id]
 
-    def _take_aborts(self, host_id: str) -> list[int]:
+    def take_aborts(self, host_id: str) -> list[int]:
         with self._aborts_lock:
             return sorted(self._aborts.pop(host_id, set()))
 
-    def _add_aborts(self, host_id: str, steps: Sequence[int]) -> None:
+    def add_aborts(self, host_id: str, steps: Sequence[int]) -> None:
         with self._aborts_lock:
             self._aborts.setdefault(host_id, set()).update(steps)
 
-    def _timeout_for(self, op: str) -> float:
+    def timeout_for(self, op: str) -> float:
         if op.startswith("backup_"):
             return self.backup_timeout_s
         if op.startswith("peer_"):
@@ -359,11 +214,11 @@ class ClusterDispatcher(Dispatcher):
         """Fingerprints of the reachable hosts (each connection checks its own host's too)."""
         results, failures = self._fan_out(lambda h: self._call(h, "fingerprint").result)
         for h, e in failures.items():
-            if isinstance(e, _RemoteFailure):
+            if isinstance(e, RemoteFailure):
                 e.reraise()
             if not isinstance(e, HostUnreachableError):
                 raise e
-            log.warning("version check: %s; it is checked when the host comes back", _cause(e))
+            log.warning("version check: %s; it is checked when the host comes back", cause(e))
         return results
 
     # --- save ------------------------------------------------------------------------------
@@ -458,7 +313,7 @@ class ClusterDispatcher(Dispatcher):
     def verify(self, step: int) -> dict[str, dict]:
         """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
         results, failures = self._fan_out(lambda h: self._call(h, "verify", {"step": step}).result)
-        return {**results, **{h: {"error": _cause(e)} for h, e in failures.items()}}
+        return {**results, **{h: {"error": cause(e)} for h, e in failures.items()}}
 
     def leases(self) -> dict[str, dict | None]:
         """The reachable hosts' leases (a host that is down is asked again when it is back)."""
@@ -476,23 +331,23 @@ class ClusterDispatcher(Dispatcher):
                 log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
                             h, e, generation)
                 continue
-            if isinstance(e, _RemoteFailure):
+            if isinstance(e, RemoteFailure):
                 e.reraise()
             raise e
 
     def _abort(self, step: int, failed: dict[str, BaseException]) -> None:
         """Forget ``step`` everywhere: now on the hosts that answered, later on the others."""
         for h in failed:
-            self._add_aborts(h, [step])
+            self.add_aborts(h, [step])
         others = [h for h in self._hosts if h not in failed]
         _, failures = self._fan_out(lambda h: self._call(h, "abort", {"step": step}), others)
         for h, e in failures.items():
-            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, _cause(e))
-            self._add_aborts(h, [step])
+            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, cause(e))
+            self.add_aborts(h, [step])
             self._hosts[h].close()  # so that the next call reconnects and aborts first
 
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
-        hosts = {h: _cause(e) for h, e in sorted(failures.items())}
+        hosts = {h: cause(e) for h, e in sorted(failures.items())}
         lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
         err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self._hosts)} hosts "
                         f"({lines}); step {step} is not committed and was aborted on the other hosts; "
@@ -501,7 +356,7 @@ class ClusterDispatcher(Dispatcher):
         # The cause that matters: a newer head took the hosts (fencing); else an unreachable host
         # (a lost slice, to elastic training).
         for e in failures.values():
-            if isinstance(e, _RemoteFailure) and e.type_name == "FencedError":
+            if isinstance(e, RemoteFailure) and e.type_name == "FencedError":
                 try:
                     e.reraise()
                 except MTCError as typed:
@@ -527,8 +382,8 @@ class ClusterDispatcher(Dispatcher):
 
         results, failures = self._fan_out(one, pool=self._peer_pool if lane == "peer" else None)
         for h, e in failures.items():
-            log.warning("inventory: %s; its steps cannot be confirmed", _cause(e))
-            results[h] = HostInventory.unreachable(h, _cause(e))
+            log.warning("inventory: %s; its steps cannot be confirmed", cause(e))
+            results[h] = HostInventory.unreachable(h, cause(e))
         return {h: results[h] for h in self._hosts}
 
     def manifest(self, step: int) -> fmt.StepManifest:
@@ -536,8 +391,8 @@ class ClusterDispatcher(Dispatcher):
         for h in self._hosts:
             try:
                 reply = self._call(h, "manifest", {"step": step})
-            except (_RemoteFailure, HostUnreachableError) as e:
-                causes.append(f"{h}: {_cause(e)}")
+            except (RemoteFailure, HostUnreachableError) as e:
+                causes.append(f"{h}: {cause(e)}")
                 continue
             if len(reply.payloads) != 1:
                 causes.append(f"{h}: no manifest payload")
@@ -546,29 +401,6 @@ class ClusterDispatcher(Dispatcher):
         raise StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
 
     # --- restore ---------------------------------------------------------------------------
-
-    def _holders(self, shard: fmt.ShardRecord, known: Mapping[str, set[str]] | None = None) -> list[str]:
-        """Hosts that hold a saved shard now, the host of its devices first (all hosts if unknown).
-
-        ``known`` (blob -> hosts, from the inventories) overrides the device mapping: after an
-        elastic resize device ``d`` may sit on another host than the one that wrote its shard.
-        """
-        have = known.get(shard.blob) if known is not None else None
-        hosts = []
-        for d in shard.devices:
-            try:
-                h = self.topology.host_of(d)
-            except ConfigError:
-                continue
-            if h not in hosts and (have is None or h in have):
-                hosts.append(h)
-        for h in sorted(have or ()):
-            if h not in hosts:
-                hosts.append(h)
-        for h in sorted(self._fetched.get(shard.blob, ())):
-            if h not in hosts:
-                hosts.append(h)
-        return hosts or list(self._hosts)
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
         reads: list[_Read] = []
@@ -591,7 +423,8 @@ class ClusterDispatcher(Dispatcher):
                 buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
-                    reads.extend(self._plan_box(rec, box, buf, owners, holders))
+                    for plan in box_reads(rec, box, owners, self.topology.host_ids, holders, self._host_or_none):
+                        reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()]))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
         self._run_reads(step, reads)
         out: list[Any] = []
@@ -608,26 +441,11 @@ class ClusterDispatcher(Dispatcher):
     def _owner(self, device: Any) -> str:
         return self.topology.host_of(int(device.id))
 
-    def _plan_box(self, rec: fmt.ArrayRecord, box: Box, buf: np.ndarray, owners: list[str],
-                  known: Mapping[str, set[str]] | None = None) -> list[_Read]:
-        needed = {}
-        for s in rec.shards:
-            if s.box not in needed and fmt.box_intersect(s.box, box) is not None:
-                needed[s.box] = s
-        holders = {b: set(self._holders(s, known)) for b, s in needed.items()}
-        order = list(dict.fromkeys(owners + list(self._hosts)))
-        whole = [h for h in order if all(h in hs for hs in holders.values())]
-        if whole:
-            # One host holds every saved shard the box overlaps: it assembles the box.
-            return [_Read(rec.key, box, buf, whole)]
-        # Resharded restore where no single host holds it all: fetch each overlap from a holder.
-        out = []
-        for b, s in needed.items():
-            inter = fmt.box_intersect(b, box)
-            dest = buf[tuple(slice(a - t0, z - t0) for (a, z), (t0, _) in zip(inter, box))]
-            cands = [h for h in order if h in holders[b]]
-            out.append(_Read(rec.key, inter, dest, cands))
-        return out
+    def _host_or_none(self, device_id: int) -> str | None:
+        try:
+            return self.topology.host_of(device_id)
+        except ConfigError:  # a device of the saving mesh that this one does not have
+            return None
 
     def _run_reads(self, step: int, reads: list[_Read]) -> None:
         """Run every read, batched per host and in parallel; a failed read moves on to its next
@@ -642,12 +460,12 @@ class ClusterDispatcher(Dispatcher):
             for h, batch in by_host.items():
                 if h in failures:
                     e = failures[h]
-                    kind = e.type_name if isinstance(e, _RemoteFailure) else type(e).__name__
-                    bad = [(r, kind, _cause(e)) for r in batch]
+                    kind = e.type_name if isinstance(e, RemoteFailure) else type(e).__name__
+                    bad = [(r, kind, cause(e)) for r in batch]
                 else:
                     bad = results[h]
-                for r, kind, cause in bad:
-                    r.tried.append((h, kind, cause))
+                for r, kind, why in bad:
+                    r.tried.append((h, kind, why))
                     if len(r.tried) >= len(r.candidates):
                         self._raise_read_error(step, r)
                     pending.append(r)
@@ -660,7 +478,7 @@ class ClusterDispatcher(Dispatcher):
         def alloc(header: dict, sizes: list[int]) -> list[Any]:
             if "error" in header:
                 return [protocol.aligned_buffer(n) for n in sizes]
-            errors = {e[0] for e in _read_errors(header.get("result"))}
+            errors = {e[0] for e in read_errors(header.get("result"))}
             if len(sizes) != len(batch):
                 raise ProtocolError(f"host {h}: read answered {len(sizes)} payloads for {len(batch)} boxes")
             out = []
@@ -677,7 +495,7 @@ class ClusterDispatcher(Dispatcher):
 
         reads = [[r.key, [list(p) for p in r.box]] for r in batch]
         reply = self._call(h, "read", {"step": step, "reads": reads}, alloc=alloc)
-        failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in _read_errors(reply.result)}
+        failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
         for i, buf in tmp.items():
             if i not in failed and buf.nbytes:
                 batch[i].dest[...] = buf.view(batch[i].dest.dtype).reshape(batch[i].dest.shape)
@@ -703,11 +521,11 @@ class ClusterDispatcher(Dispatcher):
     def _raise_failures(self, what: str, failures: dict[str, BaseException]) -> None:
         if len(failures) == 1:
             (h, e), = failures.items()
-            if isinstance(e, _RemoteFailure):
+            if isinstance(e, RemoteFailure):
                 e.reraise()
             raise e
         raise MTCError(f"{what} failed on {len(failures)} hosts: "
-                       + "; ".join(f"{h}: {_cause(e)}" for h, e in sorted(failures.items())))
+                       + "; ".join(f"{h}: {cause(e)}" for h, e in sorted(failures.items())))
 
     def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""
@@ -717,7 +535,7 @@ class ClusterDispatcher(Dispatcher):
                 return h, self._call(h, op, args)
             except HostUnreachableError as e:
                 failures[h] = e
-            except _RemoteFailure as e:
+            except RemoteFailure as e:
                 e.reraise()
         self._raise_failures(op, failures)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -734,7 +552,7 @@ class ClusterDispatcher(Dispatcher):
         try:
             return self._call(host, "backup_finalize", self._backup_args(name=name, max_to_keep=max_to_keep),
                               [manifest.to_json()]).result
-        except _RemoteFailure as e:
+        except RemoteFailure as e:
             e.reraise()
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
@@ -752,10 +570,6 @@ class ClusterDispatcher(Dispatcher):
             pool=self._backup_pool)
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
-        # The next load reads those blobs where they were fetched to (peer pulls add theirs too).
-        for h, blobs in needs.items():
-            for b in blobs:
-                self._fetched[b] = self._fetched.get(b, frozenset()) | {h}
         return results
 
     # --- peer tier (the sidecars move the bytes; the head plans and hands out addresses) ----
@@ -770,7 +584,7 @@ class ClusterDispatcher(Dispatcher):
         host -> what it pulled (an ``error`` when the host could not be asked or failed as a whole). With ``manifest``, a host that
         lacks the step commits it once all its pulls succeeded (restore onto a wiped host).
         """
-        peers = dict(self._peer_addresses)
+        peers = dict(self.peer_addresses)
         data = [manifest.to_json()] if manifest is not None else []
 
         def one(h: str) -> PullResult:
@@ -778,15 +592,9 @@ class ClusterDispatcher(Dispatcher):
             return PullResult.from_wire(h, self._call(h, "peer_pull", args, data).result)
 
         results, failures = self._fan_out(one, list(pulls), pool=self._peer_pool)
-        if manifest is not None:  # a restore: its load reads the blobs where they were pulled to
-            for h, res in results.items():
-                failed = res.failed_blobs
-                for b, _, _ in pulls[h]:
-                    if b not in failed:
-                        self._fetched[b] = self._fetched.get(b, frozenset()) | {h}
         for h, e in failures.items():
-            log.warning("peer pull of step %d on %s failed: %s", step, h, _cause(e))
-            results[h] = PullResult.unreachable(h, _cause(e))
+            log.warning("peer pull of step %d on %s failed: %s", step, h, cause(e))
+            results[h] = PullResult.unreachable(h, cause(e))
         return results
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ plain values, and unit-tested without processes (a lost slice, a resized mesh, a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -48,6 +48,74 @@ class RestorePlan:
     def nbytes(self, sizes: Mapping[str, int]) -> tuple[int, int]:
         """(bytes, blobs) the hosts need in all (a blob two hosts need counts twice)."""
         return (sum(sizes[b] for bs in self.needs.values() for b in bs), sum(len(bs) for bs in self.needs.values()))
+
+    def after_fetch(self, fetched: Mapping[str, Sequence[str]]) -> "RestorePlan":
+        """This plan once the hosts of ``fetched`` (host -> blobs) hold those blobs too: what the
+        load reads from after pulls from peers or a fetch from the backup."""
+        holders = {b: set(hs) for b, hs in (self.holders or {}).items()}
+        for h, blobs in fetched.items():
+            for b in blobs:
+                holders.setdefault(b, set()).add(h)
+        return dataclasses.replace(self, holders={b: frozenset(hs) for b, hs in holders.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxRead:
+    """One read of a restore: ``region`` of array ``key`` from the first of ``candidates`` that
+    answers, into the target box ``box`` at ``region``'s place in it."""
+
+    key: str
+    box: fmt.Box  # the target box being assembled
+    region: fmt.Box  # what is read: the whole box, or the part of it one saved shard covers
+    candidates: tuple[str, ...]
+
+    @property
+    def whole(self) -> bool:
+        return self.region == self.box
+
+    def offsets(self) -> tuple[slice, ...]:
+        """Where ``region`` lies inside ``box`` (index the box's buffer with it)."""
+        return tuple(slice(a - t0, z - t0) for (a, z), (t0, _) in zip(self.region, self.box))
+
+
+def shard_holders(shard: fmt.ShardRecord, holders: Mapping[str, Iterable[str]] | None,
+                  host_of_device: Callable[[int], str | None], hosts: Sequence[str]) -> list[str]:
+    """Hosts that hold a saved shard now, the host of its devices first (all hosts if unknown).
+
+    ``holders`` (blob -> hosts: the inventories, plus what a restore pulled or fetched)
+    overrides the device mapping: after an elastic resize device ``d`` may sit on another host
+    than the one that wrote its shard. ``host_of_device`` answers None for a device that is gone.
+    """
+    have = holders.get(shard.blob) if holders is not None else None
+    have = set(have) if have is not None else None
+    out = []
+    for d in shard.devices:
+        h = host_of_device(d)
+        if h is not None and h not in out and (have is None or h in have):
+            out.append(h)
+    for h in sorted(have or ()):
+        if h not in out:
+            out.append(h)
+    return out or list(hosts)
+
+
+def box_reads(rec: fmt.ArrayRecord, box: fmt.Box, owners: Sequence[str], hosts: Sequence[str],
+              holders: Mapping[str, Iterable[str]] | None,
+              host_of_device: Callable[[int], str | None]) -> list[BoxRead]:
+    """The reads that fill target ``box`` of ``rec``: one, from a host that holds every saved
+    shard the box overlaps (its ``owners`` first), or one per overlapping shard from a holder
+    of it (a resharded restore where no single host holds it all)."""
+    needed: dict[fmt.Box, fmt.ShardRecord] = {}
+    for s in rec.shards:
+        if s.box not in needed and fmt.box_intersect(s.box, box) is not None:
+            needed[s.box] = s
+    held = {b: set(shard_holders(s, holders, host_of_device, hosts)) for b, s in needed.items()}
+    order = list(dict.fromkeys([*owners, *hosts]))
+    whole = tuple(h for h in order if all(h in hs for hs in held.values()))
+    if whole:
+        return [BoxRead(rec.key, box, box, whole)]
+    return [BoxRead(rec.key, box, fmt.box_intersect(b, box), tuple(h for h in order if h in held[b]))
+            for b in needed]
 
 
 def make_plan(step: int, manifest: fmt.StepManifest, requests: list[LoadRequest], hosts: Sequence[str],

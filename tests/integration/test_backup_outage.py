@@ -45,8 +45,7 @@ def test_emulator_outage_during_backup(ramdisk, emulator_factory, monkeypatch):
         m.save(3, state(3))
         m.wait_until_finished()
         assert m._cluster_steps()[-2:] == [2, 3]
-        running = m._backup_pending
-        assert running is not None and not running.done()
+        assert m.is_backing_up()
 
         server.start()  # same port, same objects
         report = m.wait_for_backup()
@@ -78,11 +77,11 @@ def test_a_restart_during_a_bucket_outage_comes_back_from_the_ramdisks(ramdisk, 
     (it does not exist) is still an error, not silence."""
     import time
 
-    import mtc.head.manager as manager_mod
+    import mtc.head.restorer as restorer_mod
     from mtc.shared.objstore import FatalStoreError
     from mtc.sidecar.local_cluster import LocalCluster
 
-    monkeypatch.setattr(manager_mod, "_LISTING_DEADLINE_S", 2.0)
+    monkeypatch.setattr(restorer_mod, "LISTING_DEADLINE_S", 2.0)
     server = emulator_factory("fake-gcs-server", persistent=True)
     bucket = f"mtc-{uuid.uuid4().hex[:12]}"
     server.client().create_bucket(bucket)

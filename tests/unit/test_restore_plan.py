@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mtc.head.restore_plan import make_plan, plan_target
+from mtc.head.restore_plan import box_reads, make_plan, plan_target, shard_holders
 from mtc.shared import format as fmt
 from mtc.shared import shardings
 from mtc.shared.hashing import blob_name
@@ -79,3 +79,51 @@ def test_a_bad_copy_leaves_its_host_lacking_and_an_only_copy_unavailable():
     holders[BLOCKS[3]] = set()  # no good copy anywhere: only a backup can give it
     plan = make_plan(7, m, requests, list(live), _host_of(live), holders)
     assert plan.unavailable == [BLOCKS[3]]
+
+
+# --- the per-box reads the cluster dispatcher runs ----------------------------------------------
+
+
+def _w():
+    return _manifest().arrays[0]
+
+
+def test_a_box_saved_as_is_is_one_read_from_its_owner_first():
+    rec = _w()
+    box = ((0, 16), (2, 4))  # block 1, held by s0-h0 and s1-h0
+    host_of = _host_of(OLD_HOSTS)
+    (read,) = box_reads(rec, box, ["s1-h0"], list(OLD_HOSTS), _old_holders(), host_of)
+    assert read.whole and read.region == box and read.key == "['w']"
+    assert read.candidates == ("s1-h0", "s0-h0")  # the owner first, then the other holder; nobody else
+
+
+def test_a_resharded_box_no_host_holds_whole_is_one_read_per_saved_shard():
+    rec = _w()
+    box = ((0, 16), (2, 6))  # blocks 1 and 2: s0-h0/s1-h0 hold block 1, s0-h1/s1-h1 block 2
+    reads = box_reads(rec, box, ["s0-h0"], list(OLD_HOSTS), _old_holders(), _host_of(OLD_HOSTS))
+    assert [(r.region, r.candidates) for r in reads] == [
+        (((0, 16), (2, 4)), ("s0-h0", "s1-h0")), (((0, 16), (4, 6)), ("s0-h1", "s1-h1"))]
+    assert [r.offsets() for r in reads] == [(slice(0, 16), slice(0, 2)), (slice(0, 16), slice(2, 4))]
+    assert not any(r.whole for r in reads)
+
+
+def test_reads_follow_the_holders_after_a_pull_not_the_devices_that_wrote_the_shard():
+    m = _manifest()
+    rec = m.arrays[0]
+    box = ((0, 16), (0, 2))  # block 0, written by devices 0 and 4 (s0-h0, s1-h0)
+    live = {"s0-h0": (0, 1), "s0-h1": (2, 3)}  # slice 1 is gone; s0-h0 was replaced and lost its ramdisk
+    holders = {BLOCKS[0]: set(), BLOCKS[1]: set(), BLOCKS[2]: {"s0-h1"}, BLOCKS[3]: {"s0-h1"}}
+    requests, _ = plan_target(m, _target(4, 1))
+    plan = make_plan(7, m, requests, list(live), _host_of(live), holders)
+    assert plan.unavailable == sorted(BLOCKS[:2])  # only a backup has them
+    after = plan.after_fetch({"s0-h0": BLOCKS[:2]})  # ... which s0-h0 fetched
+    assert after.holders[BLOCKS[0]] == {"s0-h0"} and after.lacking == {} and after.unavailable == []
+    assert plan.holders[BLOCKS[0]] == frozenset()  # a new value; the old one is unchanged
+    gone = lambda d: {0: "s0-h0", 1: "s0-h0", 2: "s0-h1", 3: "s0-h1"}.get(d)  # noqa: E731
+    (read,) = box_reads(rec, box, ["s0-h0"], list(live), after.holders, gone)
+    assert read.candidates == ("s0-h0",)
+    # A holder that is not a device's host (a peer copy) is still a candidate; unknown blobs: everyone.
+    (read,) = box_reads(rec, box, ["s0-h0"], list(live), {BLOCKS[0]: {"s0-h1"}}, gone)
+    assert read.candidates == ("s0-h1",)
+    assert shard_holders(rec.shards[0], None, gone, list(live)) == ["s0-h0"]
+    assert shard_holders(rec.shards[0], {}, lambda d: None, list(live)) == list(live)

@@ -1,0 +1,87 @@
+"""The backup tier's scheduling on the head: one backup at a time, in the background.
+
+``BackupRunner.maybe_start`` starts the backup of a committed step when ``backup_due`` says
+so, unless the previous one still runs (then it is skipped, and counted in the next report).
+A backup's uploads are assigned by ``assign_uploads`` and run by the sidecars; the manifest
+goes last, through one host. A failed backup never fails training: its report carries the
+error and the next due backup retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from mtc.head.backup_plan import assign_uploads, backup_due
+from mtc.head.dispatch import Dispatcher
+from mtc.head.reports import BackupReport
+from mtc.shared import backup_layout
+from mtc.shared import format as fmt
+from mtc.shared.config import MTCConfig
+
+log = logging.getLogger(__name__)
+
+
+class BackupRunner:
+    def __init__(self, dispatch: Dispatcher, config: MTCConfig):
+        self._dispatch = dispatch
+        self._config = config
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-backup")
+        self._pending: Future | None = None
+        self._skipped = 0
+        self._last: tuple[int, float] | None = None  # (step, monotonic time) of the last started
+        self.last_report: BackupReport | None = None
+
+    def maybe_start(self, manifest: fmt.StepManifest) -> None:
+        """Start the backup of committed ``manifest`` in the background if it is due."""
+        step = manifest.step
+        if not backup_due(self._config, step, self._last, time.monotonic()):
+            return
+        running = self._pending
+        if running is not None and not running.done():
+            self._skipped += 1
+            log.warning("backup of step %d skipped: the previous backup is still running", step)
+            return
+        self._last = (step, time.monotonic())
+        skipped, self._skipped = self._skipped, 0
+        self._pending = self._executor.submit(self._run, manifest, skipped)
+
+    def _run(self, manifest: fmt.StepManifest, skipped: int) -> BackupReport:
+        t0 = time.perf_counter()
+        step = manifest.step
+        try:
+            hosts = self._dispatch.hosts()
+            up = self._dispatch.backup_upload(assign_uploads(manifest, hosts, self._dispatch.host_of_device))
+            name = backup_layout.backup_name(step)
+            host = sorted(up)[0] if up else hosts[0]
+            self._dispatch.backup_finalize(host, name, manifest, self._config.backup_max_to_keep)
+            report = BackupReport(
+                step=step, name=name,
+                uploaded_bytes=sum(u.get("uploaded_bytes", 0) for u in up.values()),
+                uploaded_blobs=sum(u.get("uploaded", 0) for u in up.values()),
+                skipped_blobs=sum(u.get("skipped", 0) for u in up.values()),
+                bytes_by_host={h: u.get("uploaded_bytes", 0) for h, u in up.items()},
+                skipped_because_running=skipped, seconds=time.perf_counter() - t0)
+            log.info("- backup %s; duration=%.3fs; uploaded=%d bytes", name, report.seconds, report.uploaded_bytes)
+        except Exception as e:  # training must never fail because the bucket did
+            report = BackupReport(step=step, skipped_because_running=skipped, error=f"{type(e).__name__}: {e}",
+                                  seconds=time.perf_counter() - t0)
+            log.error("backup of step %d failed (the next due backup retries): %s", step, e)
+        self.last_report = report
+        return report
+
+    @property
+    def running(self) -> bool:
+        pending = self._pending
+        return pending is not None and not pending.done()
+
+    def wait(self) -> BackupReport | None:
+        """Block until the running backup (if any) is done; returns its report."""
+        pending = self._pending
+        if pending is not None:
+            pending.result()
+        return self.last_report
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

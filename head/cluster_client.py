@@ -1,0 +1,190 @@
+"""The cluster mode's socket client: one connection per (host, lane) to a sidecar daemon.
+
+A ``HostConnection`` connects lazily, checks on every new connection that the daemon is the
+host it should be and runs the same versions as the head, sends the aborts its owner has
+queued for that host before anything else, stamps every request with the head's generation
+(fencing), and turns transport failures into ``HostUnreachableError`` and a daemon's error
+answers into ``RemoteFailure``. ``ClusterDispatcher`` (``mtc.head.cluster``) owns them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any, Protocol, Sequence
+
+from mtc.head.dispatch import raise_remote
+from mtc.shared import protocol, version
+from mtc.shared.errors import HostUnreachableError, MTCError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class Owner(Protocol):
+    """What a connection needs from the dispatcher that owns it."""
+
+    generation: int | None
+    spec_path: str
+    head_fingerprint: dict
+    connect_timeout_s: float
+    control_timeout_s: float
+    peer_addresses: dict[str, str]
+
+    def timeout_for(self, op: str) -> float: ...
+    def address_of(self, host_id: str) -> str: ...
+    def take_aborts(self, host_id: str) -> list[int]: ...
+    def add_aborts(self, host_id: str, steps: Sequence[int]) -> None: ...
+
+
+class RemoteFailure(MTCError):
+    """An error a sidecar answered with (the host is reachable; the request failed there)."""
+
+    def __init__(self, host: str, type_name: str, message: str):
+        super().__init__(f"{type_name}: {message}")
+        self.host, self.type_name, self.message = host, type_name, message
+
+    def reraise(self) -> None:
+        raise_remote(self.host, self.type_name, self.message)
+
+
+def cause(e: BaseException) -> str:
+    """One line that says why a host failed, for error messages and SaveError.hosts."""
+    if isinstance(e, RemoteFailure):
+        return str(e)
+    if isinstance(e, HostUnreachableError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+class HostConnection:
+    """One connection to one daemon. Requests on it are serialised by a lock.
+
+    Each host has three: the ``control`` lane (saves, inventories, restores), the ``backup``
+    lane, so that an upload stuck on a dead bucket never holds up the next save, and the
+    ``peer`` lane (replication, restore pulls), for the same reason. The daemon serves each
+    connection on its own thread.
+    """
+
+    def __init__(self, owner: Owner, host_id: str, lane: str = "control"):
+        self.owner = owner
+        self.id = host_id
+        self.lane = lane
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.address: str | None = None
+        self._next_id = 0
+
+    def call(self, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
+             alloc: protocol.Alloc | None = None) -> protocol.Reply:
+        """Run ``op``; HostUnreachableError if the daemon cannot be reached, RemoteFailure if it
+        answers with an error. A stale connection (daemon restarted since) is retried once."""
+        with self.lock:
+            for attempt in (0, 1):
+                fresh = self.sock is None
+                if fresh:
+                    self._connect()
+                timeout = self.owner.timeout_for(op)
+                try:
+                    self.sock.settimeout(timeout)
+                    reply = self._roundtrip(op, args or {}, payloads, alloc)
+                except (OSError, ProtocolError) as e:
+                    self._drop()
+                    if fresh or attempt or isinstance(e, TimeoutError):
+                        raise HostUnreachableError(
+                            f"host {self.id} at {self.address}: {transport_cause(e, timeout)}") from e
+                    continue
+                if reply.error is not None:
+                    raise RemoteFailure(self.id, reply.error.type, reply.error.message)
+                return reply
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc) -> protocol.Reply:
+        self._next_id += 1
+        rid = self._next_id
+        if self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
+            args = {**args, "gen": self.owner.generation}
+        protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
+        reply = protocol.recv_reply(self.sock, alloc=alloc)
+        if reply.id is None and reply.error is not None:  # the daemon could not read our frame
+            raise ProtocolError(f"host {self.id} refused a {op} request: {reply.error.message}")
+        if reply.id != rid:
+            raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
+        return reply
+
+    def _connect(self) -> None:
+        address = self.owner.address_of(self.id)
+        self.address = address
+        try:
+            sock = socket.create_connection(protocol.parse_address(address), timeout=self.owner.connect_timeout_s)
+        except OSError as e:
+            raise HostUnreachableError(f"host {self.id} at {address}: {transport_cause(e, self.owner.connect_timeout_s)}"
+                                       ) from e
+        sock.settimeout(self.owner.control_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        try:
+            reply = self._roundtrip("fingerprint", {}, (), None)
+            if reply.error is not None:
+                raise RemoteFailure(self.id, reply.error.type, reply.error.message)
+            fp = reply.result if isinstance(reply.result, dict) else {}
+            if fp.get("host") != self.id:
+                raise HostUnreachableError(
+                    f"host {self.id}: the daemon at {address} answers as host {fp.get('host')!r}; the cluster "
+                    f"spec {self.owner.spec_path} is stale or wrong")
+            version.check_fingerprints(self.owner.head_fingerprint, {self.id: fp})
+            if isinstance(fp.get("peer"), str):  # the address book the head hands to the peer tier
+                self.owner.peer_addresses[self.id] = fp["peer"]
+            # A save that failed while this host was away may have left its step here.
+            for step in self.owner.take_aborts(self.id):
+                try:
+                    r = self._roundtrip("abort", {"step": step}, (), None)
+                except BaseException:
+                    self.owner.add_aborts(self.id, [step])
+                    raise
+                if r.error is not None:
+                    self.owner.add_aborts(self.id, [step])
+                    raise RemoteFailure(self.id, r.error.type, r.error.message)
+                log.info("host %s: aborted step %d left by a failed save", self.id, step)
+        except (OSError, ProtocolError) as e:
+            self._drop()
+            raise HostUnreachableError(f"host {self.id} at {address}: "
+                                       f"{transport_cause(e, self.owner.control_timeout_s)}") from e
+        except BaseException:
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._drop()
+
+
+def read_errors(result: Any) -> list[tuple[int, str, str]]:
+    """The per-box errors of a read answer: (index, error type, message)."""
+    rows = (result or {}).get("errors", []) if isinstance(result, dict) else []
+    out = []
+    for e in rows:
+        if not (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str)
+                and isinstance(e[2], str)):
+            raise ProtocolError(f"malformed read error entry {e!r:.100}")
+        out.append((e[0], e[1], e[2]))
+    return out
+
+
+def transport_cause(e: BaseException, timeout: float) -> str:
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused (daemon not running?)"
+    if isinstance(e, TimeoutError):
+        return f"no answer within {timeout:.0f}s (daemon hung or overloaded?)"
+    if isinstance(e, (ConnectionResetError, BrokenPipeError)):
+        return "connection lost (daemon killed or restarted?)"
+    if isinstance(e, ProtocolError):
+        return f"connection lost or garbled ({e})"
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,284 @@
+"""Restore orchestration (DESIGN section 13): choose the step, plan, bring what hosts lack, load.
+
+``Restorer`` is what ``CheckpointManager.restore`` and the start-up pull run. Each restore
+takes one look at the hosts (an ``Inventory`` value) and the backup listing, chooses the
+newest step whose every blob has a copy somewhere (or the one asked for, or the one
+``restore.version`` pins), plans per host what it needs (``RestorePlan``), has the hosts that
+lack blobs pull them from peers (the rest from a backup of that step), and loads from where
+the blobs are after that (``RestorePlan.after_fetch``). It keeps no per-call state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from mtc.head.dispatch import Dispatcher, LoadRequest
+from mtc.head.replication import ReplicationStrategy, step_views
+from mtc.head.reports import Inventory, PrefetchReport, RestoreReport
+from mtc.head.restore_plan import RestorePlan, make_plan, plan_target
+from mtc.shared import backup_layout
+from mtc.shared import format as fmt
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import CorruptBlobError, HostUnreachableError, StepNotFoundError
+from mtc.shared.objstore.store import TransientStoreError
+
+log = logging.getLogger(__name__)
+
+# How long listing the backups may retry an unreachable store (latest_step, restore wait on it).
+LISTING_DEADLINE_S = 30.0
+
+
+class _Pulled:
+    """Bytes and blobs a restore brought from the peer and backup tiers, and copies it skipped."""
+
+    def __init__(self) -> None:
+        self.bytes = {"peer": 0, "backup": 0}
+        self.blobs = {"peer": 0, "backup": 0}
+        self.skipped: list[str] = []
+        self.fetched: dict[str, list[str]] = {}  # host -> blobs it now holds that it lacked
+
+    def add(self, tier: str, nbytes: int, nblobs: int) -> None:
+        self.bytes[tier] += nbytes
+        self.blobs[tier] += nblobs
+
+    def got(self, host: str, blobs: list[str]) -> None:
+        self.fetched.setdefault(host, []).extend(blobs)
+
+    def add_backup(self, fetched: dict[str, dict]) -> None:
+        self.add("backup", sum(f.get("downloaded_bytes", 0) for f in fetched.values()),
+                 sum(f.get("downloaded", 0) for f in fetched.values()))
+
+
+class Restorer:
+    """Restores through ``dispatch``; ``replicate`` re-makes peer copies after a host was refilled."""
+
+    def __init__(self, dispatch: Dispatcher, config: MTCConfig, strategy: ReplicationStrategy,
+                 replicate: Callable[[fmt.StepManifest], None]):
+        self._dispatch = dispatch
+        self._config = config
+        self._strategy = strategy
+        self._replicate = replicate
+
+    # --- what there is ---------------------------------------------------------------------
+
+    def inventory(self, listing: dict | None = None) -> Inventory:
+        """Ask every host what it holds. A step is restorable while every blob has a copy on
+        some host: the one that saved it, a data-parallel twin or a peer copy, so a host that
+        lost its ramdisk does not make a step unrestorable."""
+        inv = self._dispatch.inventories()
+        return Inventory(views=step_views(inv), unreachable={h: i.error for h, i in inv.items() if i.error},
+                         backup_unreachable=(listing or {}).get("unreachable"))
+
+    def backup_listing(self) -> dict:
+        """The backups and ``restore.version``; empty, with a warning, while the store is unreachable.
+
+        Asked with a short retry deadline: a job that restarts during a bucket outage must come
+        back from its ramdisks and peers, not wait out (or die of) the store's upload deadline.
+        A bucket that answers with a refusal (missing, no permission) is still an error.
+        """
+        if not self._config.base_output_directory:
+            return {"backups": [], "restore_version": None}
+        try:
+            return self._dispatch.backup_listing(deadline_s=LISTING_DEADLINE_S)
+        except (TransientStoreError, HostUnreachableError) as e:
+            log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on the "
+                        "hosts (restore.version, if any, is not read)", self._config.backup_root,
+                        LISTING_DEADLINE_S, e)
+            return {"backups": [], "restore_version": None, "unreachable": str(e)}
+
+    def all_steps(self) -> list[int]:
+        listing = self.backup_listing()
+        if listing["restore_version"]:
+            return [self.pinned_backup(listing)[1]]
+        return sorted(set(self.inventory().restorable) | {b["step"] for b in listing["backups"]})
+
+    def pinned_backup(self, listing: dict) -> tuple[str, int]:
+        rv = listing["restore_version"]
+        step = backup_layout.parse_backup_name(rv)
+        names = [b["name"] for b in listing["backups"]]
+        if rv not in names:
+            raise StepNotFoundError(
+                f"restore.version in {self._config.backup_root} names backup {rv!r}, which does not exist "
+                f"(backups: {names[:5]}); fix it with `mtc restore-version set NAME` or remove it with "
+                "`mtc restore-version clear`; nothing was restored")
+        return rv, step
+
+    def choose_step(self, step: int | None, listing: dict) -> tuple[int, str | None, str | None, Inventory]:
+        """(step, backup to restore it from or None for the hosts, a backup of it as fallback,
+        the inventory the choice was made on)."""
+        if listing["restore_version"]:
+            backup_name, pinned = self.pinned_backup(listing)
+            if step is not None and step != pinned:
+                raise StepNotFoundError(f"restore.version pins backup {backup_name} (step {pinned}); "
+                                        f"step {step} was asked for; clear restore.version to restore it")
+            return pinned, backup_name, None, Inventory(views={}, unreachable={})  # the hosts are not asked
+        inv = self.inventory(listing)
+        cluster = inv.restorable
+        in_backup: dict[int, str] = {}
+        for b in listing["backups"]:  # newest first: keep the newest backup of each step
+            in_backup.setdefault(b["step"], b["name"])
+        steps = sorted(set(cluster) | set(in_backup))
+        # While a host cannot be asked, "not found" may only mean "on the host that is gone".
+        lost = (HostUnreachableError("; ".join(f"{h}: {e}" for h, e in sorted(inv.unreachable.items())))
+                if inv.unreachable else None)
+        if step is None:
+            if not steps:
+                raise StepNotFoundError(
+                    f"no committed step in {self._config.ramdisk_root}"
+                    + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
+                    + "; nothing to restore (save a step first, or check local_checkpoint_directory)"
+                    + inv.note()) from lost
+            step = steps[-1]
+        elif step not in steps:
+            raise StepNotFoundError(f"step {step} is not committed on every host, and not every blob of it has a "
+                                    f"copy on some host or in a backup; committed steps: {steps}"
+                                    + inv.note()) from lost
+        return step, (None if step in cluster else in_backup[step]), in_backup.get(step), inv
+
+    # --- restore ---------------------------------------------------------------------------
+
+    def restore(self, step: int | None, target: Any, partial: Any,
+                prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
+        t0 = time.perf_counter()
+        step, backup_name, fallback, inv = self.choose_step(step, self.backup_listing())
+        t1 = time.perf_counter()
+        manifest = self._manifest(step, backup_name)
+        requests, finish = plan_target(manifest, target, partial)
+        pulled = _Pulled()
+        plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
+        if plan is None:
+            needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
+            holders = None
+        else:
+            needed = plan.nbytes(manifest.blob_sizes())
+            holders = plan.after_fetch(pulled.fetched).holders
+        t_pull = time.perf_counter()
+        counted = prefetched is not None and prefetched.step == step
+        if counted:  # where those bytes really came from
+            for tier in ("peer", "backup"):
+                pulled.add(tier, prefetched.bytes_by_tier.get(tier, 0), prefetched.blobs_by_tier.get(tier, 0))
+        arrays = self._dispatch.load(step, requests, holders)
+        t2 = time.perf_counter()
+        result = finish(arrays)
+        (needed_bytes, needed_blobs), p = needed, pulled
+        by_tier = {"ram": max(0, needed_bytes - p.bytes["peer"] - p.bytes["backup"]), **p.bytes}
+        blobs = {"ram": max(0, needed_blobs - p.blobs["peer"] - p.blobs["backup"]), **p.blobs}
+        report = RestoreReport(
+            step=step, bytes_by_tier=by_tier, blobs_by_tier=blobs, source=backup_name or "cluster",
+            skipped_copies=tuple(p.skipped), inventory_s=t1 - t0, pull_s=t_pull - t1,
+            load_s=t2 - t_pull, total_s=time.perf_counter() - t0, prefetched=counted)
+        log.info("- restore step %d; duration=%.3fs; size=%d bytes", step, report.total_s,
+                 sum(r.record.nbytes for r in requests))
+        return result, report
+
+    def _manifest(self, step: int, backup_name: str | None) -> fmt.StepManifest:
+        return self._dispatch.manifest(step) if backup_name is None else self._dispatch.backup_manifest(backup_name)
+
+    def prefetch(self, closing: Callable[[], bool]) -> PrefetchReport | None:
+        """Bring the newest restorable step local, in the layout it was saved with.
+
+        The restore's first half, started when the manager is created: a replaced node refills
+        from its peers, a job whose ramdisks are all gone downloads from the backup, while the
+        training script builds and compiles its model. Raises what it could not do (the caller
+        logs it: ``restore`` does it, or explains).
+        """
+        t0 = time.perf_counter()
+        step, backup_name, fallback, inv = self.choose_step(None, self.backup_listing())
+        manifest = self._manifest(step, backup_name)
+        requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
+        if closing():  # closed before anything moved: a job that did not want it
+            return None
+        pulled = _Pulled()
+        self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
+        return PrefetchReport(step=step, source=backup_name or "cluster", bytes_by_tier=dict(pulled.bytes),
+                              blobs_by_tier=dict(pulled.blobs), seconds=time.perf_counter() - t0)
+
+    def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
+                       backup_name: str | None, fallback: str | None, pulled: _Pulled,
+                       inv: Inventory) -> RestorePlan | None:
+        """Every host pulls the blobs it lacks for its shards of ``requests``; returns the plan.
+
+        A replaced node lacks its own shards; after an elastic resize any host may lack saved
+        shards its target shards overlap. Planned per host, and counted per host: a blob two
+        hosts need is two transfers. None when the inventories did not see the step.
+        """
+        view = inv.views.get(step) if backup_name is None else None
+        if backup_name is None and view is None:
+            return None
+        holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
+        plan = make_plan(step, manifest, requests, self._dispatch.hosts(), self._dispatch.host_of_device, holders)
+        if backup_name is not None:
+            pulled.add_backup(self._dispatch.backup_fetch(backup_name, plan.needs))
+            for h, blobs in plan.needs.items():
+                pulled.got(h, blobs)
+        else:
+            self._pull_lacking(step, manifest, plan, fallback, pulled)
+            if pulled.blobs["peer"] or pulled.blobs["backup"]:
+                # A host was refilled: the copies it held for its peers are gone too; make them again.
+                self._replicate(manifest)
+        return plan
+
+    def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: RestorePlan, fallback: str | None,
+                      pulled: _Pulled) -> None:
+        """Hosts that lack blobs they need pull them from peers that hold them, verified.
+
+        The load spreads over the holders; a bad or unreachable copy is skipped for the next
+        holder. What no peer could give comes from the backup ``fallback`` (a backup of this
+        step) when there is one; otherwise CorruptBlobError names the array, the shard and the
+        tiers tried. A host that lacked the step altogether (a replaced node) commits it again
+        once it holds its blobs.
+        """
+        if plan.holders is None:
+            return  # the inventories did not see this step: the load reads from where it is
+        holders = {b: set(h) for b, h in plan.holders.items()}
+        lacking = plan.lacking
+        if not lacking:
+            return
+        failed: dict[tuple[str, str], list[str]] = {}
+        asked: dict[str, list[tuple[str, int, list[str]]]] = {}
+        for h, rows in self._strategy.pulls(lacking, holders, manifest.blob_sizes()).items():
+            for blob, nbytes, srcs in rows:
+                if srcs:
+                    asked.setdefault(h, []).append((blob, nbytes, srcs))
+                else:
+                    failed[(h, blob)] = ["no other host holds it"]
+        if asked:
+            log.info("restore of step %d: %d hosts pull %d blobs from peers", step, len(asked),
+                     sum(len(r) for r in asked.values()))
+            for h, res in self._dispatch.peer_pull(step, asked, manifest).items():
+                if res.error:
+                    for blob, _, _ in asked[h]:
+                        failed[(h, blob)] = [f"{h} could not pull: {res.error}"]
+                    continue
+                pulled.add("peer", res.pulled_bytes, res.pulled)
+                pulled.skipped.extend(f"{h} <- {src}: blob {blob}: {cause}" for blob, src, cause in res.bad_copies)
+                for blob, causes in res.failed:
+                    failed[(h, blob)] = [f"{src}: {cause}" for src, cause in causes]
+                pulled.got(h, [b for b, _, _ in asked[h] if b not in res.failed_blobs])
+        if not failed:
+            return
+        if fallback is None:
+            raise self._no_good_copy(step, manifest, failed)
+        log.warning("restore of step %d: %d blobs have no good copy on any peer; fetching them from backup %s",
+                    step, len(failed), fallback)
+        fetch: dict[str, list[str]] = {}
+        for h, blob in failed:
+            fetch.setdefault(h, []).append(blob)
+        pulled.add_backup(self._dispatch.backup_fetch(fallback, fetch))
+        for h, blobs in fetch.items():
+            pulled.got(h, blobs)
+
+    def _no_good_copy(self, step: int, manifest: fmt.StepManifest,
+                      failed: dict[tuple[str, str], list[str]]) -> CorruptBlobError:
+        where = {sh.blob: (rec.key, sh.box) for rec in manifest.arrays for sh in rec.shards}
+        (host, blob), causes = min(failed.items(), key=lambda kv: (where[kv[0][1]][0], kv[0]))
+        key, box = where[blob]
+        backup = ("no backup of this step" if self._config.base_output_directory
+                  else "not configured (set base_output_directory)")
+        more = f"; {len(failed) - 1} more (host, blob) pairs have no good copy either" if len(failed) > 1 else ""
+        return CorruptBlobError(
+            f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {blob}) has no good copy for host {host}; "
+            f"tiers tried: ram (not on {host}), peer ({'; '.join(causes)}), backup ({backup}){more}. "
+            "Restore an older step (all_steps()) or a backup")
