@@ -5,7 +5,8 @@ takes one look at the hosts (an ``Inventory`` value) and the backup listing, cho
 newest step whose every blob has a copy somewhere (or the one asked for, or the one
 ``restore.version`` pins), plans per host what it needs (``RestorePlan``), has the hosts that
 lack blobs pull them from peers (the rest from a backup of that step), and loads from where
-the blobs are after that (``RestorePlan.after_fetch``). It keeps no per-call state.
+the blobs are after that (``RestorePlan.after_fetch``). It keeps no per-call state; across calls
+only whether the backup store answered the last listing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 # How long listing the backups may retry an unreachable store (latest_step, restore wait on it).
 LISTING_DEADLINE_S = 30.0
+# Once a listing could not reach the store, the next ones (a restart calls latest_step, all_steps
+# and restore, each listing the backups) retry only this long until one gets through: a restart
+# during an outage waits out the deadline once, not once per call.
+LISTING_RETRY_DEADLINE_S = 2.0
 
 
 class _Pulled:
@@ -60,6 +65,7 @@ class Restorer:
         self._config = config
         self._strategy = strategy
         self._replicate = replicate
+        self._store_down = False  # the last backup listing could not reach the store
 
     # --- what there is ---------------------------------------------------------------------
 
@@ -80,13 +86,16 @@ class Restorer:
         """
         if not self._config.base_output_directory:
             return {"backups": [], "restore_version": None}
+        deadline = LISTING_RETRY_DEADLINE_S if self._store_down else LISTING_DEADLINE_S
         try:
-            return self._dispatch.backup_listing(deadline_s=LISTING_DEADLINE_S)
+            listing = self._dispatch.backup_listing(deadline_s=deadline)
         except (TransientStoreError, HostUnreachableError) as e:
+            self._store_down = True
             log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on the "
-                        "hosts (restore.version, if any, is not read)", self._config.backup_root,
-                        LISTING_DEADLINE_S, e)
+                        "hosts (restore.version, if any, is not read)", self._config.backup_root, deadline, e)
             return {"backups": [], "restore_version": None, "unreachable": str(e)}
+        self._store_down = False
+        return listing
 
     def all_steps(self) -> list[int]:
         listing = self.backup_listing()
