@@ -247,7 +247,9 @@ class Soak:
     """One soak run (see the module docstring)."""
 
     def __init__(self, seed: int, workdir: Path, *, trials_per_segment: int = 24, segments=SEGMENTS,
-                 out=print):
+                 out=print, only: list[str] | None = None, keep: bool = False):
+        self.only = set(only or FAULT_CLASSES)
+        self.keep = keep
         self.seed = seed
         self.workdir = workdir
         self.trials_per_segment = trials_per_segment
@@ -360,7 +362,8 @@ class Soak:
         for d in reversed(self.mounts):
             subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True)
         self.mounts.clear()
-        shutil.rmtree(self.seg, ignore_errors=True)
+        if not self.keep:
+            shutil.rmtree(self.seg, ignore_errors=True)
 
     # --- the head -------------------------------------------------------------------------------
 
@@ -609,6 +612,8 @@ class Soak:
     def _available(self) -> list[str]:
         out = []
         for c in FAULT_CLASSES:
+            if c not in self.only:
+                continue
             if c in GCS_ONLY and self.server is None:
                 continue
             if c == "ramdisk_full" and not self.tmpfs:
@@ -705,7 +710,10 @@ def fault_crash(s: Soak, r: random.Random, cls: str, d: dict) -> None:
     if point == "between_uploads" and a["ok"]:
         b = s.head.call("wait_backup")
         d["backup"] = "ok" if b["ok"] else "failed"
-    reached = not s.cluster.is_running(victim)
+    try:  # the crash point kills with SIGKILL; the kernel may reap it a moment after the head noticed
+        reached = s.cluster.wait(victim, timeout=0.5 if point == "between_uploads" else 5) == -signal.SIGKILL
+    except subprocess.TimeoutExpired:
+        reached = False
     d["reached"] = reached
     if point != "between_uploads" and a["ok"]:
         raise Violation(f"the save succeeded although {victim} was to die at {point}")
@@ -1076,10 +1084,11 @@ def print_rich_table(rows: list[list[str]], title: str) -> None:
 
 
 def run_soak(seed: int, *, minutes: float | None = None, trials: int | None = None, trials_per_segment: int = 24,
-             segments=SEGMENTS, out=print) -> Soak:
+             segments=SEGMENTS, out=print, only: list[str] | None = None, keep: bool = False) -> Soak:
     """Run one soak; raises Violation (after printing the schedule so far) at the first broken invariant."""
     workdir = Path(tempfile.mkdtemp(prefix="mtc-soak-"))
-    soak = Soak(seed, workdir, trials_per_segment=trials_per_segment, segments=segments, out=out)
+    soak = Soak(seed, workdir, trials_per_segment=trials_per_segment, segments=segments, out=out, only=only,
+                keep=keep)
     deadline = time.monotonic() + minutes * 60 if minutes is not None else None
     out(f"soak seed {seed} (replay: python -m tests.chaos.soak --seed {seed}"
         f"{f' --minutes {minutes:g}' if minutes is not None else ''}{f' --trials {trials}' if trials else ''})")
@@ -1093,7 +1102,8 @@ def run_soak(seed: int, *, minutes: float | None = None, trials: int | None = No
         raise
     finally:
         soak._teardown_segment() if getattr(soak, "seg", None) and soak.seg.exists() else None
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
         leftovers = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                   if str(workdir) in line]
@@ -1109,12 +1119,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="replay this seed's schedule (default: a random seed)")
     p.add_argument("--trials-per-segment", type=int, default=24)
     p.add_argument("--markdown", default=None, help="also write the summary table (Markdown) to this file")
+    p.add_argument("--only", action="append", choices=FAULT_CLASSES, help="draw only this class (repeatable)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (logs) after the run")
     a = p.parse_args(argv)
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
     t0 = time.perf_counter()
     try:
         soak = run_soak(seed, minutes=a.minutes, trials=a.trials, trials_per_segment=a.trials_per_segment,
-                        out=lambda m: print(m, flush=True))
+                        out=lambda m: print(m, flush=True), only=a.only, keep=a.keep)
     except Violation:
         return 1
     rows = soak.summary_rows()
