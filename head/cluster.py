@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -55,6 +56,8 @@ __all__ = ["ClusterDispatcher"]
 Box = fmt.Box
 # Ops whose answer may take as long as moving a host's share of a step.
 _DATA_OPS = frozenset({"write", "commit", "read"})
+# How long one ``job`` request waits on the daemon for a long operation to end (a long poll).
+_JOB_WAIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -97,9 +100,10 @@ class ClusterDispatcher(Dispatcher):
     ``devices`` are the head devices mapped onto the hosts (default ``jax.devices()``).
     ``timeout_s`` bounds each wait for a daemon's bytes (not a whole request) in the data ops
     (write, commit, read); ``control_timeout_s`` in the others (inventory, manifest, version
-    check, abort), so that ``latest_step()`` does not hang on a hung host; ``backup_timeout_s``
-    in the backup tier's ops, which run on their own connections and may wait out a bucket
-    outage (the sidecar retries with backoff).
+    check, abort), so that ``latest_step()`` does not hang on a hung host. The long operations
+    (uploads, downloads, peer pulls) run as sidecar jobs on their own connections
+    (``_run_job``); ``backup_timeout_s`` and ``peer_timeout_s`` bound one such job from start
+    to end: a backup may wait out a bucket outage (the sidecar retries with backoff).
     """
 
     def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
@@ -187,6 +191,28 @@ class ClusterDispatcher(Dispatcher):
         lane = lane or ("backup" if op.startswith("backup_") else "peer" if op.startswith("peer_") else "control")
         lanes = {"control": self._hosts, "backup": self._backup_lanes, "peer": self._peer_lanes}[lane]
         return lanes[host_id].call(op, args, payloads, alloc)
+
+    def _run_job(self, host_id: str, op: str, args: dict, payloads: Sequence[Any] = ()) -> Any:
+        """Start the long operation ``op`` on a host as a job, then ask for its end until it is done
+        (``mtc.sidecar.jobs``), on the op's own lane, within the op's deadline."""
+        lane = "backup" if op.startswith("backup_") else "peer"
+        started = self._call(host_id, op, args, payloads, lane=lane).result
+        job_id = started.get("job") if isinstance(started, dict) else None
+        if not isinstance(job_id, str):
+            raise ProtocolError(f"host {host_id}: {op} answered {started!r:.100} instead of a job id")
+        deadline_s = self.timeout_for(op)
+        deadline = time.monotonic() + deadline_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HostUnreachableError(f"host {host_id}: {op} did not finish within {deadline_s:.0f} s")
+            status = self._call(host_id, "job", {"job": job_id, "wait_s": min(_JOB_WAIT_S, left)}, lane=lane).result
+            if not isinstance(status, dict) or not isinstance(status.get("done"), bool):
+                raise ProtocolError(f"host {host_id}: malformed job status {status!r:.100}")
+            if status["done"]:
+                if "error" in status:
+                    raise RemoteFailure(host_id, str(status["error"]), str(status.get("message", "")))
+                return status.get("result")
 
     def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
                  pool: ThreadPoolExecutor | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]:
@@ -541,9 +567,8 @@ class ClusterDispatcher(Dispatcher):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self._fan_out(lambda h: self._call(
-            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))).result,
-            pool=self._backup_pool)
+        results, failures = self._fan_out(lambda h: self._run_job(
+            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))), pool=self._backup_pool)
         if failures:
             self._raise_failures("backup upload", failures)
         return results
@@ -565,9 +590,8 @@ class ClusterDispatcher(Dispatcher):
         return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"backup {name} (via {h})")
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self._fan_out(lambda h: self._call(
-            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))).result,
-            pool=self._backup_pool)
+        results, failures = self._fan_out(lambda h: self._run_job(
+            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))), pool=self._backup_pool)
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
         return results
@@ -589,7 +613,7 @@ class ClusterDispatcher(Dispatcher):
 
         def one(h: str) -> PullResult:
             args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls[h]], "peers": peers}
-            return PullResult.from_wire(h, self._call(h, "peer_pull", args, data).result)
+            return PullResult.from_wire(h, self._run_job(h, "peer_pull", args, data))
 
         results, failures = self._fan_out(one, list(pulls), pool=self._peer_pool)
         for h, e in failures.items():

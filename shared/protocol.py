@@ -60,7 +60,7 @@ _MAX_IOV = 512
 # Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
 OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
                  "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch",
-                 "peer_pull", "lease", "claim", "verify"})
+                 "peer_pull", "lease", "claim", "verify", "job"})
 
 Buffer = Any  # bytes-like or C-contiguous numpy array
 Alloc = Callable[[dict, list[int]], Sequence[Buffer]]

@@ -91,7 +91,7 @@ _OPS = {
     "verify": lambda svc, req: svc.verify(int(req["step"])),
     "lease": lambda svc, req: svc.current_lease(),
     "claim": lambda svc, req: svc.claim(req["generation"], req["head"]),
-    "job": lambda svc, req: svc.job(req["job"]),
+    "job": lambda svc, req: svc.job(req["job"], 0.0),  # polled: a waiting call would hold up the others
     "backup_upload": lambda svc, req: svc.start_job(svc.backup_upload, req["assignments"]),
     "backup_finalize": _op_backup_finalize,
     "backup_listing": lambda svc, req: svc.backup_listing(req.get("deadline_s")),

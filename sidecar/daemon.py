@@ -28,6 +28,9 @@ Ops (``args`` -> ``result``; payloads in brackets):
   optional: commit the step here once every pull succeeded] -> what was pulled (``mtc.sidecar.replication``).
   Its own peer service (``mtc.sidecar.peer``) is what the other sidecars pull from; its address is
   in the ``fingerprint`` answer (``"peer"``).
+- The long ones (``backup_upload``, ``backup_fetch``, ``peer_pull``) answer ``{"job": id}`` at once;
+  ``job {job, wait_s}`` -> ``{"done": false}`` or, once, ``{"done": true, "result"}`` /
+  ``{"done": true, "error", "message"}`` (``mtc.sidecar.jobs``: the same model as the colocated transport).
 
 Errors come back as ``{"type": class name, "message"}``; the head re-raises them typed.
 """
@@ -55,6 +58,7 @@ from mtc.shared.errors import MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.replication import parse_peers, parse_pulls
+from mtc.sidecar.jobs import MAX_WAIT_S
 from mtc.sidecar.service import SidecarService
 from mtc.sidecar.tcpserver import ThreadedTCPServer
 
@@ -252,7 +256,15 @@ class SidecarDaemon(ThreadedTCPServer):
         if len(payloads) > 1:
             raise ProtocolError("peer_pull: at most one payload (the step manifest, to adopt the step)")
         manifest = bytes(payloads[0]) if payloads else None
-        return self.service.peer_pull(step, pulls, peers, manifest), []
+        return {"job": self.service.start_job(self.service.peer_pull, step, pulls, peers, manifest)}, []
+
+    def _op_job(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        job_id, wait_s = args.get("job"), args.get("wait_s", 0.0)
+        if not isinstance(job_id, str) or not job_id.isalnum() or len(job_id) > 64:
+            raise ProtocolError("job needs 'job': the id a long operation answered with")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_WAIT_S:
+            raise ProtocolError(f"'wait_s' must be a number in [0, {MAX_WAIT_S:g}]")
+        return self.service.job(job_id, float(wait_s)), []
 
     # --- backup tier -----------------------------------------------------------------------
 
@@ -265,7 +277,8 @@ class SidecarDaemon(ThreadedTCPServer):
 
     def _op_backup_upload(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         svc = self._backup_service(args)
-        return svc.backup_upload({svc.host_id: _names(args.get("blobs"), "backup_upload")}), []
+        blobs = _names(args.get("blobs"), "backup_upload")
+        return {"job": svc.start_job(svc.backup_upload, {svc.host_id: blobs})}, []
 
     def _op_backup_finalize(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         svc = self._backup_service(args)
@@ -292,7 +305,8 @@ class SidecarDaemon(ThreadedTCPServer):
         name = args.get("name")
         if not isinstance(name, str):
             raise ProtocolError("backup_fetch needs 'name'")
-        return svc.backup_fetch(name, {svc.host_id: _names(args.get("blobs"), "backup_fetch")}), []
+        blobs = _names(args.get("blobs"), "backup_fetch")
+        return {"job": svc.start_job(svc.backup_fetch, name, {svc.host_id: blobs})}, []
 
 
 # Which service method each operation calls (a test pins it against the colocated transport's).
@@ -300,7 +314,7 @@ SERVICE_METHODS = {
     "ping": None,  # the transport's own liveness answer
     "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "write": "write_shards",
     "commit": "commit", "abort": "abort", "read": "read_boxes_each", "lease": "current_lease", "claim": "claim",
-    "verify": "verify",
+    "verify": "verify", "job": "job",
     "backup_upload": "backup_upload", "backup_finalize": "backup_finalize", "backup_listing": "backup_listing",
     "backup_manifest": "backup_manifest", "backup_fetch": "backup_fetch", "peer_pull": "peer_pull",
 }
@@ -323,6 +337,7 @@ _HANDLERS = {
     "backup_manifest": SidecarDaemon._op_backup_manifest,
     "backup_fetch": SidecarDaemon._op_backup_fetch,
     "peer_pull": SidecarDaemon._op_peer_pull,
+    "job": SidecarDaemon._op_job,
 }
 
 

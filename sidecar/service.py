@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Sequence
 
@@ -25,6 +24,7 @@ from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, MTCE
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
 from mtc.sidecar.fencing import HeadLease
+from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.peer import PeerServer
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.replication import held_bits, pull_blobs
@@ -67,7 +67,7 @@ class SidecarService:
         self.host_id = host_id
         self.backup_url = backup_url or None
         self._backup = None
-        self._jobs: dict[str, dict] = {}
+        self.jobs = Jobs(self.host_id)
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
         _log_ramdisk_advice(self.store)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
@@ -415,39 +415,15 @@ class SidecarService:
             return None
         return data.view(dtype).reshape(shape)
 
-    # --- background jobs -----------------------------------------------------------------
+    # --- long operations (mtc.sidecar.jobs) --------------------------------------------
 
     def start_job(self, fn, *args) -> str:
-        """Run ``fn(*args)`` on a thread of this sidecar; poll it with ``job``.
+        """Run ``fn(*args)`` as a job of this sidecar; the head asks ``job`` for its end."""
+        return self.jobs.start(fn, *args)
 
-        Long work (uploads, downloads) must not hold the call that started it: on a CPU
-        backend colocated calls of one kind are serialised, and on Pathways a sidecar call
-        should not outlive the head's patience. The sidecar owns the work, the head polls.
-        """
-        job_id = uuid.uuid4().hex
-        with self._lock:
-            self._jobs[job_id] = {"done": False}
-
-        def run() -> None:
-            try:
-                out = {"done": True, "result": fn(*args)}
-            except Exception as e:  # reported to the head by `job`
-                out = {"done": True, "error": type(e).__name__, "message": str(e)}
-            with self._lock:
-                self._jobs[job_id] = out
-
-        threading.Thread(target=run, name=f"mtc-job-{job_id[:8]}", daemon=True).start()
-        return job_id
-
-    def job(self, job_id: str) -> dict:
-        """{"done": False} while running; then the result or the error, once."""
-        with self._lock:
-            status = self._jobs.get(job_id)
-            if status is None:
-                raise StepNotFoundError(f"host {self.host_id}: no job {job_id} (the sidecar restarted?)")
-            if status["done"]:
-                del self._jobs[job_id]
-            return status
+    def job(self, job_id: str, wait_s: float = 0.0) -> dict:
+        """{"done": False} while running (after waiting up to ``wait_s``); then the result or the error, once."""
+        return self.jobs.poll(job_id, wait_s)
 
     # --- backup tier ---------------------------------------------------------------------
 

@@ -26,7 +26,12 @@ def test_each_daemon_op_calls_its_service_method():
         if method is None:
             continue
         assert callable(getattr(SidecarService, method, None)), (op, method)
-        assert f".{method}(" in _source(daemon._HANDLERS[op]), f"daemon op {op} does not call {method}"
+        src = _source(daemon._HANDLERS[op])
+        assert f".{method}(" in src or f"start_job({_svc(src)}.{method}," in src, f"daemon op {op} does not call {method}"
+
+
+def _svc(src: str) -> str:
+    return "self.service" if "self.service.start_job(" in src else "svc"
 
 
 def test_each_colocated_op_calls_its_service_method():
@@ -37,6 +42,17 @@ def test_each_colocated_op_calls_its_service_method():
         fn = data_ops.get(op) or colocated._OPS[op] or colocated.ColocatedSidecar._dispatch
         src = _source(fn)  # called, or run as a job the head polls (start_job(svc.method, ...))
         assert f".{method}(" in src or f"start_job(svc.{method}," in src, f"colocated op {op} does not call {method}"
+
+
+LONG_OPS = {"backup_upload", "backup_fetch", "peer_pull"}
+
+
+def test_long_operations_are_jobs_in_both_transports():
+    """One job model: a long operation answers with a job id at once, and ``job`` reports its end."""
+    for op in LONG_OPS:
+        assert "start_job(" in _source(daemon._HANDLERS[op]), f"daemon op {op} is not run as a job"
+        assert "start_job(" in _source(colocated._OPS[op]), f"colocated op {op} is not run as a job"
+    assert daemon.SERVICE_METHODS["job"] == colocated.SERVICE_METHODS["job"] == "job"
 
 
 def test_both_transports_map_shared_operations_to_the_same_methods():

@@ -1,0 +1,187 @@
+"""The peer client: one sidecar asks another for blobs (see ``mtc.sidecar.peer``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from typing import Any, Iterable
+
+from mtc.shared import protocol, version
+from mtc.shared.config import ENV_TOKEN
+from mtc.shared.errors import (
+    ConfigError,
+    CorruptBlobError,
+    HostUnreachableError,
+    InsufficientSpaceError,
+    ProtocolError,
+)
+from mtc.shared.hashing import check_blob_name
+from mtc.shared.protocol import RemoteError, Reply, Request
+from mtc.sidecar.ram import RamStore
+from mtc.sidecar.peer.wire import HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, BadCopyError, cause, receive_blob, send_blob_file
+
+log = logging.getLogger(__name__)
+
+
+class PeerClient:
+    """One connection to one peer's ``PeerServer`` (not thread-safe; one per thread).
+
+    ``peer`` names the peer host in messages. Transport failures raise HostUnreachableError
+    (the next call reconnects); a refused token raises ConfigError; a copy that is missing or
+    does not hash to its name raises CorruptBlobError.
+    """
+
+    def __init__(self, address: str, token: str, *, peer: str = "peer", timeout_s: float = 60.0,
+                 connect_timeout_s: float = 10.0):
+        self.address = address
+        self.peer = peer
+        self._addr = protocol.parse_address(address)
+        self._token = token
+        self._timeout = timeout_s
+        self._connect_timeout = connect_timeout_s
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+
+    def __enter__(self) -> "PeerClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def _where(self) -> str:
+        return f"peer {self.peer} at {self.address}"
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            try:
+                sock = socket.create_connection(self._addr, timeout=self._connect_timeout)
+            except OSError as e:
+                raise HostUnreachableError(f"{self._where()}: cannot connect ({cause(e)})") from e
+            sock.settimeout(self._timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    def _send(self, op: str, args: dict, payload_sizes: list[int] | None = None) -> int:
+        sock = self._connect()
+        self._next_id += 1
+        req = Request(op, self._next_id, {**args, "token": self._token, "mtc": version.MTC_VERSION,
+                                          "protocol": version.PROTOCOL_VERSION})
+        try:
+            if payload_sizes is None:
+                protocol.send_request(sock, req)
+            else:
+                sock.sendall(protocol.frame_head(req.header(), payload_sizes))
+        except OSError as e:
+            self.close()
+            raise HostUnreachableError(f"{self._where()}: {op} failed ({cause(e)})") from e
+        return req.id
+
+    def _reply_header(self, op: str, rid: int, max_payload: int) -> dict:
+        try:
+            header = protocol.recv_header(self._sock, max_header=MAX_PEER_HEADER, max_payload=max_payload)
+        except (OSError, ProtocolError) as e:
+            self.close()
+            raise HostUnreachableError(f"{self._where()}: {op} failed ({cause(e)})") from e
+        if header is None:
+            self.close()
+            raise HostUnreachableError(f"{self._where()}: connection closed before the {op} reply "
+                                       "(peer killed or restarted?)")
+        reply = Reply.from_frame(header, ())
+        if reply.error is not None:
+            self._raise(op, reply.error, bool(header["payloads"]))
+        if reply.id != rid:
+            self.close()
+            raise HostUnreachableError(f"{self._where()}: {op} reply id {reply.id} does not match request id {rid}")
+        return header
+
+    def _raise(self, op: str, err: RemoteError, has_payload: bool) -> None:
+        if has_payload or err.type in ("PermissionError", "ProtocolError"):
+            self.close()  # the server closes the connection after these
+        msg = f"{self._where()} refused {op}: {err.message}"
+        if err.type == "PermissionError":
+            raise ConfigError(msg + f"; give every sidecar of the job the same {ENV_TOKEN}")
+        if err.type in ("FileNotFoundError", "CorruptBlobError"):
+            raise CorruptBlobError(msg)
+        if err.type == "InsufficientSpaceError":
+            raise InsufficientSpaceError(msg)
+        raise ProtocolError(msg)
+
+    def have(self, names: Iterable[str]) -> set[str]:
+        """Which of ``names`` the peer holds."""
+        names = [check_blob_name(n) for n in names]
+        out: set[str] = set()
+        for i in range(0, len(names), HAVE_BATCH):
+            batch = names[i:i + HAVE_BATCH]
+            rid = self._send("have", {"blobs": batch})
+            result = Reply.from_frame(self._reply_header("have", rid, 0), ()).result
+            have = result.get("have") if isinstance(result, dict) else None
+            if not isinstance(have, list) or not set(have) <= set(batch):
+                self.close()
+                raise ProtocolError(f"{self._where()}: malformed 'have' answer {result!r:.100}")
+            out.update(have)
+        return out
+
+    def verify(self, name: str) -> str:
+        """Have the peer check its copy of ``name``: ``"ok"``, ``"removed"`` (it was corrupt) or ``"missing"``."""
+        check_blob_name(name)
+        rid = self._send("verify", {"blob": name})
+        result = Reply.from_frame(self._reply_header("verify", rid, 0), ()).result
+        state = result.get("state") if isinstance(result, dict) else None
+        if state not in ("ok", "removed", "missing"):
+            self.close()
+            raise ProtocolError(f"{self._where()}: malformed 'verify' answer {result!r:.100}")
+        return state
+
+    def get(self, store: RamStore, name: str, *, size: int | None = None) -> int:
+        """Fetch blob ``name`` from the peer into ``store``, verified; returns the bytes received.
+
+        ``size`` (when known, from the manifest) bounds what the peer may send. A copy that
+        does not hash to ``name`` raises CorruptBlobError and is not kept.
+        """
+        check_blob_name(name)
+        rid = self._send("get", {"blob": name})
+        limit = MAX_BLOB_BYTES if size is None else int(size)
+        header = self._reply_header("get", rid, limit)
+        sizes = header["payloads"]
+        result = header.get("result") if isinstance(header.get("result"), dict) else {}
+        if len(sizes) != 1 or result.get("size") != sizes[0] or (size is not None and sizes[0] != size):
+            self.close()
+            raise BadCopyError(f"{self._where()}: blob {name} came with sizes {sizes} "
+                                   f"(expected {size if size is not None else result.get('size')}); not using it")
+        try:
+            receive_blob(self._sock, store, name, sizes[0])
+        except CorruptBlobError as e:
+            raise BadCopyError(f"copy of blob {name} from {self._where()} is corrupt ({e})") from None
+        except (OSError, ProtocolError) as e:
+            if isinstance(e, InsufficientSpaceError):
+                self.close()
+                raise
+            self.close()
+            raise HostUnreachableError(f"{self._where()}: get of blob {name} failed ({cause(e)})") from e
+        return sizes[0]
+
+    def put(self, store: RamStore, name: str) -> bool:
+        """Send blob ``name`` from ``store`` to the peer (``send_blob_file``); whether the peer added it."""
+        check_blob_name(name)
+        with store.pin([name]):
+            with open(store.blob_path(name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                rid = self._send("put", {"blob": name}, [size])
+                try:
+                    send_blob_file(self._sock, f.fileno(), size)
+                except OSError as e:
+                    self.close()
+                    raise HostUnreachableError(f"{self._where()}: put of blob {name} failed ({cause(e)})") from e
+        result = Reply.from_frame(self._reply_header("put", rid, 0), ()).result
+        return bool(isinstance(result, dict) and result.get("added"))
+
+
