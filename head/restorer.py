@@ -12,6 +12,7 @@ only whether the backup store answered the last listing.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Callable
 
@@ -219,7 +220,8 @@ class Restorer:
         holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
         plan = make_plan(step, manifest, requests, self._dispatch.hosts(), self._dispatch.host_of_device, holders)
         if backup_name is not None:
-            pulled.add_backup(self._dispatch.backup_fetch(backup_name, plan.needs))
+            pulled.add_backup(self._backup_fetch(step, manifest, backup_name, plan.needs,
+                                                 "ram and peer (no host holds this step)"))
             for h, blobs in plan.needs.items():
                 pulled.got(h, blobs)
         else:
@@ -275,9 +277,27 @@ class Restorer:
         fetch: dict[str, list[str]] = {}
         for h, blob in failed:
             fetch.setdefault(h, []).append(blob)
-        pulled.add_backup(self._dispatch.backup_fetch(fallback, fetch))
+        pulled.add_backup(self._backup_fetch(step, manifest, fallback, fetch,
+                                             "ram (not on the hosts that need it), peer (no good copy)"))
         for h, blobs in fetch.items():
             pulled.got(h, blobs)
+
+    def _backup_fetch(self, step: int, manifest: fmt.StepManifest, name: str, needs: dict[str, list[str]],
+                      tried: str) -> dict[str, dict]:
+        """Hosts fetch ``needs`` from backup ``name``; a corrupt copy there is the last tier failing, so
+        the error names the array and the shard, as when no peer had a good copy."""
+        try:
+            return self._dispatch.backup_fetch(name, needs)
+        except CorruptBlobError as e:
+            where = {sh.blob: (rec.key, sh.box) for rec in manifest.arrays for sh in rec.shards}
+            bad = [b for b in re.findall(r"[0-9a-f]{32}", str(e)) if b in where]
+            if not bad:
+                raise
+            key, box = where[bad[0]]
+            raise CorruptBlobError(
+                f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {bad[0]}) has no good copy; tiers "
+                f"tried: {tried}, backup {name} (its copy is corrupt: {e}). Restore an older step (all_steps()) "
+                "or pin another backup (`mtc restore-version set NAME`)") from e
 
     def _no_good_copy(self, step: int, manifest: fmt.StepManifest,
                       failed: dict[tuple[str, str], list[str]]) -> CorruptBlobError:
