@@ -31,9 +31,9 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from mtc.head.restore_plan import BoxRead, box_reads
-from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
-from mtc.head.cluster_client import HostConnection, RemoteFailure, cause, read_errors
+from mtc.head.cluster_reads import ClusterLoader
+from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
+from mtc.head.cluster_client import HostConnection, RemoteFailure, cause
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
@@ -68,31 +68,6 @@ class _Staged:
     shards: dict[str, list[tuple[int, Box, np.ndarray]]]
     box_devices: dict[tuple[int, Box], list[int]]
     nbytes: int
-
-
-@dataclasses.dataclass
-class _Read:
-    """A planned read (``restore_plan.BoxRead``) being run: its destination and the hosts tried."""
-
-    plan: BoxRead
-    dest: np.ndarray  # a view into the target box buffer (may be strided for a piece)
-    tried: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (host, error type, cause)
-
-    @property
-    def key(self) -> str:
-        return self.plan.key
-
-    @property
-    def box(self) -> Box:
-        return self.plan.region
-
-    @property
-    def candidates(self) -> tuple[str, ...]:
-        return self.plan.candidates
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.dest.nbytes)
 
 
 class ClusterDispatcher(Dispatcher):
@@ -139,6 +114,7 @@ class ClusterDispatcher(Dispatcher):
         self._backup_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-backup")
         self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
         self._staging = HostStaging()
+        self._loader = ClusterLoader(self)
         self._backup_url = config.backup_root if config.base_output_directory else None
         self._closed = False
 
@@ -430,112 +406,13 @@ class ClusterDispatcher(Dispatcher):
     # --- restore ---------------------------------------------------------------------------
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
-        reads: list[_Read] = []
-        layouts: list[tuple[dict, dict] | np.ndarray] = []
-        for r in requests:
-            rec = r.record
-            dtype = rec.np_dtype
-            full = tuple((0, n) for n in rec.shape)
-            if r.sharding is None:
-                dev_box: dict[Any, Box] = {}
-                boxes = [full]
-            else:
-                idx = r.sharding.addressable_devices_indices_map(tuple(rec.shape))
-                dev_box = {d: fmt.box_from_index(i, rec.shape) for d, i in idx.items()}
-                boxes = list(dict.fromkeys(dev_box.values()))
-            bufs: dict[Box, np.ndarray] = {}
-            for box in boxes:
-                shape = fmt.box_shape(box)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
-                if nbytes:
-                    owners = [self._owner(d) for d, b in dev_box.items() if b == box]
-                    for plan in box_reads(rec, box, owners, self.topology.host_ids, holders, self._host_or_none):
-                        reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()]))
-            layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
-        self._run_reads(step, reads)
-        out: list[Any] = []
-        for r, lay in zip(requests, layouts):
-            if r.sharding is None:
-                out.append(lay)
-                continue
-            dev_box, bufs = lay
-            # 64-byte aligned host buffers: device_put is zero-copy on a CPU backend.
-            arrays = [jax.device_put(bufs[b], d, may_alias=True) for d, b in dev_box.items()]
-            out.append(jax.make_array_from_single_device_arrays(tuple(r.record.shape), r.sharding, arrays))
-        return out
-
-    def _owner(self, device: Any) -> str:
-        return self.topology.host_of(int(device.id))
+        return self._loader.load(step, requests, holders)
 
     def _host_or_none(self, device_id: int) -> str | None:
         try:
             return self.topology.host_of(device_id)
         except ConfigError:  # a device of the saving mesh that this one does not have
             return None
-
-    def _run_reads(self, step: int, reads: list[_Read]) -> None:
-        """Run every read, batched per host and in parallel; a failed read moves on to its next
-        candidate host. Raises when a read has no candidate left."""
-        pending = list(reads)
-        while pending:
-            by_host: dict[str, list[_Read]] = {}
-            for r in pending:
-                by_host.setdefault(r.candidates[len(r.tried)], []).append(r)
-            results, failures = self._fan_out(lambda h: self._read_batch(h, step, by_host[h]), list(by_host))
-            pending = []
-            for h, batch in by_host.items():
-                if h in failures:
-                    e = failures[h]
-                    kind = e.type_name if isinstance(e, RemoteFailure) else type(e).__name__
-                    bad = [(r, kind, cause(e)) for r in batch]
-                else:
-                    bad = results[h]
-                for r, kind, why in bad:
-                    r.tried.append((h, kind, why))
-                    if len(r.tried) >= len(r.candidates):
-                        self._raise_read_error(step, r)
-                    pending.append(r)
-
-    def _read_batch(self, h: str, step: int, batch: list[_Read]) -> list[tuple[_Read, str, str]]:
-        """Read every box of ``batch`` from host ``h`` in one request; returns the failed ones
-        as (read, error type, cause)."""
-        tmp: dict[int, np.ndarray] = {}
-
-        def alloc(header: dict, sizes: list[int]) -> list[Any]:
-            if "error" in header:
-                return [protocol.aligned_buffer(n) for n in sizes]
-            errors = {e[0] for e in read_errors(header.get("result"))}
-            if len(sizes) != len(batch):
-                raise ProtocolError(f"host {h}: read answered {len(sizes)} payloads for {len(batch)} boxes")
-            out = []
-            for i, (r, n) in enumerate(zip(batch, sizes)):
-                want = 0 if i in errors else r.nbytes
-                if n != want:
-                    raise ProtocolError(f"host {h}: read of {r.key!r} {fmt.box_str(r.box)} answered {n} bytes, "
-                                        f"expected {want}")
-                if n and r.dest.flags.c_contiguous:
-                    out.append(r.dest)  # straight into the target buffer
-                else:
-                    out.append(tmp.setdefault(i, protocol.aligned_buffer(n)))
-            return out
-
-        reads = [[r.key, [list(p) for p in r.box]] for r in batch]
-        reply = self._call(h, "read", {"step": step, "reads": reads}, alloc=alloc)
-        failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
-        for i, buf in tmp.items():
-            if i not in failed and buf.nbytes:
-                batch[i].dest[...] = buf.view(batch[i].dest.dtype).reshape(batch[i].dest.shape)
-        return [(batch[i], kind, cause) for i, (kind, cause) in failed.items()]
-
-    def _raise_read_error(self, step: int, r: _Read) -> None:
-        tried = "; ".join(f"{h}: {c}" for h, _, c in r.tried)
-        msg = (f"step {step}: array {r.key!r} box {fmt.box_str(r.box)} could not be read from any host that "
-               f"holds it (tiers tried: ram; hosts tried: {tried})")
-        if any(kind == "HostUnreachableError" for _, kind, _ in r.tried):
-            raise HostUnreachableError(msg + "; restart the host's daemon and retry the restore")
-        host, kind, _ = r.tried[-1]
-        raise_remote(host, kind, msg)
 
     def host_of_device(self, device_id: int) -> str:
         return self.topology.host_of(device_id)
