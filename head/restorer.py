@@ -23,7 +23,7 @@ from mtc.head.restore_plan import RestorePlan, make_plan, plan_target
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import CorruptBlobError, HostUnreachableError, StepNotFoundError
+from mtc.shared.errors import CorruptBlobError, HostUnreachableError, MTCError, StepNotFoundError
 from mtc.shared.objstore.store import TransientStoreError
 
 log = logging.getLogger(__name__)
@@ -152,12 +152,13 @@ class Restorer:
     def restore(self, step: int | None, target: Any, partial: Any,
                 prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
-        step, backup_name, fallback, inv = self.choose_step(step, self.backup_listing())
+        listing = self.backup_listing()
+        step, backup_name, fallback, inv = self.choose_step(step, listing)
         t1 = time.perf_counter()
         manifest = self._manifest(step, backup_name)
         requests, finish = plan_target(manifest, target, partial)
         pulled = _Pulled()
-        plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
+        plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing))
         if plan is None:
             needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
             holders = None
@@ -195,19 +196,20 @@ class Restorer:
         logs it: ``restore`` does it, or explains).
         """
         t0 = time.perf_counter()
-        step, backup_name, fallback, inv = self.choose_step(None, self.backup_listing())
+        listing = self.backup_listing()
+        step, backup_name, fallback, inv = self.choose_step(None, listing)
         manifest = self._manifest(step, backup_name)
         requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
         if closing():  # closed before anything moved: a job that did not want it
             return None
         pulled = _Pulled()
-        self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
+        self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing))
         return PrefetchReport(step=step, source=backup_name or "cluster", bytes_by_tier=dict(pulled.bytes),
                               blobs_by_tier=dict(pulled.blobs), seconds=time.perf_counter() - t0)
 
     def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
                        backup_name: str | None, fallback: str | None, pulled: _Pulled,
-                       inv: Inventory) -> RestorePlan | None:
+                       inv: Inventory, backups: list[str]) -> RestorePlan | None:
         """Every host pulls the blobs it lacks for its shards of ``requests``; returns the plan.
 
         A replaced node lacks its own shards; after an elastic resize any host may lack saved
@@ -225,20 +227,21 @@ class Restorer:
             for h, blobs in plan.needs.items():
                 pulled.got(h, blobs)
         else:
-            self._pull_lacking(step, manifest, plan, fallback, pulled)
+            self._pull_lacking(step, manifest, plan, fallback, pulled, backups)
             if pulled.blobs["peer"] or pulled.blobs["backup"]:
                 # A host was refilled: the copies it held for its peers are gone too; make them again.
                 self._replicate(manifest)
         return plan
 
     def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: RestorePlan, fallback: str | None,
-                      pulled: _Pulled) -> None:
+                      pulled: _Pulled, backups: list[str]) -> None:
         """Hosts that lack blobs they need pull them from peers that hold them, verified.
 
         The load spreads over the holders; a bad or unreachable copy is skipped for the next
         holder. What no peer could give comes from the backup ``fallback`` (a backup of this
-        step) when there is one; otherwise CorruptBlobError names the array, the shard and the
-        tiers tried. A host that lacked the step altogether (a replaced node) commits it again
+        step) when there is one, else from the newest other backups that hold them (blobs are shared
+        by content: an unchanged array's blob is in the backup of an earlier step); otherwise
+        CorruptBlobError names the array, the shard and the tiers tried. A host that lacked the step altogether (a replaced node) commits it again
         once it holds its blobs.
         """
         if plan.holders is None:
@@ -271,7 +274,8 @@ class Restorer:
         if not failed:
             return
         if fallback is None:
-            raise self._no_good_copy(step, manifest, failed)
+            self._fetch_from_other_backups(step, manifest, failed, pulled, backups)
+            return
         log.warning("restore of step %d: %d blobs have no good copy on any peer; fetching them from backup %s",
                     step, len(failed), fallback)
         fetch: dict[str, list[str]] = {}
@@ -299,6 +303,44 @@ class Restorer:
                 f"tried: {tried}, backup {name} (its copy is corrupt: {e}). Restore an older step (all_steps()) "
                 "or pin another backup (`mtc restore-version set NAME`)") from e
 
+    def _fetch_from_other_backups(self, step: int, manifest: fmt.StepManifest,
+                                  failed: dict[tuple[str, str], list[str]], pulled: _Pulled, backups: list[str]) -> None:
+        """No backup of ``step``: fetch each failed blob from the newest backup that lists it."""
+        want = {blob for _, blob in failed}
+        source: dict[str, str] = {}
+        for name in backups:  # newest first
+            if len(source) == len(want):
+                break
+            try:
+                held = self._dispatch.backup_manifest(name).blob_names()
+            except MTCError as e:
+                log.warning("restore of step %d: backup %s cannot be read (%s); not a source", step, name, e)
+                continue
+            for blob in want & held:
+                source.setdefault(blob, name)
+        without = {k: v for k, v in failed.items() if k[1] not in source}
+        if without:
+            raise self._no_good_copy(step, manifest, without)
+        fetch: dict[str, dict[str, list[str]]] = {}
+        for h, blob in failed:
+            fetch.setdefault(source[blob], {}).setdefault(h, []).append(blob)
+        log.warning("restore of step %d: %d blobs have no good copy on any peer and there is no backup of this "
+                    "step; fetching them from backups %s, which hold the same bytes", step, len(failed), sorted(fetch))
+        hosts: set[str] = set()
+        for name, needs in fetch.items():
+            pulled.add_backup(self._backup_fetch(step, manifest, name, needs,
+                                                 "ram (not on the hosts that need it), peer (no good copy)"))
+            for h, blobs in needs.items():
+                pulled.got(h, blobs)
+                hosts.add(h)
+        # A replaced host commits the step again once it holds its blobs; its peer pull, which does that,
+        # failed, and a backup of another step is not this step's manifest: an empty pull with the
+        # manifest commits it, so its load finds the step and it keeps the blobs.
+        for h, res in self._dispatch.peer_pull(step, {h: [] for h in sorted(hosts)}, manifest).items():
+            if res.error:
+                raise MTCError(f"restore of step {step}: host {h} holds the blobs it lacked but could not commit "
+                               f"the step: {res.error}; retry the restore")
+
     def _no_good_copy(self, step: int, manifest: fmt.StepManifest,
                       failed: dict[tuple[str, str], list[str]]) -> CorruptBlobError:
         where = {sh.blob: (rec.key, sh.box) for rec in manifest.arrays for sh in rec.shards}
@@ -311,3 +353,8 @@ class Restorer:
             f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {blob}) has no good copy for host {host}; "
             f"tiers tried: ram (not on {host}), peer ({'; '.join(causes)}), backup ({backup}){more}. "
             "Restore an older step (all_steps()) or a backup")
+
+
+def _names(listing: dict) -> list[str]:
+    """Backup names of a listing, newest first."""
+    return [b["name"] for b in listing.get("backups", [])]
