@@ -37,8 +37,8 @@ from mtc.head.cluster_client import HostConnection, RemoteFailure, cause
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
-from mtc.shared import protocol, version
-from mtc.shared.config import MTCConfig
+from mtc.shared import auth, protocol, version
+from mtc.shared.config import ENV_TOKEN, MTCConfig
 from mtc.shared.errors import (
     ConfigError,
     CorruptBlobError,
@@ -99,6 +99,12 @@ class ClusterDispatcher(Dispatcher):
         self.peer_timeout_s = float(peer_timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.head_fingerprint = version.fingerprint()
+        token = auth.resolve_token(config.peer_token)
+        if not token:
+            raise ConfigError(f"cluster mode needs the job token: set {ENV_TOKEN} (or peer_token) in the head's "
+                              "environment to the secret the sidecars were started with; the sidecars refuse "
+                              "every control request without it")
+        self.control_key = auth.control_key(token)
         self._addresses = {h.id: h.address for h in self.topology.hosts}
         self._spec_stamp = self._stamp()
         self._spec_lock = threading.Lock()

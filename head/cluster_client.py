@@ -15,8 +15,8 @@ import threading
 from typing import Any, Protocol, Sequence
 
 from mtc.head.dispatch import raise_remote
-from mtc.shared import protocol, version
-from mtc.shared.errors import HostUnreachableError, MTCError, ProtocolError
+from mtc.shared import auth, protocol, version
+from mtc.shared.errors import AuthenticationError, HostUnreachableError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class Owner(Protocol):
     head_fingerprint: dict
     connect_timeout_s: float
     control_timeout_s: float
+    control_key: bytes
     peer_addresses: dict[str, str]
 
     def timeout_for(self, op: str) -> float: ...
@@ -99,14 +100,16 @@ class HostConnection:
                 return reply
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc) -> protocol.Reply:
+    def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc, *, stamp: bool = True) -> protocol.Reply:
         self._next_id += 1
         rid = self._next_id
-        if self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
+        if stamp and self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
             args = {**args, "gen": self.owner.generation}
         protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
         reply = protocol.recv_reply(self.sock, alloc=alloc)
-        if reply.id is None and reply.error is not None:  # the daemon could not read our frame
+        if reply.id is None and reply.error is not None:  # the daemon could not read our frame, or refused us
+            if reply.error.type in ("AuthenticationError", "HostUnreachableError"):
+                raise RemoteFailure(self.id, reply.error.type, reply.error.message)
             raise ProtocolError(f"host {self.id} refused a {op} request: {reply.error.message}")
         if reply.id != rid:
             raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
@@ -124,6 +127,7 @@ class HostConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         try:
+            self._authenticate()
             reply = self._roundtrip("fingerprint", {}, (), None)
             if reply.error is not None:
                 raise RemoteFailure(self.id, reply.error.type, reply.error.message)
@@ -153,6 +157,26 @@ class HostConnection:
         except BaseException:
             self._drop()
             raise
+
+    def _authenticate(self) -> None:
+        """Prove to the daemon that this is the job's head, and check it holds the job token too
+        (``mtc.shared.auth``)."""
+        client_nonce = auth.new_nonce()
+        hello = self._roundtrip("hello", {"nonce": client_nonce}, (), None, stamp=False)
+        if hello.error is not None:
+            raise RemoteFailure(self.id, hello.error.type, hello.error.message)
+        server_nonce = hello.result.get("nonce") if isinstance(hello.result, dict) else None
+        if not auth.valid_nonce(server_nonce):
+            raise ProtocolError(f"host {self.id}: malformed hello answer")
+        key = self.owner.control_key
+        done = self._roundtrip("auth", {"proof": auth.proof(key, "client", server_nonce, client_nonce)}, (), None,
+                               stamp=False)
+        if done.error is not None:
+            raise RemoteFailure(self.id, done.error.type, done.error.message)
+        got = done.result.get("proof") if isinstance(done.result, dict) else None
+        if not auth.check(auth.proof(key, "server", server_nonce, client_nonce), got):
+            raise AuthenticationError(f"host {self.id} at {self.address} does not hold this job's token: it is not "
+                                      "one of the job's sidecars (a stale cluster spec, or something else on the port)")
 
     def _drop(self) -> None:
         if self.sock is not None:

@@ -66,6 +66,10 @@ class HostUnreachableError(MTCError, ConnectionError):
     """A sidecar daemon cannot be reached, or its connection broke in the middle of a request."""
 
 
+class AuthenticationError(MTCError):
+    """A control request did not prove it comes from this job's head (no or a wrong job token)."""
+
+
 class FencedError(MTCError):
     """A newer head drives these hosts: this head may no longer change them (DESIGN section 13)."""
 

@@ -54,6 +54,8 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_PAYLOAD_BYTES = 1 << 40
 # Payloads per frame: each costs a buffer object, so a header of zeros must not cost gigabytes.
 MAX_PAYLOADS = 1 << 20
+# A header is received this much at a time (and its buffer grown only as bytes arrive).
+_HEADER_CHUNK = 64 << 10
 # Buffers per sendmsg call (Linux IOV_MAX is 1024).
 _MAX_IOV = 512
 
@@ -61,6 +63,7 @@ _MAX_IOV = 512
 OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
                  "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch",
                  "peer_pull", "lease", "claim", "verify", "job"})
+# Before them, on each connection, the handshake (mtc.shared.auth): "hello", then "auth".
 
 Buffer = Any  # bytes-like or C-contiguous numpy array
 Alloc = Callable[[dict, list[int]], Sequence[Buffer]]
@@ -163,11 +166,14 @@ def recv_header(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     if hlen > min(max_header, MAX_HEADER_BYTES):
         raise ProtocolError(f"frame header of {hlen} bytes is over the limit of "
                             f"{min(max_header, MAX_HEADER_BYTES)} bytes; refusing it")
-    raw = bytearray(hlen)
-    got = _recv_into(sock, memoryview(raw))
-    if got < hlen:
-        raise ProtocolError(f"connection closed after {got} of {hlen} bytes of a frame header "
-                            "(peer killed or restarted?)")
+    # Grown as the bytes arrive: a prefix that declares a large header pins no memory by itself.
+    raw = bytearray()
+    while len(raw) < hlen:
+        chunk = sock.recv(min(_HEADER_CHUNK, hlen - len(raw)))
+        if not chunk:
+            raise ProtocolError(f"connection closed after {len(raw)} of {hlen} bytes of a frame header "
+                                "(peer killed or restarted?)")
+        raw += chunk
     header = _decode_header(raw)
     total = sum(header["payloads"])
     if total > max_payload:
@@ -297,9 +303,10 @@ def send_request(sock: socket.socket, req: Request) -> None:
     send_frame(sock, req.header(), req.payloads)
 
 
-def recv_request(sock: socket.socket, *, max_payload: int = MAX_PAYLOAD_BYTES) -> Request | None:
+def recv_request(sock: socket.socket, *, max_payload: int = MAX_PAYLOAD_BYTES,
+                 max_header: int = MAX_HEADER_BYTES) -> Request | None:
     """The next request on ``sock``, or None when the head closed the connection."""
-    frame = recv_frame(sock, max_payload=max_payload)
+    frame = recv_frame(sock, max_payload=max_payload, max_header=max_header)
     return None if frame is None else Request.from_frame(*frame)
 
 

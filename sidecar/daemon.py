@@ -53,8 +53,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from mtc.shared import format as fmt
-from mtc.shared import protocol
-from mtc.shared.errors import MTCError, ProtocolError
+from mtc.shared import auth, protocol
+from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.replication import parse_peers, parse_pulls
@@ -75,12 +75,17 @@ class SidecarDaemon(ThreadedTCPServer):
     then closes the connections and the service.
     """
 
-    def __init__(self, service: SidecarService, *, listen: tuple[str, int] = ("127.0.0.1", 0),
-                 max_payload: int = protocol.MAX_PAYLOAD_BYTES):
-        super().__init__(listen, host_id=service.host_id, kind="control")
+    def __init__(self, service: SidecarService, token: str, *, listen: tuple[str, int] = ("127.0.0.1", 0),
+                 max_payload: int = protocol.MAX_PAYLOAD_BYTES, max_connections: int = 64):
+        if not token:
+            raise ConfigError(f"the control port of host {service.host_id} needs the job token: set {ENV_TOKEN} "
+                              "(the same secret the head and every sidecar of the job have)")
+        super().__init__(listen, host_id=service.host_id, kind="control", max_connections=max_connections)
         self.service = service
+        self._key = auth.control_key(token)
         self._max_payload = max_payload
         self._active = 0  # requests being handled; close() waits for them
+        self.auth_failures = 0
         self._fingerprint: dict | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -119,7 +124,50 @@ class SidecarDaemon(ThreadedTCPServer):
 
     # --- connections -----------------------------------------------------------------------
 
+    def _handshake(self, conn: socket.socket, peer: Any) -> bool:
+        """The control plane's challenge-response (``mtc.shared.auth``); False: close the connection."""
+        server_nonce = auth.new_nonce()
+        try:
+            for step in ("hello", "auth"):
+                req = protocol.recv_request(conn, max_payload=0, max_header=auth.PRE_AUTH_HEADER_BYTES)
+                if req is None:
+                    return False
+                if req.op == "ping" and step == "hello":  # liveness needs no token and changes nothing
+                    self._try_send(conn, Reply(req.id, self._op_ping({}, ())[0]))
+                    return False
+                if req.op != step:
+                    raise ProtocolError(f"expected {step!r} before anything else on a control connection, got "
+                                        f"{req.op!r}: the head must authenticate with the job token")
+                if step == "hello":
+                    client_nonce = req.args.get("nonce")
+                    if not auth.valid_nonce(client_nonce):
+                        raise ProtocolError("hello needs 'nonce': 32 hex digits")
+                    reply = {"nonce": server_nonce, "host": self.service.host_id}
+                else:
+                    if not auth.check(auth.proof(self._key, "client", server_nonce, client_nonce),
+                                      req.args.get("proof")):
+                        raise AuthenticationError(f"host {self.service.host_id}: the control request is not from this "
+                                          f"job's head (wrong or missing job token {ENV_TOKEN}); refused")
+                    reply = {"proof": auth.proof(self._key, "server", server_nonce, client_nonce)}
+                if not self._try_send(conn, Reply(req.id, reply)):
+                    return False
+        except (ProtocolError, AuthenticationError) as e:
+            self.auth_failures += 1
+            log.warning("host %s: refused a control connection from %s: %s", self.service.host_id, peer, e)
+            kind = type(e).__name__
+            self._try_send(conn, Reply(None, error=RemoteError(kind, str(e))))
+            return False
+        except TimeoutError:
+            return False
+        if not self._authenticated(conn):
+            self._try_send(conn, Reply(None, error=RemoteError(
+                "HostUnreachableError", f"host {self.service.host_id} is busy: too many control connections")))
+            return False
+        return True
+
     def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
+        if not self._handshake(conn, peer):
+            return
         while True:
             try:
                 req = protocol.recv_request(conn, max_payload=self._max_payload)
@@ -388,6 +436,7 @@ def serve(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM or SIGINT; returns the exit code."""
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
+    os.umask(0o077)  # least privilege: what the daemon writes (ramdisk, logs, address files) is its own
     host, port = protocol.parse_address(args.listen)
     handlers: list[logging.Handler] = [logging.FileHandler(args.log_file) if args.log_file
                                        else logging.StreamHandler(sys.stderr)]
@@ -396,16 +445,20 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    root = Path(args.root) / "mtc"  # the ramdisk may be shared with other tools
-    service = SidecarService(root, host_id=args.host_id, max_to_keep=args.max_to_keep)
-    daemon = SidecarDaemon(service, listen=(host, port), max_payload=args.max_payload)
     try:
         token = resolve_token(Path(args.peer_token_file).read_text() if args.peer_token_file else None)
-        if token:
-            service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise)
-        else:
-            log.warning("host %s: no peer token (%s or --peer-token-file): the peer tier is off on this host",
-                        args.host_id, ENV_TOKEN)
+    except (OSError, ConfigError) as e:
+        print(f"mtc sidecar: {e}", file=sys.stderr)
+        return 2
+    if not token:
+        print(f"mtc sidecar: no job token: set {ENV_TOKEN} (or --peer-token-file) to the secret the head and every "
+              "sidecar of the job share; the daemon serves no request without it", file=sys.stderr)
+        return 2
+    root = Path(args.root) / "mtc"  # the ramdisk may be shared with other tools
+    service = SidecarService(root, host_id=args.host_id, max_to_keep=args.max_to_keep)
+    daemon = SidecarDaemon(service, token, listen=(host, port), max_payload=args.max_payload)
+    try:
+        service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise)
         address = daemon.start()
         steps = service.steps()
         log.info("host %s: serving %s (pid %d); committed steps found: %s", args.host_id, root, os.getpid(), steps)

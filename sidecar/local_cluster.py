@@ -87,6 +87,14 @@ class _Spawner:
         self._t.join()
 
 
+def _job_token() -> str:
+    """This process's job token (``MTC_PEER_TOKEN``), made and set here when there is none."""
+    token = os.environ.get(ENV_TOKEN, "").strip()
+    if not token:
+        token = os.environ[ENV_TOKEN] = secrets.token_hex(32)
+    return token
+
+
 class LocalCluster:
     """``num_slices`` x ``hosts_per_slice`` sidecar daemons under ``root`` (a context manager).
 
@@ -94,8 +102,10 @@ class LocalCluster:
     (``devices_per_host`` each). ``env`` adds environment variables for the daemons (e.g.
     ``MTC_CRASH_AT``); ``max_to_keep`` is each daemon's ``local_max_to_keep``.
 
-    The daemons share a peer token, generated here (``.peer_token``) and handed to them in
-    their environment (``MTC_PEER_TOKEN``), never on the command line, where ``ps`` shows it.
+    The daemons and the head share the job token: ``MTC_PEER_TOKEN`` of this process when it is
+    set (as a head pod gets it from a Secret), else one generated once per process and put
+    there, so that a head in this process, or one it starts, finds it (``.peer_token``). The
+    daemons get it in their environment, never on the command line, where ``ps`` shows it.
     """
 
     def __init__(self, root: str | os.PathLike, num_slices: int, hosts_per_slice: int, *,
@@ -117,7 +127,7 @@ class LocalCluster:
         self._procs: dict[str, subprocess.Popen] = {}
         self._addresses: dict[str, str] = {}
         self._peer_addresses: dict[str, str] = {}
-        self.peer_token = secrets.token_hex(32)
+        self.peer_token = _job_token()
         self._lock = threading.RLock()
         self._spawner: _Spawner | None = None
         self._started = False
@@ -189,6 +199,7 @@ class LocalCluster:
             self._started = True
             for d in (self.root, self.root / "logs", self.root / "run"):
                 d.mkdir(parents=True, exist_ok=True)
+                d.chmod(0o700)  # least privilege: the weights, logs and addresses are the job's own
             self._spawner = _Spawner()
             atexit.register(self.stop)
             try:
@@ -226,7 +237,8 @@ class LocalCluster:
 
         def popen() -> subprocess.Popen:
             # Output before logging is set up (an import error) lands in the log too.
-            with open(self.log_path(host_id), "ab") as out:
+            fd = os.open(self.log_path(host_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "ab") as out:
                 return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                         close_fds=True)
 

@@ -9,10 +9,13 @@ stays with each server.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -22,21 +25,33 @@ class ThreadedTCPServer:
     """Accept on ``listen``; serve each connection on its own thread with ``_serve_conn``.
 
     ``kind`` names the threads (``mtc-{kind}-accept``, ``mtc-{kind}-{port}``) and the log lines.
-    ``max_connections`` (None: no limit) bounds the connections open at once: one more is closed
-    as soon as it is accepted, so a flood of connections cannot exhaust threads or descriptors.
-    ``idle_timeout_s`` (None: none) is the timeout of each connection's socket operations.
+
+    Connections start unauthenticated; the subclass calls ``_authenticated(conn)`` once one has
+    proven it holds the job token. At most ``max_unauthenticated`` wait for that at once: a new
+    one evicts the oldest, so a flood of idle or slow connections can delay the head's next
+    connection by one handshake at most, never lock it out; each waits ``handshake_timeout_s``
+    per read at most. ``max_connections`` (None: no limit) bounds the authenticated ones.
+    ``idle_timeout_s`` (None: none) is the timeout of an authenticated connection's reads.
+    The accept loop outlives running out of descriptors (EMFILE, ENFILE): it waits and serves
+    on once some are free.
 
     A subclass implements ``_serve_conn``, calls ``_start_accepting`` from its ``start()`` and
     ``_stop`` from its ``close()``.
     """
 
     def __init__(self, listen: tuple[str, int], *, host_id: str, kind: str,
-                 max_connections: int | None = None, idle_timeout_s: float | None = None):
+                 max_connections: int | None = None, idle_timeout_s: float | None = None,
+                 max_unauthenticated: int = 16, handshake_timeout_s: float = 10.0):
         self.host_id = host_id
         self._listen = listen
         self._kind = kind
-        self._slots = None if max_connections is None else threading.BoundedSemaphore(max_connections)
+        self._max_connections = max_connections
+        self._max_unauth = max(1, int(max_unauthenticated))
+        self._handshake_timeout = handshake_timeout_s
+        self._unauth: collections.OrderedDict[socket.socket, None] = collections.OrderedDict()
+        self._authed: set[socket.socket] = set()
         self._idle_timeout = idle_timeout_s
+        self.refused_connections = 0  # evicted or refused (for tests and status)
         self._sock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -80,21 +95,52 @@ class ThreadedTCPServer:
             t.join(timeout=5)
         return True
 
+    def _authenticated(self, conn: socket.socket) -> bool:
+        """Move ``conn`` out of the waiting pool; False (close it) when the authenticated limit is hit."""
+        with self._cond:
+            self._unauth.pop(conn, None)
+            if conn in self._authed:
+                return True
+            if self._max_connections is not None and len(self._authed) >= self._max_connections:
+                self.refused_connections += 1
+                log.warning("host %s: refusing an authenticated %s connection: %d already open",
+                            self.host_id, self._kind, len(self._authed))
+                return False
+            self._authed.add(conn)
+        conn.settimeout(self._idle_timeout)
+        return True
+
     def _accept_loop(self) -> None:
+        short_of_fds = False
         while True:
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return  # listening socket closed
+            except OSError as e:
+                if self._stopping or e.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+                    return  # listening socket closed
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if not short_of_fds:
+                        log.warning("host %s: cannot accept %s connections (%s); waiting for descriptors",
+                                    self.host_id, self._kind, e.strerror)
+                    short_of_fds = True
+                    time.sleep(0.05)
+                    continue
+                continue  # ECONNABORTED and the like: that one connection is gone
+            if short_of_fds:
+                log.info("host %s: accepting %s connections again", self.host_id, self._kind)
+                short_of_fds = False
             with self._cond:
                 if self._stopping:
                     conn.close()
                     return
-                if self._slots is not None and not self._slots.acquire(blocking=False):
-                    log.warning("host %s: refusing a %s connection from %s: %s connections already open",
-                                self.host_id, self._kind, peer, len(self._conns))
-                    conn.close()
-                    continue
+                if len(self._unauth) >= self._max_unauth:
+                    oldest, _ = self._unauth.popitem(last=False)
+                    self.refused_connections += 1
+                    log.warning("host %s: %d %s connections have not authenticated; closing the oldest",
+                                self.host_id, self._max_unauth, self._kind)
+                    with contextlib.suppress(OSError):
+                        oldest.shutdown(socket.SHUT_RDWR)
+                self._unauth[conn] = None
                 self._conns.add(conn)
                 self._threads = [t for t in self._threads if t.is_alive()]
                 t = threading.Thread(target=self._run_conn, args=(conn, peer), name=f"mtc-{self._kind}-{peer[1]}",
@@ -104,14 +150,14 @@ class ThreadedTCPServer:
 
     def _run_conn(self, conn: socket.socket, peer: Any) -> None:
         try:
-            conn.settimeout(self._idle_timeout)
+            conn.settimeout(self._handshake_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies go out at once
             self._serve_conn(conn, peer)
         except OSError:
-            pass  # the peer went away (or close() shut the socket down)
+            pass  # the peer went away (or close() shut the socket down, or it was evicted)
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                self._unauth.pop(conn, None)
+                self._authed.discard(conn)
             conn.close()
-            if self._slots is not None:
-                self._slots.release()

@@ -47,3 +47,23 @@ def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
         # NaN payloads are preserved by a byte copy, but keep values finite for readability.
         out = np.where(np.isfinite(out), out, np.zeros((), dtype)).astype(dtype)
     return out
+
+
+def control_connection(address: str, token: str, timeout: float = 10.0):
+    """A socket to a sidecar daemon's control port, authenticated with ``token`` as a head does
+    (``mtc.shared.auth``); the caller sends requests on it and closes it."""
+    import socket
+
+    from mtc.shared import auth, protocol
+
+    s = socket.create_connection(protocol.parse_address(address), timeout=timeout)
+    c = auth.new_nonce()
+    protocol.send_request(s, protocol.Request("hello", 1, {"nonce": c}))
+    hello = protocol.recv_reply(s)
+    assert hello.error is None, hello.error
+    key, n = auth.control_key(token), hello.result["nonce"]
+    protocol.send_request(s, protocol.Request("auth", 2, {"proof": auth.proof(key, "client", n, c)}))
+    done = protocol.recv_reply(s)
+    assert done.error is None, done.error
+    assert done.result["proof"] == auth.proof(key, "server", n, c)
+    return s

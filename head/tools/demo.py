@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -32,12 +33,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtc.shared.config import ENV_TOKEN
+
 _XLA = "--xla_force_host_platform_device_count=8"
 SLICES, HOSTS, DEVICES_PER_HOST = 2, 2, 2
 MIN_STEPS = 16
 
 
+def _job_token() -> str:
+    """The demo job's token: MTC_PEER_TOKEN when set, else one made once for this demo (its
+    sidecars and its heads get it in their environment, as pods get the job's Secret)."""
+    if not os.environ.get(ENV_TOKEN, "").strip():
+        os.environ[ENV_TOKEN] = secrets.token_hex(32)
+    return os.environ[ENV_TOKEN]
+
+
 def _worker_env() -> dict:
+    _job_token()
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import secrets
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from mtc.shared import backup_layout
-from mtc.shared.config import MTCConfig
+from mtc.shared.config import ENV_TOKEN, MTCConfig
 from mtc.shared.errors import ConfigError, MTCError
 
 
@@ -170,12 +171,14 @@ class _TempDaemons:
 
     def __init__(self, dirs: list[Path]):
         self.tmp = Path(tempfile.mkdtemp(prefix="mtc-status-"))
+        self.token = secrets.token_hex(32)  # these daemons' own job token, for this one question
         self.procs = []
         hosts = []
         for i, d in enumerate(dirs):
             ready = self.tmp / f"h{i}.ready"
             p = subprocess.Popen([sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(d), "--host-id",
-                                  f"h{i}", "--ready-file", str(ready), "--log-file", str(self.tmp / f"h{i}.log")])
+                                  f"h{i}", "--ready-file", str(ready), "--log-file", str(self.tmp / f"h{i}.log")],
+                                 env={**os.environ, ENV_TOKEN: self.token})
             self.procs.append(p)
             hosts.append((f"h{i}", ready))
         rows = []
@@ -227,14 +230,17 @@ def run(args: Any) -> int:
                                       "local_checkpoint_directory the job used")
             temp = _TempDaemons(dirs)
             spec_path = temp.spec_path
+            token = temp.token
         else:
             spec_path = Path(args.cluster_spec)
+            token = ""  # the job's own: MTC_PEER_TOKEN in this environment
         protocol.ClusterSpec.read(spec_path)  # validated: a clear error for a wrong file
         spec = json.loads(Path(spec_path).read_text())
         config = MTCConfig(local_checkpoint_directory=str(args.local_checkpoint_directory[0]
                                                           if args.local_checkpoint_directory else spec_path.parent),
                            cluster_spec=str(spec_path), base_output_directory=args.base_output_directory or "",
-                           run_name=args.run_name or "", replication_factor=args.replication_factor)
+                           run_name=args.run_name or "", replication_factor=args.replication_factor,
+                           peer_token=token)
         # Device ids only name hosts here: status moves no array.
         devices = [SimpleNamespace(id=i) for i in range(sum(h["devices"] for h in spec["hosts"]))]
         dispatch = ClusterDispatcher(config, devices=devices)

@@ -29,8 +29,8 @@ like a blob and is removed when the store next opens.
 from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.sidecar.peer.client import PeerClient
 from mtc.sidecar.peer.server import PeerServer
-from mtc.sidecar.peer.wire import (HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, BadCopyError, receive_blob,
-                                   resolve_token, send_blob_file)
+from mtc.shared.auth import resolve_token
+from mtc.sidecar.peer.wire import HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, BadCopyError, receive_blob, send_blob_file
 
 __all__ = ["ENV_TOKEN", "HAVE_BATCH", "MAX_BLOB_BYTES", "MAX_PEER_HEADER", "MIN_TOKEN_CHARS", "BadCopyError",
            "PeerClient", "PeerServer", "receive_blob", "resolve_token", "send_blob_file"]

@@ -115,6 +115,9 @@ class PeerServer(ThreadedTCPServer):
             req = Request.from_frame(header, ())
             rid = req.id
             self._authenticate(req)
+            if not self._authenticated(conn):
+                raise _Refused(f"host {self.host_id}: peer service busy (too many connections); retry later",
+                               "HostUnreachableError")
             handler = _HANDLERS.get(req.op)
             if handler is None:
                 raise _Refused(f"unknown peer op {req.op!r}; peer ops: {', '.join(sorted(_HANDLERS))}")

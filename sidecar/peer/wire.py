@@ -8,11 +8,9 @@ import mmap
 import os
 import socket
 import threading
-from typing import Any, Mapping
+from typing import Any
 
-from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.shared.errors import (
-    ConfigError,
     CorruptBlobError,
     InsufficientSpaceError,
     ProtocolError,
@@ -31,21 +29,6 @@ MAX_BLOB_BYTES = 1 << 40
 _RECV_CHUNK = 4 << 20
 _HASH_CHUNK = 1 << 20  # hashed while in cache, right after it arrives
 _MAP_MIN = 2 << 20  # smaller blobs are received into the buffer: a map's set-up would dominate
-
-
-def resolve_token(token: str | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """The peer token: ``token`` when given (config ``peer_token``), else ``MTC_PEER_TOKEN``.
-
-    Returns "" when neither is set. A token shorter than 16 characters is refused: it would be
-    guessable (``secrets.token_hex(32)`` makes a good one).
-    """
-    env = os.environ if environ is None else environ
-    value = token if token else env.get(ENV_TOKEN, "")
-    value = value.strip()
-    if value and len(value) < MIN_TOKEN_CHARS:
-        raise ConfigError(f"the peer token (peer_token or {ENV_TOKEN}) has {len(value)} characters; use at least "
-                          f"{MIN_TOKEN_CHARS} random ones, e.g. python -c 'import secrets; print(secrets.token_hex(32))'")
-    return value
 
 
 class BadCopyError(CorruptBlobError):

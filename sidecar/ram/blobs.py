@@ -147,7 +147,7 @@ class BlobFiles:
                 fd, tmp = taken
             else:
                 tmp = temp_name(self.directory)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 try:
                     _presize(fd, n)
@@ -228,7 +228,7 @@ class BlobFiles:
                 fd, path = taken
                 os.rename(path, tmp)  # a plain temp name: finalize/discard accept it
                 return fd, tmp
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         if size is not None:
             try:
                 _presize(fd, int(size))

@@ -70,7 +70,7 @@ class StepCatalog:
         """Write ``final`` atomically; returns its stat (the cache keys of ``committed``)."""
         tmp = temp_name(final.parent, f"{final.name}-")
         try:
-            with open(tmp, "xb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as f:
                 f.write(memoryview(data))
                 f.flush()
                 st = os.fstat(f.fileno())
@@ -87,7 +87,7 @@ class StepCatalog:
 
     def write_pending(self, step: int, host_manifest: bytes) -> None:
         d = self.pending_dir(step)
-        d.mkdir(exist_ok=True)
+        d.mkdir(mode=0o700, exist_ok=True)
         self._atomic_write(d / HOST_JSON, bytes(host_manifest), "the host manifest", step)
 
     def read_pending(self, step: int) -> bytes | None:

@@ -63,8 +63,12 @@ class RamStore:
     # --- layout ------------------------------------------------------------------------
 
     def _make_dirs(self) -> None:
+        # Least privilege: only this process's user may read the weights (0700 folders, 0600 files).
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.chmod(0o700)
         for d in ("blobs", "pending", "steps"):
-            (self.root / d).mkdir(parents=True, exist_ok=True)
+            (self.root / d).mkdir(mode=0o700, exist_ok=True)
+            (self.root / d).chmod(0o700)
 
     def check_layout(self) -> bool:
         """Re-create the layout if the ramdisk was emptied under this process; True when it was.

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import assert_trees_bitwise_equal, random_array
+from helpers import assert_trees_bitwise_equal, control_connection, random_array
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.head.cluster import ClusterDispatcher
 from mtc.head.restore_plan import plan_target
@@ -395,12 +395,12 @@ def test_daemon_refuses_garbage_and_keeps_serving(local_cluster):
     with socket.create_connection(addr, timeout=10) as s:
         s.sendall(protocol.MAGIC + (protocol.MAX_HEADER_BYTES + 1).to_bytes(4, "big"))
         assert "over the limit" in protocol.recv_reply(s).error.message
-    with socket.create_connection(addr, timeout=10) as s:
-        protocol.send_request(s, protocol.Request("read", 1, {"step": "x", "reads": []}))
+    with control_connection(local_cluster.address("s0-h0"), local_cluster.peer_token) as s:
+        protocol.send_request(s, protocol.Request("read", 3, {"step": "x", "reads": []}))
         assert protocol.recv_reply(s).error.type == "ProtocolError"
-        protocol.send_request(s, protocol.Request("rm -rf", 2))
+        protocol.send_request(s, protocol.Request("rm -rf", 4))
         assert "unknown op" in protocol.recv_reply(s).error.message
-        protocol.send_request(s, protocol.Request("ping", 3))  # same connection still serves
+        protocol.send_request(s, protocol.Request("ping", 5))  # same connection still serves
         assert protocol.recv_reply(s).result["host"] == "s0-h0"
 
 

@@ -9,6 +9,8 @@ environment is refused the same way.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import subprocess
 import time
 
@@ -19,6 +21,7 @@ import pytest
 
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.shared import protocol, version
+from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import VersionMismatchError
 
 pytestmark = [pytest.mark.maxtext, pytest.mark.integration]
@@ -48,8 +51,10 @@ def test_colocated_fingerprint_from_the_other_environment_is_refused(maxtext_pyt
 
 def test_a_daemon_from_the_other_environment_is_refused_before_any_byte_moves(maxtext_python, tmp_path):
     root, ready = tmp_path / "ram", tmp_path / "ready.json"
+    token = secrets.token_hex(32)  # the job's token: the daemon authenticates the head before the version check
     proc = subprocess.Popen([maxtext_python, "-m", "mtc.sidecar", "serve", "--root", str(root), "--host-id", "s0-h0",
-                             "--ready-file", str(ready), "--log-file", str(tmp_path / "daemon.log")])
+                             "--ready-file", str(ready), "--log-file", str(tmp_path / "daemon.log")],
+                            env={**os.environ, ENV_TOKEN: token})
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -59,7 +64,7 @@ def test_a_daemon_from_the_other_environment_is_refused_before_any_byte_moves(ma
         protocol.ClusterSpec((protocol.HostSpec("s0-h0", 0, json.loads(ready.read_text())["address"],
                                                 len(jax.devices())),)).write(spec)
         cfg = MTCConfig(local_checkpoint_directory=str(root), cluster_spec=str(spec), local_checkpoint_period=1,
-                        prefetch_on_start=False)
+                        prefetch_on_start=False, peer_token=token)
         with CheckpointManager(cfg) as m:
             with pytest.raises(VersionMismatchError) as info:
                 m.save(1, {"w": jax.numpy.asarray(np.arange(64, dtype=np.float32))})

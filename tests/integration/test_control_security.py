@@ -1,0 +1,239 @@
+"""The control plane against a local attacker (loopback only), with real daemons (DESIGN section 10).
+
+Nobody but the job's head can read, change or stall a checkpoint: every control operation is
+refused without the job token and changes nothing; floods of memory-pinning frames, idle
+connections and descriptor exhaustion leave the daemon serving the head; what the sidecars
+write is readable by their user only.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import stat
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from helpers import assert_trees_bitwise_equal, control_connection, random_array
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.shared import auth, protocol
+from mtc.sidecar.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+# Every operation with arguments that would change or reveal something if it were served.
+ATTACKS = {
+    "fingerprint": {}, "inventory": {}, "manifest": {"step": 1}, "lease": {}, "verify": {"step": 1},
+    "read": {"step": 1, "reads": [["['w']", None]]},
+    "write": {"step": 9, "part": 0, "shards": []},
+    "commit": {"step": 1, "max_to_keep": 1},
+    "abort": {"step": 1},
+    "claim": {"generation": 1 << 62, "head": {"host": "evil", "pid": 1}},
+    "peer_pull": {"step": 1, "pulls": [], "peers": {"x": "127.0.0.1:9"}},
+    "backup_upload": {"backup_url": "/tmp/evil", "blobs": []},
+    "backup_finalize": {"backup_url": "/tmp/evil", "name": "x", "max_to_keep": 1},
+    "backup_listing": {"backup_url": "/tmp/evil"},
+    "backup_manifest": {"backup_url": "/tmp/evil", "name": "x"},
+    "backup_fetch": {"backup_url": "/tmp/evil", "name": "x", "blobs": []},
+    "job": {"job": "0" * 32},
+}
+
+
+def _state(seed: int) -> dict:
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("data", "model"))
+    rng = np.random.default_rng(seed)
+    return {"w": jax.device_put(random_array(rng, (16, 8), np.float32), NamedSharding(mesh, P("data", "model")))}
+
+
+def _snapshot(cluster: LocalCluster) -> dict:
+    """Every file under every host's ramdisk, with its size and mtime: what a request could change."""
+    out = {}
+    for h in cluster.hosts:
+        for p in sorted(cluster.ramdisk(h).rglob("*")):
+            if p.is_file():
+                st = p.stat()
+                out[str(p)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture
+def cluster(ramdisk):
+    with LocalCluster(ramdisk / "cluster", 2, 2, devices_per_host=2) as c:
+        yield c
+
+
+def _manager(cluster: LocalCluster, **kw) -> CheckpointManager:
+    return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
+                                       local_checkpoint_period=1, prefetch_on_start=False, **kw))
+
+
+def test_every_control_operation_without_the_token_is_refused_and_changes_nothing(cluster):
+    state = _state(1)
+    with _manager(cluster) as m:
+        m.save(1, state)
+        m.wait_until_finished()
+    before = _snapshot(cluster)
+    addr = protocol.parse_address(cluster.address("s0-h0"))
+    for op, args in ATTACKS.items():
+        # No handshake at all: refused, and the connection closed.
+        with socket.create_connection(addr, timeout=10) as s:
+            protocol.send_request(s, protocol.Request(op, 1, args))
+            reply = protocol.recv_reply(s)
+            assert reply.error is not None and "authenticate" in reply.error.message, (op, reply)
+            assert s.recv(1) == b""
+        # A wrong token: the proof fails, the operation never runs.
+        with socket.create_connection(addr, timeout=10) as s:
+            c = auth.new_nonce()
+            protocol.send_request(s, protocol.Request("hello", 1, {"nonce": c}))
+            n = protocol.recv_reply(s).result["nonce"]
+            wrong = auth.control_key("not-the-job-token-0123456789")
+            protocol.send_request(s, protocol.Request("auth", 2, {"proof": auth.proof(wrong, "client", n, c)}))
+            reply = protocol.recv_reply(s)
+            assert reply.error is not None and reply.error.type == "AuthenticationError", (op, reply)
+            assert s.recv(1) == b""
+        # A replayed proof from another exchange does not work either (fresh server nonce).
+    assert _snapshot(cluster) == before, "an unauthenticated request changed a ramdisk"
+    with _manager(cluster) as m:  # the real head still restores the saved state
+        assert m.all_steps() == [1]
+        assert_trees_bitwise_equal(state, m.restore())
+
+
+def test_a_head_with_the_wrong_token_is_refused_and_the_real_head_is_unaffected(cluster):
+    state = _state(2)
+    with _manager(cluster) as m:
+        m.save(1, state)
+        m.wait_until_finished()
+    rogue = _manager(cluster, peer_token="a-rogue-head-token-0123456789")
+    with pytest.raises(Exception, match="AuthenticationError|not from this job's head"):
+        rogue.save(2, _state(3))
+        rogue.wait_until_finished()
+    rogue.close()
+    with _manager(cluster) as m:
+        assert m.all_steps() == [1]
+        assert_trees_bitwise_equal(state, m.restore())
+
+
+def test_a_listener_without_the_token_is_not_taken_for_a_sidecar(tmp_path):
+    """Mutual: the head checks the daemon's proof too, so a stray listener on a sidecar's address
+    (a stale spec, another job) never receives the head's shards."""
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    got = []
+
+    def impostor():
+        conn, _ = srv.accept()
+        with conn:
+            hello = protocol.recv_request(conn)
+            protocol.send_reply(conn, protocol.Reply(hello.id, {"nonce": auth.new_nonce(), "host": "s0-h0"}))
+            req = protocol.recv_request(conn)
+            protocol.send_reply(conn, protocol.Reply(req.id, {"proof": "0" * 64}))  # it cannot make the real one
+            try:
+                got.append(protocol.recv_request(conn))
+            except Exception:
+                got.append(None)
+
+    t = threading.Thread(target=impostor, daemon=True)
+    t.start()
+    spec = tmp_path / "cluster.json"
+    protocol.ClusterSpec((protocol.HostSpec("s0-h0", 0, "127.0.0.1:%d" % srv.getsockname()[1], 8),)).write(spec)
+    cfg = MTCConfig(local_checkpoint_directory=str(tmp_path), cluster_spec=str(spec), local_checkpoint_period=1,
+                    prefetch_on_start=False, peer_token="the-real-job-token-0123456789")
+    with CheckpointManager(cfg) as m:
+        with pytest.raises(Exception, match="does not hold this job's token"):
+            m.save(1, _state(4))
+    t.join(10)
+    srv.close()
+    assert got in ([], [None]), f"the head sent a request to an impostor: {got}"
+
+
+def test_frames_that_declare_huge_headers_pin_no_memory_and_the_head_is_served(cluster):
+    pid = cluster.pid("s0-h0")
+    addr = protocol.parse_address(cluster.address("s0-h0"))
+    rss0 = _rss(pid)
+    socks = []
+    try:
+        for _ in range(64):  # 64 x 16 MiB declared: 1 GiB if the daemon allocated what frames claim
+            s = socket.create_connection(addr, timeout=10)
+            s.sendall(protocol.MAGIC + (protocol.MAX_HEADER_BYTES).to_bytes(4, "big") + b"{" * 100)
+            socks.append(s)
+        time.sleep(0.5)
+        grown = _rss(pid) - rss0
+        assert grown < 64 << 20, f"the daemon grew by {grown >> 20} MiB for {len(socks)} 8-byte frame prefixes"
+        state = _state(5)
+        t0 = time.monotonic()
+        with _manager(cluster) as m:  # served at once: the flood holds only the waiting pool
+            m.save(1, state)
+            m.wait_until_finished()
+            assert_trees_bitwise_equal(state, m.restore())
+        assert time.monotonic() - t0 < 30
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_idle_connections_never_lock_the_head_out(cluster):
+    addr = protocol.parse_address(cluster.address("s1-h1"))
+    socks = [socket.create_connection(addr, timeout=10) for _ in range(100)]
+    try:
+        state = _state(6)
+        with _manager(cluster) as m:
+            m.save(1, state)
+            m.wait_until_finished()
+            assert_trees_bitwise_equal(state, m.restore())
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_the_daemon_serves_again_after_running_out_of_descriptors(cluster):
+    pid = cluster.pid("s0-h1")
+    addr = protocol.parse_address(cluster.address("s0-h1"))
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    used = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 8, hard))
+    socks = []
+    try:
+        for _ in range(40):  # far past its descriptors: accept() fails with EMFILE
+            socks.append(socket.create_connection(addr, timeout=10))
+        time.sleep(0.5)
+    finally:
+        for s in socks:
+            s.close()
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    time.sleep(0.3)
+    assert cluster.pid("s0-h1") == pid, "the daemon died"
+    with control_connection(cluster.address("s0-h1"), cluster.peer_token) as s:  # and it serves again
+        protocol.send_request(s, protocol.Request("ping", 3))
+        assert protocol.recv_reply(s).result["host"] == "s0-h1"
+    assert "waiting for descriptors" in cluster.log_path("s0-h1").read_text()
+
+
+def test_what_the_sidecars_write_is_readable_by_their_user_only(cluster):
+    with _manager(cluster) as m:
+        m.save(1, _state(7))
+        m.wait_until_finished()
+    checked = 0
+    for p in [cluster.root, *cluster.root.rglob("*")]:
+        mode = stat.S_IMODE(p.lstat().st_mode)
+        if p.is_dir():
+            assert mode & 0o077 == 0, f"{p} is {oct(mode)}: others can list it"
+        else:
+            assert mode & 0o077 == 0, f"{p} is {oct(mode)}: others can read it"
+        checked += 1
+    blobs = list((cluster.store_root("s0-h0") / "blobs").iterdir())
+    assert blobs and checked > 20
