@@ -406,7 +406,11 @@ class ClusterDispatcher(Dispatcher):
             if len(reply.payloads) != 1:
                 causes.append(f"{h}: no manifest payload")
                 continue
-            return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"step {step} manifest on {h}")
+            try:
+                return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"step {step} manifest on {h}")
+            except ManifestError as e:  # this host's copy is damaged; every host has one
+                log.warning("%s; reading the manifest of step %d from the next host", e, step)
+                causes.append(f"{h}: {e}")
         raise StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
 
     # --- restore ---------------------------------------------------------------------------

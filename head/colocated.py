@@ -235,8 +235,13 @@ class ColocatedDispatcher(Dispatcher):
         return {h: HostInventory.from_wire(h, inv) for h, inv in self._control("inventory")}
 
     def manifest(self, step: int) -> fmt.StepManifest:
-        (host, text), *_ = self._control("manifest", step=step)
-        return fmt.StepManifest.from_json(text, source=f"step {step} manifest on {host}")
+        causes = []
+        for host, text in self._control("manifest", step=step):
+            try:
+                return fmt.StepManifest.from_json(text, source=f"step {step} manifest on {host}")
+            except ManifestError as e:  # this host's copy is damaged; every host has one
+                causes.append(str(e))
+        raise ManifestError(f"no host has a readable manifest of step {step}: " + "; ".join(causes))
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
         all_cpu = list(self._ctl_devices)
