@@ -297,6 +297,9 @@ class Soak:
         self.save_s = 0.5
         self.repairs: list[Callable[[], None]] = []
         self.skip_recovery_time = False
+        # (host, blob) the soak corrupted: a host that finds its copy corrupt removes it, and may keep
+        # the step committed without it (the step stays whole while a copy is left elsewhere).
+        self.flipped: set[tuple[str, str]] = set()
         self.backup_verified: set[str] = set()
         env: dict[str, str] = {}
         try:
@@ -566,7 +569,7 @@ class Soak:
                     continue  # removed or replaced while we read it
                 need = {sh["blob"] for a in doc["arrays"] for sh in a.get("shards", ())
                         if mine & set(sh.get("devices", ()))}
-                missing = need - held
+                missing = need - held - {b for hh, b in self.flipped if hh == h}
                 if missing and p.exists():
                     raise Violation(f"{h}: step {s} is committed without its blobs {sorted(missing)[:3]}")
             if h in self._reachable():
@@ -830,6 +833,7 @@ def fault_flip_ram_blob(s: Soak, r: random.Random, cls: str, d: dict) -> None:
     blob, host = r.choice(choices)
     p = s._ram_blobs(host)[blob]
     _, i = _flip_file(s, p, r)
+    s.flipped.add((host, blob))
     d.update(step=step, host=host, blob=blob[:8], offset=i)
 
 
@@ -845,6 +849,7 @@ def fault_flip_peer_copy(s: Soak, r: random.Random, cls: str, d: dict) -> None:
         return
     blob, host = r.choice(choices)
     _, i = _flip_file(s, s._ram_blobs(host)[blob], r)
+    s.flipped.add((host, blob))
     (owner,) = owners[blob]
     d.update(step=step, host=host, blob=blob[:8], offset=i, owner_replaced=owner)
     # The owner is replaced: the only copy left on the hosts is the corrupt one.
