@@ -57,6 +57,12 @@ class _Pulled:
                  sum(f.get("downloaded", 0) for f in fetched.values()))
 
 
+def _transport(cause: str) -> bool:
+    """Whether a pull failure's cause is the transport's (refused, reset, timed out, busy), not the bytes'."""
+    c = cause.lower()
+    return any(w in c for w in ("refused", "timed out", "timeout", "connection", "unreachable", "busy", "reset"))
+
+
 class Restorer:
     """Restores through ``dispatch``; ``replicate`` re-makes peer copies after a host was refilled."""
 
@@ -251,6 +257,8 @@ class Restorer:
         if not lacking:
             return
         failed: dict[tuple[str, str], list[str]] = {}
+        corrupt: set[str] = set()  # blobs of which some copy failed its hash
+        unreachable: set[tuple[str, str]] = set()  # (host, blob) whose every try failed to connect or answer
         asked: dict[str, list[tuple[str, int, list[str]]]] = {}
         for h, rows in self._strategy.pulls(lacking, holders, manifest.blob_sizes()).items():
             for blob, nbytes, srcs in rows:
@@ -265,15 +273,25 @@ class Restorer:
                 if res.error:
                     for blob, _, _ in asked[h]:
                         failed[(h, blob)] = [f"{h} could not pull: {res.error}"]
+                        unreachable.add((h, blob))
                     continue
+                corrupt.update(b for b, _, _ in res.bad_copies)
                 pulled.add("peer", res.pulled_bytes, res.pulled)
                 pulled.skipped.extend(f"{h} <- {src}: blob {blob}: {cause}" for blob, src, cause in res.bad_copies)
                 for blob, causes in res.failed:
                     failed[(h, blob)] = [f"{src}: {cause}" for src, cause in causes]
+                    if blob not in corrupt and causes and all(_transport(c) for _, c in causes):
+                        unreachable.add((h, blob))
                 pulled.got(h, [b for b, _, _ in asked[h] if b not in res.failed_blobs])
         if not failed:
             return
         if fallback is None:
+            if set(failed) <= unreachable:  # nobody could be reached: busy or down, not corrupt
+                (h, blob), causes = min(failed.items())
+                raise HostUnreachableError(
+                    f"step {step}: host {h} could not reach any peer that holds blob {blob} ({'; '.join(causes)})"
+                    f"{f' and {len(failed) - 1} more' if len(failed) > 1 else ''}: the holders are busy or "
+                    "unreachable, the copies are not known to be bad; retry the restore")
             self._fetch_from_other_backups(step, manifest, failed, pulled, backups)
             return
         log.warning("restore of step %d: %d blobs have no good copy on any peer; fetching them from backup %s",

@@ -7,7 +7,9 @@ Under the backup root ``<base_output_directory>/<run_name>/mtc/``::
     backups/<UTC time>-step-<step>.json   one backup: its step manifest, written last, create-only
     restore.version                   optional: the name of the one backup restore must use
 
-Backup names sort chronologically (UTC time first), so the newest is the greatest.
+Backups are ordered by step, newest first, and only among backups of one step by the time in
+their names: the time is for people, and a host whose clock ran ahead (or behind) changes no
+retention and no choice (``names_from_listing``).
 """
 
 from __future__ import annotations
@@ -52,11 +54,17 @@ def blob_object(blob: str) -> str:
     return f"{BLOBS}{blob}"
 
 
+def order_key(name: str) -> tuple[int, str]:
+    """How backups are ordered: by step, then by the time in the name (same step only)."""
+    m = _NAME_RE.fullmatch(name)
+    return int(m.group(2)), m.group(1)
+
+
 def names_from_listing(objects: list[str]) -> list[str]:
-    """Backup names (newest first) from a listing of ``backups/``."""
+    """Backup names from a listing of ``backups/``, newest step first (see ``order_key``)."""
     out = []
     for obj in objects:
         base = obj[len(BACKUPS):] if obj.startswith(BACKUPS) else obj
         if base.endswith(".json") and is_backup_name(base[:-5]):
             out.append(base[:-5])
-    return sorted(out, reverse=True)
+    return sorted(out, key=order_key, reverse=True)

@@ -55,7 +55,7 @@ class PeerServer(ThreadedTCPServer):
             raise ConfigError(f"the peer service of host {host_id} needs a token: set peer_token or {ENV_TOKEN} "
                               "(the same secret on every sidecar of the job)")
         super().__init__(listen, host_id=host_id, kind="peer", max_connections=max_connections,
-                         idle_timeout_s=idle_timeout_s)
+                         idle_timeout_s=idle_timeout_s, handshake_timeout_s=min(10.0, idle_timeout_s))
         self.store = store
         self._token = token.encode()
         self._advertise = advertise

@@ -59,6 +59,10 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
     not hash to ``name``: every byte was read, so the connection stays usable. A transport error
     leaves the connection unusable; the temp file is removed either way.
     """
+    if not store.fits([nbytes]):  # checked before a byte is reserved or read, as a save checks its own
+        raise InsufficientSpaceError(
+            f"ramdisk {store.root} has no room for blob {name} ({nbytes} bytes) from a peer; nothing was "
+            "reserved. Size the ramdisk for the peer copies too: see `mtc size`")
     fd, tmp = store.open_temp_blob(nbytes)  # reuses a recycled file of that size if there is one
     hasher = new_hasher()
     try:

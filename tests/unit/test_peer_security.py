@@ -284,3 +284,43 @@ def test_nothing_from_the_network_is_unpickled():
         imported = {a.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom) and n.module}
         assert not imported & {"pickle", "cloudpickle", "marshal", "shelve"}, mod.__name__
+
+
+def test_idle_unauthenticated_connections_never_lock_a_peer_out(server, stores):
+    """A flood of connections that send nothing holds only the waiting pool (the oldest go first)."""
+    a, b = stores
+    names = blobs(a, 2)
+    idle = [connect(server) for _ in range(100)]
+    try:
+        with PeerClient(server.address, TOKEN, peer="a") as c:
+            for n in names:
+                assert c.get(b, n) > 0
+        assert all(b.verify_blob(n) for n in names)
+        assert server.refused_connections >= 100 - 16
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_put_larger_than_the_free_space_reserves_nothing(ramdisk):
+    import subprocess
+
+    mnt = ramdisk / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        store = RamStore(mnt / "mtc")
+        with PeerServer(store, TOKEN, host_id="a", max_blob_bytes=1 << 30) as srv:
+            srv.start()
+            free = store.usage()["free_bytes"]
+            with connect(srv) as s:  # claims 1 GiB, sends 10 bytes
+                args = {"token": TOKEN, "blob": "ab" * 16, "mtc": version.MTC_VERSION, "protocol": version.PROTOCOL_VERSION}
+                s.sendall(protocol.frame_head(protocol.Request("put", 1, args).header(), [1 << 30]) + b"x" * 10)
+                refused(s, "no room for blob", kind="InsufficientSpaceError")
+            assert store.usage()["free_bytes"] == free  # nothing reserved
+            assert not [p for p in (store.root / "blobs").iterdir()]
+            fits = blobs(RamStore(ramdisk / "src"), 1, size=1 << 20)[0]
+            with PeerClient(srv.address, TOKEN, peer="a") as c:  # a blob that fits still goes in
+                assert c.put(RamStore(ramdisk / "src"), fits)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
