@@ -108,7 +108,10 @@ class Restorer:
         listing = self.backup_listing()
         if listing["restore_version"]:
             return [self.pinned_backup(listing)[1]]
-        return sorted(set(self.inventory().restorable) | {b["step"] for b in listing["backups"]})
+        inv = self.inventory(listing)
+        steps = set(inv.restorable) | {b["step"] for b in listing["backups"]}
+        whole = self._completed_by_backups(inv, listing, newer_than=max(steps, default=-1), only=None)
+        return sorted(steps | ({whole} if whole is not None else set()))
 
     def pinned_backup(self, listing: dict) -> tuple[str, int]:
         rv = listing["restore_version"]
@@ -136,6 +139,13 @@ class Restorer:
         for b in listing["backups"]:  # newest first: keep the newest backup of each step
             in_backup.setdefault(b["step"], b["name"])
         steps = sorted(set(cluster) | set(in_backup))
+        if step is None or step not in steps:
+            # A step on the hosts whose blobs no host holds are in the backups of other steps (an array
+            # that did not change since) is whole too: the restore fetches those from there.
+            whole = self._completed_by_backups(inv, listing, newer_than=max(steps, default=-1), only=step)
+            if whole is not None:
+                cluster = sorted(set(cluster) | {whole})
+                steps = sorted(set(steps) | {whole})
         # While a host cannot be asked, "not found" may only mean "on the host that is gone".
         lost = (HostUnreachableError("; ".join(f"{h}: {e}" for h, e in sorted(inv.unreachable.items())))
                 if inv.unreachable else None)
@@ -152,6 +162,34 @@ class Restorer:
                                     f"copy on some host or in a backup; committed steps: {steps}"
                                     + inv.note()) from lost
         return step, (None if step in cluster else in_backup[step]), in_backup.get(step), inv
+
+    def _completed_by_backups(self, inv: Inventory, listing: dict, *, newer_than: int,
+                              only: int | None) -> int | None:
+        """The newest step committed on the hosts (newer than ``newer_than``; ``only``, if given)
+        whose blobs that no host holds are all listed by backups; None if there is none."""
+        if inv.unreachable or not listing["backups"]:
+            return None
+        candidates = sorted((s for s, v in inv.views.items() if not v.restorable and s > newer_than
+                             and (only is None or s == only)), reverse=True)
+        in_backups: set[str] | None = None
+        for s in candidates:
+            try:
+                manifest = self._dispatch.manifest(s)
+            except MTCError:
+                continue
+            holders = inv.views[s].by_name(sorted(manifest.blob_names()))
+            if holders is None:
+                continue
+            if in_backups is None:
+                in_backups = set()
+                for name in _names(listing):
+                    try:
+                        in_backups |= self._dispatch.backup_manifest(name).blob_names()
+                    except MTCError as e:
+                        log.warning("backup %s cannot be read (%s); its blobs do not count", name, e)
+            if {b for b, hs in holders.items() if not hs} <= in_backups:
+                return s
+        return None
 
     # --- restore ---------------------------------------------------------------------------
 
