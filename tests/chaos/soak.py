@@ -80,7 +80,7 @@ CRASH_CLASSES = [f"crash:{p}" for p in sorted(CRASH_POINTS)]
 FAULT_CLASSES = [
     "kill_sidecar", *CRASH_CLASSES, "kill_head", "wipe_host", "wipe_slice", "wipe_all",
     "flip_ram_blob", "flip_peer_copy", "flip_backup_blob", "flip_manifest",
-    "gcs_outage", "gcs_outage_head_restart", "ramdisk_full", "slice_lost", "garbage_peer",
+    "gcs_outage", "gcs_outage_head_restart", "ramdisk_full", "slice_lost", "garbage_peer", "net_cut",
 ]
 GCS_ONLY = {"gcs_outage", "gcs_outage_head_restart"}
 
@@ -94,6 +94,72 @@ class Violation(AssertionError):
 
 class HeadDied(RuntimeError):
     pass
+
+
+# --- hosts in their own network namespaces ---------------------------------------------------------
+
+
+class HostNetwork:
+    """Every host in its own network namespace, on one bridge here: ``cut(h)`` takes its link down.
+
+    Addresses ``10.231.N.1`` (the bridge: the head, the bucket) and ``10.231.N.(i + 2)`` (host i); the
+    daemons listen on their own address, so the head and the other hosts reach them over the bridge.
+    """
+
+    def __init__(self, tag: int, hosts: list[str]):
+        self.tag = tag
+        self.net = f"10.231.{tag % 250}"
+        self.bridge = f"mtsb{tag}"
+        self.hosts = {h: (f"mtc-soak-{tag}-{i}", f"mtsv{tag}-{i}", f"{self.net}.{i + 2}") for i, h in enumerate(hosts)}
+        self.up = False
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.net}.1"
+
+    def start(self) -> "HostNetwork":
+        self.up = True  # from the first command on, close() undoes what was made
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for ns, veth, addr in self.hosts.values():
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", self.bridge)
+            _ip("link", "set", veth, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def launch(self, host: str) -> tuple[list[str], str]:
+        ns, _, addr = self.hosts[host]
+        return ["ip", "netns", "exec", ns], addr
+
+    def cut(self, host: str) -> None:
+        _ip("link", "set", self.hosts[host][1], "down")
+
+    def heal(self, host: str) -> None:
+        _ip("link", "set", self.hosts[host][1], "up")
+
+    def close(self) -> None:
+        if not self.up:
+            return
+        for ns, _, _ in self.hosts.values():
+            _ip("netns", "del", ns, check=False)  # its veth pair goes with it
+        _ip("link", "del", self.bridge, check=False)
+        self.up = False
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise OSError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+def leftover_netns(tag_prefix: str = "mtc-soak-") -> list[str]:
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.startswith(tag_prefix)]
 
 
 # --- the head process -----------------------------------------------------------------------------
@@ -302,10 +368,23 @@ class Soak:
         self.flipped: set[tuple[str, str]] = set()
         self.backup_verified: set[str] = set()
         env: dict[str, str] = {}
+        self.net = None
         try:
+            root = seg / "cluster"
+            root.mkdir()
+            names = [f"s{s}-h{h}" for s in range(slices) for h in range(hosts)]
+            self.tmpfs = self._mount_ramdisks(root, names)
+            if self.tmpfs and shutil.which("ip"):
+                net = HostNetwork((os.getpid() + k) % 1000, names)
+                try:
+                    self.net = net.start()
+                except OSError as e:
+                    self.out(f"  (no network namespaces: {e}; net_cut is not drawn)")
+                    net.close()
             if backend == "gcs":
                 (seg / "gcs").mkdir()
-                self.server = EmulatorServer(FAKE_GCS, seg / "gcs", persistent=True, default_bucket=BUCKET)
+                self.server = EmulatorServer(FAKE_GCS, seg / "gcs", persistent=True, default_bucket=BUCKET,
+                                             host=self.net.gateway if self.net else "127.0.0.1")
                 self.server.start()
                 env["STORAGE_EMULATOR_HOST"] = self.server.url
                 base = f"gs://{BUCKET}/base"
@@ -313,12 +392,8 @@ class Soak:
             else:
                 base = str(seg / "backup")
                 self.backup = BackupView("local", root=seg / "backup" / RUN / "mtc")
-            root = seg / "cluster"
-            root.mkdir()
-            names = [f"s{s}-h{h}" for s in range(slices) for h in range(hosts)]
-            self.tmpfs = self._mount_ramdisks(root, names)
             self.cluster = LocalCluster(root, slices, hosts, devices_per_host=DEVICES_PER_HOST, max_to_keep=2,
-                                        env=env).start()
+                                        env=env, launch=self.net.launch if self.net else None).start()
             self.config = dict(local_checkpoint_directory=str(root), local_checkpoint_period=1,
                                base_output_directory=base, run_name=RUN,
                                multi_tier_checkpointing_backup_interval_steps=1, backup_max_to_keep=3,
@@ -363,6 +438,8 @@ class Soak:
             self.cluster.stop()
         if self.server is not None:
             self.server.stop()
+        if getattr(self, "net", None) is not None:
+            self.net.close()
         for d in reversed(self.mounts):
             subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True)
         self.mounts.clear()
@@ -602,9 +679,7 @@ class Soak:
                 if c.status() != psutil.STATUS_ZOMBIE and c.pid not in expected:
                     raise Violation(f"a process was left behind: pid {c.pid} {c.cmdline()[:4]}")
         for h in self._reachable():
-            p = psutil.Process(self.cluster.pid(h))
-            fds = p.num_fds()
-            socks = len(p.net_connections(kind="inet"))
+            fds, socks = _fds(self.cluster.pid(h))
             self.max_seen["fds"] = max(self.max_seen["fds"], fds)
             self.max_seen["sockets"] = max(self.max_seen["sockets"], socks)
             if fds > MAX_DAEMON_FDS or socks > MAX_DAEMON_SOCKETS:
@@ -623,6 +698,8 @@ class Soak:
             if c in GCS_ONLY and self.server is None:
                 continue
             if c == "ramdisk_full" and not self.tmpfs:
+                continue
+            if c == "net_cut" and self.net is None:
                 continue
             out.append(c)
         return out
@@ -670,6 +747,21 @@ class Soak:
             rows.append([c, str(s.injected), str(s.survived), str(s.restores), str(s.wrong), str(s.lost),
                          f"{statistics.median(t):.1f}" if t else "-", f"{max(t):.1f}" if t else "-"])
         return rows
+
+
+def _fds(pid: int) -> tuple[int, int]:
+    """(open files, of which sockets) of a process, from /proc (in any network namespace)."""
+    n = socks = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            n += 1
+            socks += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return n, socks
+
+
+def k_max(soak: "Soak") -> int:
+    """How many segments the run started (for the leftover check of their network namespaces)."""
+    return len(list(soak.workdir.glob("seg*"))) + 1 if soak.workdir.exists() else 64
 
 
 def _step_of(p: Path) -> int | None:
@@ -1056,6 +1148,29 @@ def _send_garbage(host: str, port: int, kind: str, r: random.Random) -> None:
             sock.recv(1 << 16)
 
 
+def fault_net_cut(s: Soak, r: random.Random, cls: str, d: dict) -> None:
+    """One host cut off from the network (its link down) for a while, in the middle of a save."""
+    victim = r.choice(s.live)
+    delay = round(r.uniform(0, 1.0) * s.save_s, 3)
+    cut_s = round(r.uniform(0.5, 4.0), 2)
+    d.update(host=victim, after_s=delay, cut_s=cut_s)
+    s.step += 1
+    a = s._save(s.step)
+    time.sleep(delay)
+    s.net.cut(victim)
+    try:
+        time.sleep(cut_s)
+    finally:
+        s.net.heal(victim)
+    if a["ok"]:
+        a = s._wait(s.step)
+    else:
+        s.failed.add(s.step)
+    d["save"] = "ok" if a["ok"] else "failed"
+    if not a["ok"] and set(a["hosts"]) - {victim}:
+        raise Violation(f"the save failed on {a['hosts']}, but only {victim} was cut off: {a['message']}")
+
+
 FAULTS: dict[str, Callable] = {
     "kill_sidecar": fault_kill_sidecar, "crash": fault_crash, "kill_head": fault_kill_head,
     "wipe_host": fault_wipe_host, "wipe_slice": fault_wipe_slice, "wipe_all": fault_wipe_all,
@@ -1063,6 +1178,7 @@ FAULTS: dict[str, Callable] = {
     "flip_backup_blob": fault_flip_backup_blob, "flip_manifest": fault_flip_manifest,
     "gcs_outage": fault_gcs_outage, "gcs_outage_head_restart": fault_gcs_outage_head_restart,
     "ramdisk_full": fault_ramdisk_full, "slice_lost": fault_slice_lost, "garbage_peer": fault_garbage_peer,
+    "net_cut": fault_net_cut,
 }
 
 HEADER = ["fault class", "injected", "survived", "restores checked", "wrong restores", "lost committed steps",
@@ -1116,8 +1232,11 @@ def run_soak(seed: int, *, minutes: float | None = None, trials: int | None = No
         leftovers = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                   if str(workdir) in line]
-        if leftovers or mounts:
-            raise Violation(f"left behind: processes {[c.pid for c in leftovers]}, mounts {mounts}")
+        namespaces = [n for n in leftover_netns() if n.startswith(f"mtc-soak-")
+                      and n.split("-")[2] in {str((os.getpid() + k) % 1000) for k in range(max(1, k_max(soak)))}]
+        if leftovers or mounts or namespaces:
+            raise Violation(f"left behind: processes {[c.pid for c in leftovers]}, mounts {mounts}, "
+                            f"network namespaces {namespaces}")
     return soak
 
 
