@@ -395,28 +395,29 @@ class ClusterDispatcher(Dispatcher):
             results[h] = HostInventory.unreachable(h, cause(e))
         return {h: results[h] for h in self._hosts}
 
-    def manifest(self, step: int) -> fmt.StepManifest:
+    def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
         causes = []
         for h in self._hosts:
             try:
                 reply = self._call(h, "manifest", {"step": step})
-            except (RemoteFailure, HostUnreachableError) as e:
+                if len(reply.payloads) != 1:
+                    causes.append(f"{h}: no manifest payload")
+                    continue
+                m = fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"step {step} manifest on {h}")
+            except (RemoteFailure, HostUnreachableError, ManifestError) as e:
                 causes.append(f"{h}: {cause(e)}")
                 continue
-            if len(reply.payloads) != 1:
-                causes.append(f"{h}: no manifest payload")
+            if digest is not None and m.digest != digest:
+                causes.append(f"{h}: its copy differs from the one the other hosts agree on")
                 continue
-            try:
-                return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"step {step} manifest on {h}")
-            except ManifestError as e:  # this host's copy is damaged; every host has one
-                log.warning("%s; reading the manifest of step %d from the next host", e, step)
-                causes.append(f"{h}: {e}")
+            return m
         raise StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
 
     # --- restore ---------------------------------------------------------------------------
 
-    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
-        return self._loader.load(step, requests, holders)
+    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
+             manifest: str | None = None) -> list[Any]:
+        return self._loader.load(step, requests, holders, manifest)
 
     def _host_or_none(self, device_id: int) -> str | None:
         try:

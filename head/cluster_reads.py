@@ -53,8 +53,11 @@ class ClusterLoader:
 
     def __init__(self, dispatcher: "ClusterDispatcher"):
         self._d = dispatcher
+        self._manifest: str | None = None  # the digest reads are checked against (set per load)
 
-    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
+    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
+             manifest: str | None = None) -> list[Any]:
+        self._manifest = manifest
         reads: list[_Read] = []
         layouts: list[tuple[dict, dict] | np.ndarray] = []
         for r in requests:
@@ -140,7 +143,10 @@ class ClusterLoader:
             return out
 
         reads = [[r.key, [list(p) for p in r.box]] for r in batch]
-        reply = self._d._call(h, "read", {"step": step, "reads": reads}, alloc=alloc)
+        args = {"step": step, "reads": reads}
+        if self._manifest is not None:
+            args["manifest"] = self._manifest
+        reply = self._d._call(h, "read", args, alloc=alloc)
         failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
         for i, buf in tmp.items():
             if i not in failed and buf.nbytes:

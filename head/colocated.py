@@ -24,7 +24,7 @@ from mtc.shared import format as fmt
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import ManifestError, MTCError
+from mtc.shared.errors import ManifestError, MTCError, StepNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -234,16 +234,21 @@ class ColocatedDispatcher(Dispatcher):
     def inventories(self) -> dict[str, HostInventory]:
         return {h: HostInventory.from_wire(h, inv) for h, inv in self._control("inventory")}
 
-    def manifest(self, step: int) -> fmt.StepManifest:
+    def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
         causes = []
         for host, text in self._control("manifest", step=step):
             try:
-                return fmt.StepManifest.from_json(text, source=f"step {step} manifest on {host}")
-            except ManifestError as e:  # this host's copy is damaged; every host has one
-                causes.append(str(e))
-        raise ManifestError(f"no host has a readable manifest of step {step}: " + "; ".join(causes))
+                m = fmt.StepManifest.from_json(text, source=f"step {step} manifest on {host}")
+            except ManifestError as e:
+                causes.append(f"{host}: {e}")
+                continue
+            if digest is None or m.digest == digest:
+                return m
+            causes.append(f"{host}: its copy differs from the one the other hosts agree on")
+        raise StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
 
-    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
+    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
+             manifest: str | None = None) -> list[Any]:
         all_cpu = list(self._ctl_devices)
         groups: dict[tuple, list[int]] = {}
         specs: list[dict] = []
@@ -267,7 +272,8 @@ class ColocatedDispatcher(Dispatcher):
             out_specs = tuple(
                 jax.ShapeDtypeStruct(tuple(specs[i]["shape"]), fmt.dtype_from_name(specs[i]["dtype"]),
                                      sharding=cpu_shardings[i]) for i in idxs)
-            req = self._request_array({"step": step, "arrays": [specs[i] for i in idxs]}, list(devices))
+            req = self._request_array({"step": step, "arrays": [specs[i] for i in idxs], "manifest": manifest},
+                                      list(devices))
             fn = self._obj.load.specialize(out_specs_fn=lambda r, _o=out_specs: _o)
             arrays = fn(req)
             for i, arr in zip(idxs, arrays):

@@ -70,6 +70,7 @@ class StepHolding:
     step_blobs: int
     digest: str
     held: str
+    manifest: str = ""  # the digest of this host's copy of the step manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +101,11 @@ class HostInventory:
                     or not isinstance(s.get("held"), str):
                 raise errors.ProtocolError(f"host {host}: inventory of step {s['step']} lacks its blob bitmap; "
                                            "run the same mtc version on the head and every sidecar")
+            manifest = s.get("manifest", "")
+            if not isinstance(manifest, str):
+                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'manifest' is not a digest")
             steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
-                                     s["held"]))
+                                     s["held"], manifest))
         return cls(host=host, steps=tuple(steps))
 
 
@@ -194,12 +198,17 @@ class Dispatcher(abc.ABC):
         """host id -> what it holds; an unreachable host has an ``error`` and no steps."""
 
     @abc.abstractmethod
-    def manifest(self, step: int) -> fmt.StepManifest:
-        """The committed step manifest of ``step`` (from any host that holds it)."""
+    def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
+        """The committed step manifest of ``step`` from a host that holds it (with ``digest``: a
+        copy with that digest; a host whose copy differs is passed over)."""
 
     @abc.abstractmethod
-    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None) -> list[Any]:
+    def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
+             manifest: str | None = None) -> list[Any]:
         """Restore: one jax.Array (or numpy array) per request, with the target sharding.
+
+        ``manifest`` (the digest of the step manifest the requests come from): hosts whose copy
+        differs read nothing (a missing copy, never data).
 
         ``holders`` (blob -> hosts, from the inventories) says where each saved shard is now.
         After an elastic resize a device id no longer names the host that wrote its shard.

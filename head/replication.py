@@ -154,6 +154,7 @@ class StepView:
     holders: tuple[frozenset, ...]
     hosts: tuple[str, ...]  # hosts that have the step committed
     whole: tuple[str, ...] = ()  # those of them that hold all of their own share of it
+    manifest: str = ""  # the digest of the step manifest these hosts agree on
 
     @property
     def restorable(self) -> bool:
@@ -180,7 +181,7 @@ def step_views(inventories: Mapping[str, HostInventory]) -> dict[int, StepView]:
             continue
         for s in inv.steps:
             bits = protocol.decode_bitmap(s.held, s.step_blobs)
-            sets, hosts = groups.setdefault(s.step, {}).setdefault((s.step_blobs, s.digest),
+            sets, hosts = groups.setdefault(s.step, {}).setdefault((s.step_blobs, s.digest, s.manifest),
                                                                    ([set() for _ in range(s.step_blobs)], []))
             hosts.append(host)
             if s.local_blobs == s.blobs:
@@ -190,12 +191,16 @@ def step_views(inventories: Mapping[str, HostInventory]) -> dict[int, StepView]:
                     sets[i].add(host)
     out = {}
     for step, by_digest in groups.items():
-        (n, digest), (sets, hosts) = max(by_digest.items(), key=lambda kv: (len(kv[1][1]), kv[0][1]))
+        # The version most hosts share; a host whose manifest differs (tampered, or from another save)
+        # holds nothing of the step as far as restore is concerned.
+        (n, digest, manifest), (sets, hosts) = max(by_digest.items(),
+                                                   key=lambda kv: (len(kv[1][1]), kv[0][1], kv[0][2]))
         if len(by_digest) > 1:
-            log.warning("step %d: hosts disagree on its blob list (%d versions); using the one of %s", step,
-                        len(by_digest), sorted(hosts))
+            others = sorted(h for k, (_, hs) in by_digest.items() if k != (n, digest, manifest) for h in hs)
+            log.warning("step %d: hosts disagree on its manifest (%d versions); using the one of %s, not the one "
+                        "of %s", step, len(by_digest), sorted(hosts), others)
         out[step] = StepView(step, digest, tuple(frozenset(s) for s in sets), tuple(sorted(hosts)),
-                             tuple(sorted(whole.get(step, set()) & set(hosts))))
+                             tuple(sorted(whole.get(step, set()) & set(hosts))), manifest)
     return out
 
 

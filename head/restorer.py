@@ -174,7 +174,7 @@ class Restorer:
         in_backups: set[str] | None = None
         for s in candidates:
             try:
-                manifest = self._dispatch.manifest(s)
+                manifest = self._manifest(s, None, inv.views[s].manifest or None)
             except MTCError:
                 continue
             holders = inv.views[s].by_name(sorted(manifest.blob_names()))
@@ -199,7 +199,9 @@ class Restorer:
         listing = self.backup_listing()
         step, backup_name, fallback, inv = self.choose_step(step, listing)
         t1 = time.perf_counter()
-        manifest = self._manifest(step, backup_name)
+        view = inv.views.get(step) if backup_name is None else None
+        agreed = view.manifest if view is not None and view.manifest else None
+        manifest = self._manifest(step, backup_name, agreed)
         requests, finish = plan_target(manifest, target, partial)
         pulled = _Pulled()
         plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing))
@@ -214,7 +216,7 @@ class Restorer:
         if counted:  # where those bytes really came from
             for tier in ("peer", "backup"):
                 pulled.add(tier, prefetched.bytes_by_tier.get(tier, 0), prefetched.blobs_by_tier.get(tier, 0))
-        arrays = self._dispatch.load(step, requests, holders)
+        arrays = self._dispatch.load(step, requests, holders, agreed)
         t2 = time.perf_counter()
         result = finish(arrays)
         (needed_bytes, needed_blobs), p = needed, pulled
@@ -228,8 +230,10 @@ class Restorer:
                  sum(r.record.nbytes for r in requests))
         return result, report
 
-    def _manifest(self, step: int, backup_name: str | None) -> fmt.StepManifest:
-        return self._dispatch.manifest(step) if backup_name is None else self._dispatch.backup_manifest(backup_name)
+    def _manifest(self, step: int, backup_name: str | None, digest: str | None = None) -> fmt.StepManifest:
+        if backup_name is not None:
+            return self._dispatch.backup_manifest(backup_name)
+        return self._dispatch.manifest(step, digest)
 
     def prefetch(self, closing: Callable[[], bool]) -> PrefetchReport | None:
         """Bring the newest restorable step local, in the layout it was saved with.
@@ -242,7 +246,8 @@ class Restorer:
         t0 = time.perf_counter()
         listing = self.backup_listing()
         step, backup_name, fallback, inv = self.choose_step(None, listing)
-        manifest = self._manifest(step, backup_name)
+        view = inv.views.get(step) if backup_name is None else None
+        manifest = self._manifest(step, backup_name, view.manifest if view is not None and view.manifest else None)
         requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
         if closing():  # closed before anything moved: a job that did not want it
             return None

@@ -8,13 +8,13 @@ cluster-mode daemon) share one base image; ``mtc-colocated-sidecar`` (colocated 
 Pathways, what ``mtc manifests render`` runs on the workers) is built on Google's colocated
 Python sidecar image (``--colocated-base``), whose tag must carry the lock's python and jax.
 
-    python images/build.py lock                      # re-resolve requirements.lock (pip --dry-run --report)
+    python images/build.py lock [--check]            # re-resolve requirements.lock (uv pip compile), or repeat it
     python images/build.py tags [--registry R]       # the three image references
-    python images/build.py build [--registry R] [--colocated-base IMAGE] [--dry-run]
+    python images/build.py build [--registry R] [--colocated-base IMAGE] [--engine podman] [--dry-run]
     python images/build.py check [--lock FILE]       # lock, Dockerfiles and this environment agree
 
-Runs with any Python >= 3.11 (tomllib); only ``check`` needs mtc installed (it compares with
-``mtc.shared.version.fingerprint()``).
+Runs with any Python >= 3.11 (tomllib); ``lock`` needs uv (``pip install uv``), and only ``check``
+needs mtc installed (it compares with ``mtc.shared.version.fingerprint()``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import argparse
 import ast
 import dataclasses
 import hashlib
-import json
+import importlib.util
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +53,7 @@ DIST = IMAGES / "dist"  # the mtc wheel goes here; "dist/" is git-ignored
 
 # The base image of mtc-head and mtc-sidecar, pinned by tag. Its Python minor is the lock's Python and
 # its glibc (Debian bookworm: 2.36) bounds the manylinux wheels the lock may pick.
-BASE_IMAGE = "python:3.11.14-slim-bookworm"
+BASE_IMAGE = "python:3.12.12-slim-bookworm"
 GLIBC = (2, 36)
 ARCH = "x86_64"  # TPU and GPU hosts of Pathways are x86_64; the lock has hashes for one platform
 
@@ -197,10 +199,14 @@ def colocated_base_problem(lock: Lock, base: str) -> str | None:
 
 
 def docker_commands(lock: Lock, lock_text: str, registry: str = "",
-                    revision: str | None = None, colocated_base: str = "") -> list[list[str]]:
-    """One ``docker build`` command per image, run from the repository root with ``images/``
-    as the context (it holds the lock and ``dist/`` with the wheel, nothing else is sent).
-    The colocated sidecar is built on ``colocated_base``, and left out without one."""
+                    revision: str | None = None, colocated_base: str = "", *, engine: str = "docker",
+                    base: str = "", context: str | None = None,
+                    options: Sequence[str] = ()) -> list[list[str]]:
+    """One ``<engine> build`` command per image, run from the repository root with ``images/``
+    (or ``context``) as the context: it holds the lock and ``dist/`` with the wheel, nothing else
+    is sent. ``base`` replaces the lock's base image of mtc-head and mtc-sidecar (a local image
+    with the same Python minor, say); the colocated sidecar is built on ``colocated_base``, and
+    left out without one. ``options`` go to every build command as they are."""
     refs = image_refs(lock, registry)
     cmds = []
     for role, dockerfile in DOCKERFILES.items():
@@ -209,13 +215,15 @@ def docker_commands(lock: Lock, lock_text: str, registry: str = "",
             if not colocated_base:
                 continue
             args["BASE_IMAGE"] = colocated_base
-        cmd = ["docker", "build", "--platform", f"linux/{'amd64' if ARCH == 'x86_64' else ARCH}",
-               "--file", str(dockerfile.relative_to(REPO)), "--tag", refs[role]]
+        elif base:
+            args["BASE_IMAGE"] = base
+        cmd = [engine, "build", "--platform", f"linux/{'amd64' if ARCH == 'x86_64' else ARCH}",
+               "--file", str(dockerfile.relative_to(REPO)), "--tag", refs[role], *options]
         for key, value in args.items():
             cmd += ["--build-arg", f"{key}={value}"]
         if revision:
             cmd += ["--label", f"org.opencontainers.image.revision={revision}"]
-        cmd.append(str(IMAGES.relative_to(REPO)))
+        cmd.append(context or str(IMAGES.relative_to(REPO)))
         cmds.append(cmd)
     return cmds
 
@@ -277,56 +285,116 @@ def platforms(glibc: tuple[int, int] = GLIBC, arch: str = ARCH) -> list[str]:
 
 # ----------------------------------------------------------------------------- subcommands
 
-def resolve(requirements: Sequence[str], python: str) -> list[dict]:
-    """Run pip's resolver for the image platform; the ``install`` list of its JSON report."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--report", str(report), "--only-binary=:all:", "--python-version", python,
-               "--implementation", "cp", "--abi", "cp" + python.replace(".", "")]
-        for p in platforms():
-            cmd += ["--platform", p]
-        subprocess.run(cmd + list(requirements), check=True)
-        return json.loads(report.read_text())["install"]
+def uv_command() -> list[str]:
+    """How to run uv: ``$MTC_UV``, else ``uv`` on PATH, else ``python -m uv`` (pip install uv)."""
+    if os.environ.get("MTC_UV"):
+        return shlex.split(os.environ["MTC_UV"])
+    found = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
+    if found:
+        return [found]
+    if importlib.util.find_spec("uv") is not None:
+        return [sys.executable, "-m", "uv"]
+    raise LockError("the lock is resolved with uv, which is not installed: pip install uv (or set MTC_UV)")
 
 
-def render_lock(installs: Sequence[dict], requirements: Sequence[str], python: str,
-                mtc: str, protocol: str) -> str:
-    """The lock text for pip's ``install`` report entries, sorted by name."""
+class LockError(RuntimeError):
+    """The lock cannot be resolved or checked (uv missing, resolution failed)."""
+
+
+def utc_now() -> str:
+    """Now, to the second, in the form the lock header records (``2026-12-01T10:30:00Z``)."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def resolve(requirements: Sequence[str], python: str, exclude_newer: str) -> str:
+    """uv's lock text (exact pins, every file's sha256) for ``requirements`` on the image platform.
+
+    uv resolves for a target that need not be the interpreter running this (``--python-version``,
+    ``--python-platform``: markers are evaluated for the image, not for here), only from wheels
+    (the images install with ``--only-binary=:all:``), and only from files uploaded before
+    ``exclude_newer``: the same requirements and date give the same lock on any machine, which is
+    what ``lock --check`` proves. No uv or pip configuration of this machine is read, and no cached
+    index page (``--refresh``: a stale one once gave an older ml-dtypes than the index held).
+    """
+    cmd = uv_command() + [
+        "pip", "compile", "-", "--quiet", "--no-config", "--refresh", "--no-header", "--no-annotate", "--generate-hashes",
+        "--only-binary", ":all:", "--python-version", python,
+        "--python-platform", f"{ARCH}-manylinux_{GLIBC[0]}_{GLIBC[1]}", "--exclude-newer", exclude_newer]
+    out = subprocess.run(cmd, input="\n".join(requirements) + "\n", capture_output=True, text=True)
+    if out.returncode != 0:
+        raise LockError(f"uv could not resolve {' '.join(requirements)} for Python {python} "
+                        f"(exit {out.returncode}):\n{out.stderr.strip()}")
+    return out.stdout
+
+
+def render_lock(resolved: str, requirements: Sequence[str], python: str, mtc: str, protocol: str,
+                exclude_newer: str) -> str:
+    """The lock file: a header that says what was resolved, for what, and how, then uv's pins."""
     lines = [
         "# images/requirements.lock: generated by `python images/build.py lock`; do not edit.",
-        "# The head and the sidecar image both install exactly this",
+        "# The head and the sidecar images all install exactly this",
         "# (pip install --require-hashes --no-deps), then the mtc wheel with --no-deps.",
+        "# `python images/build.py lock --check` resolves it again from the fields below.",
         f"# base-image: {BASE_IMAGE}",
         f"# python: {python}",
-        f"# platform: manylinux_{GLIBC[0]}_{GLIBC[1]}_{ARCH} (glibc of the base image)",
+        f"# platform: {ARCH}-manylinux_{GLIBC[0]}_{GLIBC[1]} (glibc of the base image)",
+        f"# exclude-newer: {exclude_newer}",
         f"# mtc: {mtc}",
         f"# protocol: {protocol}",
         f"# requires: {' '.join(sorted(requirements))}",
         "",
     ]
-    for item in sorted(installs, key=lambda i: normalize(i["metadata"]["name"])):
-        name = normalize(item["metadata"]["name"])
-        version = item["metadata"]["version"]
-        digest = item["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")
-        if not digest:
-            raise ValueError(f"pip reported no sha256 for {name}=={version}; cannot lock it")
-        lines += [f"{name}=={version} \\", f"    --hash=sha256:{digest}"]
-    return "\n".join(lines) + "\n"
+    body = [line for line in resolved.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    text = "\n".join(lines + body) + "\n"
+    lock = parse_lock(text)
+    missing = sorted(n for n, h in lock.hashes.items() if not h)
+    if missing:
+        raise LockError(f"uv gave no sha256 for {', '.join(missing)}; the images install with --require-hashes")
+    return text
 
 
 def cmd_lock(args: argparse.Namespace) -> int:
     python = python_minor_of_image(BASE_IMAGE)
-    running = f"{sys.version_info.major}.{sys.version_info.minor}"
-    if python != running:
-        # pip evaluates environment markers against the running interpreter, not --python-version.
-        print(f"error: run `lock` with Python {python} (the base image's), not {running}", file=sys.stderr)
+    path = Path(args.lock)
+    reqs = runtime_requirements() + list(args.constraint)
+    if args.check:
+        try:
+            old = read_lock(path)
+        except (OSError, ValueError) as e:
+            print(f"error: cannot read the lock {path}: {e}", file=sys.stderr)
+            return 1
+        exclude_newer = old.header.get("exclude-newer", "")
+        if not exclude_newer:
+            print(f"error: {path} records no '# exclude-newer:' date, so its resolution cannot be repeated; "
+                  "run python images/build.py lock", file=sys.stderr)
+            return 1
+        reqs = old.header.get("requires", "").split()
+    else:
+        exclude_newer = args.exclude_newer or utc_now()
+    try:
+        text = render_lock(resolve(reqs, python, exclude_newer), reqs, python, project()["version"],
+                           protocol_version(), exclude_newer)
+    except LockError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    reqs = runtime_requirements()
-    text = render_lock(resolve(reqs, python), reqs, python, project()["version"], protocol_version())
-    Path(args.lock).write_text(text)
     lock = parse_lock(text)
-    print(f"wrote {args.lock}: {len(lock.pins)} pins, jax {lock.jax}, tag {tag(lock)}")
+    if args.check:
+        if text != path.read_text():
+            import difflib
+
+            diff = difflib.unified_diff(path.read_text().splitlines(), text.splitlines(), str(path),
+                                        f"resolved again (exclude-newer {exclude_newer})", lineterm="", n=0)
+            print("\n".join(list(diff)[:40]))
+            print(f"{path} differs from what uv resolves today with the same requirements and date; "
+                  "run python images/build.py lock to re-lock", file=sys.stderr)
+            return 1
+        print(f"ok: {path} is reproduced exactly: {len(lock.pins)} pins, resolved with files before "
+              f"{exclude_newer}, tag {tag(lock)}")
+        return 0
+    path.write_text(text)
+    print(f"wrote {path}: {len(lock.pins)} pins, jax {lock.jax}, tag {tag(lock)} (files before {exclude_newer})")
     return 0
 
 
@@ -347,29 +415,43 @@ def _git_revision() -> str | None:
     return out.stdout.strip() or None
 
 
-def _docker_engine() -> bool:
-    """True when a docker CLI is installed and its engine answers (a CLI alone builds nothing)."""
-    if shutil.which("docker") is None:
+def engine_answers(engine: str) -> bool:
+    """True when ``engine`` (docker or podman) is installed and answers (a CLI alone builds nothing)."""
+    if shutil.which(engine) is None:
         return False
     try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+        return subprocess.run([engine, "info"], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
+# A fixed time for every file in the wheel: the same source gives the same wheel, byte for byte,
+# so an image rebuilt from an unchanged checkout hits the build cache at `COPY dist/*.whl`.
+WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can carry
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     lock_path = Path(args.lock)
-    if lock_path.resolve() != LOCK:
-        print("error: build installs images/requirements.lock (the Dockerfiles COPY it); "
-              "--lock only applies to tags and check", file=sys.stderr)
+    default_lock = lock_path.resolve() == LOCK
+    if not default_lock and args.dry_run:
+        print("error: --dry-run prints the commands for images/requirements.lock, run from the repository root; "
+              "another --lock is built from a staged context, so run it without --dry-run", file=sys.stderr)
         return 2
-    problems = consistency_problems(read_lock(lock_path))
+    try:
+        lock = read_lock(lock_path)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot read the lock {lock_path}: {e}", file=sys.stderr)
+        return 1
+    problems = consistency_problems(lock)
     if problems:
         print("error: not building, the lock and the Dockerfiles disagree:\n  " + "\n  ".join(problems),
               file=sys.stderr)
         return 1
     text = lock_path.read_text()
-    lock = parse_lock(text)
+    if args.base and python_minor_of_image(args.base) not in (None, lock.python):
+        print(f"error: --base={args.base} is Python {python_minor_of_image(args.base)}, the lock is Python "
+              f"{lock.python}; give a base with Python {lock.python}", file=sys.stderr)
+        return 2
     if args.colocated_base:
         problem = colocated_base_problem(lock, args.colocated_base)
         if problem:
@@ -379,24 +461,42 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"note: skipping mtc-{COLOCATED} (no --colocated-base; give the Pathways colocated Python "
               f"sidecar image, e.g. {COLOCATED_BASE_EXAMPLE.format(python=lock.python, jax=lock.jax)})",
               file=sys.stderr)
-    # Relative paths: the printed commands are run from the repository root, like the docker ones.
+    engine = args.engine
+    if engine == "auto":
+        engine = next((e for e in ("docker", "podman") if not args.dry_run and engine_answers(e)), "docker")
+    # Relative paths: the printed commands are run from the repository root, like the build ones.
     wheel_cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
                  str(DIST.relative_to(REPO)), "."]
-    docker = docker_commands(lock, text, args.registry, _git_revision(), args.colocated_base)
-    if args.dry_run:
-        for cmd in [wheel_cmd] + docker:
-            print(shlex.join(cmd))
-        return 0
-    shutil.rmtree(DIST, ignore_errors=True)  # exactly one wheel: the Dockerfiles COPY dist/*.whl
-    subprocess.run(wheel_cmd, check=True, cwd=REPO)
-    if not _docker_engine():
-        print("# no docker engine here: run these from the repository root where one is", file=sys.stderr)
-        for cmd in docker:
-            print(shlex.join(cmd))
-        return 0
-    for cmd in docker:
-        print("+ " + shlex.join(cmd), file=sys.stderr)
-        subprocess.run(cmd, check=True, cwd=REPO)
+    with tempfile.TemporaryDirectory(prefix="mtc-image-context-") as staged:
+        context = None
+        if not default_lock:  # the Dockerfiles COPY requirements.lock and dist/*.whl from the context
+            context = staged
+            shutil.copyfile(lock_path, Path(staged) / "requirements.lock")
+        cmds = docker_commands(lock, text, args.registry, _git_revision(), args.colocated_base, engine=engine,
+                               base=args.base, context=context, options=args.build_opt)
+        if args.dry_run:
+            for cmd in [wheel_cmd] + cmds:
+                print(shlex.join(cmd))
+            return 0
+        shutil.rmtree(DIST, ignore_errors=True)  # exactly one wheel: the Dockerfiles COPY dist/*.whl
+        env = dict(os.environ, SOURCE_DATE_EPOCH=os.environ.get("SOURCE_DATE_EPOCH", WHEEL_EPOCH))
+        subprocess.run(wheel_cmd, check=True, cwd=REPO, env=env)
+        if context:
+            shutil.copytree(DIST, Path(staged) / "dist")
+        if not engine_answers(engine):
+            print(f"# no {engine} engine here: run these from the repository root where one is", file=sys.stderr)
+            for cmd in cmds:
+                print(shlex.join(cmd))
+            return 0
+        for cmd in cmds:
+            print("+ " + shlex.join(cmd), file=sys.stderr)
+            t0 = time.monotonic()
+            done = subprocess.run(cmd, cwd=REPO)
+            if done.returncode != 0:
+                print(f"error: {cmd[0]} build of {cmd[cmd.index('--tag') + 1]} failed (exit {done.returncode})",
+                      file=sys.stderr)
+                return 1
+            print(f"built {cmd[cmd.index('--tag') + 1]} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return 0
 
 
@@ -412,7 +512,8 @@ def consistency_problems(lock: Lock) -> list[str]:
         problems.append(f"protocol: lock {lock.header.get('protocol')}, shared/version.py "
                         f"{protocol_version()} (run: python images/build.py lock)")
     reqs = runtime_requirements()
-    if lock.header.get("requires") != " ".join(sorted(reqs)):
+    # Extra constraints given to `lock --constraint` (jax==X, say) may stand beside pyproject's.
+    if not set(reqs) <= set(lock.header.get("requires", "").split()):
         problems.append("requires: pyproject.toml dependencies changed since the lock was made "
                         "(run: python images/build.py lock)")
     for req in reqs:
@@ -507,6 +608,21 @@ def build_parser() -> argparse.ArgumentParser:
                            help="Pathways colocated Python sidecar image to build mtc-colocated-sidecar on, "
                                 "tagged ...-python_X.Y-jax_X.Y.Z as the lock (without it that image is skipped)")
             p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+            p.add_argument("--engine", choices=("auto", "docker", "podman"), default="auto",
+                           help="what builds the images (default: docker when its engine answers, else podman)")
+            p.add_argument("--base", default="", metavar="IMAGE",
+                           help="base image of mtc-head and mtc-sidecar instead of the lock's base-image "
+                                "(the same Python minor)")
+            p.add_argument("--build-opt", action="append", default=[], metavar="OPT",
+                           help="passed to every build command, e.g. --build-opt=--volume=/w:/w:ro (repeatable)")
+        if name == "lock":
+            p.add_argument("--check", action="store_true",
+                           help="resolve again with the lock's own requirements and exclude-newer date and "
+                                "compare (exit 1 on any difference); writes nothing")
+            p.add_argument("--exclude-newer", default="", metavar="UTC",
+                           help="only files uploaded before this time, e.g. 2026-12-01T00:00:00Z (default: now)")
+            p.add_argument("--constraint", action="append", default=[], metavar="REQ",
+                           help="an extra requirement, e.g. jax==0.10.2 (recorded in the header; repeatable)")
         p.set_defaults(func=func)
     return parser
 

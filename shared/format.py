@@ -1,7 +1,7 @@
 """The on-disk and on-the-wire formats: step manifests, host manifests, dtypes, index boxes.
 
 A **step manifest** says which blobs make up a step and how they assemble into arrays. It is
-JSON (``"format": "mtc/1"``) and is the commit of a step: it is written last, atomically.
+JSON (``"format": "mtc/2"``, with a ``"digest"`` of its own content) and is the commit of a step: it is written last, atomically.
 A **host manifest** is what one sidecar answers after phase 1 of a save: the blobs it wrote.
 
 Everything read from disk or the network goes through ``from_json``, which validates the
@@ -11,6 +11,7 @@ document and says what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Iterable
 
@@ -20,7 +21,10 @@ import numpy as np
 from mtc.shared.errors import ManifestError
 from mtc.shared.hashing import HASH_NAME, is_blob_name
 
-FORMAT = "mtc/1"
+# mtc/2 adds "digest": SHA-256 over the rest of the document, checked by every reader. mtc/1
+# documents (no digest) are still read.
+FORMAT = "mtc/2"
+_FORMAT_V1 = "mtc/1"
 HOST_FORMAT = "mtc-host/1"
 
 # A box is the part of a global array that a shard covers: ((start, stop), ...) per dimension.
@@ -182,8 +186,8 @@ class StepManifest:
     def nbytes(self) -> int:
         return sum(self.blob_sizes().values())
 
-    def to_json(self) -> bytes:
-        doc = {
+    def _doc(self) -> dict:
+        return {
             "format": FORMAT,
             "hash": HASH_NAME,
             "step": self.step,
@@ -193,12 +197,23 @@ class StepManifest:
             "tree": self.tree,
             "arrays": [_array_to_doc(a) for a in self.arrays],
         }
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 over the manifest's canonical JSON (without the digest): what every reader checks,
+        and what the hosts' copies of one step are compared by."""
+        return _digest(self._doc())
+
+    def to_json(self) -> bytes:
+        doc = self._doc()
+        doc["digest"] = _digest(doc)
+        return _canonical(doc)
 
     @classmethod
     def from_json(cls, data: bytes | str, *, source: str = "manifest") -> "StepManifest":
         doc = _load(data, source)
-        _expect(doc.get("format") == FORMAT, source,
+        digest = doc.pop("digest", None)
+        _expect(doc.get("format") in (FORMAT, _FORMAT_V1), source,
                 f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by another mtc version?)")
         _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
         step = doc.get("step")
@@ -208,6 +223,10 @@ class StepManifest:
         records = tuple(_array_from_doc(a, f"{source}: arrays[{i}]") for i, a in enumerate(arrays))
         keys = [r.key for r in records]
         _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+        # Last, so that a malformed document gets its precise error. mtc/1 had no digest (read only).
+        if digest is not None or doc["format"] == FORMAT:
+            _expect(isinstance(digest, str) and digest == _digest(doc), source,
+                    "its content does not match its digest (changed after it was written); not using it")
         return cls(
             step=step,
             arrays=records,
@@ -314,6 +333,14 @@ def collect_blob_names(data: bytes) -> set[str]:
 
 
 # --- helpers -------------------------------------------------------------------------------
+
+
+def _canonical(doc: dict) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _digest(doc: dict) -> str:
+    return hashlib.sha256(_canonical(doc)).hexdigest()
 
 
 def _load(data: bytes | str, source: str) -> dict:

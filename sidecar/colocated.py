@@ -225,7 +225,7 @@ class ColocatedSidecar:
                         jobs.append((spec["key"], box, False, None))
                 placed.append((dev, reads[(i, box)]))
             plans.append((shape, sharding, placed))
-        bufs, errors = svc.read_boxes_each(step, jobs)
+        bufs, errors = svc.read_boxes_each(step, jobs, manifest=req.get("manifest"))
         if errors:  # on this host no other holder can stand in: the first failure, typed
             _, name, message = errors[0]
             cls = getattr(mtc_errors, name, MTCError)

@@ -294,7 +294,10 @@ class SidecarDaemon(ThreadedTCPServer):
             if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
                 raise ProtocolError(f"read: reads[{i}] is not [key, box or null]")
             boxes.append((row[0], None if row[1] is None else _box(row[1], f"read: reads[{i}]")))
-        out, errors = self.service.read_boxes_each(step, boxes)
+        manifest = args.get("manifest")
+        if manifest is not None and not isinstance(manifest, str):
+            raise ProtocolError("read: 'manifest' must be the step manifest's digest (a string) or null")
+        out, errors = self.service.read_boxes_each(step, boxes, manifest=manifest)
         return {"step": step, "errors": [list(e) for e in errors]}, out
 
     def _op_peer_pull(self, args: dict, payloads: Sequence) -> tuple[Any, list]:

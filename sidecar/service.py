@@ -283,7 +283,7 @@ class SidecarService:
                 own = m.blob_names()
             else:  # shards with no device record (older manifests) count for every host
                 own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
-            out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have),
+            out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": m.digest,
                         **held_bits(m.blob_names(), have)})
         return {"host": self.host_id, "steps": out}
 
@@ -358,12 +358,23 @@ class SidecarService:
                 raise _no_good_copy(step, key, shard, self.host_id, e) from None
         return out
 
-    def read_boxes_each(self, step: int, reads: Sequence[tuple]) -> tuple[list, list[tuple[int, str, str]]]:
+    def read_boxes_each(self, step: int, reads: Sequence[tuple], *,
+                        manifest: str | None = None) -> tuple[list, list[tuple[int, str, str]]]:
         """``read_boxes`` for (key, box) or (key, box, as_bytes, out) rows; on a failure, box by
         box, so that the others still count: (buffers, [(index, error type, message)]), with b""
         for a failed box. Both transports read through this (the daemon's head tries another
-        holder for a failed box; the colocated transport raises the first)."""
+        holder for a failed box; the colocated transport raises the first).
+
+        ``manifest`` is the digest of the step manifest the head restores by: when this host's
+        copy differs, every box fails (this host's copy counts as missing, never as data)."""
         rows = [tuple(r) + (False, None)[len(r) - 2:] if len(r) < 4 else tuple(r) for r in reads]
+        if manifest is not None:
+            mine = self.manifest(step).digest
+            if mine != manifest:
+                why = (f"host {self.host_id}: its manifest of step {step} ({mine[:12]}) is not the one the head "
+                       f"restores by ({manifest[:12]}); not reading from it")
+                log.error(why)
+                return [b"" for _ in rows], [(i, "ManifestError", why) for i in range(len(rows))]
         try:
             return self.read_boxes(step, rows), []
         except MTCError:

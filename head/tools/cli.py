@@ -7,6 +7,9 @@ Subcommands:
 - ``mtc demo``: a small training run with a crash and a restore (``mtc.head.tools.demo``).
 - ``mtc restore-version show|set|clear``: list backups and pin the one to restore.
 - ``mtc manifests render ...``: the JobSet of a Pathways job with mtc (``mtc.head.tools.manifests``).
+- ``mtc manifests check FILE``: a hand-edited JobSet against the schemas and mtc's rules
+  (``mtc.head.tools.manifest_check``).
+- ``mtc images check HEAD SIDECAR [--engine podman]``: the two images' versions (tags, labels).
 
 ``python -m mtc.head.tools.cli ...`` works the same as ``mtc ...``.
 """
@@ -124,11 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     ic = im_sub.add_parser("check", help="compare the versions two image references carry",
                            description="Compare the mtc, Python and jax versions in the tags of a head and a "
                                        "sidecar image (<mtc>-python_X.Y-jax_X.Y.Z, as images/build.py tags them); "
-                                       "a mismatch prints the table and exits 1. No registry or Docker is reached: "
-                                       "the labels inside the images are checked by the images themselves at build "
-                                       "time and by the head at start-up.")
+                                       "a mismatch prints the table and exits 1. With --engine, the labels of the "
+                                       "two images in that engine's local storage too; without it nothing is "
+                                       "reached, and the labels are checked by the images themselves at build time "
+                                       "and by the head at start-up.")
     ic.add_argument("head_image")
     ic.add_argument("sidecar_image")
+    ic.add_argument("--engine", choices=("docker", "podman"), default=None,
+                    help="also compare the images' labels (mtc.version, mtc.protocol, mtc.python, mtc.jax, "
+                         "mtc.jaxlib), read from this engine's local images, with each other and with the tags")
     ic.set_defaults(func=_cmd_images_check)
 
     st = sub.add_parser(
@@ -170,7 +177,7 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
 
     manifests = sub.add_parser("manifests", help="Kubernetes manifests (JobSet) for a Pathways job",
                                description="Kubernetes manifests for a Pathways job that uses mtc.")
-    msub = manifests.add_subparsers(dest="manifests_action", metavar="{render}", required=True)
+    msub = manifests.add_subparsers(dest="manifests_action", metavar="{render,check}", required=True)
     r = msub.add_parser(
         "render", help="print the JobSet and the peer-token Secret as YAML",
         description="Render a JobSet (jobset.x-k8s.io/v1alpha2) for a Pathways job with multi-tier "
@@ -242,6 +249,25 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--output", "-o", type=Path, default=None, metavar="FILE",
                    help="write the YAML here (mode 0600: it holds the token) instead of stdout")
     r.set_defaults(func=_cmd_manifests)
+
+    c = msub.add_parser(
+        "check", help="validate a JobSet edited by hand",
+        description="Validate a JobSet file (and the Secret beside it): the JobSet CRD schema (strict: unknown "
+                    "fields are problems), kubernetes-validate for the core kinds and every pod template, and "
+                    "mtc's rules: the ramdisk is mounted in the sidecar at local_checkpoint_directory, the sidecar "
+                    "image carries the head image's versions (as mtc images check), the peer token's Secret is in "
+                    "the file or named with --peer-token-secret, and a memory emptyDir's sizeLimit is at least "
+                    "what mtc size gives for --params. Each problem on its own line; exit 1 when there is one.",
+        epilog="example: mtc manifests render ... --params 8e9 > job.yaml; (edit job.yaml); "
+               "mtc manifests check job.yaml --params 8e9")
+    c.add_argument("file", type=Path, help="the YAML file (- for standard input)")
+    c.add_argument("--params", type=_count, default=None,
+                   help="model parameters (e.g. 8e9, 70B): the emptyDir sizeLimit must hold what mtc size gives")
+    c.add_argument("--peer-token-secret", default="", metavar="NAME",
+                   help="a Secret with the peer token that exists in the cluster (not in FILE)")
+    c.add_argument("--kubernetes-version", default=None, metavar="X.Y",
+                   help="the cluster's Kubernetes version for kubernetes-validate (default 1.32)")
+    c.set_defaults(func=_cmd_manifests_check)
 
 
 def _count(text: str) -> float:
@@ -347,11 +373,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if rc is None else int(rc)
 
 
+_LABELS = (("mtc", "mtc.version"), ("protocol", "mtc.protocol"), ("python", "mtc.python"), ("jax", "mtc.jax"),
+           ("jaxlib", "mtc.jaxlib"))
+
+
+def _image_labels(engine: str, ref: str) -> dict[str, str]:
+    """The labels of image ``ref`` in ``engine``'s local storage; ConfigError when it cannot say."""
+    import shutil
+    import subprocess
+
+    if shutil.which(engine) is None:
+        raise ConfigError(f"--engine {engine}: {engine} is not installed here; drop --engine to compare the tags only")
+    try:
+        out = subprocess.run([engine, "image", "inspect", ref], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{engine} image inspect {ref} did not answer in 120 s") from None
+    if out.returncode != 0:
+        try:
+            answers = subprocess.run([engine, "info"], capture_output=True, timeout=60).returncode == 0
+        except subprocess.TimeoutExpired:
+            answers = False
+        if not answers:
+            raise ConfigError(f"--engine {engine}: {engine} does not answer here ({_last_line(Exception(out.stderr))});"
+                              " start its engine, or drop --engine to compare the tags only")
+        raise ConfigError(f"{engine} has no image {ref} ({_last_line(Exception(out.stderr))}); pull or build it "
+                          "first (python images/build.py build), or drop --engine to compare the tags only")
+    try:
+        doc = json.loads(out.stdout)[0]
+    except (ValueError, IndexError, KeyError) as e:
+        raise ConfigError(f"{engine} image inspect {ref} gave no JSON ({e})") from None
+    return (doc.get("Config") or {}).get("Labels") or doc.get("Labels") or {}
+
+
 def _cmd_images_check(args: argparse.Namespace) -> int:
     from mtc.head.tools import manifests
 
     try:
         bad = manifests.image_mismatches(args.head_image, args.sidecar_image)
+        labels = ({role: _image_labels(args.engine, ref) for role, ref in
+                   (("head", args.head_image), ("sidecar", args.sidecar_image))} if args.engine else None)
     except ConfigError as e:
         print(f"mtc images check: error: {e}", file=sys.stderr)
         return 2
@@ -360,11 +420,33 @@ def _cmd_images_check(args: argparse.Namespace) -> int:
     for k in ("mtc", "python", "jax"):
         mark = "  <- differs" if hv[k] != sv[k] else ""
         print(f"{k:8} {hv[k]:24} {sv[k]:24}{mark}")
+    problems = []
     if bad:
-        print("mtc images check: the head and sidecar images differ (" + ", ".join(k for k, _, _ in bad) + "); "
-              "build both from the same lock (python images/build.py build) and use the same tag", file=sys.stderr)
+        problems.append("the head and sidecar images differ (" + ", ".join(k for k, _, _ in bad) + "); build both "
+                        "from the same lock (python images/build.py build) and use the same tag")
+    if labels is not None:
+        print(f"labels ({args.engine}):")
+        for k, label in _LABELS:
+            h, s = labels["head"].get(label, "-"), labels["sidecar"].get(label, "-")
+            print(f"{k:8} {h:24} {s:24}{'  <- differs' if h != s else ''}")
+        differ = [k for k, label in _LABELS if labels["head"].get(label) != labels["sidecar"].get(label)]
+        if differ:
+            problems.append(f"the images' labels differ ({', '.join(differ)}): they were built from different locks")
+        missing = [f"{role} {label}" for role in labels for _, label in _LABELS if label not in labels[role]]
+        if missing:
+            problems.append(f"labels missing ({', '.join(missing)}): build the images with python images/build.py "
+                            "build")
+        for role, ref, tagged in (("head", args.head_image, hv), ("sidecar", args.sidecar_image, sv)):
+            lied = [f"{k}: tag {tagged[k]}, label {labels[role].get(label)}" for k, label in _LABELS
+                    if k in tagged and label in labels[role] and labels[role][label] != tagged[k]]
+            if lied:
+                problems.append(f"the {role} image {ref} is tagged with other versions than its labels say ("
+                                + "; ".join(lied) + "): retag it with python images/build.py tags")
+    if problems:
+        for p in problems:
+            print(f"mtc images check: {p}", file=sys.stderr)
         return 1
-    print("ok: the images carry the same mtc, python and jax")
+    print("ok: the images carry the same mtc, python and jax" + (" (tags and labels)" if labels else ""))
     return 0
 
 
@@ -561,6 +643,40 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
     except OSError as e:
         return fail(f"--output: cannot write {out}: {e.strerror or e}")
     print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_manifests_check(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"mtc manifests check: error: {message}", file=sys.stderr)
+        return 2
+
+    name = "standard input" if str(args.file) == "-" else str(args.file)
+    try:
+        text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        return fail(f"cannot read {name}: {getattr(e, 'strerror', None) or e}")
+    if args.params is not None and args.params <= 0:
+        return fail(f"--params={args.params:g} must be more than 0 (the model's parameters, e.g. 8e9)")
+    try:
+        from mtc.head.tools import manifest_check
+
+        options = {"params": args.params, "peer_token_secret": args.peer_token_secret}
+        if args.kubernetes_version:
+            options["kubernetes_version"] = args.kubernetes_version
+        report = manifest_check.check_text(text, **options)
+    except ImportError as e:
+        return fail(f"{e}; checking manifests needs pip install 'mtc[k8s]'")
+    except Exception as e:  # e.g. kubernetes-validate without a schema for --kubernetes-version
+        return fail(f"{type(e).__name__}: {getattr(e, 'message', None) or _last_line(e)}")
+    for note in report.notes:
+        print(f"note: {note}")
+    for problem in report.problems:
+        print(f"{name}: {problem}")
+    if report.problems:
+        print(f"mtc manifests check: {len(report.problems)} problem(s) in {name}", file=sys.stderr)
+        return 1
+    print(f"ok: {name} passes the JobSet CRD schema, kubernetes-validate and mtc's rules")
     return 0
 
 

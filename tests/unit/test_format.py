@@ -59,7 +59,26 @@ def test_golden_document():
         '"tree":{"k":["a"],"t":"dict","v":[{"i":0,"t":"leaf"}]}}')
     m = fmt.StepManifest.from_json(golden)
     assert m.step == 1 and m.arrays[0].shards[0].box == ((0, 2),) and m.arrays[0].np_dtype == np.float32
-    assert m.to_json().decode() == golden
+    # Written today as mtc/2: the same content, and a digest over it.
+    doc = json.loads(m.to_json())
+    assert doc.pop("format") == "mtc/2" and doc.pop("digest") == m.digest
+    assert {k: v for k, v in json.loads(golden).items() if k != "format"} == doc
+    assert fmt.StepManifest.from_json(m.to_json()) == m
+
+
+def test_a_manifest_whose_content_does_not_match_its_digest_is_refused():
+    """Valid JSON, every field well-formed, two same-size blob names swapped: not used."""
+    m = sample()
+    doc = json.loads(m.to_json())
+    shards = doc["arrays"][0]["shards"]
+    a, b = shards[0]["blob"], shards[1]["blob"]
+    shards[0]["blob"], shards[1]["blob"] = b, a
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.StepManifest.from_json(json.dumps(doc))
+    doc = json.loads(m.to_json())
+    del doc["digest"]  # stripping it does not help: mtc/2 requires it
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.StepManifest.from_json(json.dumps(doc))
 
 
 def _doc(**changes):

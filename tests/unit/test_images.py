@@ -4,9 +4,9 @@ Three images: mtc-head, mtc-sidecar (the cluster-mode daemon) on one python base
 mtc-colocated-sidecar (colocated mode on Pathways) on Google's colocated Python sidecar image,
 whose tag must carry the lock's python and jax.
 
-No Docker engine runs here, so these tests pin what the images would install and how they
-would be tagged: the lock, the Dockerfiles, the tag format, the commands `build` prints and
-the mismatches `check` reports.
+These tests pin, without building anything, what the images install and how they are tagged:
+the lock, the Dockerfiles, the tag format, the commands `build` prints and the mismatches
+`check` reports. tests/images/ builds and runs the images with podman.
 """
 
 from __future__ import annotations
@@ -300,7 +300,8 @@ def test_check_passes_for_the_lock_in_this_environment():
              if lock.pins.get(k.replace("_", "-")) != fp.get(k)}
     if drift:  # e.g. a fresh `pip install -e .` resolved a newer jax than the lock holds
         pytest.skip(f"this venv was not installed from images/requirements.lock: {drift}; "
-                    "`python images/build.py check` says what differs, `lock` re-resolves")
+                    "`python images/build.py check` says what differs; tests/images runs `check` in the head image, "
+                    "which is installed from the lock")
     out = _run("check")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok:" in out.stdout
@@ -320,3 +321,92 @@ def test_check_reports_a_lock_whose_jax_differs_from_the_fingerprint(tmp_path):
     skew.write_text(re.sub(rf"^jaxlib=={re.escape(jax)}", "jaxlib==0.0.2", real, flags=re.MULTILINE))
     out = _run("check", "--lock", str(skew))
     assert out.returncode == 1 and f"jaxlib: lock 0.0.2, jax {jax} (must be equal)" in out.stdout
+
+
+def test_the_lock_targets_the_python_maxtext_needs():
+    """MaxText (the head) needs Python >= 3.12 (pyproject's maxtext extra says so): the lock, the
+    base of head and sidecar, and so every tag, are that Python, resolved for the image platform
+    from files uploaded before a recorded date (what makes `lock --check` repeatable)."""
+    lock = build.read_lock()
+    (maxtext,) = build.project()["optional-dependencies"]["maxtext"]
+    needs = re.search(r"python_version\s*>=\s*'(\d+\.\d+)'", maxtext).group(1)
+    assert lock.python == needs == build.python_minor_of_image(build.BASE_IMAGE)
+    assert f"-python_{needs}-" in build.tag(lock)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", lock.header["exclude-newer"])
+    assert lock.header["platform"].startswith(f"{build.ARCH}-manylinux_{build.GLIBC[0]}_{build.GLIBC[1]}")
+
+
+def _instructions(text: str) -> list[str]:
+    """The Dockerfile's instructions, continued lines joined, comments and blank lines dropped."""
+    return [line for line in text.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_head_and_sidecar_share_every_layer_up_to_their_labels():
+    """The same instructions with the same build args are the same layers: the lock (the heavy
+    part, jaxlib and scipy) is installed once for both images, and a new mtc wheel rebuilds only
+    the layers from `COPY dist/*.whl` on."""
+    head, sidecar = (_instructions(build.DOCKERFILES[r].read_text()) for r in ("head", "sidecar"))
+    shared = next(i for i, (a, b) in enumerate(zip(head, sidecar)) if a != b)
+    assert head[shared].startswith("LABEL") and sidecar[shared].startswith("LABEL")
+    common = head[:shared]
+    kinds = [line.split()[0] for line in common]
+    lock_copy, wheel_copy = kinds.index("COPY"), len(kinds) - 1 - kinds[::-1].index("COPY")
+    assert "requirements.lock" in common[lock_copy] and "dist/*.whl" in common[wheel_copy]
+    assert "-r /tmp/mtc/requirements.lock" in common[lock_copy + 1] and "*.whl" not in common[lock_copy + 1]
+    assert "version.fingerprint()" in common[wheel_copy + 1]
+    colocated = _instructions(build.DOCKERFILES["colocated-sidecar"].read_text())
+    assert [line.split()[0] for line in colocated].count("RUN") == 2  # the lock's layer, then the wheel's
+
+
+def test_render_lock_puts_the_header_over_uv_pins_and_refuses_a_pin_without_hash():
+    uv_text = ("jax==0.12.0.1 \\\n    --hash=sha256:" + "a" * 64 + " \\\n    --hash=sha256:" + "b" * 64 +
+               "\njaxlib==0.12.0.1 \\\n    --hash=sha256:" + "c" * 64 + "\n")
+    text = build.render_lock(uv_text, ["jax>=0.6"], "3.12", "9.9.9", "7", "2026-12-01T00:00:00Z")
+    lock = build.parse_lock(text)
+    assert (lock.python, lock.mtc, lock.jax, lock.header["exclude-newer"]) == ("3.12", "9.9.9", "0.12.0.1",
+                                                                              "2026-12-01T00:00:00Z")
+    assert lock.hashes["jax"] == ("sha256:" + "a" * 64, "sha256:" + "b" * 64)
+    with pytest.raises(build.LockError, match="no sha256 for jaxlib"):
+        build.render_lock(uv_text.split("\njaxlib")[0] + "\njaxlib==0.12.0.1\n", ["jax"], "3.12", "1", "1", "x")
+
+
+def test_lock_check_refuses_a_lock_without_a_resolution_date(tmp_path):
+    old = tmp_path / "old.lock"
+    old.write_text(LOCK_TEXT)
+    out = _run("lock", "--check", "--lock", str(old))
+    assert out.returncode == 1 and "records no '# exclude-newer:' date" in out.stderr
+    assert "python images/build.py lock" in out.stderr
+
+
+def test_build_dry_run_with_podman_and_a_local_base():
+    lock = build.read_lock()
+    base = f"localhost/mtc-base:{lock.python}.1-bookworm-abc"
+    out = _run("build", "--dry-run", "--engine", "podman", "--base", base, "--build-opt=--volume=/w:/w:ro")
+    assert out.returncode == 0, out.stderr
+    builds = [shlex.split(line) for line in out.stdout.splitlines() if line.startswith("podman build ")]
+    assert len(builds) == 2
+    for words in builds:
+        assert "--volume=/w:/w:ro" in words and f"BASE_IMAGE={base}" in words
+    wrong = _run("build", "--dry-run", "--engine", "podman", "--base", "localhost/x:3.10.4")
+    assert wrong.returncode == 2 and f"the lock is Python {lock.python}" in wrong.stderr
+
+
+def test_build_with_another_lock_refuses_a_dry_run(tmp_path):
+    other = tmp_path / "requirements.lock"
+    other.write_text(build.LOCK.read_text())
+    out = _run("build", "--dry-run", "--lock", str(other))
+    assert out.returncode == 2 and "staged context" in out.stderr and out.stdout == ""
+
+
+def test_the_lock_runs_the_jax_and_numpy_of_the_maxtext_environment():
+    """The head runs MaxText: the MaxText test environment (tests/maxtext/requirements-cpu.txt,
+    what MaxText 0.2.5 runs on here) and the images agree on the packages the fingerprint pins
+    exactly, so a head built on the lock's Python can run MaxText against these sidecars."""
+    pins = {}
+    for line in (REPO / "tests" / "maxtext" / "requirements-cpu.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line.strip())
+        if m:
+            pins[build.normalize(m.group(1))] = m.group(2)
+    lock = build.read_lock()
+    for pkg in ("jax", "jaxlib", "numpy"):
+        assert lock.pins[pkg] == pins[pkg], (pkg, lock.pins[pkg], pins[pkg])

@@ -1,7 +1,7 @@
 """`mtc manifests render`: the JobSet of a Pathways job with mtc, validated against real schemas.
 
 Every rendered JobSet is validated against the JobSet CRD's v1alpha2 openAPIV3Schema (vendored
-in tests/data/k8s), made strict: an unknown field fails, where the API server would silently
+in tests/data/k8s, shipped with `mtc manifests check`), made strict: an unknown field fails, where the API server would silently
 drop it. Pod templates (wrapped as Pods and Jobs) and the Secret are validated with
 kubernetes-validate in strict mode.
 """
@@ -13,21 +13,19 @@ import json
 import re
 import shlex
 import stat
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from mtc.head.tools import manifests
+from mtc.head.tools import manifest_check, manifests
 from mtc.head.tools.cli import main
 from mtc.head.tools.manifests import ManifestOptions, render_documents
 from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
-CRD = Path(__file__).resolve().parents[1] / "data" / "k8s" / "jobset-crd.yaml"
 K8S_VERSION = "1.32"  # GKE multi-tier checkpointing needs 1.32.3 or later
 TOKEN = "0123456789abcdef0123456789abcdef"
 COMMAND = "python3 -m maxtext.trainers.pre_train.train model_name=llama3.1-8b steps=100"
@@ -35,25 +33,11 @@ BASE = ["manifests", "render", "--name", "llama", "--base-output-directory", "gs
         "--command", COMMAND]
 
 
-def _strict(schema: dict) -> dict:
-    """The schema with unknown fields refused wherever the CRD lists the fields of an object."""
-    if isinstance(schema, dict):
-        out = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in out and "additionalProperties" not in out
-                and not out.get("x-kubernetes-preserve-unknown-fields")):
-            out["additionalProperties"] = False
-        return out
-    if isinstance(schema, list):
-        return [_strict(v) for v in schema]
-    return schema
-
-
 @pytest.fixture(scope="module")
 def jobset_validator() -> jsonschema.Draft7Validator:
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load(CRD.read_text(), Loader=loader)
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
-    return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+    """The strict validator `mtc manifests check` uses (its schema is the vendored CRD's:
+    tests/unit/test_manifest_check.py compares them)."""
+    return manifest_check.jobset_validator()
 
 
 def options(**changes) -> ManifestOptions:
@@ -461,3 +445,24 @@ def test_images_check_compares_the_tags(capsys):
     assert "has no <mtc>-python_X.Y-jax_X.Y.Z tag" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="python: head 3.12, sidecar 3.11"):  # render uses the same check
         render_documents(options(image=same[0], sidecar_image="r/mtc-colocated-sidecar:0.1.0-python_3.11-jax_0.12.0"))
+
+
+def test_images_check_with_an_engine_that_cannot_answer_is_an_error_naming_it(tmp_path):
+    """--engine reads the labels from a local engine: one missing, or without its daemon (a docker
+    CLI with no engine, as here), is a one-line error with the way out, never a traceback."""
+    import subprocess
+    import sys
+
+    same = ("r/mtc-head:0.1.0-python_3.12-jax_0.12.0", "r/mtc-colocated-sidecar:0.1.0-python_3.12-jax_0.12.0")
+    env = {"PATH": str(tmp_path)}  # no docker here at all
+    out = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "images", "check", "--engine", "docker", *same],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "docker is not installed here; drop --engine" in out.stderr, out.stderr
+    fake = tmp_path / "docker"  # a docker CLI whose engine does not answer
+    fake.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon at unix:///var/run/docker.sock.' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    out = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "images", "check", "--engine", "docker", *same],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "--engine docker: docker does not answer here (Cannot connect" in out.stderr
+    assert "Traceback" not in out.stderr
