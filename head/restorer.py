@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from typing import Any, Callable
 
@@ -73,6 +74,10 @@ class Restorer:
         self._strategy = strategy
         self._replicate = replicate
         self._store_down = False  # the last backup listing could not reach the store
+        # One listing at a time: the start-up pull and the first latest_step() list at once; in cluster
+        # mode the second waits for the first on the host's connection anyway, and must then see that
+        # the first found the store down rather than wait out the whole deadline again.
+        self._listing_lock = threading.Lock()
 
     # --- what there is ---------------------------------------------------------------------
 
@@ -93,16 +98,17 @@ class Restorer:
         """
         if not self._config.base_output_directory:
             return {"backups": [], "restore_version": None}
-        deadline = LISTING_RETRY_DEADLINE_S if self._store_down else LISTING_DEADLINE_S
-        try:
-            listing = self._dispatch.backup_listing(deadline_s=deadline)
-        except (TransientStoreError, HostUnreachableError) as e:
-            self._store_down = True
-            log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on the "
-                        "hosts (restore.version, if any, is not read)", self._config.backup_root, deadline, e)
-            return {"backups": [], "restore_version": None, "unreachable": str(e)}
-        self._store_down = False
-        return listing
+        with self._listing_lock:
+            deadline = LISTING_RETRY_DEADLINE_S if self._store_down else LISTING_DEADLINE_S
+            try:
+                listing = self._dispatch.backup_listing(deadline_s=deadline)
+            except (TransientStoreError, HostUnreachableError) as e:
+                self._store_down = True
+                log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on "
+                            "the hosts (restore.version, if any, is not read)", self._config.backup_root, deadline, e)
+                return {"backups": [], "restore_version": None, "unreachable": str(e)}
+            self._store_down = False
+            return listing
 
     def all_steps(self) -> list[int]:
         listing = self.backup_listing()
