@@ -327,6 +327,7 @@ class Soak:
         self.trial = 0
         self.class_rng = random.Random(seed)
         self.counts = {c: 0 for c in FAULT_CLASSES}
+        self.could_draw: set[str] = set()  # classes some segment could inject (no root: fewer)
         self.max_seen = {"fds": 0, "sockets": 0, "temp_blobs": 0}
         self.mounts: list[Path] = []
 
@@ -706,6 +707,7 @@ class Soak:
 
     def _one_trial(self) -> None:
         avail = self._available()
+        self.could_draw |= set(avail)
         low = min(self.counts[c] for c in avail)
         cls = self.class_rng.choice([c for c in avail if self.counts[c] == low])
         self.counts[cls] += 1
@@ -803,6 +805,8 @@ def fault_crash(s: Soak, r: random.Random, cls: str, d: dict) -> None:
     point = cls.split(":", 1)[1]
     victim = r.choice(s.live)
     d.update(host=victim)
+    if point == "between_uploads":  # so that this step's backup is not skipped as due while one runs
+        s.head.call("wait_backup")
     s.cluster.restart(victim, env={"MTC_CRASH_AT": point})
     a = s._save_wait()
     if point == "between_uploads" and a["ok"]:
