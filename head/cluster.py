@@ -41,6 +41,7 @@ from mtc.shared import auth, protocol, version
 from mtc.shared.config import ENV_TOKEN, MTCConfig
 from mtc.shared.errors import (
     ConfigError,
+    CorruptBlobError,
     HostUnreachableError,
     ManifestError,
     MTCError,
@@ -438,8 +439,11 @@ class ClusterDispatcher(Dispatcher):
             if isinstance(e, RemoteFailure):
                 e.reraise()
             raise e
-        raise MTCError(f"{what} failed on {len(failures)} hosts: "
-                       + "; ".join(f"{h}: {cause(e)}" for h, e in sorted(failures.items())))
+        # Every host found a corrupt copy: keep the type, so the caller can say which array it was.
+        kinds = {e.type_name if isinstance(e, RemoteFailure) else type(e).__name__ for e in failures.values()}
+        error = CorruptBlobError if kinds == {"CorruptBlobError"} else MTCError
+        raise error(f"{what} failed on {len(failures)} hosts: "
+                    + "; ".join(f"{h}: {cause(e)}" for h, e in sorted(failures.items())))
 
     def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""

@@ -5,12 +5,15 @@ takes one look at the hosts (an ``Inventory`` value) and the backup listing, cho
 newest step whose every blob has a copy somewhere (or the one asked for, or the one
 ``restore.version`` pins), plans per host what it needs (``RestorePlan``), has the hosts that
 lack blobs pull them from peers (the rest from a backup of that step), and loads from where
-the blobs are after that (``RestorePlan.after_fetch``). It keeps no per-call state.
+the blobs are after that (``RestorePlan.after_fetch``). It keeps no per-call state; across calls
+only whether the backup store answered the last listing.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import threading
 import time
 from typing import Any, Callable
 
@@ -21,13 +24,17 @@ from mtc.head.restore_plan import RestorePlan, make_plan, plan_target
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import CorruptBlobError, HostUnreachableError, StepNotFoundError
+from mtc.shared.errors import CorruptBlobError, HostUnreachableError, MTCError, StepNotFoundError
 from mtc.shared.objstore.store import TransientStoreError
 
 log = logging.getLogger(__name__)
 
 # How long listing the backups may retry an unreachable store (latest_step, restore wait on it).
 LISTING_DEADLINE_S = 30.0
+# Once a listing could not reach the store, the next ones (a restart calls latest_step, all_steps
+# and restore, each listing the backups) retry only this long until one gets through: a restart
+# during an outage waits out the deadline once, not once per call.
+LISTING_RETRY_DEADLINE_S = 2.0
 
 
 class _Pulled:
@@ -66,6 +73,11 @@ class Restorer:
         self._config = config
         self._strategy = strategy
         self._replicate = replicate
+        self._store_down = False  # the last backup listing could not reach the store
+        # One listing at a time: the start-up pull and the first latest_step() list at once; in cluster
+        # mode the second waits for the first on the host's connection anyway, and must then see that
+        # the first found the store down rather than wait out the whole deadline again.
+        self._listing_lock = threading.Lock()
 
     # --- what there is ---------------------------------------------------------------------
 
@@ -86,19 +98,26 @@ class Restorer:
         """
         if not self._config.base_output_directory:
             return {"backups": [], "restore_version": None}
-        try:
-            return self._dispatch.backup_listing(deadline_s=LISTING_DEADLINE_S)
-        except (TransientStoreError, HostUnreachableError) as e:
-            log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on the "
-                        "hosts (restore.version, if any, is not read)", self._config.backup_root,
-                        LISTING_DEADLINE_S, e)
-            return {"backups": [], "restore_version": None, "unreachable": str(e)}
+        with self._listing_lock:
+            deadline = LISTING_RETRY_DEADLINE_S if self._store_down else LISTING_DEADLINE_S
+            try:
+                listing = self._dispatch.backup_listing(deadline_s=deadline)
+            except (TransientStoreError, HostUnreachableError) as e:
+                self._store_down = True
+                log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on "
+                            "the hosts (restore.version, if any, is not read)", self._config.backup_root, deadline, e)
+                return {"backups": [], "restore_version": None, "unreachable": str(e)}
+            self._store_down = False
+            return listing
 
     def all_steps(self) -> list[int]:
         listing = self.backup_listing()
         if listing["restore_version"]:
             return [self.pinned_backup(listing)[1]]
-        return sorted(set(self.inventory().restorable) | {b["step"] for b in listing["backups"]})
+        inv = self.inventory(listing)
+        steps = set(inv.restorable) | {b["step"] for b in listing["backups"]}
+        whole = self._completed_by_backups(inv, listing, newer_than=max(steps, default=-1), only=None)
+        return sorted(steps | ({whole} if whole is not None else set()))
 
     def pinned_backup(self, listing: dict) -> tuple[str, int]:
         rv = listing["restore_version"]
@@ -126,6 +145,13 @@ class Restorer:
         for b in listing["backups"]:  # newest first: keep the newest backup of each step
             in_backup.setdefault(b["step"], b["name"])
         steps = sorted(set(cluster) | set(in_backup))
+        if step is None or step not in steps:
+            # A step on the hosts whose blobs no host holds are in the backups of other steps (an array
+            # that did not change since) is whole too: the restore fetches those from there.
+            whole = self._completed_by_backups(inv, listing, newer_than=max(steps, default=-1), only=step)
+            if whole is not None:
+                cluster = sorted(set(cluster) | {whole})
+                steps = sorted(set(steps) | {whole})
         # While a host cannot be asked, "not found" may only mean "on the host that is gone".
         lost = (HostUnreachableError("; ".join(f"{h}: {e}" for h, e in sorted(inv.unreachable.items())))
                 if inv.unreachable else None)
@@ -143,19 +169,48 @@ class Restorer:
                                     + inv.note()) from lost
         return step, (None if step in cluster else in_backup[step]), in_backup.get(step), inv
 
+    def _completed_by_backups(self, inv: Inventory, listing: dict, *, newer_than: int,
+                              only: int | None) -> int | None:
+        """The newest step committed on the hosts (newer than ``newer_than``; ``only``, if given)
+        whose blobs that no host holds are all listed by backups; None if there is none."""
+        if inv.unreachable or not listing["backups"]:
+            return None
+        candidates = sorted((s for s, v in inv.views.items() if not v.restorable and s > newer_than
+                             and (only is None or s == only)), reverse=True)
+        in_backups: set[str] | None = None
+        for s in candidates:
+            try:
+                manifest = self._manifest(s, None, inv.views[s].manifest or None)
+            except MTCError:
+                continue
+            holders = inv.views[s].by_name(sorted(manifest.blob_names()))
+            if holders is None:
+                continue
+            if in_backups is None:
+                in_backups = set()
+                for name in _names(listing):
+                    try:
+                        in_backups |= self._dispatch.backup_manifest(name).blob_names()
+                    except MTCError as e:
+                        log.warning("backup %s cannot be read (%s); its blobs do not count", name, e)
+            if {b for b, hs in holders.items() if not hs} <= in_backups:
+                return s
+        return None
+
     # --- restore ---------------------------------------------------------------------------
 
     def restore(self, step: int | None, target: Any, partial: Any,
                 prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
-        step, backup_name, fallback, inv = self.choose_step(step, self.backup_listing())
+        listing = self.backup_listing()
+        step, backup_name, fallback, inv = self.choose_step(step, listing)
         t1 = time.perf_counter()
         view = inv.views.get(step) if backup_name is None else None
         agreed = view.manifest if view is not None and view.manifest else None
         manifest = self._manifest(step, backup_name, agreed)
         requests, finish = plan_target(manifest, target, partial)
         pulled = _Pulled()
-        plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
+        plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing))
         if plan is None:
             needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
             holders = None
@@ -195,20 +250,21 @@ class Restorer:
         logs it: ``restore`` does it, or explains).
         """
         t0 = time.perf_counter()
-        step, backup_name, fallback, inv = self.choose_step(None, self.backup_listing())
+        listing = self.backup_listing()
+        step, backup_name, fallback, inv = self.choose_step(None, listing)
         view = inv.views.get(step) if backup_name is None else None
         manifest = self._manifest(step, backup_name, view.manifest if view is not None and view.manifest else None)
         requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
         if closing():  # closed before anything moved: a job that did not want it
             return None
         pulled = _Pulled()
-        self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv)
+        self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing))
         return PrefetchReport(step=step, source=backup_name or "cluster", bytes_by_tier=dict(pulled.bytes),
                               blobs_by_tier=dict(pulled.blobs), seconds=time.perf_counter() - t0)
 
     def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
                        backup_name: str | None, fallback: str | None, pulled: _Pulled,
-                       inv: Inventory) -> RestorePlan | None:
+                       inv: Inventory, backups: list[str]) -> RestorePlan | None:
         """Every host pulls the blobs it lacks for its shards of ``requests``; returns the plan.
 
         A replaced node lacks its own shards; after an elastic resize any host may lack saved
@@ -221,24 +277,26 @@ class Restorer:
         holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
         plan = make_plan(step, manifest, requests, self._dispatch.hosts(), self._dispatch.host_of_device, holders)
         if backup_name is not None:
-            pulled.add_backup(self._dispatch.backup_fetch(backup_name, plan.needs))
+            pulled.add_backup(self._backup_fetch(step, manifest, backup_name, plan.needs,
+                                                 "ram and peer (no host holds this step)"))
             for h, blobs in plan.needs.items():
                 pulled.got(h, blobs)
         else:
-            self._pull_lacking(step, manifest, plan, fallback, pulled)
+            self._pull_lacking(step, manifest, plan, fallback, pulled, backups)
             if pulled.blobs["peer"] or pulled.blobs["backup"]:
                 # A host was refilled: the copies it held for its peers are gone too; make them again.
                 self._replicate(manifest)
         return plan
 
     def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: RestorePlan, fallback: str | None,
-                      pulled: _Pulled) -> None:
+                      pulled: _Pulled, backups: list[str]) -> None:
         """Hosts that lack blobs they need pull them from peers that hold them, verified.
 
         The load spreads over the holders; a bad or unreachable copy is skipped for the next
         holder. What no peer could give comes from the backup ``fallback`` (a backup of this
-        step) when there is one; otherwise CorruptBlobError names the array, the shard and the
-        tiers tried. A host that lacked the step altogether (a replaced node) commits it again
+        step) when there is one, else from the newest other backups that hold them (blobs are shared
+        by content: an unchanged array's blob is in the backup of an earlier step); otherwise
+        CorruptBlobError names the array, the shard and the tiers tried. A host that lacked the step altogether (a replaced node) commits it again
         once it holds its blobs.
         """
         if plan.holders is None:
@@ -283,15 +341,72 @@ class Restorer:
                     f"step {step}: host {h} could not reach any peer that holds blob {blob} ({'; '.join(causes)})"
                     f"{f' and {len(failed) - 1} more' if len(failed) > 1 else ''}: the holders are busy or "
                     "unreachable, the copies are not known to be bad; retry the restore")
-            raise self._no_good_copy(step, manifest, failed)
+            self._fetch_from_other_backups(step, manifest, failed, pulled, backups)
+            return
         log.warning("restore of step %d: %d blobs have no good copy on any peer; fetching them from backup %s",
                     step, len(failed), fallback)
         fetch: dict[str, list[str]] = {}
         for h, blob in failed:
             fetch.setdefault(h, []).append(blob)
-        pulled.add_backup(self._dispatch.backup_fetch(fallback, fetch))
+        pulled.add_backup(self._backup_fetch(step, manifest, fallback, fetch,
+                                             "ram (not on the hosts that need it), peer (no good copy)"))
         for h, blobs in fetch.items():
             pulled.got(h, blobs)
+
+    def _backup_fetch(self, step: int, manifest: fmt.StepManifest, name: str, needs: dict[str, list[str]],
+                      tried: str) -> dict[str, dict]:
+        """Hosts fetch ``needs`` from backup ``name``; a corrupt copy there is the last tier failing, so
+        the error names the array and the shard, as when no peer had a good copy."""
+        try:
+            return self._dispatch.backup_fetch(name, needs)
+        except CorruptBlobError as e:
+            where = {sh.blob: (rec.key, sh.box) for rec in manifest.arrays for sh in rec.shards}
+            bad = [b for b in re.findall(r"[0-9a-f]{32}", str(e)) if b in where]
+            if not bad:
+                raise
+            key, box = where[bad[0]]
+            raise CorruptBlobError(
+                f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {bad[0]}) has no good copy; tiers "
+                f"tried: {tried}, backup {name} (its copy is corrupt: {e}). Restore an older step (all_steps()) "
+                "or pin another backup (`mtc restore-version set NAME`)") from e
+
+    def _fetch_from_other_backups(self, step: int, manifest: fmt.StepManifest,
+                                  failed: dict[tuple[str, str], list[str]], pulled: _Pulled, backups: list[str]) -> None:
+        """No backup of ``step``: fetch each failed blob from the newest backup that lists it."""
+        want = {blob for _, blob in failed}
+        source: dict[str, str] = {}
+        for name in backups:  # newest first
+            if len(source) == len(want):
+                break
+            try:
+                held = self._dispatch.backup_manifest(name).blob_names()
+            except MTCError as e:
+                log.warning("restore of step %d: backup %s cannot be read (%s); not a source", step, name, e)
+                continue
+            for blob in want & held:
+                source.setdefault(blob, name)
+        without = {k: v for k, v in failed.items() if k[1] not in source}
+        if without:
+            raise self._no_good_copy(step, manifest, without)
+        fetch: dict[str, dict[str, list[str]]] = {}
+        for h, blob in failed:
+            fetch.setdefault(source[blob], {}).setdefault(h, []).append(blob)
+        log.warning("restore of step %d: %d blobs have no good copy on any peer and there is no backup of this "
+                    "step; fetching them from backups %s, which hold the same bytes", step, len(failed), sorted(fetch))
+        hosts: set[str] = set()
+        for name, needs in fetch.items():
+            pulled.add_backup(self._backup_fetch(step, manifest, name, needs,
+                                                 "ram (not on the hosts that need it), peer (no good copy)"))
+            for h, blobs in needs.items():
+                pulled.got(h, blobs)
+                hosts.add(h)
+        # A replaced host commits the step again once it holds its blobs; its peer pull, which does that,
+        # failed, and a backup of another step is not this step's manifest: an empty pull with the
+        # manifest commits it, so its load finds the step and it keeps the blobs.
+        for h, res in self._dispatch.peer_pull(step, {h: [] for h in sorted(hosts)}, manifest).items():
+            if res.error:
+                raise MTCError(f"restore of step {step}: host {h} holds the blobs it lacked but could not commit "
+                               f"the step: {res.error}; retry the restore")
 
     def _no_good_copy(self, step: int, manifest: fmt.StepManifest,
                       failed: dict[tuple[str, str], list[str]]) -> CorruptBlobError:
@@ -305,3 +420,8 @@ class Restorer:
             f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {blob}) has no good copy for host {host}; "
             f"tiers tried: ram (not on {host}), peer ({'; '.join(causes)}), backup ({backup}){more}. "
             "Restore an older step (all_steps()) or a backup")
+
+
+def _names(listing: dict) -> list[str]:
+    """Backup names of a listing, newest first."""
+    return [b["name"] for b in listing.get("backups", [])]

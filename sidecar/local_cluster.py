@@ -38,7 +38,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from mtc.shared import protocol
 from mtc.shared.errors import HostUnreachableError, ProtocolError
@@ -100,7 +100,9 @@ class LocalCluster:
 
     Host ids are ``s<slice>-h<host>``, in the order the head assigns its devices
     (``devices_per_host`` each). ``env`` adds environment variables for the daemons (e.g.
-    ``MTC_CRASH_AT``); ``max_to_keep`` is each daemon's ``local_max_to_keep``.
+    ``MTC_CRASH_AT``); ``max_to_keep`` is each daemon's ``local_max_to_keep``. ``launch(host_id)``
+    gives a host's command prefix and listen address, e.g. ``(["ip", "netns", "exec", NS], IP)`` for
+    a daemon in its own network namespace, which a test can cut off (the soak does).
 
     The daemons and the head share the job token: ``MTC_PEER_TOKEN`` of this process when it is
     set (as a head pod gets it from a Secret), else one generated once per process and put
@@ -110,7 +112,8 @@ class LocalCluster:
 
     def __init__(self, root: str | os.PathLike, num_slices: int, hosts_per_slice: int, *,
                  devices_per_host: int = 2, max_to_keep: int = 2, env: Mapping[str, str] | None = None,
-                 startup_timeout: float = 60.0):
+                 startup_timeout: float = 60.0,
+                 launch: Callable[[str], tuple[Sequence[str], str]] | None = None):
         for name, v in (("num_slices", num_slices), ("hosts_per_slice", hosts_per_slice),
                         ("devices_per_host", devices_per_host), ("max_to_keep", max_to_keep)):
             if type(v) is not int or v < 1:
@@ -122,6 +125,9 @@ class LocalCluster:
         self.max_to_keep = max_to_keep
         self.startup_timeout = float(startup_timeout)
         self._env = dict(env or {})
+        # host id -> (argv prefix, address to listen on): e.g. ``(["ip", "netns", "exec", NS], IP)`` runs a
+        # host in its own network namespace, so a test can cut it off (default: here, on 127.0.0.1).
+        self._launch = launch
         self._hosts = [f"s{s}-h{h}" for s in range(num_slices) for h in range(hosts_per_slice)]
         self._slice = {f"s{s}-h{h}": s for s in range(num_slices) for h in range(hosts_per_slice)}
         self._procs: dict[str, subprocess.Popen] = {}
@@ -230,8 +236,9 @@ class LocalCluster:
         env[ENV_TOKEN] = self.peer_token
         env.update(self._env)
         env.update(extra_env or {})
-        cmd = [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(self.ramdisk(host_id)),
-               "--host-id", host_id, "--listen", "127.0.0.1:0", "--ready-file", str(ready),
+        prefix, ip = self._launch(host_id) if self._launch is not None else ((), "127.0.0.1")
+        cmd = [*prefix, sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(self.ramdisk(host_id)),
+               "--host-id", host_id, "--listen", f"{ip}:0", "--peer-listen", f"{ip}:0", "--ready-file", str(ready),
                "--log-file", str(self.log_path(host_id)), "--max-to-keep", str(self.max_to_keep),
                "--parent-pid", str(os.getpid())]
 

@@ -81,7 +81,11 @@ class SidecarService:
     # --- fencing (one head at a time) --------------------------------------------------
 
     def admit(self, op: str, generation: int | None) -> None:
-        """Refuse a changing request (``MUTATING_OPS``) from a head that was fenced off."""
+        """Refuse a changing request (``MUTATING_OPS``) from a head that was fenced off.
+
+        First, a ramdisk emptied under this sidecar gets its layout back (``RamStore.check_layout``),
+        so the request, and every one after it, finds the folders (and the lease file) it needs."""
+        self.store.check_layout()
         if op in MUTATING_OPS:
             self.lease.check(generation, f"{op} on host {self.host_id}")
 

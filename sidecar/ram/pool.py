@@ -70,6 +70,12 @@ class FreePool:
         with self._lock:
             return sum(len(ps) for ps in self._files.values()), self._bytes
 
+    def forget(self) -> None:
+        """Drop every pool file from the books without touching the disk (its files are gone)."""
+        with self._lock:
+            self._files.clear()
+            self._bytes = 0
+
     def drain(self, keep: Counter | None = None) -> int:
         """Unlink pool files, except up to ``keep[size]`` files of each size; returns bytes freed.
 

@@ -70,6 +70,28 @@ class RamStore:
             (self.root / d).mkdir(mode=0o700, exist_ok=True)
             (self.root / d).chmod(0o700)
 
+    def check_layout(self) -> bool:
+        """Re-create the layout if the ramdisk was emptied under this process; True when it was.
+
+        An operator's ``rm -rf``, a remounted tmpfs or a node agent can empty the ramdisk while
+        the sidecar runs. Its steps and blobs are gone then (the head restores them from peers
+        or the backup); what must not happen is that every later save fails on the missing
+        folders until the daemon restarts. So: notice, say so, start again empty, carry on.
+        """
+        missing = [d for d in ("blobs", "pending", "steps") if not (self.root / d).is_dir()]
+        if not missing:
+            return False
+        with self._lock:
+            missing = [d for d in ("blobs", "pending", "steps") if not (self.root / d).is_dir()]
+            if not missing:
+                return False
+            self._pool.forget()
+            self._make_dirs()
+        log.warning("ramdisk %s was emptied under this sidecar (%s gone): re-created it empty; the steps and "
+                    "blobs it held are lost here and come back from peers or the backup", self.root,
+                    ", ".join(f"{d}/" for d in missing))
+        return True
+
     def _remove_leftovers(self) -> None:
         # A writer killed mid-way leaves temp files; they were never visible, so they go.
         pending = self._catalog.pending_root

@@ -68,14 +68,14 @@ class EmulatorServer:
     """One emulator process on a fixed port; stop (SIGKILL) and start again on that port."""
 
     def __init__(self, kind: str, workdir: Path, *, port: int | None = None, external_url: str | None = None,
-                 persistent: bool = False, default_bucket: str | None = None):
+                 persistent: bool = False, default_bucket: str | None = None, host: str = "127.0.0.1"):
         if kind not in GCS_KINDS:
             raise ValueError(f"unknown emulator {kind!r}")
         if importlib.util.find_spec("google.cloud.storage") is None:
             pytest.skip(f"google-cloud-storage is not installed ({_INSTALL})")
         self.kind = kind
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.workdir = workdir
         self.log = workdir / f"{kind}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -83,13 +83,13 @@ class EmulatorServer:
             # persistent: the filesystem backend keeps buckets and objects over a restart.
             backend = ["-backend", "filesystem", "-filesystem-root", str(workdir / "fgs-root")] if persistent \
                 else ["-backend", "memory"]
-            self.argv = [str(fake_gcs_binary()), "-scheme", "http", *backend, "-host", "127.0.0.1",
+            self.argv = [str(fake_gcs_binary()), "-scheme", "http", *backend, "-host", host,
                          "-port", str(self.port), "-external-url", external_url or self.url, "-log-level", "warn"]
             self._bucket_at_start = default_bucket
         else:
             if importlib.util.find_spec("gcp_storage_emulator") is None:
                 pytest.skip(f"gcp-storage-emulator is not installed ({_INSTALL})")
-            self.argv = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+            self.argv = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", host,
                          "--port", str(self.port), "--in-memory", "-q"]
             if default_bucket:
                 self.argv += ["--default-bucket", default_bucket]

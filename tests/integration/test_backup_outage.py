@@ -114,3 +114,54 @@ def test_a_restart_during_a_bucket_outage_comes_back_from_the_ramdisks(ramdisk, 
     finally:
         if cluster:
             cluster.stop()
+
+
+@pytest.mark.parametrize("mode,prefetch", [("colocated", False), ("colocated", True), ("cluster", True)])
+def test_a_restart_during_a_bucket_outage_waits_out_the_listing_deadline_once(ramdisk, emulator_factory, monkeypatch,
+                                                                             mode, prefetch):
+    """Found by the soak (gcs_outage_head_restart): a new head's start-up pull, latest_step,
+    all_steps and restore each listed the backups and each waited the full deadline (30 s), so a
+    restart that had everything in RAM took 150 s. Only the first listing in an outage waits it;
+    the next ones try briefly, and a store that answers again is listed in full at once. In cluster
+    mode the start-up pull's listing and the first latest_step()'s share the host's connection:
+    the second waited for the first, then for a whole deadline of its own."""
+    import time
+
+    import mtc.head.restorer as restorer_mod
+    from mtc.sidecar.local_cluster import LocalCluster
+
+    monkeypatch.setattr(restorer_mod, "LISTING_DEADLINE_S", 6.0)
+    server = emulator_factory("fake-gcs-server", persistent=True)
+    bucket = f"mtc-{uuid.uuid4().hex[:12]}"
+    server.client().create_bucket(bucket)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    cluster = LocalCluster(ramdisk / "c", 1, 1, devices_per_host=8).start() if mode == "cluster" else None
+    spec = {"cluster_spec": str(cluster.spec_path)} if cluster else {}
+    cfg = MTCConfig(local_checkpoint_directory=str(cluster.root if cluster else ramdisk),
+                    enable_multi_tier_checkpointing=True, local_checkpoint_period=1,
+                    base_output_directory=f"gs://{bucket}", run_name="run",
+                    multi_tier_checkpointing_backup_interval_steps=1, **spec)
+    try:
+        with CheckpointManager(cfg.replace(prefetch_on_start=False)) as m:
+            m.save(1, state(1))
+            m.wait_until_finished()
+            assert m.wait_for_backup().error is None
+        server.stop()
+        t0 = time.monotonic()
+        with CheckpointManager(cfg.replace(prefetch_on_start=prefetch)) as m:
+            assert m.latest_step() == 1
+            first = time.monotonic() - t0
+            assert first < 10.0, f"the first latest_step took {first:.1f} s: it waited out the deadline twice"
+            t1 = time.monotonic()
+            assert m.all_steps() == [1]
+            assert m.latest_step() == 1
+            assert_trees_bitwise_equal(state(1), m.restore())
+            later = time.monotonic() - t1
+            assert first >= 5.0, first  # the first listing did wait for the store
+            assert later < 11.0, f"three more calls took {later:.1f} s: each waited out the listing deadline again"
+            server.start()
+            assert [b["step"] for b in m.backups()] == [1]  # the store is back: listed again
+            assert m.latest_step() == 1
+    finally:
+        if cluster:
+            cluster.stop()

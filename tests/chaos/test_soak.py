@@ -1,0 +1,29 @@
+"""The soak's short variant (CI): fixed seeds, both topologies, both backup backends, every fault class.
+
+It fails on any violated invariant (``soak.Violation``, with the schedule up to it in the output);
+the long run is ``python -m tests.chaos.soak --minutes 30`` (README, "Soak").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import soak
+
+pytestmark = pytest.mark.chaos
+
+# (seed, topology, backend, trials): enough trials that every class the segment can inject is drawn.
+RUNS = [(11, (2, 2), "gcs", 24), (12, (1, 4), "local", 22)]
+
+
+@pytest.mark.parametrize("seed,topology,backend,trials", RUNS, ids=[f"{t[0]}x{t[1]}-{b}" for _, t, b, _ in RUNS])
+def test_soak_short(seed, topology, backend, trials, monkeypatch, capsys):
+    monkeypatch.setenv("MTC_SOAK_LISTING_DEADLINE_S", "3")
+    run = soak.run_soak(seed, trials=trials, trials_per_segment=trials, segments=[(topology, backend)])
+    drawn = {c for c, st in run.stats.items() if st.injected}
+    can = run.could_draw  # every class, less the bucket's with a directory, ramdisk_full/net_cut without root
+    assert can >= set(soak.FAULT_CLASSES) - soak.GCS_ONLY - {"ramdisk_full", "net_cut"}
+    assert drawn == can, f"classes not drawn: {sorted(can - drawn)}"
+    for c, st in run.stats.items():
+        assert st.survived == st.injected and st.wrong == 0 and st.lost == 0, (c, st)
+    assert sum(st.restores for st in run.stats.values()) >= trials

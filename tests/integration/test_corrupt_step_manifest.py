@@ -1,0 +1,42 @@
+"""One host's copy of a step manifest is damaged: the head reads the manifest from the next host.
+
+Found by the soak (tests/chaos/soak.py, flip_manifest): one flipped bit in ``steps/<step>.json`` on the
+first host of the spec (still valid JSON, but a shard's ``nbytes`` no longer matched its box) made every
+restore of that step fail with ManifestError, although every other host held an intact copy.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from helpers import assert_trees_bitwise_equal, random_array
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.sidecar.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_damaged_manifest_on_the_first_host_is_read_from_the_next(ramdisk):
+    rng = np.random.default_rng(0)
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    state = {"w": jax.device_put(random_array(rng, (64, 256), np.float32), sh)}
+    with LocalCluster(ramdisk / "cluster", 1, 2, devices_per_host=4) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1)
+        with CheckpointManager(cfg) as m:
+            m.save(1, state)
+            m.wait_until_finished()
+        (path,) = [p for p in (cluster.store_root("s0-h0") / "steps").iterdir() if p.name.endswith(".json")]
+        text = path.read_bytes()
+        damaged = re.sub(rb'"nbytes":(\d+)', lambda mo: b'"nbytes":' + str(int(mo.group(1)) + 1).encode(), text,
+                         count=1)
+        assert damaged != text
+        path.write_bytes(damaged)
+        with CheckpointManager(cfg) as m:
+            assert m.latest_step() == 1
+            assert_trees_bitwise_equal(state, m.restore(1), check_sharding=True)
