@@ -14,6 +14,16 @@ from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
+
+@pytest.fixture(autouse=True)
+def _no_mtc_environment(monkeypatch):
+    """Config tests see only what they set: a LocalCluster earlier in the session puts the job
+    token in MTC_PEER_TOKEN (as a pod gets its Secret), which from_flags would read."""
+    import os
+
+    for k in [k for k in os.environ if k.startswith("MTC_")]:
+        monkeypatch.delenv(k)
+
 MINUTES = "multi_tier_checkpointing_backup_interval_minutes"
 STEPS = "multi_tier_checkpointing_backup_interval_steps"
 
