@@ -327,7 +327,9 @@ class Soak:
         self.trial = 0
         self.class_rng = random.Random(seed)
         self.counts = {c: 0 for c in FAULT_CLASSES}
-        self.could_draw: set[str] = set()  # classes some segment could inject (no root: fewer)
+        self.could_draw: set[str] = set()
+        # Children this process had before the soak (a test session's emulator fixture) are not the soak's.
+        self.preexisting = {c.pid for c in psutil.Process().children(recursive=True)}  # classes some segment could inject (no root: fewer)
         self.max_seen = {"fds": 0, "sockets": 0, "temp_blobs": 0}
         self.mounts: list[Path] = []
 
@@ -677,7 +679,7 @@ class Soak:
             expected.add(self.server.proc.pid)
         for c in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                if c.status() != psutil.STATUS_ZOMBIE and c.pid not in expected:
+                if c.status() != psutil.STATUS_ZOMBIE and c.pid not in expected | self.preexisting:
                     raise Violation(f"a process was left behind: pid {c.pid} {c.cmdline()[:4]}")
         for h in self._reachable():
             fds, socks = _fds(self.cluster.pid(h))
@@ -1233,7 +1235,8 @@ def run_soak(seed: int, *, minutes: float | None = None, trials: int | None = No
         soak._teardown_segment() if getattr(soak, "seg", None) and soak.seg.exists() else None
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
-        leftovers = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        leftovers = [c for c in psutil.Process().children(recursive=True)
+                     if c.status() != psutil.STATUS_ZOMBIE and c.pid not in soak.preexisting]
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                   if str(workdir) in line]
         namespaces = [n for n in leftover_netns() if n.startswith(f"mtc-soak-")
