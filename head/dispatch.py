@@ -81,6 +81,7 @@ class HostInventory:
     host: str
     steps: tuple[StepHolding, ...] = ()
     error: str | None = None
+    damaged: tuple[int, ...] = ()  # steps committed here whose manifest copy fails its checks
 
     @classmethod
     def unreachable(cls, host: str, cause: str) -> "HostInventory":
@@ -106,7 +107,10 @@ class HostInventory:
                 raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'manifest' is not a digest")
             steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
                                      s["held"], manifest))
-        return cls(host=host, steps=tuple(steps))
+        damaged = doc.get("damaged", [])
+        if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
+            raise errors.ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")
+        return cls(host=host, steps=tuple(steps), damaged=tuple(damaged))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,7 @@ class Inventory:
     views: dict  # step -> StepView (mtc.head.replication)
     unreachable: dict  # host -> why it could not be asked
     backup_unreachable: str | None = None  # why the backup root could not be listed
+    damaged: dict = dataclasses.field(default_factory=dict)  # host -> steps whose manifest copy is damaged there
 
     @property
     def restorable(self) -> list[int]:

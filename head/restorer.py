@@ -87,7 +87,31 @@ class Restorer:
         lost its ramdisk does not make a step unrestorable."""
         inv = self._dispatch.inventories()
         return Inventory(views=step_views(inv), unreachable={h: i.error for h, i in inv.items() if i.error},
-                         backup_unreachable=(listing or {}).get("unreachable"))
+                         backup_unreachable=(listing or {}).get("unreachable"),
+                         damaged={h: i.damaged for h, i in inv.items() if i.damaged})
+
+    def _repair_manifests(self, inv: Inventory) -> bool:
+        """Hosts whose copy of a step manifest is damaged get the version the others agree on back
+        (``peer_pull`` with nothing to pull adopts it), so that their blobs count again. Only steps
+        newer than the newest restorable one, and only from a copy that passes its checks."""
+        newest = max(inv.restorable, default=-1)
+        repaired = False
+        for step in sorted({s for steps in inv.damaged.values() for s in steps if s > newest}, reverse=True):
+            view = inv.views.get(step)
+            if view is None or not view.manifest:
+                continue
+            try:
+                manifest = self._dispatch.manifest(step, view.manifest)
+            except MTCError:
+                continue
+            hosts = [h for h, steps in inv.damaged.items() if step in steps]
+            for h, res in self._dispatch.peer_pull(step, {h: [] for h in hosts}, manifest).items():
+                if res.error:
+                    log.warning("step %d: could not give host %s its manifest back: %s", step, h, res.error)
+                else:
+                    log.warning("step %d: host %s had a damaged copy of its manifest; gave it back", step, h)
+                    repaired = True
+        return repaired
 
     def backup_listing(self) -> dict:
         """The backups and ``restore.version``; empty, with a warning, while the store is unreachable.
@@ -140,6 +164,8 @@ class Restorer:
                                         f"step {step} was asked for; clear restore.version to restore it")
             return pinned, backup_name, None, Inventory(views={}, unreachable={})  # the hosts are not asked
         inv = self.inventory(listing)
+        if inv.damaged and not inv.unreachable and self._repair_manifests(inv):
+            inv = self.inventory(listing)
         cluster = inv.restorable
         in_backup: dict[int, str] = {}
         for b in listing["backups"]:  # newest first: keep the newest backup of each step

@@ -254,6 +254,15 @@ class SidecarService:
     def manifest_bytes(self, step: int) -> bytes:
         return self.store.read_step(step)
 
+    def _has_readable(self, step: int) -> bool:
+        """Whether ``step`` is committed here with a manifest that passes its checks."""
+        try:
+            self.manifest(step)
+            return True
+        except (ManifestError, StepNotFoundError):
+            self._manifests.pop(step, None)
+            return False
+
     def manifest(self, step: int) -> fmt.StepManifest:
         m = self._manifests.get(step)
         if m is None:
@@ -270,9 +279,9 @@ class SidecarService:
         """
         mine = set(devices) if devices is not None else None
         have = self.store.list_blobs()
-        out = []
+        out, damaged = [], []
         committed = self.store.committed_steps()
-        for s in sorted(set(self._manifests) - set(committed)):  # a damaged step file, if any, is rewritten
+        for s in sorted(set(self._manifests) - set(committed)):  # a step file no longer JSON is rewritten
             with contextlib.suppress(ManifestError, OSError):
                 if self.store.repair_step(s, self._manifests[s].to_json()):
                     committed = self.store.committed_steps()
@@ -281,6 +290,7 @@ class SidecarService:
                 m = self.manifest(s)
             except (ManifestError, StepNotFoundError) as e:
                 log.warning("host %s: step %d manifest unreadable: %s", self.host_id, s, e)
+                damaged.append(s)  # its blobs may be fine: the head can give the manifest back (peer_pull)
                 continue
             if mine is None:
                 own = m.blob_names()
@@ -288,7 +298,7 @@ class SidecarService:
                 own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
             out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": m.digest,
                         **held_bits(m.blob_names(), have)})
-        return {"host": self.host_id, "steps": out}
+        return {"host": self.host_id, "steps": out, "damaged": damaged}
 
     def verify(self, step: int) -> dict:
         """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}."""
@@ -409,7 +419,7 @@ class SidecarService:
                               "(MTC_PEER_TOKEN or peer_token)")
         out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id)
         out["adopted"] = False
-        if manifest_json is not None and not out["failed"] and step not in self.store.committed_steps():
+        if manifest_json is not None and not out["failed"] and not self._has_readable(step):
             manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
             if manifest.step != step:
                 raise ManifestError(f"peer pull of step {step} carries the manifest of step {manifest.step}")

@@ -271,3 +271,31 @@ def test_a_tampered_step_manifest_is_never_restored_as_data(cluster, recompute):
         assert_trees_bitwise_equal(state, m.restore())
         rep = m.last_restore_report
         assert rep.step == 1
+
+
+def test_a_damaged_manifest_copy_on_the_only_holder_of_some_blobs_is_given_back(cluster):
+    """Found by the soak: with its manifest copy damaged, a host listed no step, so its (good) blobs
+    did not count and restore fell back to an older step. The head now gives it the version the
+    others agree on, and the newest step is restored from its blobs, bit for bit."""
+    old, new = _state(9), _state(10)
+    with _manager(cluster, replication_factor=1) as m:  # no peer copies: s0-h0 alone holds its shards
+        m.save(1, old)
+        m.save(2, new)
+        m.wait_until_finished()
+    path = cluster.store_root("s0-h0") / "steps" / f"{2:012d}.json"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    cluster.kill("s0-h0")
+    cluster.restart("s0-h0")
+    with _manager(cluster, replication_factor=1) as m:
+        assert_trees_bitwise_equal(new, m.restore())
+        assert m.last_restore_report.step == 2
+        assert m.all_steps() == [1, 2]
+    assert fmt_digest_ok(path)
+
+
+def fmt_digest_ok(path: Path) -> bool:
+    from mtc.shared import format as fmt
+
+    return fmt.StepManifest.from_json(path.read_bytes()).step == 2
