@@ -245,6 +245,7 @@ class BackupView:
                  prefix: str = ""):
         self.kind, self.root, self.server, self.prefix = kind, root, server, prefix
         self.up = True
+        self.bucket_lost = 0
 
     def _bucket(self):
         return self.server.client().bucket(BUCKET)
@@ -253,8 +254,18 @@ class BackupView:
         if self.kind == "local":
             d = self.root / sub
             return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
+        from google.api_core.exceptions import NotFound
+
         pre = f"{self.prefix}/{sub}/"
-        return sorted(b.name[len(pre):] for b in self._bucket().list_blobs(prefix=pre))
+        try:
+            return sorted(b.name[len(pre):] for b in self._bucket().list_blobs(prefix=pre))
+        except NotFound:
+            # fake-gcs-server (filesystem backend) has been seen to come back from a restart without
+            # the bucket: an emulator fault, not mtc's. Re-create it (its objects are gone: the oracle
+            # and mtc both see no backups then) and say so in the notes.
+            self.bucket_lost += 1
+            self.server._ensure_bucket(BUCKET)
+            return []
 
     def read(self, name: str) -> bytes | None:
         if self.kind == "local":
@@ -332,6 +343,7 @@ class Soak:
         self.preexisting = {c.pid for c in psutil.Process().children(recursive=True)}  # classes some segment could inject (no root: fewer)
         self.max_seen = {"fds": 0, "sockets": 0, "temp_blobs": 0}
         self.mounts: list[Path] = []
+        self.bucket_lost = 0
 
     # --- segment lifecycle ------------------------------------------------------------------------
 
@@ -435,6 +447,9 @@ class Soak:
         return ok
 
     def _teardown_segment(self) -> None:
+        if getattr(self, "backup", None) is not None:
+            self.bucket_lost += self.backup.bucket_lost
+            self.backup.bucket_lost = 0
         if self.head is not None:
             self.head.kill()
             self.head = None
@@ -1272,6 +1287,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = soak.summary_rows()
     took = time.perf_counter() - t0
     print_rich_table(rows, f"soak seed {seed}: {soak.trial} trials in {took / 60:.1f} min")
+    if soak.bucket_lost:
+        soak.notes["the emulator came back from a restart without its bucket (re-created)"] = soak.bucket_lost
     if soak.notes:
         print("notes: " + "; ".join(f"{k} ({v}x)" for k, v in sorted(soak.notes.items())))
     print(f"max per daemon: {soak.max_seen}")
