@@ -11,6 +11,7 @@ document and says what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any, Iterable
@@ -198,7 +199,7 @@ class StepManifest:
             "arrays": [_array_to_doc(a) for a in self.arrays],
         }
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """SHA-256 over the manifest's canonical JSON (without the digest): what every reader checks,
         and what the hosts' copies of one step are compared by."""
