@@ -227,6 +227,19 @@ class Restorer:
 
     def restore(self, step: int | None, target: Any, partial: Any,
                 prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
+        try:
+            return self._restore_once(step, target, partial, prefetched)
+        except CorruptBlobError as e:
+            # A host found its own copy corrupt while loading and removed it (mtc.sidecar.reads): plan
+            # once more, so that a good copy comes from a peer or a backup.
+            log.warning("restore: %s; planning the restore again without that copy", e)
+            try:
+                return self._restore_once(step, target, partial, None)
+            except StepNotFoundError:
+                raise e from None  # no other copy anywhere: the error that names the array and the shard
+
+    def _restore_once(self, step: int | None, target: Any, partial: Any,
+                      prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
         listing = self.backup_listing()
         step, backup_name, fallback, inv = self.choose_step(step, listing)

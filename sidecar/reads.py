@@ -7,6 +7,8 @@ for both transports.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Sequence
@@ -51,6 +53,7 @@ class BoxReader:
                     try:
                         mapped = self._map_shard(shard, dtype)
                     except CorruptBlobError as e:
+                        self._scrub(shard.blob)
                         raise _no_good_copy(step, key, shard, self.host_id, e) from None
                     if mapped is not None:
                         return mapped
@@ -78,8 +81,16 @@ class BoxReader:
                     dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
                     target[dst] = tmp[src]
             except (CorruptBlobError, FileNotFoundError, ValueError) as e:
+                if isinstance(e, CorruptBlobError):
+                    self._scrub(shard.blob)
                 raise _no_good_copy(step, key, shard, self.host_id, e) from None
         return out
+
+    def _scrub(self, blob: str) -> None:
+        """A corrupt copy read here is removed, so this host stops counting as its holder: the head's
+        next plan brings a good copy from a peer or the backup instead of reading this one again."""
+        with contextlib.suppress(OSError, ValueError):
+            self.store.scrub_blob(blob)
 
     def read_each(self, manifest: fmt.StepManifest, rows: Sequence[tuple]) -> tuple[list, list[tuple[int, str, str]]]:
         """``read_boxes``; on a failure, box by box, so that the others still count."""

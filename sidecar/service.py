@@ -280,7 +280,12 @@ class SidecarService:
         mine = set(devices) if devices is not None else None
         have = self.store.list_blobs()
         out, damaged = [], []
-        for s in self.store.committed_steps():
+        committed = self.store.committed_steps()
+        for s in sorted(set(self._manifests) - set(committed)):  # a step file no longer JSON is rewritten
+            with contextlib.suppress(ManifestError, OSError):
+                if self.store.repair_step(s, self._manifests[s].to_json()):
+                    committed = self.store.committed_steps()
+        for s in committed:
             try:
                 m = self.manifest(s)
             except (ManifestError, StepNotFoundError) as e:

@@ -338,6 +338,24 @@ class RamStore:
             self._pool.drain()
             self.prune()
 
+    def repair_step(self, step: int, step_manifest: bytes) -> bool:
+        """Rewrite steps/<step>.json from a good copy when the file is there but unreadable; True if so.
+
+        A damaged step file (bit rot, a stray write) hides the step on this host: its blobs stop
+        counting as copies and the next garbage collection frees them, though the step is whole.
+        A step that was pruned (no file) is never brought back.
+        """
+        step = check_step(step)
+        data = bytes(step_manifest)
+        parse_step(data, step, f"repair of step {step}")
+        with self._lock:
+            if not self._catalog.path(step).exists() or step in self._catalog.committed():
+                return False
+            self._catalog.write_commit(step, data)
+        log.warning("ramdisk %s: the file of committed step %d was damaged; rewrote it from the manifest this "
+                    "sidecar committed", self.root, step)
+        return True
+
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending. Malformed files in steps/ are ignored (with a warning).
 

@@ -245,6 +245,7 @@ class BackupView:
                  prefix: str = ""):
         self.kind, self.root, self.server, self.prefix = kind, root, server, prefix
         self.up = True
+        self.bucket_lost = 0
 
     def _bucket(self):
         return self.server.client().bucket(BUCKET)
@@ -253,8 +254,18 @@ class BackupView:
         if self.kind == "local":
             d = self.root / sub
             return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
+        from google.api_core.exceptions import NotFound
+
         pre = f"{self.prefix}/{sub}/"
-        return sorted(b.name[len(pre):] for b in self._bucket().list_blobs(prefix=pre))
+        try:
+            return sorted(b.name[len(pre):] for b in self._bucket().list_blobs(prefix=pre))
+        except NotFound:
+            # fake-gcs-server (filesystem backend) has been seen to come back from a restart without
+            # the bucket: an emulator fault, not mtc's. Re-create it (its objects are gone: the oracle
+            # and mtc both see no backups then) and say so in the notes.
+            self.bucket_lost += 1
+            self.server._ensure_bucket(BUCKET)
+            return []
 
     def read(self, name: str) -> bytes | None:
         if self.kind == "local":
@@ -327,9 +338,12 @@ class Soak:
         self.trial = 0
         self.class_rng = random.Random(seed)
         self.counts = {c: 0 for c in FAULT_CLASSES}
-        self.could_draw: set[str] = set()  # classes some segment could inject (no root: fewer)
+        self.could_draw: set[str] = set()
+        # Children this process had before the soak (a test session's emulator fixture) are not the soak's.
+        self.preexisting = {c.pid for c in psutil.Process().children(recursive=True)}  # classes some segment could inject (no root: fewer)
         self.max_seen = {"fds": 0, "sockets": 0, "temp_blobs": 0}
         self.mounts: list[Path] = []
+        self.bucket_lost = 0
 
     # --- segment lifecycle ------------------------------------------------------------------------
 
@@ -359,6 +373,7 @@ class Soak:
         self.step = 0
         self.digests: dict[int, str] = {}
         self.committed: dict[int, set[str]] = {}
+        self.saved_on: dict[int, int] = {}  # step -> how many hosts the head that saved it had
         self.failed: set[int] = set()
         self.corrupt: set[tuple[str, str]] = set()  # (host or "backup", path) of manifests the soak corrupted
         self.save_s = 0.5
@@ -432,6 +447,9 @@ class Soak:
         return ok
 
     def _teardown_segment(self) -> None:
+        if getattr(self, "backup", None) is not None:
+            self.bucket_lost += self.backup.bucket_lost
+            self.backup.bucket_lost = 0
         if self.head is not None:
             self.head.kill()
             self.head = None
@@ -472,6 +490,7 @@ class Soak:
         a = self.head.call("wait", timeout=timeout)
         if a["ok"]:
             self.committed[step] = self._blobs_on_disk(step)
+            self.saved_on[step] = len(self.live)
         else:
             self.failed.add(step)
         return a
@@ -639,6 +658,9 @@ class Soak:
                 s = _step_of(p)
                 if s is None or (h, str(p)) in self.corrupt:
                     continue
+                # A step saved on fewer hosts (a lost slice), restored onto all of them later, is committed
+                # again on a host that holds what its new shards need, not the saved "own" share.
+                own_share = self.saved_on.get(s) == len(hosts)
                 if h in self._reachable() and s in self.failed:
                     raise Violation(f"{h} keeps step {s} committed although its save failed")
                 try:
@@ -648,7 +670,7 @@ class Soak:
                 need = {sh["blob"] for a in doc["arrays"] for sh in a.get("shards", ())
                         if mine & set(sh.get("devices", ()))}
                 missing = need - held - {b for hh, b in self.flipped if hh == h}
-                if missing and p.exists():
+                if own_share and missing and p.exists():
                     raise Violation(f"{h}: step {s} is committed without its blobs {sorted(missing)[:3]}")
             if h in self._reachable():
                 pend = root / "pending"
@@ -677,7 +699,7 @@ class Soak:
             expected.add(self.server.proc.pid)
         for c in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                if c.status() != psutil.STATUS_ZOMBIE and c.pid not in expected:
+                if c.status() != psutil.STATUS_ZOMBIE and c.pid not in expected | self.preexisting:
                     raise Violation(f"a process was left behind: pid {c.pid} {c.cmdline()[:4]}")
         for h in self._reachable():
             fds, socks = _fds(self.cluster.pid(h))
@@ -1233,7 +1255,8 @@ def run_soak(seed: int, *, minutes: float | None = None, trials: int | None = No
         soak._teardown_segment() if getattr(soak, "seg", None) and soak.seg.exists() else None
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
-        leftovers = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        leftovers = [c for c in psutil.Process().children(recursive=True)
+                     if c.status() != psutil.STATUS_ZOMBIE and c.pid not in soak.preexisting]
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                   if str(workdir) in line]
         namespaces = [n for n in leftover_netns() if n.startswith(f"mtc-soak-")
@@ -1264,6 +1287,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = soak.summary_rows()
     took = time.perf_counter() - t0
     print_rich_table(rows, f"soak seed {seed}: {soak.trial} trials in {took / 60:.1f} min")
+    if soak.bucket_lost:
+        soak.notes["the emulator came back from a restart without its bucket (re-created)"] = soak.bucket_lost
     if soak.notes:
         print("notes: " + "; ".join(f"{k} ({v}x)" for k, v in sorted(soak.notes.items())))
     print(f"max per daemon: {soak.max_seen}")

@@ -40,3 +40,27 @@ def test_a_damaged_manifest_on_the_first_host_is_read_from_the_next(ramdisk):
         with CheckpointManager(cfg) as m:
             assert m.latest_step() == 1
             assert_trees_bitwise_equal(state, m.restore(1), check_sharding=True)
+
+
+def test_a_step_file_made_unreadable_under_a_live_daemon_is_rewritten_and_its_blobs_count(ramdisk):
+    """Found by the soak (flip_manifest before replication caught up): a flipped byte that made one
+    host's step file invalid JSON hid the step on that host, so its blobs, the only copies of its
+    shards, stopped counting and the restore chose the step before. The daemon that committed the
+    step still has its manifest: it rewrites the file."""
+    rng = np.random.default_rng(1)
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    state = {"w": jax.device_put(random_array(rng, (64, 256), np.float32), sh)}
+    with LocalCluster(ramdisk / "cluster", 1, 2, devices_per_host=4) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, replication_factor=1)  # s0-h1's shards live on s0-h1 only
+        with CheckpointManager(cfg) as m:
+            m.save(1, state)
+            m.wait_until_finished()
+        (path,) = [p for p in (cluster.store_root("s0-h1") / "steps").iterdir() if p.name.endswith(".json")]
+        good = path.read_bytes()
+        path.write_bytes(b"{" + good[1:-1])  # no longer JSON
+        with CheckpointManager(cfg) as m:
+            assert m.latest_step() == 1
+            assert_trees_bitwise_equal(state, m.restore(1), check_sharding=True)
+        assert path.read_bytes() == good
+        assert "was damaged; rewrote it" in cluster.log_path("s0-h1").read_text()
