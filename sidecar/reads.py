@@ -8,7 +8,6 @@ for both transports.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Sequence
@@ -32,6 +31,7 @@ class BoxReader:
         self.store = store
         self._io = io
         self.host_id = host_id
+        self._scrubbed: dict[str, str] = {}  # blob -> why it was removed (its copy here was corrupt)
 
     def read_box(self, manifest: fmt.StepManifest, key: str, box: fmt.Box | None = None, *, as_bytes: bool = False,
                  out: np.ndarray | None = None) -> np.ndarray:
@@ -53,7 +53,7 @@ class BoxReader:
                     try:
                         mapped = self._map_shard(shard, dtype)
                     except CorruptBlobError as e:
-                        self._scrub(shard.blob)
+                        self._scrub(shard.blob, e)
                         raise _no_good_copy(step, key, shard, self.host_id, e) from None
                     if mapped is not None:
                         return mapped
@@ -81,16 +81,21 @@ class BoxReader:
                     dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
                     target[dst] = tmp[src]
             except (CorruptBlobError, FileNotFoundError, ValueError) as e:
-                if isinstance(e, CorruptBlobError):
-                    self._scrub(shard.blob)
+                if shard.blob in self._scrubbed:  # it was corrupt here a moment ago, and removed: say so
+                    e = CorruptBlobError(self._scrubbed[shard.blob])
+                elif isinstance(e, CorruptBlobError):
+                    self._scrub(shard.blob, e)
                 raise _no_good_copy(step, key, shard, self.host_id, e) from None
         return out
 
-    def _scrub(self, blob: str) -> None:
+    def _scrub(self, blob: str, e: Exception) -> None:
         """A corrupt copy read here is removed, so this host stops counting as its holder: the head's
         next plan brings a good copy from a peer or the backup instead of reading this one again."""
         with contextlib.suppress(OSError, ValueError):
-            self.store.scrub_blob(blob)
+            if self.store.scrub_blob(blob) == "removed":
+                if len(self._scrubbed) > 4096:
+                    self._scrubbed.clear()
+                self._scrubbed[blob] = f"{e}; removed it from this host"
 
     def read_each(self, manifest: fmt.StepManifest, rows: Sequence[tuple]) -> tuple[list, list[tuple[int, str, str]]]:
         """``read_boxes``; on a failure, box by box, so that the others still count."""
