@@ -51,8 +51,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import psutil
-import xxhash
+try:
+    import psutil
+    import xxhash
+except ImportError as e:  # run from the demo's environment: say what to install, not a traceback
+    sys.exit(f"the soak needs the test dependencies ({e.name} is missing): "
+             ".venv/bin/pip install -e '.[test,bench]' (README's second command sets them up)")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
