@@ -53,11 +53,9 @@ class ClusterLoader:
 
     def __init__(self, dispatcher: "ClusterDispatcher"):
         self._d = dispatcher
-        self._manifest: str | None = None  # the digest reads are checked against (set per load)
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
              manifest: str | None = None) -> list[Any]:
-        self._manifest = manifest
         reads: list[_Read] = []
         layouts: list[tuple[dict, dict] | np.ndarray] = []
         for r in requests:
@@ -81,7 +79,7 @@ class ClusterLoader:
                     for plan in box_reads(rec, box, owners, self._d.topology.host_ids, holders, self._d._host_or_none):
                         reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()]))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
-        self._run_reads(step, reads)
+        self._run_reads(step, reads, manifest)
         out: list[Any] = []
         for r, lay in zip(requests, layouts):
             if r.sharding is None:
@@ -96,7 +94,7 @@ class ClusterLoader:
     def _owner(self, device: Any) -> str:
         return self._d.topology.host_of(int(device.id))
 
-    def _run_reads(self, step: int, reads: list[_Read]) -> None:
+    def _run_reads(self, step: int, reads: list[_Read], manifest: str | None) -> None:
         """Run every read, batched per host and in parallel; a failed read moves on to its next
         candidate host. Raises when a read has no candidate left."""
         pending = list(reads)
@@ -104,7 +102,7 @@ class ClusterLoader:
             by_host: dict[str, list[_Read]] = {}
             for r in pending:
                 by_host.setdefault(r.candidates[len(r.tried)], []).append(r)
-            results, failures = self._d._fan_out(lambda h: self._read_batch(h, step, by_host[h]), list(by_host))
+            results, failures = self._d._fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest), list(by_host))
             pending = []
             for h, batch in by_host.items():
                 if h in failures:
@@ -119,7 +117,7 @@ class ClusterLoader:
                         self._raise_read_error(step, r)
                     pending.append(r)
 
-    def _read_batch(self, h: str, step: int, batch: list[_Read]) -> list[tuple[_Read, str, str]]:
+    def _read_batch(self, h: str, step: int, batch: list[_Read], manifest: str | None) -> list[tuple[_Read, str, str]]:
         """Read every box of ``batch`` from host ``h`` in one request; returns the failed ones
         as (read, error type, cause)."""
         tmp: dict[int, np.ndarray] = {}
@@ -144,8 +142,8 @@ class ClusterLoader:
 
         reads = [[r.key, [list(p) for p in r.box]] for r in batch]
         args = {"step": step, "reads": reads}
-        if self._manifest is not None:
-            args["manifest"] = self._manifest
+        if manifest is not None:  # the digest every read is checked against on the host
+            args["manifest"] = manifest
         reply = self._d._call(h, "read", args, alloc=alloc)
         failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
         for i, buf in tmp.items():
