@@ -2,20 +2,23 @@
 
     python bench/bench_scale.py [--hosts 64,512,4096] [--layers 32] [--budget-s 120]
 
-No processes: the step manifest of a MaxText-like state (``--layers`` transformer layers of 9
-arrays each, plus the embedding and the final norm; FSDP: dim 0 of every array sharded over all
-devices) is built with mtc's own format code (``mtc.shared.format``) for a synthetic topology
-of H hosts x 8 devices, as the head builds it after phase 1. Measured per save, for each H:
+No processes: mtc's own format and commit code (``mtc.shared.format``, ``mtc.head.save``) is
+driven for a synthetic topology of H hosts x 8 devices and a MaxText-like state
+(``--layers`` transformer layers of 9 arrays each, plus the embedding and the final norm;
+FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
 
-- manifest bytes (the ``to_json`` the head commits), and head CPU to build and encode it;
-- one host's CPU to parse and check it (each host does this at phase 2);
-- the bytes the head sends and receives per save: phase 1 sends each host its shard list and
-  gets its host manifest back; phase 2 sends every host the whole step manifest (today's design);
-- head bytes per host per save, whose growth with H is what issue [11] targets (constant for a
-  fixed per-host share).
+- each host's part (its host manifest, as it answers phase 1) and one host's CPU to write it;
+- the head's CPU to build the step manifest from the parts (``fmt.encode_step``: a header of
+  arrays and named shardings, then the parts as they came, hashed, never parsed), to check
+  each host's phase-1 summary and to encode phase 2's messages;
+- what the head sends and receives: phase 1 sends each host its shard list and gets its part
+  back; phase 2 sends the whole manifest to the keepers only (2, on distinct slices) and the
+  decision (digest, keepers) to every other host;
+- head bytes per host per save, which must stay constant in H for a fixed per-host share;
+- one keeper's CPU to parse and check the whole manifest before it commits, which is also
+  what a restore costs the head to read it (skipped past ``--budget-s``, with an estimate).
 
-Sizes in the largest topologies can exceed what this machine holds or ``--budget-s``; those
-rows are skipped with a note rather than extrapolated. Ratios in one run, not absolute times.
+Ratios in one run, not absolute times. The data itself (the shards' bytes) is not counted.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import json
 import math
 import time
 
+from mtc.head.save import choose_keepers
 from mtc.shared import format as fmt
 
 DEVICES_PER_HOST = 8
+KEEPERS = 2
 D_MODEL, D_FF, VOCAB = 4096, 14336, 128256
 
 
@@ -48,101 +53,120 @@ def _blob(i: int) -> str:
     return f"{i:032x}"
 
 
-def build(hosts: int, layers: int) -> tuple[fmt.StepManifest, dict[str, list[fmt.HostShard]]]:
-    """The step manifest and each host's phase-1 shards, for FSDP over hosts x 8 devices."""
+def build(hosts: int, layers: int) -> tuple[list[fmt.ArrayRecord], dict[str, list[fmt.HostShard]]]:
+    """The arrays (with their named shardings, no shards) and each host's phase-1 shards."""
     n = hosts * DEVICES_PER_HOST
-    host_of = [f"h{d // DEVICES_PER_HOST}" for d in range(n)]
     per_host: dict[str, list[fmt.HostShard]] = {f"h{h}": [] for h in range(hosts)}
+    mesh = {"type": "named", "mesh_shape": [n], "axis_names": ["fsdp"], "device_ids": list(range(n))}
+    by_rank = {1: {**mesh, "spec": ["fsdp"]}, 2: {**mesh, "spec": ["fsdp", None]}}  # one object per sharding
     records, blob = [], 0
     for a, (key, shape, dtype) in enumerate(state_shapes(layers)):
         k = math.gcd(shape[0], n)  # pieces along dim 0; n // k devices hold each (replicas)
         rows = shape[0] // k
-        itemsize = fmt.dtype_from_name(dtype).itemsize
-        rest = math.prod(shape[1:])
-        shards = []
+        nbytes = rows * math.prod(shape[1:]) * fmt.dtype_from_name(dtype).itemsize
         for piece in range(k):
             box = ((piece * rows, (piece + 1) * rows),) + tuple((0, s) for s in shape[1:])
-            devices = tuple(range(piece, n, k))
-            nbytes = rows * rest * itemsize
-            shards.append(fmt.ShardRecord(box, _blob(blob), nbytes, devices))
-            for h in sorted({host_of[d] for d in devices}):
-                per_host[h].append(fmt.HostShard(a, box, _blob(blob), nbytes))
+            for h in sorted({d // DEVICES_PER_HOST for d in range(piece, n, k)}):
+                per_host[f"h{h}"].append(fmt.HostShard(a, box, _blob(blob), nbytes))
             blob += 1
-        sharding = {"type": "named", "mesh_shape": [n], "axis_names": ["fsdp"], "device_ids": list(range(n)),
-                    "spec": ["fsdp"] + [None] * (len(shape) - 1)}
-        records.append(fmt.ArrayRecord(key=key, kind="jax", dtype=dtype, shape=shape, sharding=sharding,
-                                       shards=tuple(shards)))
+        records.append(fmt.ArrayRecord(key=key, kind="jax", dtype=dtype, shape=shape, sharding=by_rank[len(shape)]))
+    return records, per_host
+
+
+def measure(hosts: int, layers: int, parse: bool) -> dict:
+    records, per_host = build(hosts, layers)
     tree = {"t": "dict", "k": [r.key for r in records], "v": [{"t": "leaf", "i": i} for i in range(len(records))]}
-    return fmt.StepManifest(step=1, arrays=tuple(records), tree=tree, topology={"hosts": sorted(per_host)}), per_host
-
-
-def measure(hosts: int, layers: int) -> dict:
-    t0 = time.process_time()
-    manifest, per_host = build(hosts, layers)
-    t1 = time.process_time()
-    data = manifest.to_json()
-    t2 = time.process_time()
-    fmt.StepManifest.from_json(data)
-    t3 = time.process_time()
-    # Phase 1: the head sends each host its shard list and receives its host manifest.
-    sent1 = recv1 = 0
-    t_parse = 0.0
+    # Each host writes its part (phase 1); the head gets it with a small summary.
+    parts, summaries = [], []
+    sent1 = 0
+    host_part_s = 0.0
     for h, shards in per_host.items():
+        t = time.process_time()
+        part = fmt.HostManifest(step=1, host=h, shards=tuple(shards), written_bytes=0, seconds=0.0).to_json()
+        if h == "h0":
+            host_part_s = time.process_time() - t
+        parts.append((h, part))
         args = {"step": 1, "part": 0, "shards": [[s.array, [list(p) for p in s.box]] for s in shards]}
         sent1 += len(json.dumps(args, separators=(",", ":")))
-        hm = fmt.HostManifest(step=1, host=h, shards=tuple(shards), written_bytes=0, seconds=0.0).to_json()
-        recv1 += len(hm)
-        if h == "h0":
-            p0 = time.process_time()
-            fmt.HostManifest.from_json(hm)
-            t_parse = time.process_time() - p0
-    return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(manifest.arrays),
-            "blobs": len(manifest.blob_names()), "manifest_bytes": len(data),
-            "head_build_s": t1 - t0, "head_encode_s": t2 - t1, "host_parse_s": t3 - t2,
-            "head_parse_phase1_s": t_parse * hosts,
-            "head_sent": sent1 + len(data) * hosts, "head_received": recv1}
+        summaries.append(json.dumps({"step": 1, "host": h, "shards": len(shards), "blobs": len(shards),
+                                     "written_bytes": 0, "seconds": 0.0}).encode())
+    recv1 = sum(len(p) + len(s) for (_, p), s in zip(parts, summaries))
+    # The head: check each summary, build the manifest, encode phase 2's messages.
+    t0 = time.process_time()
+    for (h, _), s in zip(parts, summaries):
+        doc = json.loads(s)
+        assert doc["host"] == h and doc["step"] == 1
+    t1 = time.process_time()
+    data, digest = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
+                                   topology={"hosts": sorted(per_host)}, fingerprint={}, parts=parts)
+    t2 = time.process_time()
+    keepers = choose_keepers(sorted(per_host), lambda h: int(h[1:]) // 16, 1, KEEPERS)  # 16 hosts per slice
+    where = [[k, f"10.0.{i}.1:7001"] for i, k in enumerate(keepers)]
+    decisions = 0
+    for h in per_host:
+        if h not in keepers:
+            decisions += len(json.dumps({"step": 1, "max_to_keep": 2, "digest": digest, "keepers": where}))
+    t3 = time.process_time()
+    sent2 = decisions + len(data) * len(keepers)
+    keeper_s = None
+    if parse:
+        p0 = time.process_time()
+        m = fmt.StepManifest.from_json(data)
+        keeper_s = time.process_time() - p0
+        assert m.digest == digest
+    return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
+            "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
+            "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
+            "keeper_parse_s": keeper_s, "head_sent": sent1 + sent2, "head_received": recv1,
+            "before_sent": sent1 + len(data) * hosts}
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hosts", default="64,512,4096")
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--budget-s", type=float, default=120.0, help="skip a topology whose estimate exceeds this")
+    p.add_argument("--budget-s", type=float, default=120.0,
+                   help="skip a keeper's whole-manifest parse whose estimate exceeds this")
     a = p.parse_args()
-    rows, skipped = [], []
-    per_blob_s = None
+    rows = []
+    per_shard_parse = None
     for h in [int(x) for x in a.hosts.split(",")]:
-        if per_blob_s is not None:
-            est = per_blob_s * rows[-1]["blobs"] * h / rows[-1]["hosts"]  # blobs grow with the devices
-            if est > a.budget_s:
-                skipped.append((h, est))
-                continue
-        r = measure(h, a.layers)
+        est = None
+        if per_shard_parse is not None:
+            est = per_shard_parse * rows[-1]["shards"] * h / rows[-1]["hosts"]
+        r = measure(h, a.layers, parse=est is None or est <= a.budget_s)
+        r["keeper_estimate_s"] = est
         rows.append(r)
-        per_blob_s = (r["head_build_s"] + r["head_encode_s"] + r["host_parse_s"]) / max(1, r["blobs"])
-    print(f"## One save's control plane, simulated: {rows[0]['arrays'] if rows else '?'} arrays "
-          f"(--layers {a.layers}), FSDP over hosts x {DEVICES_PER_HOST} devices\n")
-    print("| hosts | blobs | manifest | head: build + encode | a host: parse + check | head: parse phase-1 answers "
-          "| head sends | head receives | head sends per host |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        if r["keeper_parse_s"] is not None:
+            per_shard_parse = r["keeper_parse_s"] / max(1, r["shards"])
+    print(f"## One save's control plane, simulated: {rows[0]['arrays']} arrays (--layers {a.layers}), "
+          f"FSDP over hosts x {DEVICES_PER_HOST} devices, {KEEPERS} keepers\n")
+    print("| hosts | shard rows | manifest | head CPU per save | head sends | head receives | head sends per host "
+          "| head receives per host | a host: its part | a keeper (or a restore): parse + check |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['hosts']} | {r['blobs']:,} | {_mib(r['manifest_bytes'])} | "
-              f"{r['head_build_s'] + r['head_encode_s']:.2f} s | {r['host_parse_s']:.2f} s | "
-              f"{r['head_parse_phase1_s']:.2f} s | {_mib(r['head_sent'])} | {_mib(r['head_received'])} | "
-              f"{_mib(r['head_sent'] / r['hosts'])} |")
+        head = r["head_check_s"] + r["head_build_s"] + r["head_phase2_s"]
+        keeper = (f"{r['keeper_parse_s']:.2f} s" if r["keeper_parse_s"] is not None
+                  else f"skipped (about {r['keeper_estimate_s']:.0f} s)")
+        print(f"| {r['hosts']} | {r['shards']:,} | {_mib(r['manifest_bytes'])} | {head * 1e3:,.0f} ms | "
+              f"{_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
+              f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | {keeper} |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         k = a1["hosts"] / a0["hosts"]
-        print(f"\n- {k:.0f}x the hosts: manifest {a1['manifest_bytes'] / a0['manifest_bytes']:.1f}x, head bytes sent "
-              f"{a1['head_sent'] / a0['head_sent']:.1f}x, head bytes sent per host "
-              f"{(a1['head_sent'] / a1['hosts']) / (a0['head_sent'] / a0['hosts']):.1f}x (target: 1.0x)")
-    for h, est in skipped:
-        print(f"- {h} hosts: skipped, about {est:.0f} s of CPU by the smaller rows' cost per blob "
-              f"(over --budget-s {a.budget_s:g}); phase 2 would send the whole manifest to each of {h} hosts")
+        per0, per1 = a0["head_sent"] / a0["hosts"], a1["head_sent"] / a1["hosts"]
+        rec0, rec1 = a0["head_received"] / a0["hosts"], a1["head_received"] / a1["hosts"]
+        head1 = a1["head_check_s"] + a1["head_build_s"] + a1["head_phase2_s"]
+        print(f"\n- {k:.0f}x the hosts: head bytes sent per host {per1 / per0:.2f}x, received per host "
+              f"{rec1 / rec0:.2f}x (target: 1.0x, constant in hosts)")
+        print(f"- head CPU per save at {a1['hosts']} hosts: {head1:.2f} s (target <= 1 s)")
+        print(f"- had phase 2 sent the whole manifest to every host (the design before): head sends "
+              f"{_mib(a1['before_sent'])} per save at {a1['hosts']} hosts, {_mib(a1['before_sent'] / a1['hosts'])} "
+              f"per host ({a1['before_sent'] / a1['head_sent']:.0f}x)")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import numpy as np
 from mtc.head.cluster_reads import ClusterLoader
 from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
 from mtc.head.cluster_client import HostConnection, RemoteFailure, cause
+from mtc.head.save import choose_keepers
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
@@ -91,6 +92,8 @@ class ClusterDispatcher(Dispatcher):
                               "MTCConfig.from_env): the path of the spec LocalCluster wrote")
         self.spec_path = os.fspath(spec)
         self._max_to_keep = config.local_max_to_keep
+        # Hosts that keep each step's whole manifest (on distinct slices; the others commit its digest).
+        self._keepers = max(2, int(config.replication_factor))
         self._devices = list(devices if devices is not None else jax.devices())
         self.topology = Topology.from_spec(self.spec_path, self._devices)
         self.timeout_s = float(timeout_s)
@@ -276,41 +279,46 @@ class ClusterDispatcher(Dispatcher):
         return _Staged(shards, box_devices, nbytes)
 
     def write(self, step: int, staged: _Staged) -> WriteResult:
-        def one(h: str) -> fmt.HostManifest:
+        def one(h: str) -> tuple[dict, bytes]:
             items = staged.shards[h]
             args = {"step": step, "part": 0, "shards": [[a, [list(p) for p in box]] for a, box, _ in items]}
             reply = self._call(h, "write", args, [buf for _, _, buf in items])
             if len(reply.payloads) != 1:
                 raise ProtocolError(f"host {h}: write answered {len(reply.payloads)} payloads, expected 1")
-            m = fmt.HostManifest.from_json(bytes(reply.payloads[0]), source=f"host {h} phase 1 answer for step {step}")
-            got = {(s.array, s.box) for s in m.shards}
-            sent = {(a, box) for a, box, _ in items}
-            if m.step != step or m.host != h or got != sent:
+            # The host's part of the manifest is forwarded, not parsed (that would cost the head
+            # O(shards) per save); its summary must match what was sent.
+            info = reply.result if isinstance(reply.result, dict) else {}
+            if info.get("step") != step or info.get("host") != h or info.get("shards") != len(items):
                 raise ManifestError(f"host {h}: phase 1 answer for step {step} does not match what was sent "
-                                    f"(step {m.step}, host {m.host}, {len(got)} shards for {len(sent)} sent)")
-            return m
+                                    f"(step {info.get('step')}, host {info.get('host')}, {info.get('shards')} "
+                                    f"shards for {len(items)} sent)")
+            return info, bytes(reply.payloads[0])
 
         results, failures = self._fan_out(one)
         if failures:
             self._abort(step, failures)
             raise self._save_error(step, "phase 1 (writing shards)", failures)
-        blobs: dict[tuple[int, Box], str] = {}
-        for h, m in results.items():
-            for s in m.shards:
-                prev = blobs.setdefault((s.array, s.box), s.blob)
-                if prev != s.blob:
-                    self._abort(step, {})
-                    raise ManifestError(
-                        f"step {step}: array #{s.array} shard {fmt.box_str(s.box)} has different contents on two "
-                        f"hosts ({prev} != {s.blob}); replicas must be identical")
-        info = {h: {"written_bytes": m.written_bytes, "blobs": len(m.blob_names()), "write_s": m.seconds,
-                    "devices": list(self.topology.host(h).devices)} for h, m in results.items()}
-        return WriteResult(blobs, {k: list(v) for k, v in staged.box_devices.items()}, info)
+        info = {h: {"written_bytes": r.get("written_bytes", 0), "blobs": r.get("blobs", 0),
+                    "write_s": r.get("seconds", 0.0), "devices": list(self.topology.host(h).devices)}
+                for h, (r, _) in results.items()}
+        return WriteResult([(h, results[h][1]) for h in self._hosts], info)
 
-    def commit(self, step: int, manifest: fmt.StepManifest) -> dict[str, dict]:
-        data = manifest.to_json()
-        args = {"step": step, "max_to_keep": self._max_to_keep}  # the head's config decides retention
-        results, failures = self._fan_out(lambda h: self._call(h, "commit", args, [data]).result)
+    def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
+        """Phase 2: the whole manifest to the keepers only; the decision (digest, keepers) to the others."""
+        keepers = choose_keepers(list(self._hosts), self.topology.slice_of, step, self._keepers)
+        peers = dict(self.peer_addresses)
+        if any(h not in peers for h in keepers):
+            keepers = list(self._hosts)  # a keeper the others cannot reach: every host keeps it
+        args = {"step": step, "max_to_keep": self._max_to_keep, "digest": digest}  # the head's retention
+        decision = {**args, "keepers": [[h, peers[h]] for h in keepers if h in peers]}
+        keep = set(keepers)
+
+        def one(h: str) -> dict:
+            if h in keep:
+                return self._call(h, "commit", args, [manifest]).result
+            return self._call(h, "commit", decision).result
+
+        results, failures = self._fan_out(one)
         if failures:
             self._abort(step, failures)
             raise self._save_error(step, "phase 2 (commit)", failures)

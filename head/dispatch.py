@@ -48,10 +48,13 @@ class LoadRequest:
 
 @dataclasses.dataclass
 class WriteResult:
-    """Phase 1 across all hosts: the blob of every (leaf, box), and what each host did."""
+    """Phase 1 across all hosts: each host's part of the step manifest, and what each host did.
 
-    blobs: dict[tuple[int, fmt.Box], str]
-    box_devices: dict[tuple[int, fmt.Box], list[int]]
+    ``parts`` are (host, the host manifest bytes it answered): the head hashes and forwards
+    them (``fmt.encode_step``) without parsing them.
+    """
+
+    parts: list[tuple[str, bytes]]
     hosts: dict[str, dict]  # host id -> {"written_bytes": ..., "blobs": ...}
 
 
@@ -182,8 +185,9 @@ class Dispatcher(abc.ABC):
         """Phase 1 on every host."""
 
     @abc.abstractmethod
-    def commit(self, step: int, manifest: fmt.StepManifest) -> dict[str, dict]:
-        """Phase 2 on every host; host id -> what the host wrote for the step."""
+    def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
+        """Phase 2 on every host (``manifest``: the step manifest's bytes, ``digest`` its digest);
+        host id -> what the host wrote for the step."""
 
     @abc.abstractmethod
     def abort(self, step: int) -> None:

@@ -32,7 +32,8 @@ from mtc.head.replication import ReplicationStrategy, summarize
 from mtc.head.replication_loop import Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restorer import Restorer
-from mtc.head.save import build_manifest, flatten
+from mtc.head.save import build_step, flatten
+from mtc.shared import format as fmt
 from mtc.shared import version
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, FencedError, MTCError, SaveError, cause_in_chain
@@ -215,13 +216,16 @@ class CheckpointManager:
             t1 = time.perf_counter()
             result = self._dispatch.write(step, staged)
             t2 = time.perf_counter()
-            manifest = build_manifest(step, leaves, tree_doc, result)
-            committed = self._dispatch.commit(step, manifest)
+            data, digest = build_step(step, leaves, tree_doc, result)
+            committed = self._dispatch.commit(step, data, digest)
             if self._known_steps is not None:
                 self._known_steps.add(step)
+            t3 = time.perf_counter()
+            # Replication and backup plan from the whole manifest: read here, after the commit,
+            # so that its cost (it grows with shards) is not part of the save's critical path.
+            manifest = fmt.StepManifest.from_json(data, source=f"step {step} manifest")
             self._replicator.submit(manifest)
             self._backups.maybe_start(manifest)
-            t3 = time.perf_counter()
             written = sum(h.get("written_bytes", 0) for h in committed.values())
             report = SaveReport(
                 step=step, bytes_total=manifest.nbytes, bytes_written=written,

@@ -1,15 +1,15 @@
 """The save path's two pure steps (DESIGN section 13): the state as leaves, and the step manifest.
 
 ``flatten`` validates a pytree and turns it into ``Leaf`` values (a typed PRNG key array is
-stored as its key data, its impl named); ``build_manifest`` turns phase 1's answers into the
-step manifest that phase 2 commits on every host. The manager runs them; neither touches a
+stored as its key data, its impl named); ``build_step`` turns phase 1's answers into the
+step manifest that phase 2 commits. The manager runs them; neither touches a
 sidecar.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -19,7 +19,7 @@ from mtc.head.dispatch import Leaf, WriteResult
 from mtc.head.restore_plan import is_prng_key, prng_key_shape
 from mtc.shared import format as fmt
 from mtc.shared import shardings, version
-from mtc.shared.errors import SaveError, TargetMismatchError
+from mtc.shared.errors import TargetMismatchError
 
 
 def classify(key: str, leaf: Any) -> str:
@@ -72,29 +72,61 @@ def flatten(state: Any) -> tuple[list[Leaf], Any]:
     return leaves, tree_lib.encode(state)
 
 
-def build_manifest(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult) -> fmt.StepManifest:
-    """The step manifest from the leaves and phase 1's answer (SaveError if a shard is missing)."""
+def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult) -> tuple[bytes, str]:
+    """The step manifest (bytes, digest) from the leaves and phase 1's host parts.
+
+    The head's work here grows with arrays and hosts, not shards: the parts are hashed and
+    appended as the hosts wrote them; which devices held each shard follows from the named
+    sharding, which is described once. Only an array whose boxes do not follow from its
+    sharding description (an unusual sharding) lists them. The hosts that keep the whole
+    manifest check, before they commit, that the parts cover every array (``fmt.StepManifest``).
+    """
     records = []
+    listed: dict[int, list] = {}
+    derived: dict[tuple, bool] = {}
+    described: dict[Any, dict] = {}  # one description per sharding, shared by the arrays that use it
     for leaf in leaves:
         if leaf.kind == "scalar":
             records.append(fmt.ArrayRecord(key=leaf.key, kind="scalar", value=scalar_doc(leaf.value)))
             continue
-        dt = fmt.dtype_from_name(leaf.dtype)
-        if leaf.kind == "numpy":
-            boxes = [tuple((0, n) for n in leaf.shape)]
-            sharding = None
-        else:
-            boxes = sorted(set(leaf.device_boxes.values()))
-            sharding = shardings.describe(leaf.sharding)
-        shards = []
-        for box in boxes:
-            blob = result.blobs.get((leaf.index, box))
-            if blob is None:
-                raise SaveError(f"step {step}: no host wrote array {leaf.key!r} shard {fmt.box_str(box)}", step=step)
-            nbytes = int(np.prod(fmt.box_shape(box), dtype=np.int64)) * dt.itemsize
-            shards.append(fmt.ShardRecord(box, blob, nbytes, tuple(result.box_devices.get((leaf.index, box), ()))))
+        sharding = None
+        if leaf.kind == "jax":
+            sharding = described.get(leaf.sharding)
+            if sharding is None:
+                sharding = described[leaf.sharding] = shardings.describe(leaf.sharding)
+            key = (leaf.sharding, leaf.shape)
+            ok = derived.get(key)
+            if ok is None:
+                ok = derived[key] = shardings.described_device_boxes(sharding, leaf.shape) == leaf.device_boxes
+            if not ok:
+                by_box: dict = {}
+                for dev, box in leaf.device_boxes.items():
+                    by_box.setdefault(box, []).append(dev)
+                listed[leaf.index] = sorted(by_box.items())
         records.append(fmt.ArrayRecord(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=leaf.shape,
-                                       sharding=sharding, shards=tuple(shards), prng_impl=leaf.prng_impl,
+                                       sharding=sharding, prng_impl=leaf.prng_impl,
                                        prng_key_shape=leaf.prng_key_shape))
-    return fmt.StepManifest(step=step, arrays=tuple(records), tree=tree_doc, created=time.time(),
-                            topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint())
+    return fmt.encode_step(step=step, arrays=records, tree=tree_doc, created=time.time(),
+                           topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint(),
+                           parts=result.parts, listed_boxes=listed)
+
+
+def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:
+    """The hosts that keep the whole manifest of ``step``: ``count`` of them, on distinct slices
+    while there are slices left, starting at a host that moves with the step so that the
+    keeping (and the fetches of the other hosts) spreads over all hosts."""
+    if not hosts:
+        return []
+    order = sorted(hosts)
+    start = step % len(order)
+    order = order[start:] + order[:start]
+    out: list[str] = []
+    seen: set[int] = set()
+    for h in order:  # one per slice first
+        if len(out) < count and slice_of(h) not in seen:
+            out.append(h)
+            seen.add(slice_of(h))
+    for h in order:  # then any
+        if len(out) < count and h not in out:
+            out.append(h)
+    return out

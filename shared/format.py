@@ -1,8 +1,14 @@
 """The on-disk and on-the-wire formats: step manifests, host manifests, dtypes, index boxes.
 
-A **step manifest** says which blobs make up a step and how they assemble into arrays. It is
-JSON (``"format": "mtc/2"``, with a ``"digest"`` of its own content) and is the commit of a step: it is written last, atomically.
-A **host manifest** is what one sidecar answers after phase 1 of a save: the blobs it wrote.
+A **step manifest** says which blobs make up a step and how they assemble into arrays; it is
+the commit of a step: written last, atomically. Format ``mtc/3`` (docs/architecture.md, Formats) is JSON Lines:
+line 1 is the *header* (the arrays, each named sharding once, the tree, and one
+``{"host", "digest", "bytes"}`` entry per host part, with a ``"digest"`` of the header itself);
+each following line is one **host manifest** (a *part*): the shards one sidecar wrote in phase
+1, exactly as it wrote them. The head builds a step manifest without reading the parts (it
+hashes and concatenates them), so its work per save grows with arrays and hosts, not shards.
+Which devices held a shard is derived from the named sharding, not listed per shard.
+``mtc/2`` and ``mtc/1`` (one JSON document with every shard inline) are still read.
 
 Everything read from disk or the network goes through ``from_json``, which validates the
 document and says what is wrong.
@@ -19,14 +25,18 @@ from typing import Any, Iterable
 import ml_dtypes
 import numpy as np
 
+from mtc.shared import shardings as shardings_lib
 from mtc.shared.errors import ManifestError
-from mtc.shared.hashing import HASH_NAME, is_blob_name
+from mtc.shared.hashing import HASH_NAME, blob_name, is_blob_name
 
-# mtc/2 adds "digest": SHA-256 over the rest of the document, checked by every reader. mtc/1
-# documents (no digest) are still read.
-FORMAT = "mtc/2"
+# mtc/3: a header line and one line per host part (see above). Its "digest" is SHA-256 over the
+# header's canonical JSON, which holds each part's xxh3-128 and length, so it covers every byte.
+# mtc/2 (one document, "digest" over the rest) and mtc/1 (no digest) are still read.
+FORMAT = "mtc/3"
+_FORMAT_V2 = "mtc/2"
 _FORMAT_V1 = "mtc/1"
 HOST_FORMAT = "mtc-host/1"
+COMMIT_FORMAT = "mtc-commit/1"
 
 # A box is the part of a global array that a shard covers: ((start, stop), ...) per dimension.
 Box = tuple[tuple[int, int], ...]
@@ -164,7 +174,11 @@ class ArrayRecord:
 
 @dataclasses.dataclass(frozen=True)
 class StepManifest:
-    """The commit of one step: every array, its shards and their blobs."""
+    """The commit of one step: every array, its shards and their blobs.
+
+    ``parts`` names the host parts it was assembled from, as (host, xxh3-128 of the part's
+    bytes), when it was read from (or built as) an ``mtc/3`` document.
+    """
 
     step: int
     arrays: tuple[ArrayRecord, ...]
@@ -172,6 +186,7 @@ class StepManifest:
     created: float = 0.0
     topology: dict = dataclasses.field(default_factory=dict)
     fingerprint: dict = dataclasses.field(default_factory=dict)
+    parts: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
     def blob_sizes(self) -> dict[str, int]:
         out = {}
@@ -187,55 +202,220 @@ class StepManifest:
     def nbytes(self) -> int:
         return sum(self.blob_sizes().values())
 
-    def _doc(self) -> dict:
-        return {
-            "format": FORMAT,
-            "hash": HASH_NAME,
-            "step": self.step,
-            "created": self.created,
-            "fingerprint": self.fingerprint,
-            "topology": self.topology,
-            "tree": self.tree,
-            "arrays": [_array_to_doc(a) for a in self.arrays],
-        }
+    @functools.cached_property
+    def _encoded(self) -> tuple[bytes, str]:
+        # One part with every shard: how a manifest made in memory (not by a save) is written.
+        rows = []
+        for i, a in enumerate(self.arrays):
+            rows.extend(HostShard(i, s.box, s.blob, s.nbytes) for s in a.shards)
+        part = HostManifest(self.step, "*", tuple(rows)).to_json()
+        listed = {i: [(s.box, s.devices) for s in a.shards] for i, a in enumerate(self.arrays)
+                  if a.kind == "jax" and not _devices_derivable(a)}
+        return encode_step(step=self.step, arrays=self.arrays, tree=self.tree, created=self.created,
+                           topology=self.topology, fingerprint=self.fingerprint, parts=[("*", part)],
+                           listed_boxes=listed)
 
     @functools.cached_property
     def digest(self) -> str:
-        """SHA-256 over the manifest's canonical JSON (without the digest): what every reader checks,
+        """SHA-256 of the header (which holds a hash of every part): what every reader checks,
         and what the hosts' copies of one step are compared by."""
-        return _digest(self._doc())
+        return self._encoded[1]
 
     def to_json(self) -> bytes:
-        doc = self._doc()
-        doc["digest"] = _digest(doc)
-        return _canonical(doc)
+        """The document (for one read from bytes: exactly those bytes)."""
+        return self._encoded[0]
 
     @classmethod
     def from_json(cls, data: bytes | str, *, source: str = "manifest") -> "StepManifest":
-        doc = _load(data, source)
-        digest = doc.pop("digest", None)
-        _expect(doc.get("format") in (FORMAT, _FORMAT_V1), source,
-                f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by another mtc version?)")
-        _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
-        step = doc.get("step")
-        _expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
-        arrays = doc.get("arrays")
-        _expect(isinstance(arrays, list), source, "'arrays' is missing or not a list")
-        records = tuple(_array_from_doc(a, f"{source}: arrays[{i}]") for i, a in enumerate(arrays))
-        keys = [r.key for r in records]
-        _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
-        # Last, so that a malformed document gets its precise error. mtc/1 had no digest (read only).
-        if digest is not None or doc["format"] == FORMAT:
-            _expect(isinstance(digest, str) and digest == _digest(doc), source,
-                    "its content does not match its digest (changed after it was written); not using it")
-        return cls(
-            step=step,
-            arrays=records,
-            tree=doc.get("tree"),
-            created=float(doc.get("created", 0.0)),
-            topology=dict(doc.get("topology") or {}),
-            fingerprint=dict(doc.get("fingerprint") or {}),
-        )
+        if isinstance(data, str):
+            data = data.encode()
+        data = bytes(data)
+        first, _, rest = data.partition(b"\n")
+        doc = _load(first, source)
+        if doc.get("format") == FORMAT:
+            m = _parse_v3(doc, rest, source)
+        else:
+            m = _parse_v2(_load(data, source), source)
+        # Read bytes are written back as they are: their digest is the one the hosts compare.
+        if "digest" in m.__dict__:  # (an mtc/1 document has none: it is written anew as mtc/3)
+            m.__dict__["_encoded"] = (data, m.digest)
+        return m
+
+
+def _devices_derivable(a: ArrayRecord) -> bool:
+    """Whether the devices of every shard of ``a`` follow from its sharding description."""
+    derived = shardings_lib.described_device_boxes(a.sharding, a.shape)
+    if derived is None:
+        return False
+    by_box: dict[Box, list[int]] = {}
+    for dev, box in derived.items():
+        by_box.setdefault(box, []).append(dev)
+    return all(tuple(sorted(s.devices)) == tuple(sorted(by_box.get(s.box, ()))) or not s.devices for s in a.shards)
+
+
+def encode_step(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created: float, topology: dict,
+                fingerprint: dict, parts: Iterable[tuple[str, bytes]],
+                listed_boxes: dict[int, list[tuple[Box, Iterable[int]]]] | None = None) -> tuple[bytes, str]:
+    """An ``mtc/3`` step manifest from its arrays (their shards are not read) and host parts.
+
+    ``parts`` are (host, host manifest bytes as the host wrote them); they are hashed and
+    appended, never parsed, so this costs O(arrays + hosts) plus one pass over the bytes.
+    ``listed_boxes`` (array index -> [(box, devices)]) is for arrays whose devices cannot be
+    derived from their sharding. Returns (bytes, digest).
+    """
+    table: list[dict] = []
+    index: dict[bytes, int] = {}
+    by_id: dict[int, int] = {}  # the same description object (one sharding, many arrays): not re-encoded
+    docs = []
+    for i, a in enumerate(arrays):
+        doc: dict[str, Any] = {"key": a.key, "kind": a.kind}
+        if a.kind == "scalar":
+            doc["value"] = a.value
+        else:
+            doc.update(dtype=a.dtype, shape=list(a.shape))
+            if a.sharding is not None:
+                j = by_id.get(id(a.sharding))
+                if j is None:
+                    k = _canonical(a.sharding)
+                    if k not in index:
+                        index[k] = len(table)
+                        table.append(a.sharding)
+                    j = by_id[id(a.sharding)] = index[k]
+                doc["sharding"] = j
+            if listed_boxes and i in listed_boxes:
+                doc["boxes"] = [[[list(b) for b in box], sorted(int(d) for d in devs)] for box, devs in listed_boxes[i]]
+            if a.prng_impl:
+                doc.update(prng_impl=a.prng_impl, prng_key_shape=list(a.prng_key_shape))
+        docs.append(doc)
+    raw = []
+    metas = []
+    for host, data in parts:
+        data = bytes(data)
+        if b"\n" in data:
+            raise ManifestError(f"the part of host {host} contains a newline; parts are single-line JSON")
+        raw.append(data)
+        metas.append({"host": host, "digest": blob_name(data), "bytes": len(data)})
+    header = {"format": FORMAT, "hash": HASH_NAME, "step": step, "created": created, "fingerprint": fingerprint,
+              "topology": topology, "tree": tree, "shardings": table, "arrays": docs, "parts": metas}
+    digest = _digest(header)
+    header["digest"] = digest
+    return b"\n".join([_canonical(header), *raw]), digest
+
+
+def _parse_v2(doc: dict, source: str) -> StepManifest:
+    digest = doc.pop("digest", None)
+    _expect(doc.get("format") in (_FORMAT_V2, _FORMAT_V1), source,
+            f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by another mtc version?)")
+    _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
+    step = doc.get("step")
+    _expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
+    arrays = doc.get("arrays")
+    _expect(isinstance(arrays, list), source, "'arrays' is missing or not a list")
+    records = tuple(_array_from_doc(a, f"{source}: arrays[{i}]") for i, a in enumerate(arrays))
+    keys = [r.key for r in records]
+    _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+    # Last, so that a malformed document gets its precise error. mtc/1 had no digest (read only).
+    if digest is not None or doc["format"] == _FORMAT_V2:
+        _expect(isinstance(digest, str) and digest == _digest(doc), source,
+                "its content does not match its digest (changed after it was written); not using it")
+    m = StepManifest(step=step, arrays=records, tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
+                     topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}))
+    if digest is not None:
+        m.__dict__["digest"] = digest
+    return m
+
+
+def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
+    digest = doc.pop("digest", None)
+    _expect(isinstance(digest, str) and digest == _digest(doc), source,
+            "its header does not match its digest (changed after it was written); not using it")
+    _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
+    step = doc.get("step")
+    _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
+            f"step {step!r} is not a non-negative integer")
+    table = doc.get("shardings")
+    _expect(isinstance(table, list), source, "'shardings' is missing or not a list")
+    for i, desc in enumerate(table):
+        shardings_lib.check_desc(desc, f"{source}: shardings[{i}]")
+    docs, metas = doc.get("arrays"), doc.get("parts")
+    _expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
+    _expect(isinstance(metas, list), source, "'parts' is missing or not a list")
+    lines = rest.split(b"\n") if rest else []
+    _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+    # The header's arrays, then their shards from every part (equal boxes from several hosts are
+    # replicas: one record, and they must name the same blob).
+    heads = [_array_head(a, table, f"{source}: arrays[{i}]") for i, a in enumerate(docs)]
+    found: list[dict[Box, tuple[str, int, str]]] = [{} for _ in heads]
+    parts = []
+    for j, (meta, line) in enumerate(zip(metas, lines)):
+        where = f"{source}: part {j}"
+        _expect(isinstance(meta, dict) and isinstance(meta.get("host"), str), where, "its header entry is malformed")
+        host = meta["host"]
+        _expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), where,
+                f"the part of host {host} does not match its hash in the header (changed after it was written)")
+        part = HostManifest.from_json(line, source=f"{where} (host {host})")
+        _expect(part.step == step and part.host == host, where,
+                f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
+        for s in part.shards:
+            _expect(s.array < len(heads) and heads[s.array][0].kind != "scalar", where,
+                    f"shard of array #{s.array}, which is not an array of this step")
+            prev = found[s.array].setdefault(s.box, (s.blob, s.nbytes, host))
+            _expect(prev[:2] == (s.blob, s.nbytes), where,
+                    f"array {heads[s.array][0].key!r} shard {box_str(s.box)} has different contents on hosts "
+                    f"{prev[2]} and {host} ({prev[0]} != {s.blob}); replicas must be identical")
+        parts.append((host, meta["digest"]))
+    records = []
+    for (rec, owners), shards in zip(heads, found):
+        if rec.kind == "scalar":
+            records.append(rec)
+            continue
+        where = f"{source}: array {rec.key!r}"
+        dt = rec.np_dtype
+        out = []
+        for box in sorted(shards):
+            blob, nbytes, _ = shards[box]
+            _expect(len(box) == len(rec.shape) and all(b <= n for (_, b), n in zip(box, rec.shape)), where,
+                    f"box {box_str(box)} does not fit shape {list(rec.shape)}")
+            want = int(np.prod(box_shape(box), dtype=np.int64)) * dt.itemsize
+            _expect(nbytes == want, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
+            out.append(ShardRecord(box, blob, nbytes, tuple(owners.get(box, ()))))
+        _expect(_covers(list(rec.shape), shards), where, "its shards do not cover the whole array")
+        records.append(dataclasses.replace(rec, shards=tuple(out)))
+    keys = [r.key for r in records]
+    _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+    m = StepManifest(step=step, arrays=tuple(records), tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
+                     topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}),
+                     parts=tuple(parts))
+    m.__dict__["digest"] = digest
+    return m
+
+
+def _array_head(doc: Any, table: list, where: str) -> tuple[ArrayRecord, dict[Box, tuple[int, ...]]]:
+    """An mtc/3 header entry: the record without shards, and box -> devices that held it."""
+    _expect(isinstance(doc, dict), where, "not an object")
+    idx = doc.get("sharding")
+    sharding = None
+    if idx is not None:
+        _expect(isinstance(idx, int) and 0 <= idx < len(table), where, f"sharding {idx!r} is not an index of 'shardings'")
+        sharding = table[idx]
+    shallow = {k: v for k, v in doc.items() if k not in ("sharding", "boxes")}
+    rec = _array_from_doc({**shallow, "sharding": sharding, "shards": None} if doc.get("kind") != "scalar" else doc,
+                          where, require_cover=False)
+    owners: dict[Box, list[int]] = {}
+    if rec.kind != "jax":
+        return rec, {}
+    listed = doc.get("boxes")
+    if listed is not None:
+        _expect(isinstance(listed, list), where, "'boxes' is not a list")
+        for row in listed:
+            _expect(isinstance(row, list) and len(row) == 2 and isinstance(row[1], list)
+                    and all(isinstance(d, int) for d in row[1]), where, "'boxes' rows are [box, [device ids]]")
+            owners[_box_from_doc(row[0], where)] = sorted(row[1])
+    else:
+        derived = shardings_lib.described_device_boxes(sharding, rec.shape)
+        for dev, box in (derived or {}).items():
+            owners.setdefault(box, []).append(dev)
+    return rec, {b: tuple(sorted(ds)) for b, ds in owners.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,18 +471,83 @@ class HostManifest:
         return cls(step, host, tuple(shards), int(doc.get("written_bytes", 0)), float(doc.get("seconds", 0.0)))
 
 
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """How a host that does not keep the whole step manifest commits a step (phase 2).
+
+    Phase 2 sends the whole manifest to a few *keeper* hosts only (on distinct slices) and, to
+    every other host, the commit decision: the manifest's ``digest`` and who keeps it. Such a
+    host writes this record: the digest, the keepers (host, peer address) and its own ``part``
+    (its host manifest, byte for byte as it answered phase 1, so its hash is the one in the
+    manifest's header). The host fetches the whole manifest from a keeper when it first needs
+    it (to read or to hold copies for others) and then replaces this record with it.
+    """
+
+    step: int
+    digest: str
+    keepers: tuple[tuple[str, str], ...]
+    part: bytes
+
+    def to_json(self) -> bytes:
+        doc = {"format": COMMIT_FORMAT, "step": self.step, "digest": self.digest,
+               "keepers": [list(k) for k in self.keepers], "part": self.part.decode()}
+        return _canonical(doc)
+
+    def host_manifest(self, source: str = "commit record") -> "HostManifest":
+        return HostManifest.from_json(self.part, source=f"{source}: its part")
+
+    @classmethod
+    def parse(cls, data: bytes, *, source: str = "commit record") -> "CommitRecord | None":
+        """The record in ``data``; None when ``data`` is a step manifest (ManifestError if malformed)."""
+        data = bytes(data)
+        if b"\n" in data or not data.startswith(b'{"digest"'):
+            return None  # a commit record is one canonical line, and "digest" sorts first
+        doc = _load(data, source)
+        if doc.get("format") != COMMIT_FORMAT:
+            return None
+        step, digest, keepers, part = doc.get("step"), doc.get("digest"), doc.get("keepers"), doc.get("part")
+        _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source, f"step {step!r}")
+        _expect(isinstance(digest, str) and len(digest) == 64, source, "'digest' is not a SHA-256 hex digest")
+        _expect(isinstance(keepers, list) and all(isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) for x in k)
+                                                  for k in keepers), source, "'keepers' is not a list of [host, address]")
+        _expect(isinstance(part, str) and "\n" not in part, source, "'part' is not a host manifest")
+        return cls(step, digest, tuple((h, a) for h, a in keepers), part.encode())
+
+
+def step_digest(data: bytes) -> str | None:
+    """The digest a step file claims (a manifest's header, or a commit record), read cheaply; None if none."""
+    try:
+        doc = json.loads(bytes(data).partition(b"\n")[0])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    d = doc.get("digest") if isinstance(doc, dict) else None
+    return d if isinstance(d, str) else None
+
+
 def collect_blob_names(data: bytes) -> set[str]:
-    """Blob names a manifest keeps alive (garbage collection): a host manifest's shard rows, else
-    every string under any key named ``"blob"``, at any depth (step and backup manifests).
+    """Blob names a manifest keeps alive (garbage collection): the shard rows of a host manifest or
+    of an mtc/3 step manifest's parts, else every string under any key named ``"blob"``, at any
+    depth (older step manifests).
 
     Manifests on disk are untrusted: bytes that are not JSON, or a name that is not a blob name
     (which would reach the filesystem), raise ManifestError.
     """
+    data = bytes(data)
+    first, _, rest = data.partition(b"\n")
     try:
-        doc = json.loads(data)
+        doc = json.loads(first if rest else data)
+        parts = [json.loads(line) for line in rest.split(b"\n")] if rest else []
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"manifest is not valid JSON ({e}); cannot tell which blobs it uses") from None
     names: set[str] = set()
+    if isinstance(doc, dict) and doc.get("format") == COMMIT_FORMAT:
+        try:
+            parts = [json.loads(doc.get("part") or "{}")]
+        except (ValueError, TypeError) as e:
+            raise ManifestError(f"commit record's part is not valid JSON ({e}); cannot tell which blobs it uses") from None
+    if isinstance(doc, dict) and doc.get("format") in (FORMAT, COMMIT_FORMAT):
+        doc = {"format": HOST_FORMAT, "shards": [row for p in parts if isinstance(p, dict)
+                                                 for row in (p.get("shards") or [])]}
 
     def strings(v: Any) -> Iterable[str]:
         if isinstance(v, str):
@@ -371,26 +616,7 @@ def _box_from_doc(box: Any, where: str) -> Box:
     return tuple(out)
 
 
-def _array_to_doc(a: ArrayRecord) -> dict:
-    doc: dict[str, Any] = {"key": a.key, "kind": a.kind}
-    if a.kind == "scalar":
-        doc["value"] = a.value
-        return doc
-    doc.update(
-        dtype=a.dtype,
-        shape=list(a.shape),
-        sharding=a.sharding,
-        shards=[
-            {"box": [list(b) for b in s.box], "blob": s.blob, "nbytes": s.nbytes, "devices": list(s.devices)}
-            for s in a.shards
-        ],
-    )
-    if a.prng_impl:
-        doc.update(prng_impl=a.prng_impl, prng_key_shape=list(a.prng_key_shape))
-    return doc
-
-
-def _array_from_doc(doc: Any, where: str) -> ArrayRecord:
+def _array_from_doc(doc: Any, where: str, *, require_cover: bool = True) -> ArrayRecord:
     _expect(isinstance(doc, dict), where, "not an object")
     key, kind = doc.get("key"), doc.get("kind")
     _expect(isinstance(key, str), where, "key is not a string")
@@ -419,7 +645,8 @@ def _array_from_doc(doc: Any, where: str) -> ArrayRecord:
         _expect(nbytes == want, sw, f"nbytes {nbytes!r} does not match box {box_str(box)} of {dtype} ({want})")
         devices = tuple(s.get("devices") or ())
         shards.append(ShardRecord(box, s["blob"], nbytes, devices))
-    _expect(_covers(shape, [s.box for s in shards]), where, "shards do not cover the whole array")
+    if require_cover:
+        _expect(_covers(shape, [s.box for s in shards]), where, "shards do not cover the whole array")
     impl, key_shape = doc.get("prng_impl"), doc.get("prng_key_shape", [])
     if impl is not None:
         _expect(isinstance(impl, str) and impl, where, f"prng_impl {impl!r} is not a PRNG impl name")

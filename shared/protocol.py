@@ -60,7 +60,7 @@ _HEADER_CHUNK = 64 << 10
 _MAX_IOV = 512
 
 # Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
-OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
+OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "part", "commit", "abort", "read",
                  "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch",
                  "peer_pull", "lease", "claim", "verify", "job"})
 # Before them, on each connection, the handshake (mtc.shared.auth): "hello", then "auth".

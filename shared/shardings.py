@@ -76,3 +76,48 @@ def device_boxes(sharding: Any, shape: tuple[int, ...]) -> dict[int, tuple[tuple
     from mtc.shared.format import box_from_index
 
     return {d.id: box_from_index(idx, shape) for d, idx in sharding.devices_indices_map(tuple(shape)).items()}
+
+
+def described_device_boxes(desc: Mapping | None, shape: tuple[int, ...]) -> dict[int, tuple] | None:
+    """device id -> box, computed from a sharding *description* alone (no jax devices needed).
+
+    This is what lets a manifest describe a named sharding once (mesh and spec) instead of
+    listing, for every shard of every array, the devices that held it. Works for ``named``
+    descriptions whose sharded dimensions divide evenly (what jax's NamedSharding requires)
+    and for ``single``; None when the boxes cannot be derived (other shardings), in which case
+    the manifest lists them explicitly.
+    """
+    if not desc:
+        return None
+    shape = tuple(int(n) for n in shape)
+    kind = desc.get("type")
+    if kind == "single":
+        return {int(desc["device_ids"][0]): tuple((0, n) for n in shape)}
+    if kind != "named":
+        return None
+    mesh_shape = [int(n) for n in desc["mesh_shape"]]
+    names = list(desc["axis_names"])
+    ids = [int(i) for i in desc["device_ids"]]
+    spec = list(desc.get("spec") or [])
+    if len(spec) > len(shape) or int(np.prod(mesh_shape, dtype=np.int64)) != len(ids):
+        return None
+    coords = np.unravel_index(np.arange(len(ids)), mesh_shape) if ids else ()
+    starts, stops = [], []
+    for d, n in enumerate(shape):
+        entry = spec[d] if d < len(spec) else None
+        axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+        index = np.zeros(len(ids), np.int64)
+        parts = 1
+        for a in axes:
+            if a not in names:
+                return None
+            k = names.index(a)
+            index = index * mesh_shape[k] + coords[k]
+            parts *= mesh_shape[k]
+        if n % parts:
+            return None  # uneven: let the manifest list the boxes
+        chunk = n // parts
+        starts.append(index * chunk)
+        stops.append(index * chunk + chunk)
+    return {dev: tuple((int(starts[d][i]), int(stops[d][i])) for d in range(len(shape)))
+            for i, dev in enumerate(ids)}

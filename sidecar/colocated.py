@@ -86,7 +86,10 @@ _OPS = {
     "fingerprint": lambda svc, req: svc.fingerprint(),
     "inventory": lambda svc, req: svc.inventory(),
     "manifest": lambda svc, req: svc.manifest_bytes(int(req["step"])).decode(),
-    "commit": lambda svc, req: svc.commit(int(req["step"]), req["manifest"].encode()),
+    "part": lambda svc, req: svc.part_bytes(int(req["step"])).decode(),
+    "commit": lambda svc, req: svc.commit(
+        int(req["step"]), req["manifest"].encode() if req.get("manifest") else None, digest=req.get("digest"),
+        keepers=[tuple(k) for k in req.get("keepers") or ()] or None),
     "abort": lambda svc, req: svc.abort(int(req["step"])),
     "verify": lambda svc, req: svc.verify(int(req["step"])),
     "lease": lambda svc, req: svc.current_lease(),
@@ -101,7 +104,7 @@ _OPS = {
     "close": None,  # handled in _dispatch: it also drops the service
 }
 SERVICE_METHODS = {
-    "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "commit": "commit",
+    "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "part": "part_bytes", "commit": "commit",
     "abort": "abort", "verify": "verify", "lease": "current_lease", "claim": "claim", "job": "job", "backup_upload": "backup_upload",
     "backup_finalize": "backup_finalize", "backup_listing": "backup_listing", "backup_manifest": "backup_manifest",
     "backup_fetch": "backup_fetch", "peer_pull": "peer_pull", "close": "close",
@@ -181,11 +184,13 @@ class ColocatedSidecar:
         req = _request(request)
         self._svc().admit("write", req.get("gen"))
         step, part, leaves = int(req["step"]), int(req.get("part", 0)), list(req["leaves"])
+        numpy_shapes = {int(k): tuple(v) for k, v in (req.get("numpy") or {}).items()}
         shards = []
         per_device: dict[Any, list[tuple[int, fmt.Box]]] = {}
         for i, arr in enumerate(arrays):
+            logical = numpy_shapes.get(leaves[i])
             for sh in arr.addressable_shards:
-                box = fmt.box_from_index(sh.index, arr.shape)
+                box = fmt.box_from_index(sh.index, arr.shape) if logical is None else tuple((0, n) for n in logical)
                 shards.append((leaves[i], box, np.asarray(sh.data)))
                 per_device.setdefault(sh.device, []).append((i, box))
         manifest = self._svc().write_shards(step, shards, part=part)

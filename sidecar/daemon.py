@@ -15,8 +15,11 @@ Ops (``args`` -> ``result``; payloads in brackets):
   shards saved from those devices (this host's share), so a host is whole when it holds its
   own share; without it, every blob of the step.
 - ``manifest {step}`` -> ``{"step"}`` [step manifest JSON]
-- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> [host manifest JSON]
-- ``commit {step}`` [step manifest JSON] -> what the host wrote for the step
+- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> ``{step, host, shards, blobs,
+  written_bytes, seconds}`` [host manifest JSON: this host's part of the step manifest]
+- ``part {step}`` -> ``{step}`` [this host's part of the step being saved, as ``write`` answered it]
+- ``commit {step, max_to_keep, digest, keepers}`` [step manifest, for a keeper only] -> what the host wrote
+  for the step (a host without the manifest commits a record of the decision: ``fmt.CommitRecord``)
 - ``abort {step}`` -> ``{"removed"}``: forget a step whose save failed (committed or pending)
 - ``backup_upload {backup_url, blobs}``, ``backup_finalize {backup_url, name, max_to_keep}``
   [manifest], ``backup_listing {backup_url}``, ``backup_manifest {backup_url, name}`` -> [manifest],
@@ -270,16 +273,31 @@ class SidecarDaemon(ThreadedTCPServer):
                 raise ProtocolError(f"write: shards[{i}] is not [array index, box]")
             shards.append((row[0], _box(row[1], f"write: shards[{i}]"), np.asarray(data).reshape(-1)))
         manifest = self.service.write_shards(step, shards, part=part)
-        return {"step": step}, [manifest.to_json()]
+        summary = {"step": step, "host": manifest.host, "shards": len(manifest.shards),
+                   "blobs": len(manifest.blob_names()), "written_bytes": manifest.written_bytes,
+                   "seconds": manifest.seconds}
+        return summary, [manifest.to_json()]
+
+    def _op_part(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
+        step = _step(args)
+        return {"step": step}, [self.service.part_bytes(step)]
 
     def _op_commit(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)
-        if len(payloads) != 1:
-            raise ProtocolError("commit: expected the step manifest as the one payload")
+        if len(payloads) > 1:
+            raise ProtocolError("commit: expected at most one payload (the step manifest, for a keeper)")
         keep = args.get("max_to_keep")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ProtocolError(f"commit: max_to_keep {keep!r} is not an integer >= 1")
-        return self.service.commit(step, bytes(payloads[0]), max_to_keep=keep), []
+        digest, keepers = args.get("digest"), args.get("keepers")
+        if digest is not None and not isinstance(digest, str):
+            raise ProtocolError("commit: 'digest' is not a string")
+        if keepers is not None and not (isinstance(keepers, list) and all(
+                isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) for x in k) for k in keepers)):
+            raise ProtocolError("commit: 'keepers' is not a list of [host, peer address]")
+        manifest = bytes(payloads[0]) if payloads else None
+        return self.service.commit(step, manifest, max_to_keep=keep, digest=digest,
+                                   keepers=[tuple(k) for k in keepers] if keepers else None), []
 
     def _op_abort(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         return {"removed": self.service.abort(_step(args))}, []
@@ -363,7 +381,7 @@ class SidecarDaemon(ThreadedTCPServer):
 # Which service method each operation calls (a test pins it against the colocated transport's).
 SERVICE_METHODS = {
     "ping": None,  # the transport's own liveness answer
-    "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "write": "write_shards",
+    "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "write": "write_shards", "part": "part_bytes",
     "commit": "commit", "abort": "abort", "read": "read_boxes_each", "lease": "current_lease", "claim": "claim",
     "verify": "verify", "job": "job",
     "backup_upload": "backup_upload", "backup_finalize": "backup_finalize", "backup_listing": "backup_listing",
@@ -376,6 +394,7 @@ _HANDLERS = {
     "inventory": SidecarDaemon._op_inventory,
     "manifest": SidecarDaemon._op_manifest,
     "write": SidecarDaemon._op_write,
+    "part": SidecarDaemon._op_part,
     "commit": SidecarDaemon._op_commit,
     "abort": SidecarDaemon._op_abort,
     "lease": SidecarDaemon._op_lease,

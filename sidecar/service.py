@@ -20,12 +20,12 @@ import numpy as np
 from mtc.shared import format as fmt
 from mtc.shared.buffers import byte_view
 from mtc.shared import ramdisk, version
-from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, StepNotFoundError
+from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, MTCError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.jobs import Jobs
-from mtc.sidecar.peer import PeerServer
+from mtc.sidecar.peer import PeerClient, PeerServer
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.reads import BoxReader
 from mtc.sidecar.replication import held_bits, pull_blobs
@@ -213,38 +213,65 @@ class SidecarService:
             self.store.write_pending(step, manifest.to_json())
         return manifest
 
+    def part_bytes(self, step: int) -> bytes:
+        """This host's part of ``step`` so far (its host manifest), as phase 1 answered it."""
+        data = self.store.read_pending(step)
+        if data is None:
+            raise StepNotFoundError(f"host {self.host_id}: step {step} has no part here (phase 1 did not run "
+                                    "or the step was committed or aborted)")
+        return data
+
     # --- save: phase 2 -----------------------------------------------------------------
 
-    def commit(self, step: int, manifest_json: bytes, *, max_to_keep: int | None = None) -> dict:
-        """Phase 2: make ``step`` visible on this host by writing its step manifest, last.
+    def commit(self, step: int, manifest_json: bytes | None, *, max_to_keep: int | None = None,
+               digest: str | None = None, keepers: Sequence[tuple[str, str]] | None = None) -> dict:
+        """Phase 2: make ``step`` visible on this host by writing its step file, last.
 
-        ``max_to_keep`` (the head's ``local_max_to_keep``) overrides the sidecar's own, so the
-        head's config decides retention on every host. Returns what this host wrote for the
-        step (blobs, bytes, seconds) for the save report.
+        A keeper gets the whole manifest (``manifest_json``), checks it (every array covered,
+        replicas equal, this host's part the one it wrote) and writes it. Every other host
+        gets only the decision: the manifest's ``digest`` and the ``keepers`` (host, peer
+        address); it writes a ``fmt.CommitRecord`` with its own part, and fetches the manifest
+        from a keeper when it first needs it. ``max_to_keep`` (the head's ``local_max_to_keep``)
+        overrides the sidecar's own, so the head's config decides retention on every host.
+        Returns what this host wrote for the step (blobs, bytes, seconds) for the save report.
         """
         if max_to_keep is not None:
             self.store.max_to_keep = int(max_to_keep)
-        manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
-        if manifest.step != step:
-            raise ManifestError(f"commit of step {step} carries the manifest of step {manifest.step}")
         pending = self.store.read_pending(step)
         with self._lock:
             self._partial.pop(step, None)
         if pending is None:
-                raise StepNotFoundError(
-                    f"host {self.host_id}: cannot commit step {step}: this host did not write it "
+            raise StepNotFoundError(
+                f"host {self.host_id}: cannot commit step {step}: this host did not write it "
                 "(phase 1 missing); save the step again")
+        manifest = None
+        if manifest_json is not None:
+            manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
+            if manifest.step != step:
+                raise ManifestError(f"commit of step {step} carries the manifest of step {manifest.step}")
+            if digest is not None and manifest.digest != digest:
+                raise ManifestError(f"commit of step {step}: the manifest's digest is not the one the head decided")
+            own = dict(manifest.parts).get(self.host_id)
+            if own is not None and own != blob_name(pending):
+                raise ManifestError(f"host {self.host_id}: the manifest of step {step} does not hold the part "
+                                    "this host wrote in phase 1; not committing")
+            data = bytes(manifest_json)
+        elif digest is not None and keepers:
+            data = fmt.CommitRecord(step, digest, tuple((str(h), str(a)) for h, a in keepers), pending).to_json()
+        else:
+            raise ManifestError(f"commit of step {step} needs the step manifest, or its digest and its keepers")
         host = fmt.HostManifest.from_json(pending, source=f"host {self.host_id} step {step} pending manifest")
         missing = sorted({s.blob for s in host.shards if not self.store.has_blob(s.blob)})
         if missing:
             raise CorruptBlobError(f"host {self.host_id}: step {step} is missing {len(missing)} of its "
                                    f"blobs ({missing[0]}, ...); not committing")
         crash_point("before_commit")
-        self.store.commit(step, manifest_json)
-        self._manifests[step] = manifest
+        self.store.commit(step, data)
+        if manifest is not None:
+            self._manifests[step] = manifest
         crash_point("after_commit")
         return {"host": self.host_id, "blobs": len(host.blob_names()), "written_bytes": host.written_bytes,
-                "write_s": host.seconds}
+                "write_s": host.seconds, "keeper": manifest is not None}
 
     # --- inventory ---------------------------------------------------------------------
 
@@ -252,7 +279,8 @@ class SidecarService:
         return self.store.committed_steps()
 
     def manifest_bytes(self, step: int) -> bytes:
-        return self.store.read_step(step)
+        """The whole manifest of committed ``step`` (fetched from a keeper first if need be)."""
+        return self.manifest(step).to_json()
 
     def _has_readable(self, step: int) -> bool:
         """Whether ``step`` is committed here with a manifest that passes its checks."""
@@ -264,11 +292,36 @@ class SidecarService:
             return False
 
     def manifest(self, step: int) -> fmt.StepManifest:
+        """The whole manifest of committed ``step``. Where this host committed only a record
+        (``fmt.CommitRecord``), it is fetched from a keeper, checked against the digest, and
+        replaces the record (ManifestError if no keeper could give it)."""
         m = self._manifests.get(step)
         if m is None:
-            m = fmt.StepManifest.from_json(self.store.read_step(step), source=f"{self.host_id} step {step}")
+            data = self.store.read_step(step)
+            rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} commit record")
+            if rec is not None:
+                data = self._fetch_manifest(rec)
+            m = fmt.StepManifest.from_json(data, source=f"{self.host_id} step {step}")
+            if rec is not None:
+                self.store.upgrade_step(step, data, rec.digest)
             self._manifests[step] = m
         return m
+
+    def _fetch_manifest(self, rec: fmt.CommitRecord) -> bytes:
+        causes = []
+        for host, address in rec.keepers:
+            if host == self.host_id or not self._peer_token:
+                causes.append(f"{host}: {'this host' if host == self.host_id else 'no peer token here'}")
+                continue
+            try:
+                with PeerClient(address, self._peer_token, peer=host, timeout_s=60.0) as client:
+                    data = client.manifest(rec.step, rec.digest)
+                log.info("host %s: fetched the manifest of step %d from keeper %s", self.host_id, rec.step, host)
+                return data
+            except (MTCError, OSError) as e:
+                causes.append(f"{host}: {e}")
+        raise ManifestError(f"host {self.host_id}: step {rec.step} is committed here as a record, and no keeper "
+                            f"could give its manifest ({'; '.join(causes)}); the head gives it back at restore")
 
     def inventory(self, devices: Sequence[int] | None = None) -> dict:
         """What this host holds: committed steps, and for each which of its blobs are here.
@@ -298,7 +351,10 @@ class SidecarService:
                 own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
             out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": m.digest,
                         **held_bits(m.blob_names(), have)})
-        return {"host": self.host_id, "steps": out, "damaged": damaged}
+        # A step file that is no longer JSON hides its step; this host committed it, so it is
+        # damaged, not gone: the head gives the manifest the others agree on back.
+        damaged += [s for s in self.store.unreadable_steps() if s not in damaged]
+        return {"host": self.host_id, "steps": out, "damaged": sorted(damaged)}
 
     def verify(self, step: int) -> dict:
         """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}."""
@@ -417,6 +473,11 @@ class SidecarService:
         if self._peer is None:
             raise ConfigError(f"host {self.host_id} has no peer tier: start its sidecar with a peer token "
                               "(MTC_PEER_TOKEN or peer_token)")
+        if step in self.store.committed_steps():
+            # Copies held for others are kept alive by the whole manifest: a host that committed
+            # only a record fetches it first (if it cannot, ``manifest_json`` below, or a later try).
+            with contextlib.suppress(ManifestError, StepNotFoundError):
+                self.manifest(step)
         out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id)
         out["adopted"] = False
         if manifest_json is not None and not out["failed"] and not self._has_readable(step):

@@ -8,6 +8,7 @@ import os
 import socket
 from typing import Any, Iterable
 
+from mtc.shared import format as fmt
 from mtc.shared import protocol, version
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import (
@@ -15,6 +16,7 @@ from mtc.shared.errors import (
     CorruptBlobError,
     HostUnreachableError,
     InsufficientSpaceError,
+    ManifestError,
     ProtocolError,
 )
 from mtc.shared.hashing import check_blob_name
@@ -168,6 +170,36 @@ class PeerClient:
             self.close()
             raise HostUnreachableError(f"{self._where()}: get of blob {name} failed ({cause(e)})") from e
         return sizes[0]
+
+    def manifest(self, step: int, digest: str, *, max_bytes: int = 1 << 34) -> bytes:
+        """The whole manifest of ``step`` from a peer that keeps it, checked against ``digest``."""
+        rid = self._send("manifest", {"step": int(step), "digest": digest})
+        header = self._reply_header("manifest", rid, max_bytes)
+        sizes = header["payloads"]
+        if len(sizes) != 1:
+            self.close()
+            raise ProtocolError(f"{self._where()}: the manifest of step {step} came with {len(sizes)} payloads")
+        buf = bytearray(sizes[0])
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < len(buf):
+                n = self._sock.recv_into(view[got:])
+                if not n:
+                    raise ConnectionError("connection closed in the middle of the manifest")
+                got += n
+        except OSError as e:
+            self.close()
+            raise HostUnreachableError(f"{self._where()}: manifest of step {step} failed ({cause(e)})") from e
+        data = bytes(buf)
+        try:
+            m = fmt.StepManifest.from_json(data, source=f"step {step} manifest from {self._where()}")
+        except ManifestError as e:
+            raise CorruptBlobError(f"{e}; not using it") from None
+        if m.step != step or m.digest != digest:
+            raise CorruptBlobError(f"{self._where()} sent a manifest of step {m.step} with digest {m.digest[:12]}, "
+                                   f"not the one of step {step} every host committed ({digest[:12]}); not using it")
+        return data
 
     def put(self, store: RamStore, name: str) -> bool:
         """Send blob ``name`` from ``store`` to the peer (``send_blob_file``); whether the peer added it."""

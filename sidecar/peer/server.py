@@ -9,6 +9,7 @@ import socket
 import threading
 from typing import Any
 
+from mtc.shared import format as fmt
 from mtc.shared import protocol, version
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import (
@@ -63,7 +64,8 @@ class PeerServer(ThreadedTCPServer):
         self._stats_lock = threading.Lock()
         # Counters, for tests and benchmarks: what this server sent, received and refused.
         self.stats = {"sent_blobs": 0, "sent_bytes": 0, "received_blobs": 0, "received_bytes": 0,
-                      "have_requests": 0, "verify_requests": 0, "removed_corrupt": 0, "refused": 0}
+                      "have_requests": 0, "verify_requests": 0, "removed_corrupt": 0, "refused": 0,
+                      "sent_manifests": 0}
 
     def start(self) -> str:
         """Bind, listen and start accepting; returns the advertised address ``host:port``."""
@@ -220,8 +222,27 @@ class PeerServer(ThreadedTCPServer):
         return self._reply(conn, Reply(req.id, {"blob": name, "state": state}))
 
 
+    def _op_manifest(self, conn: socket.socket, req: Request, sizes: list[int]) -> bool:
+        # The whole step manifest, from a host that keeps it (see fmt.CommitRecord). The reader
+        # checks it against the digest every host committed; this side only matches the claim.
+        step, digest = req.args.get("step"), req.args.get("digest")
+        if type(step) is not int or step < 0 or not isinstance(digest, str):
+            raise _Refused("'manifest' needs a step (integer >= 0) and the digest of its manifest")
+        try:
+            data = self.store.read_step(step)
+        except (MTCError, OSError):
+            data = None
+        if data is None or fmt.CommitRecord.parse(data) is not None or fmt.step_digest(data) != digest:
+            return self._reply(conn, Reply(req.id, error=RemoteError(
+                "FileNotFoundError", f"host {self.host_id} does not keep the manifest {digest[:12]} of step {step}")))
+        conn.sendall(protocol.frame_head(Reply(req.id, {"step": step, "size": len(data)}).header(), [len(data)]))
+        conn.sendall(data)
+        self._count(sent_manifests=1)
+        return True
+
+
 _HANDLERS = {"have": PeerServer._op_have, "get": PeerServer._op_get, "put": PeerServer._op_put,
-             "verify": PeerServer._op_verify}
+             "verify": PeerServer._op_verify, "manifest": PeerServer._op_manifest}
 
 
 # --- client ------------------------------------------------------------------------------------

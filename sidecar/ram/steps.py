@@ -32,9 +32,13 @@ NoSpace = Callable[[str, "int | None", "int | None", OSError], InsufficientSpace
 
 
 def parse_step(data: bytes, step: int, where: str) -> None:
-    """ManifestError unless ``data`` is a JSON object whose ``"step"`` is ``step``."""
+    """ManifestError unless ``data`` is a JSON object whose ``"step"`` is ``step`` (a manifest in
+    JSON Lines: its header; every further line must be JSON too). Digests are the readers' job."""
+    header, *rest = bytes(data).split(b"\n")
     try:
-        doc = json.loads(data)
+        doc = json.loads(header)
+        for line in rest:
+            json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"{where}: the step manifest is not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("step") != step or isinstance(doc.get("step"), bool):
@@ -167,6 +171,16 @@ class StepCatalog:
                 continue
             out.append(step)
         self._step_ok = seen
+        return sorted(out)
+
+    def unreadable(self) -> list[int]:
+        """Steps whose file is there but fails ``parse_step`` (as of the last ``committed()``): a
+        committed step whose file was damaged (only a commit writes one, atomically)."""
+        out = []
+        for name, (_, error) in self._step_ok.items():
+            m = _STEP_FILE_RE.match(name)
+            if error is not None and m and (self.steps_root / name).exists():
+                out.append(int(m.group(1)))
         return sorted(out)
 
     def read(self, step: int) -> bytes:

@@ -15,7 +15,7 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import ramdisk
-from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, ManifestError
+from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, ManifestError, MTCError
 from mtc.sidecar.ram.blobs import BlobFiles
 from mtc.sidecar.ram.common import (TMP_PREFIX, check_name, check_step, format_bytes, free_bytes, no_space,
                                     page_rounder)
@@ -356,6 +356,23 @@ class RamStore:
                     "sidecar committed", self.root, step)
         return True
 
+    def upgrade_step(self, step: int, step_manifest: bytes, digest: str) -> bool:
+        """Replace the commit record of ``step`` (``fmt.CommitRecord``) by the whole step manifest
+        whose digest the record names; True if replaced. Only a record is ever replaced."""
+        step = check_step(step)
+        data = bytes(step_manifest)
+        parse_step(data, step, f"upgrade of step {step}")
+        with self._lock:
+            try:
+                current = self._catalog.read(step)
+            except (MTCError, OSError):
+                return False
+            rec = fmt.CommitRecord.parse(current)
+            if rec is None or rec.digest != digest:
+                return False
+            self._catalog.write_commit(step, data)
+        return True
+
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending. Malformed files in steps/ are ignored (with a warning).
 
@@ -363,6 +380,12 @@ class RamStore:
         ever replaced atomically, so an unchanged key means unchanged bytes.
         """
         return self._catalog.committed()
+
+    def unreadable_steps(self) -> list[int]:
+        """Steps whose file is in steps/ but unreadable (see ``StepCatalog.unreadable``)."""
+        with self._lock:
+            self._catalog.committed()
+            return self._catalog.unreadable()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""

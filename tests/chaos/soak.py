@@ -294,10 +294,22 @@ class BackupView:
             self._bucket().blob(f"{self.prefix}/{name}").upload_from_string(data)
 
 
+def parts_of(manifest: bytes) -> dict[str, set[str]]:
+    """host -> the blobs of its own shards, from a step file (parsed here, not by mtc: the oracle is
+    independent). A step manifest (mtc/3) is a header line and one line per host part; a host that
+    does not keep the whole manifest commits a record with its own part only."""
+    lines = manifest.split(b"\n")
+    doc = json.loads(lines[0])
+    if len(lines) > 1:
+        parts = [json.loads(line) for line in lines[1:]]
+    else:  # a commit record: its own part, as a JSON string
+        parts = [json.loads(doc["part"])] if isinstance(doc.get("part"), str) else []
+    return {p.get("host", ""): {row[2] for row in p.get("shards", ())} for p in parts}
+
+
 def blobs_of(manifest: bytes) -> set[str]:
-    """Every blob a step manifest names (parsed here, not by mtc: the oracle is independent)."""
-    doc = json.loads(manifest)
-    return {s["blob"] for a in doc["arrays"] for s in a.get("shards", ())}
+    """Every blob a step file names."""
+    return set().union(*parts_of(manifest).values())
 
 
 def good(name: str, data: bytes | None) -> bool:
@@ -517,11 +529,21 @@ class Soak:
             raise Violation(f"{why} failed (step {self.step}): {a['error']}: {a['message']}")
 
     def _blobs_on_disk(self, step: int) -> set[str]:
+        """The blobs of ``step``: from a host that keeps its whole manifest, else from every
+        host's own part (hosts that are not keepers commit a record with their part only)."""
+        union: set[str] = set()
+        seen = False
         for h in self.live:
             p = self._step_file(h, step)
             if p.exists():
-                return blobs_of(p.read_bytes())
-        raise Violation(f"step {step} was reported saved but no host holds steps/{step}")
+                data = p.read_bytes()
+                seen = True
+                if b"\n" in data:
+                    return blobs_of(data)
+                union |= blobs_of(data)
+        if not seen:
+            raise Violation(f"step {step} was reported saved but no host holds steps/{step}")
+        return union
 
     def _step_file(self, host: str, step: int) -> Path:
         d = self.cluster.store_root(host) / "steps"
@@ -572,7 +594,7 @@ class Soak:
             if ("backup", name) in self.corrupt:
                 continue
             try:
-                step = json.loads(data)["step"]
+                step = json.loads(data.split(b"\n")[0])["step"]
                 names = blobs_of(data)
             except (ValueError, KeyError, TypeError):
                 continue
@@ -653,8 +675,7 @@ class Soak:
         """No host keeps a failed step or a committed step without its own blobs; no backup lacks a blob;
         no pending step or temp blob is left over once the head has reached every host."""
         hosts = self.cluster.hosts
-        for i, h in enumerate(hosts):
-            mine = set(range(i * DEVICES_PER_HOST, (i + 1) * DEVICES_PER_HOST))
+        for h in hosts:
             root = self.cluster.store_root(h)
             held = set(self._ram_blobs(h))
             d = root / "steps"
@@ -668,11 +689,9 @@ class Soak:
                 if h in self._reachable() and s in self.failed:
                     raise Violation(f"{h} keeps step {s} committed although its save failed")
                 try:
-                    doc = json.loads(p.read_bytes())
+                    need = parts_of(p.read_bytes()).get(h, set())
                 except (OSError, ValueError):
                     continue  # removed or replaced while we read it
-                need = {sh["blob"] for a in doc["arrays"] for sh in a.get("shards", ())
-                        if mine & set(sh.get("devices", ()))}
                 missing = need - held - {b for hh, b in self.flipped if hh == h}
                 if own_share and missing and p.exists():
                     raise Violation(f"{h}: step {s} is committed without its blobs {sorted(missing)[:3]}")
@@ -906,20 +925,18 @@ def _latest_committed(s: Soak) -> int:
     return max(s.committed)
 
 
-def _host_of_device(s: Soak, dev: int) -> str:
-    return s.cluster.hosts[dev // DEVICES_PER_HOST]
-
-
 def _owners(s: Soak, step: int) -> dict[str, set[str]]:
     """blob -> hosts whose own shards of ``step`` are that blob."""
     for h in s._reachable():
         p = s._step_file(h, step)
         if p.exists():
-            doc = json.loads(p.read_bytes())
+            parts = parts_of(p.read_bytes())
+            if len(parts) < 2 and len(s._reachable()) > 1:
+                continue  # this host's record has its own part only
             out: dict[str, set[str]] = {}
-            for a in doc["arrays"]:
-                for sh in a.get("shards", ()):
-                    out.setdefault(sh["blob"], set()).update(_host_of_device(s, x) for x in sh["devices"])
+            for host, blobs in parts.items():
+                for b in blobs:
+                    out.setdefault(b, set()).add(host)
             return out
     return {}
 

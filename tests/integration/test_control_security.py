@@ -241,19 +241,24 @@ def test_what_the_sidecars_write_is_readable_by_their_user_only(cluster):
 
 def _swap_two_blobs(path: Path, recompute: bool) -> None:
     """Swap the blob names of two same-size shards in a step manifest: valid JSON, every blob still
-    hashes right. With ``recompute``, the attacker also writes a matching digest."""
-    import hashlib
+    hashes right. With ``recompute``, the attacker also rewrites the parts' hashes and the digest."""
     import json
 
-    doc = json.loads(path.read_bytes())
-    shards = [sh for a in doc["arrays"] for sh in a.get("shards", [])]
-    a, b = next((x, y) for x in shards for y in shards if x is not y and x["nbytes"] == y["nbytes"]
-                and x["blob"] != y["blob"])
-    a["blob"], b["blob"] = b["blob"], a["blob"]
-    doc.pop("digest")
+    from mtc.shared import format as fmt
+    from mtc.shared.hashing import blob_name
+
+    header, *lines = path.read_bytes().split(b"\n")
+    doc, parts = json.loads(header), [json.loads(line) for line in lines]
+    rows = [row for p in parts for row in p["shards"]]
+    a, b = next((x, y) for x in rows for y in rows if x is not y and x[3] == y[3] and x[2] != y[2])
+    a[2], b[2] = b[2], a[2]
+    lines = [json.dumps(p, separators=(",", ":")).encode() for p in parts]
     if recompute:
-        doc["digest"] = hashlib.sha256(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
-    path.write_bytes(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
+        doc.pop("digest")
+        for meta, line in zip(doc["parts"], lines):
+            meta.update(bytes=len(line), digest=blob_name(line))
+        doc["digest"] = fmt._digest(doc)
+    path.write_bytes(b"\n".join([json.dumps(doc, separators=(",", ":"), sort_keys=True).encode(), *lines]))
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["digest-kept", "digest-recomputed"])

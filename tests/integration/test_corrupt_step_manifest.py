@@ -1,7 +1,7 @@
 """One host's copy of a step manifest is damaged: the head reads the manifest from the next host.
 
 Found by the soak (tests/chaos/soak.py, flip_manifest): one flipped bit in ``steps/<step>.json`` on the
-first host of the spec (still valid JSON, but a shard's ``nbytes`` no longer matched its box) made every
+first host of the spec (still valid JSON, but a shard's size no longer matched its box) made every
 restore of that step fail with ManifestError, although every other host held an intact copy.
 """
 
@@ -33,8 +33,8 @@ def test_a_damaged_manifest_on_the_first_host_is_read_from_the_next(ramdisk):
             m.wait_until_finished()
         (path,) = [p for p in (cluster.store_root("s0-h0") / "steps").iterdir() if p.name.endswith(".json")]
         text = path.read_bytes()
-        damaged = re.sub(rb'"nbytes":(\d+)', lambda mo: b'"nbytes":' + str(int(mo.group(1)) + 1).encode(), text,
-                         count=1)
+        # A shard row of a part is [array, box, blob, nbytes]: one more byte than its box holds.
+        damaged = re.sub(rb'",(\d+)\]', lambda mo: b'",' + str(int(mo.group(1)) + 1).encode() + b"]", text, count=1)
         assert damaged != text
         path.write_bytes(damaged)
         with CheckpointManager(cfg) as m:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.head.tools.cli import main
 from mtc.sidecar.local_cluster import LocalCluster
+from mtc.shared import format as fmt
 
 pytestmark = pytest.mark.integration
 
@@ -55,9 +56,8 @@ def test_status_tells_the_truth(tmp_path, capsys):
         # A flipped byte in the one copy left of a blob of step 3: --verify finds it and does not
         # count the copy; without --verify the copy still looks good (found only when read).
         twin = cluster.ramdisk("s0-h0") / "mtc"
-        doc = json.loads((twin / "steps" / f"{3:012d}.json").read_bytes())
-        blob = next(sh_["blob"] for a in doc["arrays"] for sh_ in a["shards"] if a["key"] == "['w']"
-                    and 0 in sh_["devices"])
+        m = fmt.StepManifest.from_json((twin / "steps" / f"{3:012d}.json").read_bytes())
+        blob = next(sh_.blob for a in m.arrays for sh_ in a.shards if a.key == "['w']" and 0 in sh_.devices)
         path = twin / "blobs" / blob
         data = bytearray(path.read_bytes())
         data[5] ^= 0x01

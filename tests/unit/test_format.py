@@ -49,8 +49,17 @@ def test_step_manifest_round_trip():
     assert m.blob_sizes() == {B1: 8, B2: 8} and m.nbytes == 16
 
 
-def test_golden_document():
-    # The on-disk format is a contract: a document written by mtc/1 must keep parsing.
+GOLDEN_V2 = (
+    '{"arrays":[{"dtype":"bfloat16","key":"[\'w\']","kind":"jax","shape":[4,2],"sharding":{"axis_names":["x"],'
+    '"device_ids":[0,1],"mesh_shape":[2],"spec":["x"],"type":"named"},"shards":[{"blob":"00000000000000000000000000000000",'
+    '"box":[[0,2],[0,2]],"devices":[0],"nbytes":8},{"blob":"ffffffffffffffffffffffffffffffff","box":[[2,4],[0,2]],'
+    '"devices":[1],"nbytes":8}]},{"key":"[\'step\']","kind":"scalar","value":{"type":"int","v":3}}],"created":1.5,'
+    '"digest":"e25c9809c5b5d07c80e04a99c3560af43ff1dc4acece50495a00ce6c5030bd3a","fingerprint":{"mtc":"0.1.0"},'
+    '"format":"mtc/2","hash":"xxh3_128","step":3,"topology":{"hosts":["h0"]},"tree":{"t":"dict"}}')
+
+
+def test_golden_documents_of_older_formats_keep_parsing():
+    # The on-disk format is a contract: documents written by mtc/1 and mtc/2 must keep parsing.
     golden = (
         '{"arrays":[{"dtype":"float32","key":"[\'a\']","kind":"jax","shape":[2],'
         '"sharding":{"device_ids":[0],"type":"single"},'
@@ -59,32 +68,100 @@ def test_golden_document():
         '"tree":{"k":["a"],"t":"dict","v":[{"i":0,"t":"leaf"}]}}')
     m = fmt.StepManifest.from_json(golden)
     assert m.step == 1 and m.arrays[0].shards[0].box == ((0, 2),) and m.arrays[0].np_dtype == np.float32
-    # Written today as mtc/2: the same content, and a digest over it.
-    doc = json.loads(m.to_json())
-    assert doc.pop("format") == "mtc/2" and doc.pop("digest") == m.digest
-    assert {k: v for k, v in json.loads(golden).items() if k != "format"} == doc
+    # mtc/1 had no digest: it is written anew as mtc/3, with the same content.
+    assert json.loads(m.to_json().split(b"\n")[0])["format"] == "mtc/3"
     assert fmt.StepManifest.from_json(m.to_json()) == m
+    v2 = fmt.StepManifest.from_json(GOLDEN_V2)
+    assert v2 == sample() and v2.digest == "e25c9809c5b5d07c80e04a99c3560af43ff1dc4acece50495a00ce6c5030bd3a"
+    assert v2.to_json() == GOLDEN_V2.encode()  # read bytes are kept as they are (their digest is compared)
+    bad = json.loads(GOLDEN_V2)
+    bad["arrays"][0]["shards"][0]["blob"], bad["arrays"][0]["shards"][1]["blob"] = B2, B1
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.StepManifest.from_json(json.dumps(bad))
 
 
-def test_a_manifest_whose_content_does_not_match_its_digest_is_refused():
-    """Valid JSON, every field well-formed, two same-size blob names swapped: not used."""
+def test_mtc3_is_a_header_line_and_one_line_per_host_part():
+    """A named sharding is described once for all arrays that use it; no per-shard device lists."""
     m = sample()
-    doc = json.loads(m.to_json())
-    shards = doc["arrays"][0]["shards"]
-    a, b = shards[0]["blob"], shards[1]["blob"]
-    shards[0]["blob"], shards[1]["blob"] = b, a
-    with pytest.raises(ManifestError, match="does not match its digest"):
-        fmt.StepManifest.from_json(json.dumps(doc))
-    doc = json.loads(m.to_json())
-    del doc["digest"]  # stripping it does not help: mtc/2 requires it
-    with pytest.raises(ManifestError, match="does not match its digest"):
-        fmt.StepManifest.from_json(json.dumps(doc))
+    data = m.to_json()
+    header, *parts = data.split(b"\n")
+    doc = json.loads(header)
+    assert doc["format"] == "mtc/3" and doc["digest"] == m.digest and len(parts) == len(doc["parts"]) == 1
+    assert doc["shardings"] == [m.arrays[0].sharding] and doc["arrays"][0]["sharding"] == 0
+    assert "boxes" not in doc["arrays"][0] and b"devices" not in data
+    again = fmt.StepManifest.from_json(data)
+    assert again == m and [s.devices for s in again.arrays[0].shards] == [(0,), (1,)]
 
 
-def _doc(**changes):
-    d = json.loads(sample().to_json())
+def _parts(step=3):
+    w = fmt.ArrayRecord(key="['w']", kind="jax", dtype="bfloat16", shape=(4, 2),
+                        sharding={"type": "named", "mesh_shape": [2, 2], "axis_names": ["data", "fsdp"],
+                                  "device_ids": [0, 1, 2, 3], "spec": ["fsdp"]})
+    s = fmt.ArrayRecord(key="['step']", kind="scalar", value={"type": "int", "v": 3})
+    # Two hosts, each with one data-parallel replica of both fsdp shards.
+    rows = (fmt.HostShard(0, ((0, 2), (0, 2)), B1, 8), fmt.HostShard(0, ((2, 4), (0, 2)), B2, 8))
+    parts = [(h, fmt.HostManifest(step, h, rows, 16, 0.1).to_json()) for h in ("h0", "h1")]
+    return dict(step=step, arrays=[w, s], tree={"t": "dict"}, created=1.0, topology={"hosts": ["h0", "h1"]},
+                fingerprint={}), parts
+
+
+def test_the_head_builds_a_step_from_parts_it_does_not_parse():
+    meta, parts = _parts()
+    data, digest = fmt.encode_step(**meta, parts=parts)
+    assert data.endswith(b"\n".join(p for _, p in parts))  # the parts, byte for byte
+    m = fmt.StepManifest.from_json(data)
+    assert m.digest == digest and [h for h, _ in m.parts] == ["h0", "h1"]
+    w = m.arrays[0]
+    assert [(s.box, s.blob, s.devices) for s in w.shards] == [(((0, 2), (0, 2)), B1, (0, 2)),
+                                                              (((2, 4), (0, 2)), B2, (1, 3))]
+    assert m.blob_names() == {B1, B2} and m.to_json() == data
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda parts: parts[1].__setitem__(1, parts[1][1].replace(B2.encode(), B1.encode())), "does not match its hash"),
+    (lambda parts: parts.pop(), "1 host parts, its header lists 2"),
+])
+def test_a_changed_part_is_refused(change, message):
+    meta, parts = _parts()
+    data, _ = fmt.encode_step(**meta, parts=parts)
+    lines = data.split(b"\n")
+    rows = [[lines[0]], *[[h, line] for (h, _), line in zip(parts, lines[1:])]]
+    body = [rows[1], rows[2]]
+    change(body)
+    with pytest.raises(ManifestError, match=message):
+        fmt.StepManifest.from_json(b"\n".join([lines[0], *[r[1] for r in body]]))
+
+
+def test_replicas_that_disagree_are_refused_and_an_uncovered_array_too():
+    meta, parts = _parts()
+    other = fmt.HostManifest(3, "h1", (fmt.HostShard(0, ((0, 2), (0, 2)), "1" * 32, 8),
+                                       fmt.HostShard(0, ((2, 4), (0, 2)), B2, 8))).to_json()
+    data, _ = fmt.encode_step(**meta, parts=[parts[0], ("h1", other)])
+    with pytest.raises(ManifestError, match="different contents on hosts h0 and h1"):
+        fmt.StepManifest.from_json(data)
+    half = fmt.HostManifest(3, "h0", (fmt.HostShard(0, ((0, 2), (0, 2)), B1, 8),)).to_json()
+    data, _ = fmt.encode_step(**meta, parts=[("h0", half)])
+    with pytest.raises(ManifestError, match="do not cover"):
+        fmt.StepManifest.from_json(data)
+
+
+def test_the_header_is_covered_by_its_digest():
+    m = sample()
+    header, *parts = m.to_json().split(b"\n")
+    doc = json.loads(header)
+    doc["arrays"][0]["shape"] = [2, 4]
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.StepManifest.from_json(b"\n".join([json.dumps(doc).encode(), *parts]))
+    doc = json.loads(header)
+    del doc["digest"]
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.StepManifest.from_json(b"\n".join([json.dumps(doc).encode(), *parts]))
+
+
+def _v2(**changes):
+    d = json.loads(GOLDEN_V2)
     d.update(changes)
-    return json.dumps(d)
+    return d
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -100,10 +177,35 @@ def _doc(**changes):
     (lambda d: d["arrays"].append(d["arrays"][0]), "duplicate array keys"),
 ])
 def test_malformed_manifests_say_what_is_wrong(mutate, message):
-    d = json.loads(sample().to_json())
+    d = _v2()
     mutate(d)
     with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace("[", r"\[")):
         fmt.StepManifest.from_json(json.dumps(d), source="test manifest")
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda h, p: h.update(step=-1), "step -1"),
+    (lambda h, p: h["arrays"][0].update(kind="torch"), "kind 'torch'"),
+    (lambda h, p: h["arrays"][0].update(sharding=7), "sharding 7 is not an index"),
+    (lambda h, p: h["arrays"][0].update(dtype="float3"), "unknown dtype"),
+    (lambda h, p: p["shards"][0].__setitem__(2, "../../etc/passwd"), "blob name '../../etc/passwd'"),
+    (lambda h, p: p["shards"][0].__setitem__(3, 9), "nbytes 9 does not match"),
+    (lambda h, p: p["shards"].pop(), "do not cover"),
+    (lambda h, p: p["shards"][0].__setitem__(1, [[0, 9], [0, 2]]), "does not fit shape"),
+    (lambda h, p: p["shards"][0].__setitem__(0, 1), "not an array of this step"),
+    (lambda h, p: p.update(host="h9"), "the header says host"),
+])
+def test_malformed_mtc3_manifests_say_what_is_wrong(mutate, message):
+    """Each change is re-hashed and re-digested, so only the validation can catch it."""
+    header, part = sample().to_json().split(b"\n")
+    h, p = json.loads(header), json.loads(part)
+    mutate(h, p)
+    line = json.dumps(p, separators=(",", ":")).encode()
+    h.pop("digest")
+    h["parts"][0].update(bytes=len(line), digest=blob_name(line))
+    h["digest"] = fmt._digest(h)
+    with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        fmt.StepManifest.from_json(b"\n".join([json.dumps(h).encode(), line]), source="test manifest")
 
 
 def test_not_json():
