@@ -74,6 +74,9 @@ class StepHolding:
     digest: str
     held: str
     manifest: str = ""  # the digest of this host's copy of the step manifest
+    # True when the host committed a record (not the whole manifest): then ``held`` is over the
+    # sorted blobs of its own part of the step (``StepManifest.part_blobs``), ``step_blobs`` their count.
+    part: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +112,7 @@ class HostInventory:
             if not isinstance(manifest, str):
                 raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'manifest' is not a digest")
             steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
-                                     s["held"], manifest))
+                                     s["held"], manifest, s.get("part") is True))
         damaged = doc.get("damaged", [])
         if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
             raise errors.ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from mtc.head.dispatch import HostInventory
+from mtc.head.dispatch import HostInventory, StepHolding
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 
@@ -168,38 +168,78 @@ class StepView:
         return {b: set(hs) for b, hs in zip(names, self.holders)}
 
 
-def step_views(inventories: Mapping[str, HostInventory]) -> dict[int, StepView]:
+def step_views(inventories: Mapping[str, HostInventory],
+               resolve: Callable[[int, str], "fmt.StepManifest | None"] | None = None) -> dict[int, StepView]:
     """step -> StepView, from every reachable host's inventory.
 
     Hosts agree on a step's blob list (they committed the same manifest); if some did not
-    (a digest differs), the view that the most hosts share is kept and the others ignored.
+    (a digest differs), the version that the most hosts share is kept and the others ignored.
+    A host that committed only a record reports its own part (``StepHolding.part``); those rows
+    are read with the step's manifest, which ``resolve(step, digest)`` gives (None: it cannot,
+    and such a host then holds nothing of the step as far as this view is concerned).
     """
-    groups: dict[int, dict[tuple[int, str], tuple[list[set[str]], list[str]]]] = {}
+    full: dict[int, dict[tuple[int, str, str], tuple[list[set[str]], list[str]]]] = {}
+    parts: dict[int, dict[str, list[tuple[str, StepHolding]]]] = {}
     whole: dict[int, set[str]] = {}
     for host, inv in inventories.items():
         if inv.error:
             continue
         for s in inv.steps:
-            bits = protocol.decode_bitmap(s.held, s.step_blobs)
-            sets, hosts = groups.setdefault(s.step, {}).setdefault((s.step_blobs, s.digest, s.manifest),
-                                                                   ([set() for _ in range(s.step_blobs)], []))
-            hosts.append(host)
             if s.local_blobs == s.blobs:
                 whole.setdefault(s.step, set()).add(host)
+            if s.part:
+                parts.setdefault(s.step, {}).setdefault(s.manifest, []).append((host, s))
+                continue
+            bits = protocol.decode_bitmap(s.held, s.step_blobs)
+            sets, hosts = full.setdefault(s.step, {}).setdefault((s.step_blobs, s.digest, s.manifest),
+                                                                 ([set() for _ in range(s.step_blobs)], []))
+            hosts.append(host)
             for i, b in enumerate(bits):
                 if b:
                     sets[i].add(host)
     out = {}
-    for step, by_digest in groups.items():
+    for step in sorted(set(full) | set(parts)):
+        by_key, by_part = full.get(step, {}), parts.get(step, {})
+        votes: dict[str, int] = {}
+        for (_, _, manifest), (_, hosts) in by_key.items():
+            votes[manifest] = votes.get(manifest, 0) + len(hosts)
+        for manifest, rows in by_part.items():
+            votes[manifest] = votes.get(manifest, 0) + len(rows)
         # The version most hosts share; a host whose manifest differs (tampered, or from another save)
         # holds nothing of the step as far as restore is concerned.
-        (n, digest, manifest), (sets, hosts) = max(by_digest.items(),
-                                                   key=lambda kv: (len(kv[1][1]), kv[0][1], kv[0][2]))
-        if len(by_digest) > 1:
-            others = sorted(h for k, (_, hs) in by_digest.items() if k != (n, digest, manifest) for h in hs)
-            log.warning("step %d: hosts disagree on its manifest (%d versions); using the one of %s, not the one "
-                        "of %s", step, len(by_digest), sorted(hosts), others)
-        out[step] = StepView(step, digest, tuple(frozenset(s) for s in sets), tuple(sorted(hosts)),
+        manifest = max(votes, key=lambda d: (votes[d], d))
+        keys = [k for k in by_key if k[2] == manifest]
+        key = max(keys, key=lambda k: (len(by_key[k][1]), k[1])) if keys else None
+        sets, hosts = ([set(x) for x in by_key[key][0]], list(by_key[key][1])) if key else ([], [])
+        digest = key[1] if key else ""
+        rows = by_part.get(manifest, [])
+        m = resolve(step, manifest) if rows and resolve is not None else None
+        if rows and m is not None:
+            names = sorted(m.blob_names())
+            if key is None:
+                sets, digest = [set() for _ in names], protocol.blob_list_digest(names)
+            if len(names) == len(sets) and protocol.blob_list_digest(names) == digest:
+                index = {n: i for i, n in enumerate(names)}
+                for host, s in rows:
+                    own = sorted(m.part_blobs.get(host, ()))
+                    if len(own) != s.step_blobs or protocol.blob_list_digest(own) != s.digest:
+                        log.warning("step %d: host %s's part does not match the manifest; not counting it", step, host)
+                        continue
+                    hosts.append(host)
+                    for n, b in zip(own, protocol.decode_bitmap(s.held, s.step_blobs)):
+                        if b:
+                            sets[index[n]].add(host)
+        elif rows:
+            log.info("step %d: %d hosts committed a record and the manifest is not at hand; not counting them",
+                     step, len(rows))
+        if not hosts:
+            continue
+        others = sorted({h for k, (_, hs) in by_key.items() if k != key for h in hs}
+                        | {h for d, rs in by_part.items() if d != manifest for h, _ in rs})
+        if others:
+            log.warning("step %d: hosts disagree on its manifest; using the one of %s, not the one of %s",
+                        step, sorted(hosts), others)
+        out[step] = StepView(step, digest, tuple(frozenset(x) for x in sets), tuple(sorted(hosts)),
                              tuple(sorted(whole.get(step, set()) & set(hosts))), manifest)
     return out
 

@@ -120,7 +120,7 @@ class Replicator:
         step = manifest.step
         inv = self._dispatch.peer_inventories()
         down = {h for h, i in inv.items() if i.error}
-        view = step_views(inv).get(step)
+        view = step_views(inv, lambda s, d: manifest if (s, d) == (step, manifest.digest) else None).get(step)
         holders = view.by_name(names) if view is not None else None
         if holders is None:
             if down:

@@ -78,6 +78,7 @@ class Restorer:
         # mode the second waits for the first on the host's connection anyway, and must then see that
         # the first found the store down rather than wait out the whole deadline again.
         self._listing_lock = threading.Lock()
+        self._manifests: dict[str, fmt.StepManifest] = {}  # digest -> manifest (see _remember)
 
     # --- what there is ---------------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class Restorer:
         some host: the one that saved it, a data-parallel twin or a peer copy, so a host that
         lost its ramdisk does not make a step unrestorable."""
         inv = self._dispatch.inventories()
-        return Inventory(views=step_views(inv), unreachable={h: i.error for h, i in inv.items() if i.error},
+        return Inventory(views=step_views(inv, self._manifest_for), unreachable={h: i.error for h, i in inv.items() if i.error},
                          backup_unreachable=(listing or {}).get("unreachable"),
                          damaged={h: i.damaged for h, i in inv.items() if i.damaged})
 
@@ -278,7 +279,27 @@ class Restorer:
     def _manifest(self, step: int, backup_name: str | None, digest: str | None = None) -> fmt.StepManifest:
         if backup_name is not None:
             return self._dispatch.backup_manifest(backup_name)
-        return self._dispatch.manifest(step, digest)
+        if digest is not None and digest in self._manifests:
+            return self._manifests[digest]
+        m = self._dispatch.manifest(step, digest)
+        self._remember(m)
+        return m
+
+    def _manifest_for(self, step: int, digest: str) -> fmt.StepManifest | None:
+        """The manifest of ``step`` with ``digest``, to read the inventory rows of hosts that
+        committed a record (None when no host can give it)."""
+        try:
+            return self._manifest(step, None, digest)
+        except MTCError as e:
+            log.warning("step %d: no host could give its manifest %s (%s)", step, digest[:12], e)
+            return None
+
+    def _remember(self, m: fmt.StepManifest) -> None:
+        # Manifests never change (a digest names one): a few are kept, so that an inventory does
+        # not fetch the same one again.
+        self._manifests[m.digest] = m
+        while len(self._manifests) > 8:
+            self._manifests.pop(next(iter(self._manifests)))
 
     def prefetch(self, closing: Callable[[], bool]) -> PrefetchReport | None:
         """Bring the newest restorable step local, in the layout it was saved with.

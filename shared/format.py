@@ -187,6 +187,7 @@ class StepManifest:
     topology: dict = dataclasses.field(default_factory=dict)
     fingerprint: dict = dataclasses.field(default_factory=dict)
     parts: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+    part_blobs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # host -> its part's blobs
 
     def blob_sizes(self) -> dict[str, int]:
         out = {}
@@ -347,6 +348,7 @@ def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
     heads = [_array_head(a, table, f"{source}: arrays[{i}]") for i, a in enumerate(docs)]
     found: list[dict[Box, tuple[str, int, str]]] = [{} for _ in heads]
     parts = []
+    part_blobs: dict[str, set[str]] = {}
     for j, (meta, line) in enumerate(zip(metas, lines)):
         where = f"{source}: part {j}"
         _expect(isinstance(meta, dict) and isinstance(meta.get("host"), str), where, "its header entry is malformed")
@@ -364,6 +366,7 @@ def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
                     f"array {heads[s.array][0].key!r} shard {box_str(s.box)} has different contents on hosts "
                     f"{prev[2]} and {host} ({prev[0]} != {s.blob}); replicas must be identical")
         parts.append((host, meta["digest"]))
+        part_blobs[host] = part.blob_names()
     records = []
     for (rec, owners), shards in zip(heads, found):
         if rec.kind == "scalar":
@@ -385,7 +388,7 @@ def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
     _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
     m = StepManifest(step=step, arrays=tuple(records), tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
                      topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}),
-                     parts=tuple(parts))
+                     parts=tuple(parts), part_blobs={h: frozenset(b) for h, b in part_blobs.items()})
     m.__dict__["digest"] = digest
     return m
 

@@ -307,6 +307,13 @@ class SidecarService:
             self._manifests[step] = m
         return m
 
+    def _record(self, step: int) -> fmt.CommitRecord | None:
+        """The commit record of ``step`` here, if that is what this host committed (else None)."""
+        try:
+            return fmt.CommitRecord.parse(self.store.read_step(step), source=f"{self.host_id} step {step} record")
+        except (ManifestError, StepNotFoundError, OSError):
+            return None
+
     def _fetch_manifest(self, rec: fmt.CommitRecord) -> bytes:
         causes = []
         for host, address in rec.keepers:
@@ -339,6 +346,14 @@ class SidecarService:
                 if self.store.repair_step(s, self._manifests[s].to_json()):
                     committed = self.store.committed_steps()
         for s in committed:
+            rec = None if s in self._manifests else self._record(s)
+            if rec is not None:
+                # Committed here as a record: this host's own part is all it holds of the step,
+                # and all it reports (the head maps it with the manifest): no fetch for an inventory.
+                own = rec.host_manifest().blob_names()
+                out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": rec.digest,
+                            "part": True, **held_bits(own, have)})
+                continue
             try:
                 m = self.manifest(s)
             except (ManifestError, StepNotFoundError) as e:

@@ -67,7 +67,13 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
 
     inv = dispatch.inventories()
     unreachable = {h: i.error for h, i in inv.items() if i.error}
-    views = step_views(inv)
+    def manifest(step: int, digest: str):
+        try:  # for the rows of hosts that committed a record of the step: read with its manifest
+            return dispatch.manifest(step, digest)
+        except MTCError:
+            return None
+
+    views = step_views(inv, manifest)
     listing = {"backups": [], "restore_version": None}
     notes: list[str] = []
     if config.base_output_directory:

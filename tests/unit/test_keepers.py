@@ -78,8 +78,28 @@ def test_without_a_keeper_the_step_is_damaged_not_wrong(services):
     services["h0"].close()  # the only keeper is gone
     with pytest.raises(ManifestError, match="no keeper could give its manifest.*h0"):
         services["h1"].manifest(2)
-    inv = services["h1"].inventory()
-    assert inv["damaged"] == [2] and inv["steps"] == []
+    # Its inventory needs no manifest: it reports its own part, which the head reads with the manifest.
+    (row,) = services["h1"].inventory()["steps"]
+    assert row["part"] and row["step"] == 2 and row["blobs"] == row["local_blobs"] == 1
+
+
+def test_the_head_reads_part_rows_with_the_manifest(services):
+    from mtc.head.dispatch import HostInventory
+    from mtc.head.replication import step_views
+
+    manifest, digest, _ = _save(services, 4, ["h0"])
+    inv = {h: HostInventory.from_wire(h, svc.inventory()) for h, svc in services.items()}
+    assert [s.part for s in inv["h1"].steps] == [True] and [s.part for s in inv["h0"].steps] == [False]
+    m = fmt.StepManifest.from_json(manifest)
+    view = step_views(inv, lambda s, d: m if (s, d) == (4, digest) else None)[4]
+    assert view.restorable and view.hosts == ("h0", "h1", "h2") and view.manifest == digest
+    holders = view.by_name(sorted(m.blob_names()))
+    assert {b: hs for b, hs in holders.items()} == {b: {h} for h, bs in m.part_blobs.items() for b in bs}
+    # Without the manifest the records' rows cannot be read: only the keeper's own blobs count.
+    blind = step_views(inv)[4]
+    assert not blind.restorable and blind.hosts == ("h0",)
+    # Records never fetched anything for an inventory.
+    assert fmt.CommitRecord.parse(services["h2"].store.read_step(4)) is not None
 
 
 def test_a_keeper_whose_copy_was_changed_is_not_believed(services):
