@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from typing import Any, Iterable
 
 import ml_dtypes
@@ -373,15 +374,17 @@ def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
             records.append(rec)
             continue
         where = f"{source}: array {rec.key!r}"
-        dt = rec.np_dtype
+        itemsize = rec.np_dtype.itemsize
+        shape, ndim = rec.shape, len(rec.shape)
         out = []
         for box in sorted(shards):
             blob, nbytes, _ = shards[box]
-            _expect(len(box) == len(rec.shape) and all(b <= n for (_, b), n in zip(box, rec.shape)), where,
-                    f"box {box_str(box)} does not fit shape {list(rec.shape)}")
-            want = int(np.prod(box_shape(box), dtype=np.int64)) * dt.itemsize
-            _expect(nbytes == want, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
-            out.append(ShardRecord(box, blob, nbytes, tuple(owners.get(box, ()))))
+            if len(box) != ndim or any(b > n for (_, b), n in zip(box, shape)):
+                _expect(False, where, f"box {box_str(box)} does not fit shape {list(shape)}")
+            want = math.prod(b - a for a, b in box) * itemsize
+            if nbytes != want:
+                _expect(False, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
+            out.append(ShardRecord(box, blob, nbytes, owners.get(box, ())))
         _expect(_covers(list(rec.shape), shards), where, "its shards do not cover the whole array")
         records.append(dataclasses.replace(rec, shards=tuple(out)))
     keys = [r.key for r in records]
@@ -463,15 +466,30 @@ class HostManifest:
         _expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
         _expect(isinstance(host, str), source, "host is not a string")
         shards = []
+        boxes: dict[str, Box] = {}  # equal boxes (every array of a layer) are checked once
         for i, row in enumerate(doc.get("shards") or []):
-            where = f"{source}: shards[{i}]"
-            _expect(isinstance(row, list) and len(row) == 4, where, "expected [array, box, blob, nbytes]")
-            array, box, blob, nbytes = row
-            _expect(isinstance(array, int) and array >= 0, where, "array index is not an integer")
-            _expect(is_blob_name(blob), where, f"blob name {blob!r} is malformed")
-            _expect(isinstance(nbytes, int) and nbytes >= 0, where, "nbytes is not a non-negative integer")
-            shards.append(HostShard(array, _box_from_doc(box, where), blob, nbytes))
+            # Checked without building a message; one is made only for a row that fails.
+            ok = type(row) is list and len(row) == 4
+            if ok:
+                array, box, blob, nbytes = row
+                ok = (type(array) is int and array >= 0 and type(nbytes) is int and nbytes >= 0
+                      and is_blob_name(blob))
+            if not ok:
+                _row_error(row, f"{source}: shards[{i}]")
+            key = repr(box)
+            b = boxes.get(key)
+            if b is None:
+                b = boxes[key] = _box_from_doc(box, f"{source}: shards[{i}]")
+            shards.append(HostShard(array, b, blob, nbytes))
         return cls(step, host, tuple(shards), int(doc.get("written_bytes", 0)), float(doc.get("seconds", 0.0)))
+
+
+def _row_error(row: Any, where: str) -> None:
+    _expect(isinstance(row, list) and len(row) == 4, where, "expected [array, box, blob, nbytes]")
+    array, _, blob, nbytes = row
+    _expect(isinstance(array, int) and array >= 0, where, "array index is not an integer")
+    _expect(is_blob_name(blob), where, f"blob name {blob!r} is malformed")
+    _expect(isinstance(nbytes, int) and nbytes >= 0, where, "nbytes is not a non-negative integer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -610,11 +628,9 @@ def _box_from_doc(box: Any, where: str) -> Box:
     _expect(isinstance(box, list), where, "box is not a list")
     out = []
     for pair in box:
-        _expect(
-            isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) for v in pair)
-            and 0 <= pair[0] <= pair[1],
-            where, f"box entry {pair!r} is not [start, stop]",
-        )
+        if not (type(pair) is list and len(pair) == 2 and type(pair[0]) is int and type(pair[1]) is int
+                and 0 <= pair[0] <= pair[1]):
+            _expect(False, where, f"box entry {pair!r} is not [start, stop]")
         out.append((pair[0], pair[1]))
     return tuple(out)
 
@@ -664,15 +680,9 @@ def _array_from_doc(doc: Any, where: str, *, require_cover: bool = True) -> Arra
 
 
 def _covers(shape: list[int], boxes: Iterable[Box]) -> bool:
-    total = int(np.prod(shape, dtype=np.int64))
+    total = math.prod(shape)
     if total == 0:
         return True
-    seen = set()
-    covered = 0
-    for box in boxes:
-        if box in seen:
-            continue
-        seen.add(box)
-        covered += int(np.prod(box_shape(box), dtype=np.int64))
+    covered = sum(math.prod(b - a for a, b in box) for box in set(boxes))
     # Boxes of a jax sharding tile the array without overlap, so their volumes add up.
     return covered == total
