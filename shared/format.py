@@ -304,6 +304,33 @@ def encode_step(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created:
     return b"\n".join([_canonical(header), *raw]), digest
 
 
+def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str, dict[str, str]]:
+    """The cheap checks of an mtc/3 manifest: its header's digest and every part's hash and
+    length; returns (step, digest, host -> part digest). What a keeper checks before it commits
+    (one pass of hashing, no per-shard work); the full checks (coverage, equal replicas, every
+    row) run when the manifest is read (``StepManifest.from_json``)."""
+    data = bytes(data)
+    first, _, rest = data.partition(b"\n")
+    doc = _load(first, source)
+    _expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    digest = doc.pop("digest", None)
+    _expect(isinstance(digest, str) and digest == _digest(doc), source,
+            "its header does not match its digest (changed after it was written); not using it")
+    step, metas = doc.get("step"), doc.get("parts")
+    _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
+            f"step {step!r} is not a non-negative integer")
+    _expect(isinstance(metas, list) and all(isinstance(m, dict) and isinstance(m.get("host"), str) for m in metas),
+            source, "'parts' is missing or malformed")
+    lines = rest.split(b"\n") if rest else []
+    _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+    out = {}
+    for meta, line in zip(metas, lines):
+        _expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), source,
+                f"the part of host {meta['host']} does not match its hash in the header (changed after it was written)")
+        out[meta["host"]] = meta["digest"]
+    return step, digest, out
+
+
 def _parse_v2(doc: dict, source: str) -> StepManifest:
     digest = doc.pop("digest", None)
     _expect(doc.get("format") in (_FORMAT_V2, _FORMAT_V1), source,
@@ -512,6 +539,9 @@ class CommitRecord:
     def to_json(self) -> bytes:
         doc = {"format": COMMIT_FORMAT, "step": self.step, "digest": self.digest,
                "keepers": [list(k) for k in self.keepers], "part": self.part.decode()}
+        # A checksum of the rest: a damaged record is reported damaged (and given the manifest
+        # back by the head), never read as a part that holds other blobs.
+        doc["check"] = blob_name(_canonical(doc))
         return _canonical(doc)
 
     def host_manifest(self, source: str = "commit record") -> "HostManifest":
@@ -521,11 +551,14 @@ class CommitRecord:
     def parse(cls, data: bytes, *, source: str = "commit record") -> "CommitRecord | None":
         """The record in ``data``; None when ``data`` is a step manifest (ManifestError if malformed)."""
         data = bytes(data)
-        if b"\n" in data or not data.startswith(b'{"digest"'):
-            return None  # a commit record is one canonical line, and "digest" sorts first
+        if b"\n" in data or not data.startswith(b'{"check"'):
+            return None  # a commit record is one canonical line, and "check" sorts first
         doc = _load(data, source)
         if doc.get("format") != COMMIT_FORMAT:
             return None
+        check = doc.pop("check", None)
+        _expect(check == blob_name(_canonical(doc)), source,
+                "it does not match its checksum (changed after it was written); not using it")
         step, digest, keepers, part = doc.get("step"), doc.get("digest"), doc.get("keepers"), doc.get("part")
         _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source, f"step {step!r}")
         _expect(isinstance(digest, str) and len(digest) == 64, source, "'digest' is not a SHA-256 hex digest")
@@ -533,6 +566,16 @@ class CommitRecord:
                                                   for k in keepers), source, "'keepers' is not a list of [host, address]")
         _expect(isinstance(part, str) and "\n" not in part, source, "'part' is not a host manifest")
         return cls(step, digest, tuple((h, a) for h, a in keepers), part.encode())
+
+
+def step_format(data: bytes) -> str | None:
+    """The format a step file's first line names, read cheaply; None if it names none."""
+    try:
+        doc = json.loads(bytes(data).partition(b"\n")[0])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    f = doc.get("format") if isinstance(doc, dict) else None
+    return f if isinstance(f, str) else None
 
 
 def step_digest(data: bytes) -> str | None:

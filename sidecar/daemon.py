@@ -14,7 +14,7 @@ Ops (``args`` -> ``result``; payloads in brackets):
   With ``devices`` (the head's device ids this host holds), ``blobs`` counts only the blobs of
   shards saved from those devices (this host's share), so a host is whole when it holds its
   own share; without it, every blob of the step.
-- ``manifest {step}`` -> ``{"step"}`` [step manifest JSON]
+- ``manifest {step, here_only}`` -> ``{"step"}`` [step manifest; ``here_only``: only from a host that keeps it]
 - ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> ``{step, host, shards, blobs,
   written_bytes, seconds}`` [host manifest JSON: this host's part of the step manifest]
 - ``part {step}`` -> ``{step}`` [this host's part of the step being saved, as ``write`` answered it]
@@ -256,7 +256,7 @@ class SidecarDaemon(ThreadedTCPServer):
 
     def _op_manifest(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)
-        return {"step": step}, [self.service.manifest_bytes(step)]
+        return {"step": step}, [self.service.manifest_bytes(step, here_only=args.get("here_only") is True)]
 
     def _op_write(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)

@@ -73,6 +73,9 @@ class SidecarService:
         # step -> (shards written so far, bytes written so far, seconds so far), across parts.
         self._partial: dict[int, tuple[list[fmt.HostShard], int, float]] = {}
         self._manifests: dict[int, fmt.StepManifest] = {}
+        # step -> the bytes this sidecar committed (a manifest or a record): a step file damaged
+        # under a live sidecar is rewritten from them (see inventory).
+        self._committed: dict[int, bytes] = {}
         self._peer = None  # the peer tier's server (start_peer_service)
         self._peer_token = ""
         self._closed = False
@@ -246,16 +249,23 @@ class SidecarService:
                 "(phase 1 missing); save the step again")
         manifest = None
         if manifest_json is not None:
-            manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
-            if manifest.step != step:
-                raise ManifestError(f"commit of step {step} carries the manifest of step {manifest.step}")
-            if digest is not None and manifest.digest != digest:
+            data = bytes(manifest_json)
+            where = f"step {step} manifest from head"
+            if data.startswith(b"{") and fmt.step_format(data) == fmt.FORMAT:
+                # The hash checks only: the per-shard checks would cost a keeper O(shards) in the
+                # save's critical path; they run when the manifest is read.
+                got, got_digest, parts = fmt.check_step_bytes(data, source=where)
+            else:  # an older format (a restore or repair of an old step): read it whole
+                manifest = fmt.StepManifest.from_json(data, source=where)
+                got, got_digest, parts = manifest.step, manifest.digest, dict(manifest.parts)
+            if got != step:
+                raise ManifestError(f"commit of step {step} carries the manifest of step {got}")
+            if digest is not None and got_digest != digest:
                 raise ManifestError(f"commit of step {step}: the manifest's digest is not the one the head decided")
-            own = dict(manifest.parts).get(self.host_id)
+            own = parts.get(self.host_id)
             if own is not None and own != blob_name(pending):
                 raise ManifestError(f"host {self.host_id}: the manifest of step {step} does not hold the part "
                                     "this host wrote in phase 1; not committing")
-            data = bytes(manifest_json)
         elif digest is not None and keepers:
             data = fmt.CommitRecord(step, digest, tuple((str(h), str(a)) for h, a in keepers), pending).to_json()
         else:
@@ -267,19 +277,26 @@ class SidecarService:
                                    f"blobs ({missing[0]}, ...); not committing")
         crash_point("before_commit")
         self.store.commit(step, data)
+        self._committed[step] = data
+        kept = set(self.store.committed_steps())
+        for s in [s for s in self._committed if s not in kept]:  # pruned by this commit
+            del self._committed[s]
         if manifest is not None:
             self._manifests[step] = manifest
         crash_point("after_commit")
         return {"host": self.host_id, "blobs": len(host.blob_names()), "written_bytes": host.written_bytes,
-                "write_s": host.seconds, "keeper": manifest is not None}
+                "write_s": host.seconds, "keeper": manifest_json is not None}
 
     # --- inventory ---------------------------------------------------------------------
 
     def steps(self) -> list[int]:
         return self.store.committed_steps()
 
-    def manifest_bytes(self, step: int) -> bytes:
-        """The whole manifest of committed ``step`` (fetched from a keeper first if need be)."""
+    def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
+        """The whole manifest of committed ``step`` (fetched from a keeper first if need be;
+        with ``here_only``, StepNotFoundError instead when this host committed only a record)."""
+        if here_only and step not in self._manifests and self._record(step) is not None:
+            raise StepNotFoundError(f"host {self.host_id} keeps only a record of step {step}, not its manifest")
         return self.manifest(step).to_json()
 
     def _has_readable(self, step: int) -> bool:
@@ -341,10 +358,14 @@ class SidecarService:
         have = self.store.list_blobs()
         out, damaged = [], []
         committed = self.store.committed_steps()
-        for s in sorted(set(self._manifests) - set(committed)):  # a step file no longer JSON is rewritten
+        kept = set(self._manifests) | set(self._committed)
+        for s in sorted(kept - set(committed)):  # a step file no longer JSON is rewritten
             with contextlib.suppress(ManifestError, OSError):
-                if self.store.repair_step(s, self._manifests[s].to_json()):
+                data = self._manifests[s].to_json() if s in self._manifests else self._committed[s]
+                if self.store.repair_step(s, data):
                     committed = self.store.committed_steps()
+        for s in set(self._committed) - set(committed):  # pruned or aborted (or not repairable)
+            self._committed.pop(s, None)
         for s in committed:
             rec = None if s in self._manifests else self._record(s)
             if rec is not None:
@@ -385,6 +406,7 @@ class SidecarService:
         with self._lock:
             self._partial.pop(step, None)
         self._manifests.pop(step, None)
+        self._committed.pop(step, None)
         removed = self.store.delete_step(step)
         if removed:
             log.info("host %s: step %d aborted (its save failed on some host)", self.host_id, step)

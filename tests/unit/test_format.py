@@ -227,3 +227,16 @@ def test_boxes():
     assert fmt.box_intersect(((0, 4), (0, 4)), ((2, 6), (3, 8))) == ((2, 4), (3, 4))
     assert fmt.box_intersect(((0, 2),), ((2, 4),)) is None
     assert fmt.box_from_index((slice(None), slice(2, 4)), (3, 8)) == ((0, 3), (2, 4))
+
+
+def test_the_cheap_check_a_keeper_runs_before_it_commits():
+    meta, parts = _parts()
+    data, digest = fmt.encode_step(**meta, parts=parts)
+    step, got, hosts = fmt.check_step_bytes(data)
+    assert (step, got) == (3, digest) and hosts == {h: blob_name(p) for h, p in parts}
+    header, *lines = data.split(b"\n")
+    changed = b"\n".join([header, lines[0], lines[1].replace(B2.encode(), B1.encode())])
+    with pytest.raises(ManifestError, match="part of host h1 does not match its hash"):
+        fmt.check_step_bytes(changed)
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.check_step_bytes(b"\n".join([header.replace(b'"step":3', b'"step":4'), *lines]))

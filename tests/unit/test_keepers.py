@@ -110,3 +110,23 @@ def test_a_keeper_whose_copy_was_changed_is_not_believed(services):
     path.write_bytes(b"\n".join([header, *parts]))
     m = services["h2"].manifest(3)  # h0's copy fails its check; h1's is taken
     assert m.digest == digest and services["h2"].store.read_step(3) == manifest
+
+
+def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services):
+    """Found by the soak: a flipped byte in a record's part (still valid JSON) made the host report
+    blobs it does not hold; the head did not count it and did not repair it."""
+    manifest, _, _ = _save(services, 5, ["h0"])
+    path = services["h2"].store.root / "steps" / f"{5:012d}.json"
+    data = bytearray(path.read_bytes())
+    i = data.index(b'\\"shards\\"') + 20
+    while chr(data[i]) not in "0123456789abcdef":
+        i += 1
+    data[i] = ord("0") if data[i] != ord("0") else ord("1")
+    path.write_bytes(bytes(data))
+    services["h2"]._committed.clear()  # as after a restart: nothing to rewrite it from here
+    inv = services["h2"].inventory()
+    assert inv["damaged"] == [5] and inv["steps"] == []
+    # The head gives it the manifest the others agree on: it replaces the damaged record.
+    assert services["h2"].peer_pull(5, [], {}, manifest)["adopted"]
+    assert services["h2"].store.read_step(5) == manifest
+    assert [s["step"] for s in services["h2"].inventory()["steps"]] == [5]
