@@ -460,6 +460,6 @@ class SidecarService:
             if self._peer is not None:
                 self._peer.close()
             self._io.shutdown(wait=True)
-            self.store.drop_all_landings()
+            self.store.close()
             if self._backup is not None:
                 self._backup.close()

@@ -228,11 +228,14 @@ class RamStore:
             self._maps.forget(x.st)
         discard(landings)
 
-    def drop_all_landings(self) -> None:
-        """Remove every unpublished landing (the service is closing)."""
+    def close(self) -> None:
+        """Remove every unpublished landing and let go of the kept maps (the service is closing).
+
+        A map still used by an array (a staged save) lives until that array goes."""
         with self._landing_lock:
             landings = list(self._landings.values())
         self._drop_landings(landings)
+        self._maps.clear()
 
     def read_blob_into(self, name: str, out) -> None:
         """Read blob ``name`` into ``out`` (writable buffer or ndarray of exactly its size).
