@@ -763,6 +763,7 @@ def _run(args, ramdisks, *, jax, jnp, mesh, sharding, shape, state_bytes, Checkp
         for _, close in contenders.values():
             close()
         shutil.rmtree(recycled_dir)
+        shutil.rmtree(os.path.join(root, "mtc-local"), ignore_errors=True)  # room for the next ramdisk's run
         return dict(R=R, ok=ok, cold=(cold_blocked, cold_total, cold_restore, cold_peak), prime=prime,
                     dedupe=(dd_blocked, dd_total, dd_rep.bytes_written), written=sorted(set(last_written)),
                     orbax=bool(contenders))
