@@ -15,7 +15,9 @@ Ops (``args`` -> ``result``; payloads in brackets):
   shards saved from those devices (this host's share), so a host is whole when it holds its
   own share; without it, every blob of the step.
 - ``manifest {step}`` -> ``{"step"}`` [step manifest JSON]
-- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> [host manifest JSON]
+- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> [host manifest JSON];
+  the payloads are received straight into mapped temp blob files (``SidecarService.land``) and
+  published where they lie: one copy on this host
 - ``commit {step}`` [step manifest JSON] -> what the host wrote for the step
 - ``abort {step}`` -> ``{"removed"}``: forget a step whose save failed (committed or pending)
 - ``backup_upload {backup_url, blobs}``, ``backup_finalize {backup_url, name, max_to_keep}``

@@ -37,6 +37,10 @@ import numpy as np
 # copying (the caller copies them into a reused buffer and the store writes them).
 LANDING_MIN = 64 << 10
 
+# At most this many maps are kept (each is one of the process's vm.max_map_count areas, 65530
+# by default); past it a landing's map goes when the arrays using it do.
+MAX_KEPT_MAPS = 16384
+
 Key = tuple[int, int]
 
 
@@ -65,7 +69,8 @@ class MapCache:
         # MAP_POPULATE: every page table entry in one call instead of a fault per page.
         m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         with self._lock:
-            self._maps[key] = (m, Path(path))
+            if len(self._maps) < MAX_KEPT_MAPS or key in self._maps:
+                self._maps[key] = (m, Path(path))
         return m
 
     def moved(self, st: os.stat_result, path: Path) -> None:

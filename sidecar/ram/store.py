@@ -186,10 +186,16 @@ class RamStore:
             for n in sizes:
                 out.append(self._blobs.land(n) if n >= LANDING_MIN else None)
         except BaseException as e:
+            for x in out:
+                if x is not None:
+                    self._maps.forget(x.st)
             discard([x for x in out if x is not None])
-            if not is_no_space(e):
+            if not isinstance(e, OSError):
                 raise
-            log.info("ramdisk %s: no room to land %d shards (%s); staging them in memory", self.root, len(big), e)
+            # No room after all (another writer took it), or no map (vm.max_map_count): the
+            # shards are staged in memory and written instead; the save goes on.
+            (log.info if is_no_space(e) else log.warning)(
+                "ramdisk %s: cannot land %d shards (%s); staging them in memory", self.root, len(big), e)
             return LandingBatch([None] * len(sizes))
         with self._landing_lock:
             for x in out:
