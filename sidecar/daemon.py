@@ -15,9 +15,7 @@ Ops (``args`` -> ``result``; payloads in brackets):
   shards saved from those devices (this host's share), so a host is whole when it holds its
   own share; without it, every blob of the step.
 - ``manifest {step}`` -> ``{"step"}`` [step manifest JSON]
-- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> [host manifest JSON];
-  the payloads are received straight into mapped temp blob files (``SidecarService.land``) and
-  published where they lie: one copy on this host
+- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> [host manifest JSON]
 - ``commit {step}`` [step manifest JSON] -> what the host wrote for the step
 - ``abort {step}`` -> ``{"removed"}``: forget a step whose save failed (committed or pending)
 - ``backup_upload {backup_url, blobs}``, ``backup_finalize {backup_url, name, max_to_keep}``
@@ -35,6 +33,9 @@ Ops (``args`` -> ``result``; payloads in brackets):
   ``{"done": true, "error", "message"}`` (``mtc.sidecar.jobs``: the same model as the colocated transport).
 
 Errors come back as ``{"type": class name, "message"}``; the head re-raises them typed.
+
+A ``write``'s payloads are received straight into mapped temp blob files (``SidecarService.land``)
+and published where they lie: one copy on this host (``_receive_buffers``).
 """
 
 from __future__ import annotations
