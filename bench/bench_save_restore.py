@@ -1,18 +1,22 @@
-"""Save/restore benchmark: mtc against the physical limits and Orbax, in one run.
+"""Save/restore benchmark: mtc against the physical limits, Orbax and Orbax's multi-tier manager, in one run.
 
-    python bench/bench_save_restore.py [--gib 1.0] [--repeats 3] [--dir /dev/shm]
+    python bench/bench_save_restore.py [--gib 1.0] [--repeats 3] [--dir /dev/shm] [--huge-pages auto]
 
 State: 8 float32 arrays of random data totalling --gib GiB, each sharded by rows over 8 CPU
 devices (NamedSharding). Everything is written to a fresh subdirectory of --dir (a tmpfs,
-/dev/shm by default) that is removed at the end. Every timed save goes to a new step with
-changed contents (the state is XORed with a new per-repeat constant: every word changes and
-the entropy stays that of the random data), so content-addressed dedupe cannot skip writing;
-a save of unchanged state is measured separately.
+/dev/shm by default, usually 4 KiB pages) that is removed at the end; with ``--huge-pages auto``
+(the default) and root, the mtc and raw parts run again on a private tmpfs mounted
+``huge=within_size`` (2 MiB pages). Every timed save goes to a new step with changed contents
+(the state is XORed with a new per-repeat constant: every word changes and the entropy stays
+that of the random data), so content-addressed dedupe cannot skip writing; a save of unchanged
+state is measured separately.
 
 Measured, interleaved per repeat so that a noisy machine hits every contender alike, and
-reported as medians of --repeats:
-- raw write: the staged shard bytes written with os.write into fresh files in the same tmpfs,
-  one file per shard (1 thread, and one thread per core): the physical limit for a save;
+reported as medians of --repeats, on each ramdisk:
+- raw write: the shard bytes written with os.write, one file per shard (1 thread, and one
+  thread per core), two ways: into fresh files (first-touch: the tmpfs allocates and clears
+  every page) and into files of the same sizes written before (recycled: the pages exist,
+  which is what a steady-state save of mtc writes into: the fair limit);
 - raw read: those files read with readinto into preallocated buffers: the limit for restore;
 - memcpy: one np.copyto of every shard into preallocated host buffers: the limit for the part
   of save that blocks the caller;
@@ -20,10 +24,15 @@ reported as medians of --repeats:
   ShapeDtypeStructs with the saved shardings (block_until_ready included), checked bit for bit;
   in steady state: after the first save and the local_max_to_keep saves that grow the ramdisk
   (reported on their own), so that each timed save rewrites a pruned step's files as in training;
-- Orbax StandardCheckpointer (default: zarr3 + zstd) and PyTreeCheckpointer with
-  use_compression=False, fresh directory per repeat, restored into the same abstract target;
+- on the --dir ramdisk only: Orbax StandardCheckpointer (default: zarr3 + zstd) and
+  PyTreeCheckpointer with use_compression=False, fresh directory per repeat; and Orbax's
+  multi-tier manager ``ReplicatorCheckpointManager`` (its local tier: OCDBT + zarr3 on the
+  ramdisk) with its default (zstd) and with compression patched off, run as FACTS.md says
+  (one process: jax.distributed initialised with 1 process, device ids mapped); each restored
+  into the same abstract target;
 - peak resident memory during each mtc save above the resident memory just before it
   (VmHWM reset through /proc/self/clear_refs; a 2 ms sampler thread where that is refused).
+  Mapped ramdisk pages count: the first save maps the files it lands in.
 
 Times are ratios measured in one run: quote those, not absolute seconds (FACTS.md).
 """
@@ -45,6 +54,7 @@ import logging
 import platform
 import shutil
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -60,9 +70,11 @@ COLS = 1024
 GB = 1e9
 GiB = 1 << 30
 
-# Targets (issue 2, "Benchmark").
-T_SAVE_VS_RAW = 1.25
-T_RESTORE_VS_RAW = 1.25
+# Targets (issue 15; the Orbax checkpointer ones from issue 2).
+T_SAVE_VS_RAW = 1.05
+T_RESTORE_VS_RAW = 0.6
+T_VS_RCM_DEFAULT = 0.2
+T_VS_RCM_RAW = 0.5
 T_VS_ORBAX_DEFAULT = 0.5
 T_VS_ORBAX_RAW = 0.8
 T_BLOCKED_OVER_MEMCPY_MS = 20.0
@@ -262,6 +274,29 @@ def raw_write(dirpath: str, bufs: list[np.ndarray], threads: int, hash_it: bool 
     return time.perf_counter() - t0
 
 
+def raw_write_recycled(paths: list[str], bufs: list[np.ndarray], threads: int) -> float:
+    """os.write each buffer over the start of an existing file of its size (no truncation): the
+    tmpfs pages exist, as in the blob files a steady-state save rewrites."""
+    def one(i: int) -> None:
+        mv = memoryview(bufs[i].reshape(-1).view(np.uint8))
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            off, n = 0, mv.nbytes
+            while off < n:
+                off += os.write(fd, mv[off:off + (64 << 20)])
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    if threads <= 1:
+        for i in range(len(bufs)):
+            one(i)
+    else:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(one, range(len(bufs))))
+    return time.perf_counter() - t0
+
+
 def raw_read_fresh(dirpath: str, like: list[np.ndarray], threads: int) -> float:
     """Read the files into newly allocated buffers: what a restore that allocates its result
     pays (first-touch page faults on top of the read). The buffers are allocated in the
@@ -292,6 +327,70 @@ def raw_read(dirpath: str, bufs: list[np.ndarray], threads: int, hash_it: bool =
     return time.perf_counter() - t0
 
 
+# --- Orbax's multi-tier manager on CPU (FACTS.md) ----------------------------------------------
+
+
+def init_orbax_multi_tier() -> str | None:
+    """What ReplicatorCheckpointManager needs in one CPU process, done before JAX starts its
+    backends: absl flags parsed, jax.distributed with one process, the device-id mapping.
+    Returns None, or why the multi-tier baseline cannot run."""
+    try:
+        import socket
+
+        import jax
+        from absl import flags
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        jax.distributed.initialize(f"127.0.0.1:{port}", 1, 0)
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS([sys.argv[0]])
+        from orbax.checkpoint._src.multihost import multihost
+
+        multihost.initialize_distributed_to_device_ids()
+    except Exception as e:  # a baseline that cannot run is reported, not fatal
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def replicator_manager(directory: str, mesh, compression: bool):
+    """Orbax's ReplicatorCheckpointManager on ``directory``; without ``compression``, its local
+    handler is built with use_compression=False (there is no option for it: FACTS.md)."""
+    import functools
+
+    from etils import epath
+    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+        replicator_checkpoint_manager as rcm)
+
+    original = rcm.PyTreeCheckpointHandler
+    if not compression:
+        rcm.PyTreeCheckpointHandler = functools.partial(original, use_compression=False)
+    try:
+        return rcm.ReplicatorCheckpointManager(epath.Path(directory), global_mesh=mesh)
+    finally:
+        rcm.PyTreeCheckpointHandler = original
+
+
+@contextlib.contextmanager
+def huge_page_tmpfs(size_bytes: int):
+    """A private tmpfs mounted ``huge=within_size`` (2 MiB pages): (path, "") or (None, why not)."""
+    mnt = tempfile.mkdtemp(prefix="mtc-bench-huge-")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes >> 20}m,huge=within_size,mode=0700",
+                        "tmpfs", mnt], capture_output=True, text=True)
+    if r.returncode:
+        os.rmdir(mnt)
+        yield None, (r.stderr.strip() or f"mount exited {r.returncode}")
+        return
+    try:
+        yield mnt, ""
+    finally:
+        gc.collect()  # arrays that still map files of it
+        if subprocess.run(["umount", mnt], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", mnt], check=False)  # detached now, freed when the last map goes
+        os.rmdir(mnt)
+
+
 # --- the benchmark ---------------------------------------------------------------------------------
 
 
@@ -302,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported (default 3)")
     ap.add_argument("--dir", default="/dev/shm",
                     help="tmpfs directory; a fresh subdirectory is used and removed (default /dev/shm)")
+    ap.add_argument("--huge-pages", choices=("auto", "on", "off"), default="auto",
+                    help="also run mtc and the raw limits on a private tmpfs mounted huge=within_size "
+                         "(auto: when root; on: fail without it)")
     ap.add_argument("--no-orbax", action="store_true", help="skip the Orbax baselines")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (debugging)")
@@ -311,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats must be >= 1 and --gib > 0")
 
     logging.basicConfig(level=logging.WARNING)
+    rcm_why = None if args.no_orbax else init_orbax_multi_tier()
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -337,15 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(parent):
         print(f"--dir {parent} is not a directory", file=sys.stderr)
         return 2
-    # mtc keeps up to local_max_to_keep + 1 steps during a save; plus raw files and one Orbax copy.
-    need = int(state_bytes * 5.5) + (64 << 20)
+    # mtc keeps up to local_max_to_keep + 1 steps during a save, plus its pool; raw fresh and
+    # recycled files; one Orbax copy.
+    need = int(state_bytes * 6.5) + (64 << 20)
     if free_bytes(parent) < need:
         print(f"{parent} has {free_bytes(parent) / GiB:.2f} GiB free; the benchmark needs about "
               f"{need / GiB:.2f} GiB: pass --dir on a larger tmpfs or a smaller --gib", file=sys.stderr)
         return 2
-    # Process memory (measured: up to ~8x state: libraries, state, staging, host buffers, one
-    # restore or Orbax copy, heap kept by malloc) plus up to ~4x state in tmpfs, both in RAM.
-    need_mem = int(state_bytes * 12) + (1 << 30)
+    # Process memory (measured: up to ~8x state: libraries, state, host buffers, one restore or
+    # Orbax copy, heap kept by malloc) plus up to ~5x state in tmpfs, both in RAM.
+    need_mem = int(state_bytes * 13) + (1 << 30)
     avail = mem_available()
     if avail and avail < need_mem and not args.force:
         print(f"only {avail / GiB:.1f} GiB of memory available; a {state_bytes / GiB:.2f} GiB run needs about "
@@ -353,9 +457,23 @@ def main(argv: list[str] | None = None) -> int:
               "--force", file=sys.stderr)
         return 2
 
+    want_huge = args.huge_pages == "on" or (args.huge_pages == "auto" and os.geteuid() == 0)
     scratch = tempfile.mkdtemp(prefix="mtc-bench-", dir=parent)
     try:
-        return _run(args, jax, jnp, sharding, shape, state_bytes, scratch, CheckpointManager, MTCConfig)
+        with contextlib.ExitStack() as stack:
+            ramdisks = [("small", f"--dir {parent}", scratch)]
+            huge_why = "--huge-pages off" if not want_huge else ""
+            if want_huge:
+                mnt, huge_why = stack.enter_context(huge_page_tmpfs(need))
+                if mnt is None and args.huge_pages == "on":
+                    print(f"cannot mount a huge-page tmpfs: {huge_why}", file=sys.stderr)
+                    return 2
+                if mnt is not None:
+                    ramdisks.append(("huge", "tmpfs huge=within_size", mnt))
+            env = dict(jax=jax, jnp=jnp, mesh=mesh, sharding=sharding, shape=shape, state_bytes=state_bytes,
+                       CheckpointManager=CheckpointManager, MTCConfig=MTCConfig, rcm_why=rcm_why,
+                       huge_why=huge_why)
+            return _run(args, ramdisks, **env)
     finally:
         if args.keep:
             print(f"kept {scratch}")
@@ -363,10 +481,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run(args, jax, jnp, sharding, shape, state_bytes, scratch, CheckpointManager, MTCConfig) -> int:
+def _run(args, ramdisks, *, jax, jnp, mesh, sharding, shape, state_bytes, CheckpointManager, MTCConfig,
+         rcm_why, huge_why) -> int:
     t_start = time.perf_counter()
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    fs = fs_type(scratch)
 
     # --- machine facts ------------------------------------------------------------------------
     print("# mtc save/restore benchmark")
@@ -379,10 +497,13 @@ def _run(args, jax, jnp, sharding, shape, state_bytes, scratch, CheckpointManage
     print(f"- devices: {len(jax.devices())} x {jax.devices()[0].platform}; state: {N_ARRAYS} x float32 "
           f"{shape} random, sharded by rows over {N_DEVICES} devices = {state_bytes / GiB:.3f} GiB "
           f"({state_bytes} bytes), {N_ARRAYS * N_DEVICES} shards of {state_bytes // (N_ARRAYS * N_DEVICES)} bytes")
-    print(f"- directory: {scratch} ({fs}), repeats: {args.repeats} (medians), "
-          f"each save a new step with new contents")
-    if fs != "tmpfs":
-        print(f"- warning: {scratch} is on {fs}, not tmpfs: the numbers are not the RAM-tier numbers")
+    for kind, what, root in ramdisks:
+        print(f"- ramdisk '{kind}': {root} ({fs_type(root)}, {what})")
+        if fs_type(root) != "tmpfs":
+            print(f"- warning: {root} is not a tmpfs: the numbers are not the RAM-tier numbers")
+    if huge_why:
+        print(f"- no huge-page run: {huge_why}")
+    print(f"- repeats: {args.repeats} (medians), each save a new step with new contents")
     sys.stdout.flush()
 
     # --- state ----------------------------------------------------------------------------------
@@ -402,66 +523,35 @@ def _run(args, jax, jnp, sharding, shape, state_bytes, scratch, CheckpointManage
         return jax.tree.map(one, tree)
 
     xor = jax.jit(_xor, donate_argnums=0)
-    cur = [0]  # the constant the state is currently XORed with (0: the original random data)
+    cur = [0, 0]  # the constant the state is XORed with now (0: the original data); contents made so far
 
-    def new_contents(k: int):
+    def new_contents():
         """State becomes original ^ C_k: new contents, same entropy, donated in place."""
         nonlocal state
-        ck = (k * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+        cur[1] += 1
+        ck = (cur[1] * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
         with _quiet_donation():
             state = xor(state, np.uint32(cur[0] ^ ck))
         cur[0] = ck
         jax.block_until_ready(state)
 
-    shards = [s for k in sorted(state) for s in state[k].addressable_shards]
+    shards_now = lambda: [s for k in sorted(state) for s in state[k].addressable_shards]  # noqa: E731
 
     # --- physical limits: preallocated host buffers ---------------------------------------------
     # One set of host buffers: memcpy target, raw-write source, raw-read target. Each repeat
     # copies into them first (then saves with mtc) and does the raw I/O later, so they sit idle
-    # between repeats as mtc's staging buffers sit idle between saves (on a VM, writing into
+    # between repeats as mtc's landing maps sit idle between saves (on a VM, writing into
     # pages left alone for seconds costs more than into pages just used).
-    host_bufs = [np.empty(s.data.shape, np.float32) for s in shards]
+    host_bufs = [np.empty(s.data.shape, np.float32) for s in shards_now()]
 
     def memcpy() -> float:
-        srcs = [np.asarray(s.data) for s in shards]
+        srcs = [np.asarray(s.data) for s in shards_now()]
         t0 = time.perf_counter()
         for dst, src in zip(host_bufs, srcs):
             np.copyto(dst, src)
         return time.perf_counter() - t0
 
     memcpy()  # touch the buffers once: first-touch page faults are not the copy
-    shards_now = lambda: [s for k in sorted(state) for s in state[k].addressable_shards]  # noqa: E731
-
-    R: dict[str, list[float]] = {k: [] for k in (
-        "raw_w1", "raw_wn", "raw_r1", "raw_rn", "raw_rf1", "raw_rfn", "raw_w_hash", "raw_r_hash", "memcpy",
-        "mtc_blocked", "mtc_total", "mtc_restore", "mtc_stage", "mtc_phase1", "mtc_phase2",
-        "mtc_load", "mtc_rss", "mtc_restore_rss",
-        "std_save", "std_blocked", "std_restore", "raw_save", "raw_restore",
-        "std_save_rss", "std_restore_rss", "unc_save_rss", "unc_restore_rss")}
-    notes: list[str] = []
-
-    mtc_dir = os.path.join(scratch, "mtc-local")
-    mgr = CheckpointManager(MTCConfig(local_checkpoint_directory=mtc_dir, local_checkpoint_period=1,
-                                      local_max_to_keep=KEEP))
-
-    def mtc_save(step: int) -> tuple[float, float, PeakRSS, object]:
-        with PeakRSS() as peak:
-            t0 = time.perf_counter()
-            mgr.save(step, state, force=True)
-            t1 = time.perf_counter()
-            mgr.wait_until_finished()
-            t2 = time.perf_counter()
-        return t1 - t0, t2 - t0, peak, mgr.last_save_report
-
-    def mtc_restore(step: int):
-        # No malloc_trim here: it would make every restore fault in fresh pages, which on a VM
-        # costs more than the read (see "raw read into fresh buffers").
-        with PeakRSS(trim=False) as peak:
-            t0 = time.perf_counter()
-            out = mgr.restore(step, target=abstract)
-            jax.block_until_ready(out)
-            dt = time.perf_counter() - t0
-        return dt, out, peak
 
     def check_equal(restored, what: str) -> bool:
         ok = True
@@ -479,166 +569,212 @@ def _run(args, jax, jnp, sharding, shape, state_bytes, scratch, CheckpointManage
                 ok = False
         return ok
 
-    # --- warm-up: first mtc save (cold staging buffers), restore ------------------------------
-    step = 0
-    new_contents(1)
-    cold_blocked, cold_total, cold_peak, cold_rep = mtc_save(step)
-    dt, out, _ = mtc_restore(step)
-    cold_restore = dt
-    ok_cold = check_equal(out, "mtc restore (first)")
-    del out
-    gc.collect()
+    notes: list[str] = []
 
-    # --- priming: until a step is pruned, the ramdisk grows ---------------------------------------
-    # The next KEEP saves write every blob into newly allocated tmpfs pages; from then on each
-    # save rewrites the files of the step its commit pruned (the free pool), as a training run
-    # does for all but its first KEEP + 1 saves. The timed repeats measure that steady state;
-    # these saves are reported on their own.
-    prime_total = []
-    for _ in range(KEEP):
-        step += 1
-        new_contents(step + 1)
-        prime_total.append(mtc_save(step)[1])
-
-    # --- Orbax setup and warm-up ----------------------------------------------------------------
-    ocp = None
-    if not args.no_orbax:
+    def orbax_contenders(scratch: str) -> dict:
+        """name -> (run(path or step) -> (save total, save blocked, restore, restored), cleanup)."""
         import absl.logging
 
         absl.logging.set_verbosity(absl.logging.ERROR)
         import orbax.checkpoint as ocp
 
         logging.getLogger("orbax").setLevel(logging.ERROR)
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        out = {}
         std = ocp.StandardCheckpointer()
         unc = ocp.PyTreeCheckpointer(use_compression=False)
-        unc_restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
 
-        def orbax_std(path: str) -> tuple[float, float, float, object]:
-            with PeakRSS(trim=False) as pk:
+        def run_std(r: int):
+            path = os.path.join(scratch, f"orbax-std-{r}")
+            _settle()
+            t0 = time.perf_counter()
+            std.save(path, state)
+            t1 = time.perf_counter()
+            std.wait_until_finished()
+            t2 = time.perf_counter()
+            _settle()
+            t2b = time.perf_counter()
+            restored = std.restore(path, abstract)
+            jax.block_until_ready(restored)
+            t3 = time.perf_counter()
+            shutil.rmtree(path)
+            return t2 - t0, t1 - t0, t3 - t2b, restored
+
+        def run_unc(r: int):
+            path = os.path.join(scratch, f"orbax-unc-{r}")
+            _settle()
+            t0 = time.perf_counter()
+            unc.save(path, args=ocp.args.PyTreeSave(state))
+            t1 = time.perf_counter()
+            _settle()
+            t1b = time.perf_counter()
+            restored = unc.restore(path, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
+            jax.block_until_ready(restored)
+            t2 = time.perf_counter()
+            shutil.rmtree(path)
+            return t1 - t0, t1 - t0, t2 - t1b, restored
+
+        out["std"] = (run_std, std.close)
+        out["unc"] = (run_unc, unc.close)
+        if rcm_why is not None:
+            notes.append(f"Orbax ReplicatorCheckpointManager not run: {rcm_why}")
+            return out
+        for tag, compression in (("rcm", True), ("rcm_unc", False)):
+            try:
+                mgr = replicator_manager(os.path.join(scratch, f"orbax-{tag}"), mesh, compression)
+            except Exception as e:
+                notes.append(f"Orbax ReplicatorCheckpointManager ({tag}) could not be built: {type(e).__name__}: {e}")
+                continue
+
+            def run_rcm(r: int, mgr=mgr):
+                step = r + 1  # its colocated path refuses step 0; keep the two paths alike
+                _settle()
                 t0 = time.perf_counter()
-                std.save(path, state)
+                mgr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)), force=True)
                 t1 = time.perf_counter()
-                std.wait_until_finished()
+                mgr.wait_until_finished()
                 t2 = time.perf_counter()
-            R["std_save_rss"].append(pk.increase / state_bytes)
-            with PeakRSS(trim=False) as pk:
+                _settle()
                 t2b = time.perf_counter()
-                out = std.restore(path, abstract)
-                jax.block_until_ready(out)
+                restored = mgr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))).state
+                jax.block_until_ready(restored)
                 t3 = time.perf_counter()
-            R["std_restore_rss"].append(pk.increase / state_bytes)
-            return t2 - t0, t1 - t0, t3 - t2b, out
+                mgr.delete(step)  # it never deletes steps itself (its replicator's job)
+                mgr.wait_until_finished()
+                return t2 - t0, t1 - t0, t3 - t2b, restored
 
-        def orbax_unc(path: str) -> tuple[float, float, object]:
-            with PeakRSS(trim=False) as pk:
+            out[tag] = (run_rcm, mgr.close)
+        return out
+
+    # --- one ramdisk: mtc, the raw limits (and Orbax) interleaved ----------------------------------
+    def block(kind: str, root: str, with_orbax: bool) -> dict:
+        R: dict[str, list[float]] = {}
+
+        def add(key: str, v: float) -> None:
+            R.setdefault(key, []).append(v)
+
+        mgr = CheckpointManager(MTCConfig(local_checkpoint_directory=os.path.join(root, "mtc-local"),
+                                          local_checkpoint_period=1, local_max_to_keep=KEEP))
+
+        def mtc_save(step: int):
+            with PeakRSS() as peak:
                 t0 = time.perf_counter()
-                unc.save(path, args=ocp.args.PyTreeSave(state))
+                mgr.save(step, state, force=True)
                 t1 = time.perf_counter()
-            R["unc_save_rss"].append(pk.increase / state_bytes)
-            with PeakRSS(trim=False) as pk:
-                t1b = time.perf_counter()
-                out = unc.restore(path, args=ocp.args.PyTreeRestore(item=abstract, restore_args=unc_restore_args))
-                jax.block_until_ready(out)
+                mgr.wait_until_finished()
                 t2 = time.perf_counter()
-            R["unc_restore_rss"].append(pk.increase / state_bytes)
-            return t1 - t0, t2 - t1b, out
+            return t1 - t0, t2 - t0, peak, mgr.last_save_report
 
-        # Warm-up (imports, tracing, thread pools), checked bit for bit once.
-        p = os.path.join(scratch, "orbax-std-warm")
-        *_, out = orbax_std(p)
-        ok_std = check_equal(out, "orbax default restore")
-        del out
-        shutil.rmtree(p)
-        p = os.path.join(scratch, "orbax-unc-warm")
-        *_, out = orbax_unc(p)
-        ok_unc = check_equal(out, "orbax uncompressed restore")
-        del out
-        shutil.rmtree(p)
-        gc.collect()
-        if not (ok_std and ok_unc):
-            notes.append("an Orbax restore differed from the saved state")
+        def mtc_restore(step: int):
+            # No malloc_trim here: it would make every restore fault in fresh pages, which on a VM
+            # costs more than the read (see "raw read into fresh buffers").
+            with PeakRSS(trim=False) as peak:
+                t0 = time.perf_counter()
+                out = mgr.restore(step, target=abstract)
+                jax.block_until_ready(out)
+                dt = time.perf_counter() - t0
+            return dt, out, peak
 
-    # --- timed repeats (interleaved) ---------------------------------------------------------------
-    ok_timed = True
-    last_written = []
-    for r in range(args.repeats):
-        step += 1
-        new_contents(step + 1)
-        shards = shards_now()
-
-        # memcpy (the limit for the blocking part), right before the mtc save it is compared with,
-        # into buffers idle since the previous repeat's raw I/O, as the staging buffers are idle
-        # since the previous save (a copy into just-used buffers is faster on this VM)
-        _settle()
-        R["memcpy"].append(memcpy())
-
-        # mtc
-        blocked, total, peak, rep = mtc_save(step)
-        R["mtc_blocked"].append(blocked)
-        R["mtc_total"].append(total)
-        R["mtc_rss"].append(peak.increase / state_bytes)
-        R["mtc_stage"].append(rep.stage_s)
-        R["mtc_phase1"].append(rep.phase1_s)
-        R["mtc_phase2"].append(rep.phase2_s)
-        last_written.append(rep.bytes_written)
-        dt, out, rpeak = mtc_restore(step)
-        R["mtc_restore"].append(dt)
-        R["mtc_restore_rss"].append(rpeak.increase / state_bytes)
-        R["mtc_load"].append(mgr.last_restore_report.load_s)
-        if r == args.repeats - 1:
-            ok_timed = check_equal(out, "mtc restore (timed)")
+        # Warm-up: the first save (maps made, pages allocated), restore.
+        step = 0
+        new_contents()
+        cold_blocked, cold_total, cold_peak, _ = mtc_save(step)
+        cold_restore, out, _ = mtc_restore(step)
+        ok = check_equal(out, f"mtc restore (first, {kind})")
         del out
         gc.collect()
+        # Priming: until a step is pruned, the ramdisk grows. The next KEEP saves write every blob
+        # into new tmpfs pages; from then on each save lands in the files of the step its commit
+        # pruned (the free pool), as a training run does for all but its first KEEP + 1 saves.
+        prime = []
+        for _ in range(KEEP):
+            step += 1
+            new_contents()
+            prime.append(mtc_save(step)[1])
 
-        # raw write / read, 1 thread and one per core, fresh files each time
-        for tag, threads in (("1", 1), ("n", ncpu)):
-            d = os.path.join(scratch, f"raw-{r}-{tag}")
-            _settle()
-            R[f"raw_w{tag}"].append(raw_write(d, host_bufs, threads))
-            _settle()
-            R[f"raw_r{tag}"].append(raw_read(d, host_bufs, threads))
-            _settle()
-            R[f"raw_rf{tag}"].append(raw_read_fresh(d, host_bufs, threads))
-            shutil.rmtree(d)
-        d = os.path.join(scratch, f"raw-{r}-h")
-        _settle()
-        R["raw_w_hash"].append(raw_write(d, host_bufs, ncpu, hash_it=True))
-        _settle()
-        R["raw_r_hash"].append(raw_read(d, host_bufs, ncpu, hash_it=True))
-        shutil.rmtree(d)
-
-        # Orbax, fresh directories
-        if ocp is not None:
-            p = os.path.join(scratch, f"orbax-std-{r}")
-            save_s, blocked_s, restore_s, out = orbax_std(p)
+        contenders = orbax_contenders(root) if with_orbax else {}
+        for tag, (run, _) in contenders.items():  # warm-up (imports, tracing, thread pools), checked once
+            *_, out = run(-1 - len(tag))
+            if not check_equal(out, f"orbax {tag} restore"):
+                notes.append(f"an Orbax restore ({tag}) differed from the saved state")
             del out
-            R["std_save"].append(save_s)
-            R["std_blocked"].append(blocked_s)
-            R["std_restore"].append(restore_s)
-            shutil.rmtree(p)
-            p = os.path.join(scratch, f"orbax-unc-{r}")
-            save_s, restore_s, out = orbax_unc(p)
-            del out
-            R["raw_save"].append(save_s)
-            R["raw_restore"].append(restore_s)
-            shutil.rmtree(p)
             gc.collect()
-        print(f"  repeat {r + 1}/{args.repeats} done ({time.perf_counter() - t_start:.1f} s)", flush=True)
 
-    # --- dedupe: the same contents again, to a new step -------------------------------------------
-    step += 1
-    dd_blocked, dd_total, _, dd_rep = mtc_save(step)
-    mgr.close()
-    if ocp is not None:
-        std.close()
-        unc.close()
+        # Files of the shard sizes, written once: the recycled raw write overwrites their pages.
+        recycled_dir = os.path.join(root, "raw-recycled")
+        raw_write(recycled_dir, host_bufs, 1)
+        recycled = [os.path.join(recycled_dir, f"shard{i:04d}") for i in range(len(host_bufs))]
 
-    bitok = ok_cold and ok_timed
-    # --- report -----------------------------------------------------------------------------------
-    m = {k: med(v) for k, v in R.items()}
-    raw_w = min(m["raw_w1"], m["raw_wn"])
-    raw_r = min(m["raw_r1"], m["raw_rn"])
+        last_written = []
+        for r in range(args.repeats):
+            step += 1
+            new_contents()
+            # memcpy (the limit for the blocking part), right before the mtc save it is compared with
+            _settle()
+            add("memcpy", memcpy())
+            blocked, total, peak, rep = mtc_save(step)
+            add("mtc_blocked", blocked)
+            add("mtc_total", total)
+            add("mtc_rss", peak.increase / state_bytes)
+            add("mtc_stage", rep.stage_s)
+            add("mtc_phase1", rep.phase1_s)
+            add("mtc_phase2", rep.phase2_s)
+            last_written.append(rep.bytes_written)
+            dt, out, rpeak = mtc_restore(step)
+            add("mtc_restore", dt)
+            add("mtc_restore_rss", rpeak.increase / state_bytes)
+            add("mtc_load", mgr.last_restore_report.load_s)
+            if r == args.repeats - 1:
+                ok = check_equal(out, f"mtc restore (timed, {kind})") and ok
+            del out
+            gc.collect()
 
+            for tag, threads in (("1", 1), ("n", ncpu)):
+                d = os.path.join(root, f"raw-{r}-{tag}")
+                _settle()
+                add(f"raw_w{tag}", raw_write(d, host_bufs, threads))
+                _settle()
+                add(f"raw_rec{tag}", raw_write_recycled(recycled, host_bufs, threads))
+                _settle()
+                add(f"raw_r{tag}", raw_read(d, host_bufs, threads))
+                _settle()
+                add(f"raw_rf{tag}", raw_read_fresh(d, host_bufs, threads))
+                shutil.rmtree(d)
+            d = os.path.join(root, f"raw-{r}-h")
+            _settle()
+            add("raw_w_hash", raw_write(d, host_bufs, ncpu, hash_it=True))
+            shutil.rmtree(d)
+
+            for tag, (run, _) in contenders.items():
+                save_s, blocked_s, restore_s, out = run(r)
+                del out
+                add(f"{tag}_save", save_s)
+                add(f"{tag}_blocked", blocked_s)
+                add(f"{tag}_restore", restore_s)
+                gc.collect()
+            print(f"  {kind}: repeat {r + 1}/{args.repeats} done ({time.perf_counter() - t_start:.1f} s)", flush=True)
+
+        # Dedupe: the same contents again, to a new step.
+        step += 1
+        dd_blocked, dd_total, _, dd_rep = mtc_save(step)
+        mgr.close()
+        for _, close in contenders.values():
+            close()
+        shutil.rmtree(recycled_dir)
+        shutil.rmtree(os.path.join(root, "mtc-local"), ignore_errors=True)  # room for the next ramdisk's run
+        return dict(R=R, ok=ok, cold=(cold_blocked, cold_total, cold_restore, cold_peak), prime=prime,
+                    dedupe=(dd_blocked, dd_total, dd_rep.bytes_written), written=sorted(set(last_written)),
+                    orbax=bool(contenders))
+
+    results = {}
+    for i, (kind, _, root) in enumerate(ramdisks):
+        results[kind] = block(kind, root, with_orbax=(i == 0 and not args.no_orbax))
+    return _report(args, results, ramdisks, state_bytes, ncpu, notes, t_start)
+
+
+def _report(args, results: dict, ramdisks, state_bytes: int, ncpu: int, notes: list[str], t_start: float) -> int:
     def row(name, xs, nbytes=state_bytes, note=""):
         if not xs:
             return
@@ -646,89 +782,121 @@ def _run(args, jax, jnp, sharding, shape, state_bytes, scratch, CheckpointManage
         spread = f"{min(xs):.3f}-{max(xs):.3f}" if len(xs) > 1 else ""
         print(f"| {name} | {s:.3f} | {nbytes / s / GB:.2f} | {spread} | {note} |")
 
-    print()
-    print(f"## Measurements ({state_bytes / GiB:.3f} GiB, median of {args.repeats})")
-    print()
-    print("| what | seconds | GB/s | min-max | note |")
-    print("|---|---|---|---|---|")
-    row("memcpy (np.copyto into preallocated buffers, right before each save)", R["memcpy"])
-    row("raw write, 1 thread (os.write, fresh files)", R["raw_w1"], note="limit" if raw_w == m["raw_w1"] else "")
-    row(f"raw write, {ncpu} threads", R["raw_wn"], note="limit" if raw_w == m["raw_wn"] else "")
-    row(f"raw write + xxh3_128, {ncpu} threads", R["raw_w_hash"], note="info")
-    row("raw read, 1 thread (readinto preallocated)", R["raw_r1"], note="limit" if raw_r == m["raw_r1"] else "")
-    row(f"raw read, {ncpu} threads", R["raw_rn"], note="limit" if raw_r == m["raw_rn"] else "")
-    row(f"raw read + xxh3_128, {ncpu} threads", R["raw_r_hash"], note="info")
-    row("raw read into fresh buffers (np.empty, allocated in the caller), 1 thread", R["raw_rf1"], note="info")
-    row(f"raw read into fresh buffers, {ncpu} threads", R["raw_rfn"], note="info")
-    row("mtc save blocked (save() returns)", R["mtc_blocked"])
-    row("mtc save total (save + wait_until_finished)", R["mtc_total"])
-    row("  of which stage (report.stage_s)", R["mtc_stage"])
-    row("  of which phase 1 (report.phase1_s)", R["mtc_phase1"])
-    row("  of which phase 2 (report.phase2_s)", R["mtc_phase2"])
-    row("mtc restore (restore + block_until_ready)", R["mtc_restore"])
-    row("  of which load (report.load_s)", R["mtc_load"])
-    row("mtc first save, blocked (cold staging buffers)", [cold_blocked])
-    row("mtc first save, total", [cold_total])
-    row("mtc first restore", [cold_restore])
-    row(f"mtc saves 2-{KEEP + 1}, total (the ramdisk grows: fresh tmpfs pages, no free pool yet)", prime_total,
-        note="info")
-    row(f"mtc save of unchanged state (dedupe: {dd_rep.bytes_written} bytes written)", [dd_total],
-        note=f"blocked {dd_blocked * 1e3:.1f} ms")
-    if ocp is not None:
-        row("orbax StandardCheckpointer default, save + wait", R["std_save"])
-        row("orbax StandardCheckpointer default, save() blocked", R["std_blocked"], note="info")
-        row("orbax StandardCheckpointer default, restore", R["std_restore"])
-        row("orbax PyTreeCheckpointer(use_compression=False), save", R["raw_save"])
-        row("orbax PyTreeCheckpointer(use_compression=False), restore", R["raw_restore"])
-    print()
-    print(f"- mtc bytes written per timed save: {sorted(set(last_written))} (state {state_bytes})")
-    print(f"- peak RSS increase / state, first save (staging allocated): {cold_peak.increase / state_bytes:.3f} "
-          f"({cold_peak.increase / 2**20:.1f} MiB over {cold_peak.base / 2**20:.1f} MiB)")
-    if ocp is not None:
-        print("- Orbax peak RSS increase / state (max over all runs, warm-up included): "
-              f"default save {max(R['std_save_rss']):.2f}, restore {max(R['std_restore_rss']):.2f}; "
-              f"uncompressed save {max(R['unc_save_rss']):.2f}, restore {max(R['unc_restore_rss']):.2f}")
+    checks: dict[str, dict[str, tuple[str, bool | None]]] = {}  # check -> kind -> (value, ok)
+    targets: dict[str, str] = {}
 
-    # --- ratios with targets ---------------------------------------------------------------------
-    checks: list[tuple[str, str, str, bool | None]] = []
-
-    def ratio(name, num, den, target):
+    def ratio(kind, name, num, den, target, info=False):
         v = num / den
-        checks.append((name, f"{v:.2f}x", f"<= {target:.2f}x", v <= target))
+        checks.setdefault(name, {})[kind] = (f"{v:.2f}x", None if info else v <= target)
+        targets[name] = f"<= {target:.2f}x" + (" (info)" if info else "")
 
-    ratio("mtc save total / raw write", m["mtc_total"], raw_w, T_SAVE_VS_RAW)
-    ratio("mtc restore / raw read", m["mtc_restore"], raw_r, T_RESTORE_VS_RAW)
-    if ocp is not None:
-        ratio("mtc save / orbax default save", m["mtc_total"], m["std_save"], T_VS_ORBAX_DEFAULT)
-        ratio("mtc save / orbax uncompressed save", m["mtc_total"], m["raw_save"], T_VS_ORBAX_RAW)
-        ratio("mtc restore / orbax default restore", m["mtc_restore"], m["std_restore"], T_VS_ORBAX_DEFAULT)
-        ratio("mtc restore / orbax uncompressed restore", m["mtc_restore"], m["raw_restore"], T_VS_ORBAX_RAW)
-    over = (m["mtc_blocked"] - m["memcpy"]) * 1e3
-    checks.append(("mtc save blocked - memcpy",
-                   f"{over:+.1f} ms ({m['mtc_blocked'] / m['memcpy']:.2f}x)",
-                   f"<= +{T_BLOCKED_OVER_MEMCPY_MS:.0f} ms", over <= T_BLOCKED_OVER_MEMCPY_MS))
-    cold = cold_peak.increase / state_bytes
-    checks.append(("peak RSS increase / state, first save", f"{cold:.3f}", f"<= {T_PEAK_RSS:.2f}",
-                   cold <= T_PEAK_RSS))
-    steady = max(R["mtc_rss"])
-    checks.append(("peak RSS increase / state, later saves (max)", f"{steady:.3f}",
-                   f"<= {T_PEAK_RSS_STEADY:.2f}", steady <= T_PEAK_RSS_STEADY))
-    rr = max(R["mtc_restore_rss"])
-    checks.append(("peak RSS increase / state, restore (max; the result itself is 1.0)", f"{rr:.3f}",
-                   f"(info) <= {T_PEAK_RSS:.2f}", None if rr <= T_PEAK_RSS else False))
-    checks.append(("dedupe: bytes written for unchanged state", f"{dd_rep.bytes_written}", "0",
-                   dd_rep.bytes_written == 0))
+    for kind, what, _ in ramdisks:
+        res = results[kind]
+        R = res["R"]
+        m = {k: med(v) for k, v in R.items()}
+        raw_fresh = min(m["raw_w1"], m["raw_wn"])
+        raw_rec = min(m["raw_rec1"], m["raw_recn"])
+        raw_r = min(m["raw_r1"], m["raw_rn"])
+        cold_blocked, cold_total, cold_restore, cold_peak = res["cold"]
+        dd_blocked, dd_total, dd_written = res["dedupe"]
+        print()
+        print(f"## Measurements, ramdisk '{kind}' ({what}; {state_bytes / GiB:.3f} GiB, median of {args.repeats})")
+        print()
+        print("| what | seconds | GB/s | min-max | note |")
+        print("|---|---|---|---|---|")
+        row("memcpy (np.copyto into preallocated buffers, right before each save)", R["memcpy"])
+        row("raw write, fresh files (first-touch pages), 1 thread", R["raw_w1"])
+        row(f"raw write, fresh files, {ncpu} threads", R["raw_wn"])
+        row("raw write, recycled files (pages exist), 1 thread", R["raw_rec1"])
+        row(f"raw write, recycled files, {ncpu} threads", R["raw_recn"])
+        row(f"raw write + xxh3_128, fresh files, {ncpu} threads", R["raw_w_hash"], note="info")
+        row("raw read, 1 thread (readinto preallocated)", R["raw_r1"])
+        row(f"raw read, {ncpu} threads", R["raw_rn"])
+        row("raw read into fresh buffers (np.empty, allocated in the caller), 1 thread", R["raw_rf1"], note="info")
+        row(f"raw read into fresh buffers, {ncpu} threads", R["raw_rfn"], note="info")
+        row("mtc save blocked (save() returns)", R["mtc_blocked"])
+        row("mtc save total (save + wait_until_finished)", R["mtc_total"])
+        row("  of which stage (report.stage_s)", R["mtc_stage"])
+        row("  of which phase 1 (report.phase1_s)", R["mtc_phase1"])
+        row("  of which phase 2 (report.phase2_s)", R["mtc_phase2"])
+        row("mtc restore (restore + block_until_ready)", R["mtc_restore"])
+        row("  of which load (report.load_s)", R["mtc_load"])
+        row("mtc first save, blocked (new files mapped)", [cold_blocked])
+        row("mtc first save, total", [cold_total])
+        row("mtc first restore", [cold_restore])
+        row(f"mtc saves 2-{KEEP + 1}, total (the ramdisk grows: fresh tmpfs pages, no free pool yet)", res["prime"],
+            note="info")
+        row(f"mtc save of unchanged state (dedupe: {dd_written} bytes written)", [dd_total],
+            note=f"blocked {dd_blocked * 1e3:.1f} ms")
+        names = {"std": "Orbax StandardCheckpointer default (zstd)", "unc": "Orbax PyTreeCheckpointer(use_compression=False)",
+                 "rcm": "Orbax ReplicatorCheckpointManager default (zstd)",
+                 "rcm_unc": "Orbax ReplicatorCheckpointManager, compression patched off"}
+        for tag, label in names.items():
+            if f"{tag}_save" in R:
+                row(f"{label}, save + wait", R[f"{tag}_save"])
+                row(f"{label}, save() blocked", R[f"{tag}_blocked"], note="info")
+                row(f"{label}, restore", R[f"{tag}_restore"])
+        print()
+        print(f"- mtc bytes written per timed save: {res['written']} (state {state_bytes})")
+        print(f"- peak RSS increase / state, first save: {cold_peak.increase / state_bytes:.3f} "
+              f"({cold_peak.increase / 2**20:.1f} MiB over {cold_peak.base / 2**20:.1f} MiB; mapped ramdisk pages count)")
 
+        total = m["mtc_total"]
+        ratio(kind, "mtc save total / raw write into recycled files (the fair limit)", total, raw_rec, T_SAVE_VS_RAW)
+        ratio(kind, "mtc save total / raw write into fresh files (first-touch)", total, raw_fresh, T_SAVE_VS_RAW)
+        ratio(kind, "mtc restore / raw read", m["mtc_restore"], raw_r, T_RESTORE_VS_RAW)
+        if "rcm_save" in R:
+            ratio(kind, "mtc save total / Orbax ReplicatorCheckpointManager default", total, m["rcm_save"],
+                  T_VS_RCM_DEFAULT)
+        if "rcm_unc_save" in R:
+            ratio(kind, "mtc save total / Orbax ReplicatorCheckpointManager, compression off", total,
+                  m["rcm_unc_save"], T_VS_RCM_RAW)
+        if "rcm_restore" in R:
+            ratio(kind, "mtc restore / Orbax ReplicatorCheckpointManager default", m["mtc_restore"], m["rcm_restore"],
+                  T_VS_RCM_DEFAULT, info=True)
+        if "rcm_unc_restore" in R:
+            ratio(kind, "mtc restore / Orbax ReplicatorCheckpointManager, compression off", m["mtc_restore"],
+                  m["rcm_unc_restore"], T_VS_RCM_RAW, info=True)
+        if "std_save" in R:
+            ratio(kind, "mtc save / orbax default save", total, m["std_save"], T_VS_ORBAX_DEFAULT)
+            ratio(kind, "mtc save / orbax uncompressed save", total, m["unc_save"], T_VS_ORBAX_RAW)
+        over = (m["mtc_blocked"] - m["memcpy"]) * 1e3
+        name = "mtc save blocked - memcpy"
+        checks.setdefault(name, {})[kind] = (f"{over:+.1f} ms ({m['mtc_blocked'] / m['memcpy']:.2f}x)",
+                                             over <= T_BLOCKED_OVER_MEMCPY_MS)
+        targets[name] = f"<= +{T_BLOCKED_OVER_MEMCPY_MS:.0f} ms"
+        cold = cold_peak.increase / state_bytes
+        name = "peak RSS increase / state, first save"
+        checks.setdefault(name, {})[kind] = (f"{cold:.3f}", cold <= T_PEAK_RSS)
+        targets[name] = f"<= {T_PEAK_RSS:.2f}"
+        steady = max(R["mtc_rss"])
+        name = "peak RSS increase / state, later saves (max)"
+        checks.setdefault(name, {})[kind] = (f"{steady:.3f}", steady <= T_PEAK_RSS_STEADY)
+        targets[name] = f"<= {T_PEAK_RSS_STEADY:.2f}"
+        name = "dedupe: bytes written for unchanged state"
+        checks.setdefault(name, {})[kind] = (f"{dd_written}", dd_written == 0)
+        targets[name] = "0"
+        print(f"- raw limits: write into recycled files {raw_rec:.3f} s ({state_bytes / raw_rec / GB:.2f} GB/s), "
+              f"into fresh files {raw_fresh:.3f} s ({state_bytes / raw_fresh / GB:.2f} GB/s), read {raw_r:.3f} s "
+              f"({state_bytes / raw_r / GB:.2f} GB/s); each the best of 1 and {ncpu} threads")
+
+    kinds = [k for k, _, _ in ramdisks]
     print()
-    print("## Ratios and targets")
+    print("## Ratios and targets (each measured within one ramdisk's interleaved repeats)")
     print()
-    print("| check | measured | target | result |")
-    print("|---|---|---|---|")
-    for name, val, tgt, ok in checks:
-        print(f"| {name} | {val} | {tgt} | {'info' if ok is None else 'PASS' if ok else 'MISS'} |")
+    print("| check | " + " | ".join(f"{k} pages" for k in kinds) + " | target |")
+    print("|---|" + "---|" * len(kinds) + "---|")
+    for name, per in checks.items():
+        cells = []
+        for k in kinds:
+            if k not in per:
+                cells.append("")
+                continue
+            val, ok = per[k]
+            cells.append(f"{val} {'info' if ok is None else 'PASS' if ok else 'MISS'}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {targets[name]} |")
     print()
-    print(f"- raw limits used: write {raw_w:.3f} s ({state_bytes / raw_w / GB:.2f} GB/s, best of 1 and {ncpu} "
-          f"threads), read {raw_r:.3f} s ({state_bytes / raw_r / GB:.2f} GB/s)")
+    bitok = all(res["ok"] for res in results.values())
     for n in notes:
         print(f"- note: {n}")
     print(f"- bit for bit: {'ok' if bitok else 'FAILED'} (mtc restores compared with the saved state as uint8)")
@@ -736,7 +904,7 @@ def _run(args, jax, jnp, sharding, shape, state_bytes, scratch, CheckpointManage
     sys.stdout.flush()
     if not bitok:
         return 1
-    if args.strict and not all(ok for *_, ok in checks if ok is not None):
+    if args.strict and not all(ok for per in checks.values() for _, ok in per.values() if ok is not None):
         return 1
     return 0
 

@@ -21,6 +21,7 @@ import numpy as np
 from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
 from mtc.head.staging import HostStaging
 from mtc.shared import format as fmt
+from mtc.shared import landing
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
@@ -74,7 +75,8 @@ class ColocatedDispatcher(Dispatcher):
         self._devices = list(devices if devices is not None else jax.devices())
         cpu = cp.colocated_cpu_devices(self._devices)
         self._cpu_of = dict(zip(self._devices, cpu))
-        # Identity on a CPU backend: then device_put would not copy, so staging copies itself.
+        # Identity on a CPU backend: then device_put would not copy, so staging copies itself
+        # (into the sidecar's mapped ramdisk files where it runs in this process).
         self._same_memory = all(a is b for a, b in self._cpu_of.items())
         self._ctl_devices = sorted(set(cpu), key=lambda d: d.id)
         cls = cp.colocated_python_class(_load_sidecar_class())
@@ -87,6 +89,8 @@ class ColocatedDispatcher(Dispatcher):
             **({"peer_token": config.peer_token} if config.peer_token else {}),
         }))
         self._staging = HostStaging()
+        self._ramdisk_root = str(config.ramdisk_root)
+        self._zone = None  # the landing zone of the last stage, if the sidecar is in this process
         self._host_of_row: list[str] | None = None
 
     # --- control requests ---------------------------------------------------------------
@@ -133,30 +137,42 @@ class ColocatedDispatcher(Dispatcher):
         return {fp["host"]: fp for _, fp in self._control("fingerprint")}
 
     def stage(self, leaves: list[Leaf]) -> list[_Group]:
-        groups: dict[tuple, _Group] = {}
         all_cpu = tuple(self._ctl_devices)
         # First every host copy (on several threads), then the arrays over the copied buffers.
-        copies: list[tuple[np.ndarray, np.ndarray]] = []
-        builds = []
+        wants: list[tuple[tuple, tuple, Any, np.ndarray]] = []  # (staging key, shape, dtype, source)
+        plans = []
         for leaf in leaves:
             if leaf.kind == "scalar":
                 continue
             if leaf.kind == "numpy":
                 src = np.ascontiguousarray(leaf.value).reshape(-1).view(np.uint8)
-                buf = self._staging.buffer((leaf.key, "numpy"), src.shape, np.uint8)
-                copies.append((buf, src))
-
-                def build(buf=buf):
-                    sharding = jax.sharding.NamedSharding(
-                        jax.sharding.Mesh(np.array(all_cpu, dtype=object), ("d",)), jax.sharding.PartitionSpec())
-                    return jax.make_array_from_single_device_arrays(
-                        buf.shape, sharding, [jax.device_put(buf, d, may_alias=True) for d in all_cpu])
+                plans.append((leaf, len(wants)))
+                wants.append(((leaf.key, "numpy"), src.shape, np.uint8, src))
+            elif not self._same_memory:
+                plans.append((leaf, None))  # a real device-to-host transfer (below)
             else:
-                build = self._stage_array(leaf, copies)
-            builds.append((leaf, build))
-        self._staging.copy_all(copies)
-        for leaf, build in builds:
-            arr = build()
+                plans.append((leaf, self._plan_shards(leaf, wants)))
+        bufs = self._host_buffers(wants)
+        try:
+            self._staging.copy_all([(buf, src) for buf, (*_, src) in zip(bufs, wants)])
+        except BaseException:
+            if self._zone is not None:
+                self._zone.release()
+            raise
+        groups: dict[tuple, _Group] = {}
+        for leaf, plan in plans:
+            if leaf.kind == "numpy":
+                buf = bufs[plan]
+                sharding = jax.sharding.NamedSharding(
+                    jax.sharding.Mesh(np.array(all_cpu, dtype=object), ("d",)), jax.sharding.PartitionSpec())
+                arr = jax.make_array_from_single_device_arrays(
+                    buf.shape, sharding, [jax.device_put(buf, d, may_alias=True) for d in all_cpu])
+            elif plan is None:
+                arr = jax.device_put(leaf.value, _cpu_sharding(leaf.value.sharding, self._cpu_of))
+            else:
+                per_device = [jax.device_put(bufs[j], dev, may_alias=True) for j, dev in plan]
+                arr = jax.make_array_from_single_device_arrays(
+                    leaf.value.shape, _cpu_sharding(leaf.value.sharding, self._cpu_of), per_device)
             devices = all_cpu if leaf.kind == "numpy" else tuple(sorted(arr.sharding.device_set, key=lambda d: d.id))
             g = groups.setdefault(devices, _Group(devices))
             g.leaves.append(leaf)
@@ -164,33 +180,37 @@ class ColocatedDispatcher(Dispatcher):
         self._staging.end()
         return list(groups.values())
 
-    def _stage_array(self, leaf: Leaf, copies: list) -> Any:
-        """Plan the staging of one jax leaf: appends its host copies to ``copies`` and returns
-        a function that builds the staged array once they are done."""
-        x = leaf.value
-        cpu_sharding = _cpu_sharding(x.sharding, self._cpu_of)
-        if not self._same_memory:
-            # A real device-to-host transfer onto the colocated CPU devices.
-            return lambda: jax.device_put(x, cpu_sharding)
-        # CPU backend: copy each unique shard once into reused, aligned host buffers, so a
-        # train step that donates its inputs cannot touch what is being written.
-        bufs: dict[fmt.Box, np.ndarray] = {}
+    def _plan_shards(self, leaf: Leaf, wants: list) -> list[tuple[int, Any]]:
+        """CPU backend: one host copy per unique shard of a jax leaf (appended to ``wants``), so
+        that a train step that donates its inputs cannot touch what is being written. Returns
+        (index into ``wants``, colocated CPU device) per shard."""
+        index: dict[fmt.Box, int] = {}
         placed = []
-        for shard in x.addressable_shards:
+        for shard in leaf.value.addressable_shards:
             box = leaf.device_boxes[shard.device.id]
-            buf = bufs.get(box)
-            if buf is None:
+            j = index.get(box)
+            if j is None:
                 src = np.asarray(shard.data)
-                buf = self._staging.buffer((leaf.key, box), src.shape, src.dtype)
-                copies.append((buf, src))
-                bufs[box] = buf
-            placed.append((buf, self._cpu_of[shard.device]))
+                j = index[box] = len(wants)
+                wants.append(((leaf.key, box), src.shape, src.dtype, src))
+            placed.append((j, self._cpu_of[shard.device]))
+        return placed
 
-        def build() -> jax.Array:
-            per_device = [jax.device_put(buf, dev, may_alias=True) for buf, dev in placed]
-            return jax.make_array_from_single_device_arrays(x.shape, cpu_sharding, per_device)
-
-        return build
+    def _host_buffers(self, wants: list) -> list[np.ndarray]:
+        """Where each host copy goes: mapped ramdisk files of the sidecar in this process, which
+        publishes them as blobs where they lie (``mtc.shared.landing``: one copy per save), or
+        reused staging buffers (Pathways, small shards, a ramdisk without room for every shard
+        as a new blob: the sidecar then writes them)."""
+        self._zone = landing.find(self._ramdisk_root) if self._same_memory and wants else None
+        sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for _, shape, dtype, _ in wants]
+        landed = self._zone.reserve(sizes) if self._zone is not None else [None] * len(wants)
+        out = []
+        for (key, shape, dtype, _), buf in zip(wants, landed):
+            if buf is None:
+                out.append(self._staging.buffer(key, shape, dtype))
+            else:
+                out.append(buf.view(dtype).reshape(shape))
+        return out
 
     def write(self, step: int, staged: list[_Group]) -> WriteResult:
         for part, g in enumerate(staged):

@@ -10,6 +10,10 @@ array codec around ``SidecarService``:
   answers the size of each host's reply, ``fetch`` returns the replies padded to one width;
 - ``write`` takes the staged state and answers the xxh3 digest of every shard, per device,
   in a fixed-shape uint8 array, from which the head builds the step manifest;
+- on a CPU backend (this object in the head's process) the service also registers a landing
+  zone (``mtc.shared.landing``): the head's staging copy lands in mapped ramdisk files, and
+  ``write`` hashes and publishes them in place (one copy per save). On Pathways the arrays
+  arrive in this process's own host memory and ``write_shards`` writes them with one copy;
 - ``load`` returns the target arrays, built on the host's devices from verified blobs.
 """
 
@@ -25,7 +29,7 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
-from mtc.shared import shardings
+from mtc.shared import landing, shardings
 from mtc.shared import errors as mtc_errors
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.sidecar.peer import resolve_token
@@ -112,6 +116,34 @@ SERVICE_METHODS = {
 }
 
 
+class _Zone:
+    """The service's landing zone for a head in this process (``mtc.shared.landing.LandingZone``).
+
+    The head stages one save at a time (the next stage waits for the previous write), so the
+    zone holds one batch: reserving again, or closing, removes what the last one left unwritten.
+    """
+
+    def __init__(self, service: SidecarService):
+        self._service = service
+        self._batch = None
+        self._lock = threading.Lock()
+
+    def reserve(self, sizes):
+        with self._lock:
+            self._release_locked()
+            self._batch = self._service.land(sizes)
+            return self._batch.buffers
+
+    def release(self) -> None:
+        with self._lock:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+
+
 class ColocatedSidecar:
     """The sidecar service of one host, reached through colocated Python."""
 
@@ -121,6 +153,7 @@ class ColocatedSidecar:
         self._service: SidecarService | None = None
         self._replies: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        self._zone: _Zone | None = None
 
     def _svc(self) -> SidecarService:
         with self._lock:
@@ -140,6 +173,8 @@ class ColocatedSidecar:
                         service.close()
                         raise ConfigError(f"peer_port={port}: the peer service cannot start: {e}") from e
                 self._service = service
+                self._zone = _Zone(service)
+                landing.register(c["ramdisk_root"], self._zone)
             return self._service
 
     # --- control -----------------------------------------------------------------------
@@ -171,9 +206,12 @@ class ColocatedSidecar:
         handler = _OPS[op]
         svc.admit(op, req.get("gen"))
         if op == "close":
-            svc.close()
             with self._lock:
-                self._service = None
+                zone, self._zone, self._service = self._zone, None, None
+            if zone is not None:
+                landing.unregister(self._config["ramdisk_root"], zone)
+                zone.release()
+            svc.close()
             return True
         return handler(svc, req)
 

@@ -36,6 +36,9 @@ Ops (``args`` -> ``result``; payloads in brackets):
   ``{"done": true, "error", "message"}`` (``mtc.sidecar.jobs``: the same model as the colocated transport).
 
 Errors come back as ``{"type": class name, "message"}``; the head re-raises them typed.
+
+A ``write``'s payloads are received straight into mapped temp blob files (``SidecarService.land``)
+and published where they lie: one copy on this host (``_receive_buffers``).
 """
 
 from __future__ import annotations
@@ -172,31 +175,49 @@ class SidecarDaemon(ThreadedTCPServer):
         if not self._handshake(conn, peer):
             return
         while True:
+            batches: list = []
             try:
-                req = protocol.recv_request(conn, max_payload=self._max_payload)
-            except ProtocolError as e:
-                log.warning("host %s: bad frame from %s, closing the connection: %s",
-                            self.service.host_id, peer, e)
-                self._try_send(conn, Reply(None, error=RemoteError("ProtocolError", str(e))))
-                return
-            if req is None:
-                return
-            with self._cond:
-                if self._stopping:
-                    reply = Reply(req.id, error=RemoteError(
-                        "HostUnreachableError", f"host {self.service.host_id} is shutting down"))
-                else:
-                    self._active += 1
-                    reply = None
-            if reply is None:
                 try:
-                    reply = self._handle(req)
-                finally:
-                    with self._cond:
-                        self._active -= 1
-                        self._cond.notify_all()
+                    frame = protocol.recv_frame(conn, max_payload=self._max_payload,
+                                                alloc=lambda h, sizes: self._receive_buffers(h, sizes, batches))
+                    req = None if frame is None else Request.from_frame(*frame)
+                except ProtocolError as e:
+                    log.warning("host %s: bad frame from %s, closing the connection: %s",
+                                self.service.host_id, peer, e)
+                    self._try_send(conn, Reply(None, error=RemoteError("ProtocolError", str(e))))
+                    return
+                if req is None:
+                    return
+                reply = self._serve_request(req)
+            finally:
+                for batch in batches:  # landings the write did not publish (it failed, or was refused)
+                    batch.close()
             if not self._try_send(conn, reply):
                 return
+
+    def _receive_buffers(self, header: dict, sizes: list[int], batches: list) -> list:
+        """Where a request's payloads are received: a write's shards straight into mapped temp blob
+        files (``SidecarService.land``), which ``write_shards`` hashes and publishes in place, so a
+        shard is copied once on this host; anything else into fresh buffers."""
+        if header.get("op") != "write" or not sizes:
+            return [protocol.aligned_buffer(n) for n in sizes]
+        batch = self.service.land(sizes)
+        batches.append(batch)
+        return [protocol.aligned_buffer(n) if b is None else b for b, n in zip(batch.buffers, sizes)]
+
+    def _serve_request(self, req: Request) -> Reply:
+        """Answer one request (or refuse it while shutting down)."""
+        with self._cond:
+            if self._stopping:
+                return Reply(req.id, error=RemoteError(
+                    "HostUnreachableError", f"host {self.service.host_id} is shutting down"))
+            self._active += 1
+        try:
+            return self._handle(req)
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
 
     def _try_send(self, conn: socket.socket, reply: Reply) -> bool:
         try:

@@ -121,6 +121,12 @@ class SidecarService:
 
     # --- save: phase 1 -----------------------------------------------------------------
 
+    def land(self, sizes: Sequence[int]):
+        """Mapped temp blob files for the shards of the next ``write_shards``, one per size
+        (``RamStore.land``: None for a size not landed). The bytes written into them are not
+        copied again: ``write_shards`` hashes and publishes them where they are."""
+        return self.store.land(sizes)
+
     def write_shards(self, step: int, shards: Sequence[tuple[int, fmt.Box, np.ndarray]], *,
                      part: int = 0) -> fmt.HostManifest:
         """Phase 1: write this host's unique shards of ``step`` as blobs.
@@ -129,21 +135,31 @@ class SidecarService:
         on several local devices) are written once. Several calls with increasing ``part``
         add to the same step (one per device group). Returns the host manifest so far, which
         is also kept under ``pending/`` so garbage collection spares its blobs.
+
+        Data that is a buffer of ``land`` (the usual case: the head's staging copy or the
+        daemon's receive put it there) is hashed and published in place; other data (on
+        Pathways: the sidecar's own host memory) is written with one copy.
         """
         t0 = time.perf_counter()
         unique: dict[tuple[int, fmt.Box], memoryview] = {}
+        landed = {}
         for array, box, data in shards:
-            unique.setdefault((array, tuple(box)), byte_view(np.ascontiguousarray(data)))
-        # When every shard fits as a new blob (the usual case), nothing has to be freed and the
-        # names are not needed up front: each I/O thread hashes a shard, then writes it, so
-        # hashing overlaps the writes of the other thread.
-        if self.store.fits(len(buf) for buf in unique.values()):
+            key = (array, tuple(box))
+            if key not in unique:
+                data = np.ascontiguousarray(data)
+                unique[key] = byte_view(data)
+                landed[key] = self.store.landed(data)
+        rest = [len(buf) for key, buf in unique.items() if landed[key] is None]
+        # When every shard not landed fits as a new blob (the usual case), nothing has to be freed
+        # and the names are not needed up front: each I/O thread hashes a shard, then writes
+        # (or publishes) it, so hashing overlaps the writes of the other thread.
+        if self.store.fits(rest):
             with self._lock:
                 self._start_part(step, part)
             crash_point("before_blobs")
-            return self._hash_and_write(step, unique, t0, part)
+            return self._hash_and_write(step, unique, landed, t0, part)
         names = dict(zip(unique, self._io.map(blob_name, unique.values())))
-        sizes = {names[k]: len(buf) for k, buf in unique.items()}
+        sizes = {names[k]: len(buf) for k, buf in unique.items() if landed[k] is None}
         missing = {n: size for n, size in sizes.items() if not self.store.has_blob(n)}
         with self._lock:
             self._start_part(step, part)
@@ -151,21 +167,28 @@ class SidecarService:
         crash_point("before_blobs")
         todo = {}
         for key, buf in unique.items():
-            todo.setdefault(names[key], buf)
+            todo.setdefault(names[key], (buf, landed[key]))
         entries = [fmt.HostShard(a, box, names[(a, box)], len(unique[(a, box)])) for (a, box) in unique]
         # Pinned until the pending host manifest references them: a concurrent commit's
         # garbage collection must not take blobs of a step still being written.
         with self.store.pin(todo):
             futures = []
-            for i, (name, buf) in enumerate(todo.items()):
+            for i, (name, (buf, land)) in enumerate(todo.items()):
                 if i == 1:
                     crash_point("between_blobs")
-                futures.append(self._io.submit(self.store.write_blob, buf, name=name))
-            written = sum(len(buf) for (name, buf), f in zip(todo.items(), futures) if f.result()[1])
+                futures.append(self._io.submit(self._put, buf, land, name))
+            wait(futures)
+            written = sum(len(buf) for (buf, _), f in zip(todo.values(), futures) if f.result())
             manifest = self._record_part(step, entries, written, t0)
         log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
                  time.perf_counter() - t0)
         return manifest
+
+    def _put(self, buf: memoryview, land, name: str) -> bool:
+        """Store one shard as blob ``name``: publish its landing, or write it; whether it was added."""
+        if land is not None:
+            return self.store.publish_landed(land, name)
+        return self.store.write_blob(buf, name=name)[1]
 
     def _start_part(self, step: int, part: int) -> None:
         if part == 0:
@@ -173,14 +196,14 @@ class SidecarService:
         elif step not in self._partial:
             raise ManifestError(f"step {step}: part {part} of a save arrived before part 0")
 
-    def _hash_and_write(self, step: int, unique: dict[tuple[int, fmt.Box], memoryview], t0: float,
-                        part: int) -> fmt.HostManifest:
-        """Hash and write each unique shard on the I/O threads; the first of equal blobs writes."""
+    def _hash_and_write(self, step: int, unique: dict[tuple[int, fmt.Box], memoryview], landed: dict,
+                        t0: float, part: int) -> fmt.HostManifest:
+        """Hash and store each unique shard on the I/O threads; the first of equal blobs writes."""
         claimed: set[str] = set()
         lock = threading.Lock()
         with contextlib.ExitStack() as pins:
-            def one(buf: memoryview) -> tuple[str, int]:
-                name = blob_name(buf)
+            def one(buf: memoryview, land) -> tuple[str, int]:
+                name = blob_name(buf)  # of a landing: its mapped pages, hashed where they lie
                 with lock:
                     first = name not in claimed
                     if first:
@@ -188,14 +211,14 @@ class SidecarService:
                         # Pinned until the pending host manifest references it (see write_shards).
                         pins.enter_context(self.store.pin([name]))
                 if not first:
-                    return name, 0
-                return name, len(buf) if self.store.write_blob(buf, name=name)[1] else 0
+                    return name, 0  # an equal shard's landing is removed when its batch closes
+                return name, len(buf) if self._put(buf, land, name) else 0
 
             futures = []
-            for i, buf in enumerate(unique.values()):
+            for i, (key, buf) in enumerate(unique.items()):
                 if i == 1:
                     crash_point("between_blobs")
-                futures.append(self._io.submit(one, buf))
+                futures.append(self._io.submit(one, buf, landed[key]))
             wait(futures)
             results = [f.result() for f in futures]  # the first error, once all writes stopped
             entries = [fmt.HostShard(a, box, name, len(buf))
@@ -535,5 +558,6 @@ class SidecarService:
             if self._peer is not None:
                 self._peer.close()
             self._io.shutdown(wait=True)
+            self.store.close()
             if self._backup is not None:
                 self._backup.close()

@@ -1,8 +1,9 @@
 """The RAM tier: one host's content-addressed blob store and committed steps on its ramdisk.
 
 A small package behind one facade, ``RamStore`` (``store``): ``blobs`` (blob files: write,
-publish, read verified, map), ``pool`` (the free pool), ``steps`` (pending host manifests and
-commits), ``readers`` (which files this process reads or maps), ``common`` (names, limits).
+publish, read verified, map), ``pool`` (the free pool), ``landing`` (mapped temp blob files that
+a save's copy lands in: one copy per save), ``steps`` (pending host manifests and commits),
+``readers`` (which files this process reads or maps), ``common`` (names, limits).
 
 Layout under ``root`` (= ``<local_checkpoint_directory>/mtc``)::
 

@@ -23,6 +23,7 @@ from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError
 from mtc.shared.hashing import blob_name, new_hasher
 from mtc.sidecar.ram import readers
 from mtc.sidecar.ram.common import FREE_PREFIX, HUGE_PAGE, TMP_PREFIX, check_name, temp_name, valid_name
+from mtc.sidecar.ram.landing import Landing, MapCache
 from mtc.sidecar.ram.pool import FreePool
 
 # Large enough that syscall overhead vanishes; small enough that hashing a chunk right after
@@ -55,9 +56,11 @@ class BlobFiles:
     """The blobs of one store in ``directory``; ``pool`` supplies files to overwrite in place,
     ``no_space(what, step, needed, err)`` makes the error of a write that ran out of space."""
 
-    def __init__(self, directory: Path, *, pool: FreePool, round: Callable[[int], int], no_space: NoSpace):
+    def __init__(self, directory: Path, *, pool: FreePool, round: Callable[[int], int], no_space: NoSpace,
+                 maps: MapCache | None = None):
         self.directory = directory
         self.pool = pool
+        self.maps = maps if maps is not None else MapCache()
         self.round = round
         self._no_space = no_space
 
@@ -131,6 +134,52 @@ class BlobFiles:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         return True
+
+    def land(self, size: int) -> Landing:
+        """A temp file of ``size`` bytes, mapped for writing (``mtc.sidecar.ram.landing``).
+
+        A pool file of that size when there is one (its pages, and usually its map, exist), else
+        a new file whose space is allocated now: an OSError (ENOSPC) here, never a SIGBUS later.
+        """
+        tmp = temp_name(self.directory)
+        taken = self.pool.take(size)
+        if taken is not None:
+            fd, path = taken
+            try:
+                os.rename(path, tmp)
+            except BaseException:
+                os.close(fd)
+                raise
+        else:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                st = os.fstat(fd)
+                if st.st_size != size or st.st_blocks * 512 < size:
+                    os.posix_fallocate(fd, 0, size)  # sets the size too (huge=within_size pages: _presize)
+                    st = os.fstat(fd)
+                m = self.maps.get(fd, st, tmp)
+            finally:
+                os.close(fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return Landing(tmp, size, np.frombuffer(m, np.uint8), st)
+
+    def publish_landed(self, landing: Landing, name: str) -> bool:
+        """Publish a filled landing as blob ``name`` (its hash: the caller hashed the buffer).
+
+        False when the blob already existed: the landing's file is dropped then (dedupe).
+        """
+        final = self.directory / check_name(name)
+        landing.done = True
+        added = self.publish(landing.tmp, final)
+        if added:
+            self.maps.moved(landing.st, final)
+        else:
+            self.maps.forget(landing.st)
+        return added
 
     def write(self, data, *, name: str | None = None) -> tuple[str, bool]:
         """See ``RamStore.write_blob``."""

@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 from mtc.sidecar.ram import readers
 from mtc.sidecar.ram.common import temp_name
+from mtc.sidecar.ram.landing import MapCache
 
 # Collected files smaller than this are unlinked, not pooled: cheap to free and to write anew.
 POOL_MIN = 64 << 10
@@ -26,8 +27,10 @@ POOL_MIN = 64 << 10
 class FreePool:
     """Pool files by exact byte size. ``round`` gives a size as allocated (whole pages)."""
 
-    def __init__(self, directory: Path, *, enabled: bool, round: Callable[[int], int]):
+    def __init__(self, directory: Path, *, enabled: bool, round: Callable[[int], int],
+                 maps: MapCache | None = None):
         self.directory = directory
+        self._maps = maps if maps is not None else MapCache()  # landing maps follow their files in and out
         self.enabled = bool(enabled)
         self._round = round
         self._files: dict[int, list[Path]] = {}
@@ -53,6 +56,7 @@ class FreePool:
             if st.st_size == size and st.st_nlink == 1:
                 return fd, path
             os.close(fd)
+            self._maps.forget(st)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -97,8 +101,10 @@ class FreePool:
         freed = 0
         for p in doomed:
             with contextlib.suppress(FileNotFoundError):
-                freed += os.stat(p).st_blocks * 512
+                st = os.stat(p)
+                freed += st.st_blocks * 512
                 os.unlink(p)
+                self._maps.forget(st)  # a kept map would hold the pages
         return freed
 
     def recycle(self, path: Path, st: os.stat_result, cap: int | None) -> bool:
@@ -124,4 +130,5 @@ class FreePool:
                     return False
             self._files.setdefault(size, []).append(dst)
             self._bytes += alloc
+        self._maps.moved(st, dst)
         return True

@@ -19,6 +19,7 @@ from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, Manifest
 from mtc.sidecar.ram.blobs import BlobFiles
 from mtc.sidecar.ram.common import (TMP_PREFIX, check_name, check_step, format_bytes, free_bytes, no_space,
                                     page_rounder)
+from mtc.sidecar.ram.landing import LANDING_MIN, Landing, LandingBatch, MapCache, discard, is_no_space
 from mtc.sidecar.ram.pool import POOL_MIN, FreePool
 from mtc.sidecar.ram.steps import BlobsOf, StepCatalog, parse_step
 
@@ -44,8 +45,13 @@ class RamStore:
         self._make_dirs()
         round_ = page_rounder(self.root)
         self._round = round_
-        self._pool = FreePool(self.root / "blobs", enabled=free_pool, round=round_)
-        self._blobs = BlobFiles(self.root / "blobs", pool=self._pool, round=round_, no_space=self._no_space)
+        self._maps = MapCache()
+        self._pool = FreePool(self.root / "blobs", enabled=free_pool, round=round_, maps=self._maps)
+        self._blobs = BlobFiles(self.root / "blobs", pool=self._pool, round=round_, no_space=self._no_space,
+                                maps=self._maps)
+        self._landings: dict[int, Landing] = {}  # by buffer address: the landings not yet published
+        self._landing_lock = threading.Lock()
+        self.landed_bytes = 0  # bytes published from landings, in total (one copy per save: for tests, status)
         self._catalog = StepCatalog(self.root, blobs_of=blobs_of, no_space=self._no_space)
         self._remove_leftovers()
         self.mount = ramdisk.describe(self.root)  # None where unknown (no /proc)
@@ -86,6 +92,7 @@ class RamStore:
             if not missing:
                 return False
             self._pool.forget()
+            self._maps.clear()  # their files are gone: a kept map would hold the pages
             self._make_dirs()
         log.warning("ramdisk %s was emptied under this sidecar (%s gone): re-created it empty; the steps and "
                     "blobs it held are lost here and come back from peers or the backup", self.root,
@@ -158,6 +165,83 @@ class RamStore:
         file removed) when the ramdisk fills up.
         """
         return self._blobs.write(data, name=name)
+
+    # --- landings (one copy per save: mtc.sidecar.ram.landing) ----------------------------
+
+    def land(self, sizes: Iterable[int]) -> LandingBatch:
+        """Mapped temp blob files to fill in place, one per size (None: not landed, see below).
+
+        Sizes under ``LANDING_MIN`` are not landed. When the others do not all fit as new blobs
+        now (free space plus pool files of their sizes), none is: the caller then stages in its
+        own memory and ``write_shards`` hashes first, so that blobs already present need no
+        space (the space check before any byte is written). Fill each buffer, then publish it
+        with :meth:`publish_landed`; close the batch to remove what was not published.
+        """
+        sizes = [int(n) for n in sizes]
+        big = [n for n in sizes if n >= LANDING_MIN]
+        if not big or not self.fits(big):
+            return LandingBatch([None] * len(sizes))
+        out: list[Landing | None] = []
+        try:
+            for n in sizes:
+                out.append(self._blobs.land(n) if n >= LANDING_MIN else None)
+        except BaseException as e:
+            for x in out:
+                if x is not None:
+                    self._maps.forget(x.st)
+            discard([x for x in out if x is not None])
+            if not isinstance(e, OSError):
+                raise
+            # No room after all (another writer took it), or no map (vm.max_map_count): the
+            # shards are staged in memory and written instead; the save goes on.
+            (log.info if is_no_space(e) else log.warning)(
+                "ramdisk %s: cannot land %d shards (%s); staging them in memory", self.root, len(big), e)
+            return LandingBatch([None] * len(sizes))
+        with self._landing_lock:
+            for x in out:
+                if x is not None:
+                    self._landings[x.address] = x
+        return LandingBatch(out, self._drop_landings)
+
+    def landed(self, data) -> Landing | None:
+        """The unpublished landing whose buffer ``data`` (an ndarray) is exactly, else None."""
+        if not isinstance(data, np.ndarray) or not data.flags.c_contiguous:
+            return None
+        with self._landing_lock:
+            x = self._landings.get(data.ctypes.data) if data.size else None
+        return x if x is not None and x.size == data.nbytes and not x.done else None
+
+    def publish_landed(self, landing: Landing, name: str) -> bool:
+        """Publish a filled landing as blob ``name``, its hash; False when the blob was there already.
+
+        Like ``write_blob``, a writer that may race a commit pins ``name`` first.
+        """
+        with self._landing_lock:
+            if landing.done or self._landings.pop(landing.address, None) is not landing:
+                raise ValueError(f"landing {landing.tmp} was already published or discarded")
+        added = self._blobs.publish_landed(landing, name)
+        if added:
+            with self._landing_lock:
+                self.landed_bytes += landing.size
+        return added
+
+    def _drop_landings(self, landings: list[Landing]) -> None:
+        with self._landing_lock:
+            for x in landings:
+                if self._landings.get(x.address) is x:
+                    del self._landings[x.address]
+        for x in landings:
+            self._maps.forget(x.st)
+        discard(landings)
+
+    def close(self) -> None:
+        """Remove every unpublished landing and let go of the kept maps (the service is closing).
+
+        A map still used by an array (a staged save) lives until that array goes."""
+        with self._landing_lock:
+            landings = list(self._landings.values())
+        self._drop_landings(landings)
+        self._maps.clear()
 
     def read_blob_into(self, name: str, out) -> None:
         """Read blob ``name`` into ``out`` (writable buffer or ndarray of exactly its size).
@@ -462,6 +546,7 @@ class RamStore:
                 continue
             freed += st.st_size
             count += 1
+        self._maps.sweep()  # maps of files unlinked here (or by anyone) would hold their pages
         if count:
             log.info("ramdisk %s: garbage collection removed %d blobs, %s (%d kept in the free pool)",
                      self.root, count, format_bytes(freed), pooled)
@@ -491,6 +576,7 @@ class RamStore:
         """Remove everything under root (a replaced node), leaving an empty store."""
         with self._lock:
             self._pool.drain()
+            self._maps.clear()
             for p in self.root.iterdir():
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p)

@@ -39,10 +39,13 @@ def _run_and_check(parent: str) -> None:
     )
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
-    assert "| check | measured | target | result |" in out, out
+    assert "| check | small pages" in out, out
     assert "| what | seconds | GB/s |" in out, out
     assert "bit for bit: ok" in out, out
-    for name in ("mtc save total / raw write", "mtc restore / raw read", "mtc save / orbax default save",
+    for name in ("mtc save total / raw write into recycled files", "mtc save total / raw write into fresh files",
+                 "mtc restore / raw read", "mtc save / orbax default save",
+                 "mtc save total / Orbax ReplicatorCheckpointManager default",
+                 "mtc save total / Orbax ReplicatorCheckpointManager, compression off",
                  "mtc save blocked - memcpy", "peak RSS increase / state, first save"):
         assert name in out, f"row {name!r} missing:\n{out}"
     # The scratch directory is removed at the end.
