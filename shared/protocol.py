@@ -8,9 +8,11 @@ The header carries the protocol version (``"v"``), the kind (``"request"`` or ``
 a request id, the op or the result, and ``"payloads"``: the byte length of each binary
 payload that follows, back to back. Everything else about a message is JSON; bulk data
 (shards, assembled boxes, manifests) travels as payloads, which are sent straight from the
-caller's buffers (``sendmsg`` on memoryviews, no copy) and received straight into buffers the
-receiver allocates (``recv_into``; 64-byte aligned by default, so the head can hand them to
-JAX without a copy). Nothing is ever unpickled.
+caller's buffers (``sendmsg`` on memoryviews, no copy) or files (``FilePayload``: ``sendfile``,
+not even a copy through the sender's memory) and received straight into buffers the receiver
+allocates (``recv_into``; 64-byte aligned by default, so the head can hand them to JAX without
+a copy). A receive buffer can be ``Digesting``: its bytes are hashed as they arrive, while they
+are still in the cache. Nothing is ever unpickled.
 
 Limits: a header is at most ``MAX_HEADER_BYTES``; the payloads of one frame at most the
 receiver's ``max_payload``. A frame that breaks a limit, is not JSON, has the wrong magic or
@@ -26,6 +28,7 @@ import dataclasses
 import json
 import os
 import re
+import selectors
 import socket
 import struct
 import tempfile
@@ -41,7 +44,8 @@ from mtc.shared.version import PROTOCOL_VERSION
 
 __all__ = [
     "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "OPS", "Request", "Reply", "RemoteError",
-    "HostSpec", "ClusterSpec", "aligned_buffer", "byte_view", "send_frame", "recv_frame", "frame_head", "recv_header",
+    "HostSpec", "ClusterSpec", "FilePayload", "Digesting", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
+    "frame_head", "recv_header",
     "encode_bitmap", "decode_bitmap", "blob_list_digest",
     "send_request", "recv_request", "send_reply", "recv_reply", "parse_address",
 ]
@@ -58,6 +62,8 @@ MAX_PAYLOADS = 1 << 20
 _HEADER_CHUNK = 64 << 10
 # Buffers per sendmsg call (Linux IOV_MAX is 1024).
 _MAX_IOV = 512
+# A Digesting payload is received this much at a time, so that its hash reads bytes still in the cache.
+_DIGEST_CHUNK = 1 << 20
 
 # Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
 OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "commit", "abort", "read",
@@ -70,6 +76,31 @@ Alloc = Callable[[dict, list[int]], Sequence[Buffer]]
 
 
 # --- buffers ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FilePayload:
+    """A payload sent straight from an open file: ``nbytes`` of ``fd`` from ``offset``.
+
+    ``socket.sendfile`` moves page-cache pages to the socket without copying them through the
+    sender's memory. The sender keeps ``fd`` open (and the file unchanged) until the frame is sent.
+    """
+
+    fd: int
+    nbytes: int
+    offset: int = 0
+
+    def fileno(self) -> int:  # what socket.sendfile asks of a file
+        return self.fd
+
+
+@dataclasses.dataclass(frozen=True)
+class Digesting:
+    """A receive buffer whose bytes go to ``hasher.update`` as they arrive (an allocator may
+    return one in place of a buffer): hashing them then reads the cache, not memory."""
+
+    buffer: Buffer
+    hasher: Any
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -95,10 +126,19 @@ def _encode_header(header: Mapping) -> bytes:
     return data
 
 
-def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer] = ()) -> None:
-    """Send one frame; ``header["payloads"]`` is set here from the payload sizes."""
-    views = [byte_view(p) for p in payloads]
-    _send_buffers(sock, [frame_head(header, [v.nbytes for v in views]), *views])
+def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer | FilePayload] = ()) -> None:
+    """Send one frame; ``header["payloads"]`` is set here from the payload sizes. A payload is a
+    buffer (sent with ``sendmsg``, several per call) or a ``FilePayload`` (``socket.sendfile``)."""
+    parts = [p if isinstance(p, FilePayload) else byte_view(p) for p in payloads]
+    run: list = [frame_head(header, [p.nbytes for p in parts])]
+    for p in parts:
+        if isinstance(p, FilePayload):
+            _send_buffers(sock, run)
+            run = []
+            _send_file(sock, p)
+        else:
+            run.append(p)
+    _send_buffers(sock, run)
 
 
 def frame_head(header: Mapping, sizes: Sequence[int]) -> bytes:
@@ -128,11 +168,35 @@ def _send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
                 sent = 0
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view``; returns the bytes read (less than its size only at end of stream)."""
+def _send_file(sock: socket.socket, p: FilePayload) -> None:
+    """``os.sendfile`` until ``p`` is sent, within the socket's timeout for each wait."""
+    timeout = sock.gettimeout()
+    off, end = p.offset, p.offset + p.nbytes
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_WRITE)
+        while off < end:
+            try:
+                sent = os.sendfile(sock.fileno(), p.fd, off, min(end - off, 1 << 30))
+            except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+                if not sel.select(timeout):
+                    raise TimeoutError(f"timed out sending a file payload ({off - p.offset} of {p.nbytes} bytes sent)")
+                continue
+            if sent == 0:  # an OSError: the frame is cut off, so the connection must go
+                raise OSError(f"file payload ended after {off - p.offset} of {p.nbytes} bytes (truncated "
+                              "while being sent?); the frame is incomplete")
+            off += sent
+
+
+def _recv_into(sock: socket.socket, view: memoryview, hasher: Any = None) -> int:
+    """Fill ``view``; returns the bytes read (less than its size only at end of stream). With
+    ``hasher``, each piece is hashed as soon as it is in."""
     got, n = 0, view.nbytes
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if hasher is None:
+            k = sock.recv_into(view[got:], n - got)
+        else:
+            k = sock.recv_into(view[got:], min(n - got, _DIGEST_CHUNK))
+            hasher.update(view[got:got + k])
         if k == 0:
             return got
         got += k
@@ -188,9 +252,10 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     """Receive one frame: (header, payload buffers), or None when the peer closed cleanly.
 
     ``alloc(header, sizes)`` returns one writable buffer of exactly each size to receive the
-    payloads into (default: fresh 64-byte aligned uint8 arrays); it may raise
-    ``ProtocolError`` to refuse sizes it does not expect. Raises ``ProtocolError`` for a
-    malformed, oversized or truncated frame (the connection is unusable afterwards).
+    payloads into (default: fresh 64-byte aligned uint8 arrays), or a ``Digesting`` around one
+    (it comes back as given, its hasher fed); it may raise ``ProtocolError`` to refuse sizes
+    it does not expect. Raises ``ProtocolError`` for a malformed, oversized or truncated frame
+    (the connection is unusable afterwards).
     """
     header = recv_header(sock, max_header=max_header, max_payload=max_payload)
     if header is None:
@@ -200,11 +265,12 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     if len(buffers) != len(sizes):
         raise ProtocolError(f"allocator gave {len(buffers)} buffers for {len(sizes)} payloads")
     for i, (buf, n) in enumerate(zip(buffers, sizes)):
-        view = byte_view(buf)
+        hasher = buf.hasher if isinstance(buf, Digesting) else None
+        view = byte_view(buf.buffer if hasher is not None else buf)
         if view.nbytes != n or view.readonly:
             raise ProtocolError(f"buffer for payload {i} is {view.nbytes} bytes"
                                 f"{' and read-only' if view.readonly else ''}, the frame declares {n}")
-        got = _recv_into(sock, view)
+        got = _recv_into(sock, view, hasher)
         if got < n:
             raise ProtocolError(f"connection closed after {got} of {n} bytes of payload {i} "
                                 "(peer killed or restarted?)")
