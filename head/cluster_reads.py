@@ -65,6 +65,10 @@ class _Read:
 class ClusterLoader:
     """Runs the restore reads of one ``ClusterDispatcher`` (its connections and thread pool)."""
 
+    # False: every box is hashed on its host instead and sent from a map (the path before streams;
+    # bench/bench_cluster.py times both in one run).
+    stream_reads = True
+
     def __init__(self, dispatcher: "ClusterDispatcher"):
         self._d = dispatcher
 
@@ -141,7 +145,7 @@ class ClusterLoader:
         as (read, error type, cause); error type None: a stream that failed its hash here (the
         read is marked for the host to verify)."""
         tmp: dict[int, np.ndarray] = {}
-        stream = [i for i, r in enumerate(batch) if r.blob is not None and not r.host_verifies]
+        stream = [i for i, r in enumerate(batch) if r.blob is not None and not r.host_verifies and self.stream_reads]
         hashers: dict[int, Any] = {}
 
         def alloc(header: dict, sizes: list[int]) -> list[Any]:
