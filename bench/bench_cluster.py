@@ -94,6 +94,9 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                     for mode, inline in (("inline", True), ("threads", False)):
                         disp.inline_calls = inline
                         state = tiny_state(step)
+                        # Timed alone: the background replication of the previous save would share the cores
+                        # (64 daemons on this machine's few; on a cluster each host has its own).
+                        m.wait_for_replication()
                         c_head, c_daemons = me.cpu_times(), _cpu(daemons)
                         t = time.perf_counter()
                         m.save(step, state)
