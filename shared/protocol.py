@@ -8,11 +8,10 @@ The header carries the protocol version (``"v"``), the kind (``"request"`` or ``
 a request id, the op or the result, and ``"payloads"``: the byte length of each binary
 payload that follows, back to back. Everything else about a message is JSON; bulk data
 (shards, assembled boxes, manifests) travels as payloads, which are sent straight from the
-caller's buffers (``sendmsg`` on memoryviews, no copy) or files (``FilePayload``: ``sendfile``,
-not even a copy through the sender's memory) and received straight into buffers the receiver
-allocates (``recv_into``; 64-byte aligned by default, so the head can hand them to JAX without
-a copy). A receive buffer can be ``Digesting``: its bytes are hashed as they arrive, while they
-are still in the cache. Nothing is ever unpickled.
+caller's buffers (``sendmsg`` on memoryviews, no copy) and received straight into buffers the
+receiver allocates (``recv_into``; 64-byte aligned by default, so the head can hand them to
+JAX without a copy). A receive buffer can be ``Digesting``: its bytes are hashed as they
+arrive, while they are still in the cache. Nothing is ever unpickled.
 
 Limits: a header is at most ``MAX_HEADER_BYTES``; the payloads of one frame at most the
 receiver's ``max_payload``. A frame that breaks a limit, is not JSON, has the wrong magic or
@@ -28,7 +27,6 @@ import dataclasses
 import json
 import os
 import re
-import selectors
 import socket
 import struct
 import tempfile
@@ -44,7 +42,7 @@ from mtc.shared.version import PROTOCOL_VERSION
 
 __all__ = [
     "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "OPS", "Request", "Reply", "RemoteError",
-    "HostSpec", "ClusterSpec", "FilePayload", "Digesting", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
+    "HostSpec", "ClusterSpec", "Digesting", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
     "frame_head", "recv_header",
     "encode_bitmap", "decode_bitmap", "blob_list_digest",
     "send_request", "recv_request", "send_reply", "recv_reply", "parse_address",
@@ -79,22 +77,6 @@ Alloc = Callable[[dict, list[int]], Sequence[Buffer]]
 
 
 @dataclasses.dataclass(frozen=True)
-class FilePayload:
-    """A payload sent straight from an open file: ``nbytes`` of ``fd`` from ``offset``.
-
-    ``socket.sendfile`` moves page-cache pages to the socket without copying them through the
-    sender's memory. The sender keeps ``fd`` open (and the file unchanged) until the frame is sent.
-    """
-
-    fd: int
-    nbytes: int
-    offset: int = 0
-
-    def fileno(self) -> int:  # what socket.sendfile asks of a file
-        return self.fd
-
-
-@dataclasses.dataclass(frozen=True)
 class Digesting:
     """A receive buffer whose bytes go to ``hasher.update`` as they arrive (an allocator may
     return one in place of a buffer): hashing them then reads the cache, not memory."""
@@ -126,19 +108,10 @@ def _encode_header(header: Mapping) -> bytes:
     return data
 
 
-def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer | FilePayload] = ()) -> None:
-    """Send one frame; ``header["payloads"]`` is set here from the payload sizes. A payload is a
-    buffer (sent with ``sendmsg``, several per call) or a ``FilePayload`` (``socket.sendfile``)."""
-    parts = [p if isinstance(p, FilePayload) else byte_view(p) for p in payloads]
-    run: list = [frame_head(header, [p.nbytes for p in parts])]
-    for p in parts:
-        if isinstance(p, FilePayload):
-            _send_buffers(sock, run)
-            run = []
-            _send_file(sock, p)
-        else:
-            run.append(p)
-    _send_buffers(sock, run)
+def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer] = ()) -> None:
+    """Send one frame; ``header["payloads"]`` is set here from the payload sizes."""
+    views = [byte_view(p) for p in payloads]
+    _send_buffers(sock, [frame_head(header, [v.nbytes for v in views]), *views])
 
 
 def frame_head(header: Mapping, sizes: Sequence[int]) -> bytes:
@@ -166,25 +139,6 @@ def _send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
             else:
                 views[i] = v[sent:]
                 sent = 0
-
-
-def _send_file(sock: socket.socket, p: FilePayload) -> None:
-    """``os.sendfile`` until ``p`` is sent, within the socket's timeout for each wait."""
-    timeout = sock.gettimeout()
-    off, end = p.offset, p.offset + p.nbytes
-    with selectors.DefaultSelector() as sel:
-        sel.register(sock, selectors.EVENT_WRITE)
-        while off < end:
-            try:
-                sent = os.sendfile(sock.fileno(), p.fd, off, min(end - off, 1 << 30))
-            except BlockingIOError:  # a socket with a timeout is non-blocking underneath
-                if not sel.select(timeout):
-                    raise TimeoutError(f"timed out sending a file payload ({off - p.offset} of {p.nbytes} bytes sent)")
-                continue
-            if sent == 0:  # an OSError: the frame is cut off, so the connection must go
-                raise OSError(f"file payload ended after {off - p.offset} of {p.nbytes} bytes (truncated "
-                              "while being sent?); the frame is incomplete")
-            off += sent
 
 
 def _recv_into(sock: socket.socket, view: memoryview, hasher: Any = None) -> int:

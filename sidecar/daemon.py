@@ -24,8 +24,8 @@ Ops (``args`` -> ``result``; payloads in brackets):
   root comes from the head's config with each request (one source of truth, as in colocated mode).
 - ``read {step, reads: [[key, box or null], ...], stream?: [index, ...]}`` -> ``{"errors": [[index, type,
   message], ...], "streamed": [index, ...]}`` [the raw bytes of each assembled box; empty for a box that
-  failed]. A box listed in ``stream`` that is exactly one saved shard is sent straight from its blob's
-  file (``sendfile``) without being hashed here, and listed in ``streamed``: the head hashes it as it
+  failed]. A box listed in ``stream`` that is exactly one saved shard is sent straight from a map of
+  its blob's file without being hashed here, and listed in ``streamed``: the head hashes it as it
   arrives. Every other box is verified here before it is sent.
 - ``peer_pull {step, pulls: [[blob, size, [holder, ...]], ...], peers: {host: address}}`` [step manifest,
   optional: commit the step here once every pull succeeded] -> what was pulled (``mtc.sidecar.replication``).
@@ -195,7 +195,7 @@ class SidecarDaemon(ThreadedTCPServer):
                 try:
                     reply = self._handle(req)
                     streams = [p for p in reply.payloads if isinstance(p, BlobStream)]
-                    if streams:  # sent from their files, kept open (and pinned) until then
+                    if streams:  # sent from maps of their files, kept (and pinned) until then
                         reply = dataclasses.replace(reply, payloads=tuple(
                             p.payload if isinstance(p, BlobStream) else p for p in reply.payloads))
                 finally:

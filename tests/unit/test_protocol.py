@@ -77,45 +77,27 @@ def test_large_payload_crosses_partial_sends(pair):
     assert np.array_equal(got.payloads[0], big) and bytes(got.payloads[1]) == b"tail"
 
 
-def test_file_payloads_go_between_buffers_and_digesting_buffers_hash_what_arrives(pair, tmp_path):
-    """sendfile payloads keep their place among buffer payloads; a Digesting buffer is filled and
-    its hasher fed exactly the bytes received (in pieces: the payload crosses several sends)."""
+def test_digesting_buffer_hashes_exactly_what_arrives(pair):
+    """A Digesting buffer is filled and its hasher fed exactly the bytes received, in pieces (the
+    payload crosses several sends), and it comes back as given, between plain payloads."""
     from mtc.shared.hashing import blob_name, new_hasher
 
     a, b = pair
     data = np.random.default_rng(2).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
-    path = tmp_path / "blob"
-    path.write_bytes(b"skip" + data.tobytes())
-    with open(path, "rb") as f:
-        payloads = (b"head", protocol.FilePayload(f.fileno(), data.nbytes, offset=4), b"tail")
-        t = threading.Thread(target=protocol.send_reply, args=(a, Reply(9, {"ok": 1}, None, payloads)))
-        t.start()
-        hasher = new_hasher()
+    t = threading.Thread(target=protocol.send_reply, args=(a, Reply(9, {"ok": 1}, None, (b"head", data, b"tail"))))
+    t.start()
+    hasher = new_hasher()
 
-        def alloc(header, sizes):
-            assert sizes == [4, data.nbytes, 4]
-            return [bytearray(4), protocol.Digesting(protocol.aligned_buffer(sizes[1]), hasher), bytearray(4)]
+    def alloc(header, sizes):
+        assert sizes == [4, data.nbytes, 4]
+        return [bytearray(4), protocol.Digesting(protocol.aligned_buffer(sizes[1]), hasher), bytearray(4)]
 
-        got = protocol.recv_reply(b, alloc=alloc)
-        t.join()
+    got = protocol.recv_reply(b, alloc=alloc)
+    t.join()
     assert bytes(got.payloads[0]) == b"head" and bytes(got.payloads[2]) == b"tail"
     assert isinstance(got.payloads[1], protocol.Digesting)
     assert np.array_equal(got.payloads[1].buffer, data)
     assert hasher.hexdigest() == blob_name(data) != blob_name(data[:-1])
-
-
-def test_file_payload_shorter_than_declared_breaks_the_connection(pair, tmp_path):
-    """A file cut short while it is sent cannot finish its frame: an OSError (drop the connection),
-    and the receiver sees a truncated payload, never a short one passed off as whole."""
-    a, b = pair
-    path = tmp_path / "short"
-    path.write_bytes(b"x" * 100)
-    with open(path, "rb") as f:
-        with pytest.raises(OSError, match="ended after 100 of 200 bytes"):
-            protocol.send_reply(a, Reply(1, {}, None, (protocol.FilePayload(f.fileno(), 200),)))
-    a.close()
-    with pytest.raises(ProtocolError, match="closed after 100 of 200 bytes of payload 0"):
-        protocol.recv_reply(b)
 
 
 def test_clean_close_between_frames_is_none(pair):
