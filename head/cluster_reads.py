@@ -66,8 +66,8 @@ class _Read:
 class ClusterLoader:
     """Runs the restore reads of one ``ClusterDispatcher`` (its connections and thread pool)."""
 
-    # False: every box is hashed on its host instead and sent from a map (the path before streams;
-    # bench/bench_cluster.py times both in one run).
+    # False: the read path before streams (every box hashed on its host, received into buffers of
+    # 4 KiB pages); bench/bench_cluster.py times both in one run.
     stream_reads = True
 
     def __init__(self, dispatcher: "ClusterDispatcher"):
@@ -92,7 +92,8 @@ class ClusterLoader:
             for box in boxes:
                 shape = fmt.box_shape(box)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                buf = bufs[box] = restore_buffer(nbytes).view(dtype).reshape(shape)
+                raw = restore_buffer(nbytes) if self.stream_reads else protocol.aligned_buffer(nbytes)
+                buf = bufs[box] = raw.view(dtype).reshape(shape)
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
                     exact = {s.box: s.blob for s in rec.shards}
