@@ -18,8 +18,8 @@ without cluster_spec), interleaved, --repeats times, with new contents each save
 is what the local sockets cost; a raw loopback socket copy of the same bytes, measured after
 each repeat, is the physical limit for that part. Each restore is timed once replication of the
 save is done (it would otherwise share the cores with it), both ways in turn: streamed (saved
-shards sent as they are from maps of their files, hashed by the head as they arrive, into
-buffers advised for 2 MiB pages) and as before (every box hashed on its host, 4 KiB pages).
+shards sent as they are from maps of their files, hashed by the head as they arrive) and as
+before (every box hashed on its host, then sent).
 
 Times are ratios measured in one run: quote those, not absolute seconds (FACTS.md).
 """
@@ -199,8 +199,8 @@ def bytes_compare(parent: Path, gib: float, repeats: int) -> dict:
                     m.wait_for_replication()
                     modes = [("_restore", True), ("_restore_hostverify", False)] if name == "cluster" else [("_restore", True)]
                     for suffix, stream in modes:
-                        # Streamed reads (hashed by the head, into huge-page buffers) and, for comparison,
-                        # the path before them (every box hashed on its host, 4 KiB-page buffers).
+                        # Streamed reads (hashed by the head) and, for comparison, the path before them
+                        # (every box hashed on its host).
                         cm._dispatch._loader.stream_reads = stream
                         t = time.perf_counter()
                         out = jax.block_until_ready(m.restore(step, target=target))
@@ -292,7 +292,7 @@ def print_bytes(b: dict, repeats: int) -> None:
     for label, key in (("cluster save total", "cluster"), ("colocated save total", "colo"),
                        ("cluster save blocked", "cluster_blocked"), ("colocated save blocked", "colo_blocked"),
                        ("cluster restore (streamed, hashed by the head)", "cluster_restore"),
-                       ("cluster restore as before (hashed on the hosts, 4 KiB pages)", "cluster_restore_hostverify"),
+                       ("cluster restore as before (every box hashed on its host)", "cluster_restore_hostverify"),
                        ("colocated restore", "colo_restore"),
                        ("raw loopback TCP copy of the same bytes, into a fresh buffer", "loopback"),
                        ("raw loopback TCP copy, into a buffer touched before (the socket alone)",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
@@ -66,8 +65,8 @@ class _Read:
 class ClusterLoader:
     """Runs the restore reads of one ``ClusterDispatcher`` (its connections and thread pool)."""
 
-    # False: the read path before streams (every box hashed on its host, received into buffers of
-    # 4 KiB pages); bench/bench_cluster.py times both in one run.
+    # False: the read path before streams (every box hashed on its host and sent from a map);
+    # bench/bench_cluster.py times both in one run.
     stream_reads = True
 
     def __init__(self, dispatcher: "ClusterDispatcher"):
@@ -92,8 +91,7 @@ class ClusterLoader:
             for box in boxes:
                 shape = fmt.box_shape(box)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                raw = restore_buffer(nbytes) if self.stream_reads else protocol.aligned_buffer(nbytes)
-                buf = bufs[box] = raw.view(dtype).reshape(shape)
+                buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
                     exact = {s.box: s.blob for s in rec.shards}
@@ -202,29 +200,6 @@ class ClusterLoader:
             raise HostUnreachableError(msg + "; restart the host's daemon and retry the restore")
         host, kind, _ = r.tried[-1]
         raise_remote(host, kind, msg)
-
-
-_HUGE = 2 << 20
-
-
-def restore_buffer(nbytes: int) -> np.ndarray:
-    """A fresh buffer for restored bytes (it becomes a restored array, so it cannot be reused):
-    from 4 MiB on, anonymous memory the kernel may back with 2 MiB pages (``MADV_HUGEPAGE``).
-
-    Fresh pages are what a restore pays most for after the copy itself: each is faulted in and
-    zeroed. With 2 MiB pages that is 512 times fewer faults; on the development VM, where a
-    fresh 4 KiB page is also fetched from the hypervisor, touching 1 GiB took 0.10-0.17 s in huge
-    pages against 0.10-4.5 s in 4 KiB ones. The memory is freed when the last array using it goes.
-    """
-    if nbytes < 2 * _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return protocol.aligned_buffer(nbytes)
-    m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -np.frombuffer(m, np.uint8, count=1).ctypes.data % _HUGE  # the first 2 MiB boundary
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % mmap.PAGESIZE or mmap.PAGESIZE)
-    except OSError:  # transparent huge pages off ("never"): 4 KiB pages, as any buffer
-        pass
-    return np.frombuffer(m, np.uint8, count=nbytes, offset=start)
 
 
 def _streamed(h: str, result: Any, asked: list[int], errors: set[int]) -> set[int]:
