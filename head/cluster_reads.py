@@ -4,11 +4,11 @@ a read that fails moves on to its next candidate host.
 
 A read that is exactly one saved shard is asked for as a stream: the daemon sends its blob's
 file as it is (from a map of it, no hash there) and the head hashes the bytes as they arrive
-(``protocol.Digesting``, while they are in the cache), against the blob name the manifest gives.
-So the bytes are verified end to end, the socket included, and the daemon reads them once. A stream that does not
-hash to its name is read again from the same host without streaming: that host then hashes its
-copy itself, removes it if it is the copy that is bad, and answers with the error, after which
-the read moves on as for any other failure."""
+(``protocol.Digesting``, while they are in the cache), against the blob name the manifest
+gives. So the bytes are verified end to end, the socket included, and the daemon reads them
+once. A stream that does not hash to its name is read again from the same host without
+streaming: that host then hashes its copy itself, removes it if it is the copy that is bad, and
+answers with the error, after which the read moves on as for any other failure."""
 
 from __future__ import annotations
 
@@ -88,13 +88,13 @@ class ClusterLoader:
                 dev_box = {d: fmt.box_from_index(i, rec.shape) for d, i in idx.items()}
                 boxes = list(dict.fromkeys(dev_box.values()))
             bufs: dict[Box, np.ndarray] = {}
+            exact = {s.box: s.blob for s in rec.shards}  # a read of exactly a saved shard is streamed
             for box in boxes:
                 shape = fmt.box_shape(box)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
-                    exact = {s.box: s.blob for s in rec.shards}
                     for plan in box_reads(rec, box, owners, self._d.topology.host_ids, holders, self._d._host_or_none):
                         reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()], exact.get(plan.region)))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])

@@ -33,10 +33,11 @@ _MAP_MIN = 1 << 20
 class BlobStream:
     """A saved shard's blob open for sending as it is, unverified: the receiver hashes it.
 
-    ``payload`` is a read-only shared map of the blob's file, which the socket copies from once.
-    (Not ``sendfile``: on loopback the receiver then copies out of 4 KiB page-cache fragments,
-    and a 1 GiB restore over 4 daemons took 1.2-3x as long; see ``mtc.sidecar.peer.wire``.)
-    The blob is pinned (no collection recycles its file) until ``close()``."""
+    ``payload`` is a read-only shared map of the blob's file, which the socket copies from once
+    (a small blob, under ``_MAP_MIN``, is read instead: mappings are a limited resource). Not
+    ``sendfile``: on loopback the receiver then copies out of 4 KiB page-cache fragments, and a
+    1 GiB restore over 4 daemons took 1.2-3x as long (see ``mtc.sidecar.peer.wire`` too). The
+    blob is pinned (no collection recycles its file) until ``close()``."""
 
     def __init__(self, store: RamStore, blob: str, nbytes: int):
         self.blob = blob
@@ -48,13 +49,18 @@ class BlobStream:
                 size = os.fstat(fd).st_size
                 if size != nbytes:
                     raise CorruptBlobError(f"blob {blob} has {size} bytes, the manifest says {nbytes}")
-                self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if nbytes else None
+                if nbytes >= _MAP_MIN:
+                    self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                    self.payload: bytes | mmap.mmap = self._map
+                else:
+                    self._map, self.payload = None, os.pread(fd, nbytes, 0)
+                    if len(self.payload) != nbytes:
+                        raise CorruptBlobError(f"blob {blob} ended after {len(self.payload)} of {nbytes} bytes")
             finally:
                 os.close(fd)  # the map keeps the pages
         except BaseException:
             self._stack.close()
             raise
-        self.payload = self._map if self._map is not None else b""
 
     def close(self) -> None:
         if self._map is not None:
