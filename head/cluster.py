@@ -33,7 +33,7 @@ import numpy as np
 
 from mtc.head.cluster_reads import ClusterLoader
 from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
-from mtc.head.cluster_client import HostConnection, RemoteFailure, cause
+from mtc.head.cluster_client import HostConnection, RemoteFailure, call_each, cause
 from mtc.head.save import choose_keepers
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
@@ -60,6 +60,8 @@ Box = fmt.Box
 _DATA_OPS = frozenset({"write", "commit", "read"})
 # How long one ``job`` request waits on the daemon for a long operation to end (a long poll).
 _JOB_WAIT_S = 5.0
+# Requests that carry at most this much to each host are sent from one thread (``_call_each``).
+_INLINE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -82,6 +84,10 @@ class ClusterDispatcher(Dispatcher):
     (``_run_job``); ``backup_timeout_s`` and ``peer_timeout_s`` bound one such job from start
     to end: a backup may wait out a bucket outage (the sidecar retries with backoff).
     """
+
+    # False: every fan-out of _call_each runs on the pool, a thread per host (the way before it;
+    # bench/bench_cluster.py times both in one run).
+    inline_calls = True
 
     def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
                  timeout_s: float = 300.0, control_timeout_s: float = 20.0, connect_timeout_s: float = 10.0,
@@ -200,6 +206,30 @@ class ClusterDispatcher(Dispatcher):
                     raise RemoteFailure(host_id, str(status["error"]), str(status.get("message", "")))
                 return status.get("result")
 
+    def _call_each(self, op: str, hosts: Sequence[str] | None = None, args: dict | Callable[[str], dict] | None = None,
+                   payloads: Callable[[str], Sequence[Any]] | None = None, *,
+                   lane: str | None = None) -> tuple[dict[str, protocol.Reply], dict[str, BaseException]]:
+        """``_call(h, op, args, payloads)`` on every host at once: (replies, failures) by host, as
+        ``_fan_out`` gives them. ``args`` and ``payloads`` are the same for every host, or
+        functions of the host id.
+
+        Small messages go out from this one thread and the replies are read as they come
+        (``cluster_client.call_each``): one round trip for all hosts, with no thread woken per
+        host. Requests that carry more than ``_INLINE_BYTES`` to some host go on the pool's
+        threads instead, so that no host waits for another's bytes."""
+        hosts = list(self._hosts) if hosts is None else list(hosts)
+        args_of = args if callable(args) else (lambda h, a=args or {}: a)
+        lane = lane or ("backup" if op.startswith("backup_") else "peer" if op.startswith("peer_") else "control")
+        lanes = {"control": self._hosts, "backup": self._backup_lanes, "peer": self._peer_lanes}[lane]
+        threads = not self.inline_calls
+        if payloads is not None and len(hosts) > 1 and not threads:
+            threads = max(sum(protocol.byte_view(b).nbytes for b in payloads(h)) for h in hosts) > _INLINE_BYTES
+        if threads:
+            pool = {"control": self._pool, "backup": self._backup_pool, "peer": self._peer_pool}[lane]
+            return self._fan_out(lambda h: self._call(h, op, args_of(h), payloads(h) if payloads else (), lane=lane),
+                                 hosts, pool=pool)
+        return call_each([lanes[h] for h in hosts], op, args_of, payloads)
+
     def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
                  pool: ThreadPoolExecutor | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]:
         """Run ``fn(host)`` for every host in parallel: (results, failures) by host."""
@@ -224,7 +254,8 @@ class ClusterDispatcher(Dispatcher):
 
     def fingerprints(self) -> dict[str, dict]:
         """Fingerprints of the reachable hosts (each connection checks its own host's too)."""
-        results, failures = self._fan_out(lambda h: self._call(h, "fingerprint").result)
+        replies, failures = self._call_each("fingerprint")
+        results = {h: r.result for h, r in replies.items()}
         for h, e in failures.items():
             if isinstance(e, RemoteFailure):
                 e.reraise()
@@ -279,10 +310,11 @@ class ClusterDispatcher(Dispatcher):
         return _Staged(shards, box_devices, nbytes)
 
     def write(self, step: int, staged: _Staged) -> WriteResult:
-        def one(h: str) -> tuple[dict, bytes]:
+        def args(h: str) -> dict:
+            return {"step": step, "part": 0, "shards": [[a, [list(p) for p in box]] for a, box, _ in staged.shards[h]]}
+
+        def one(h: str, reply: protocol.Reply) -> tuple[dict, bytes]:
             items = staged.shards[h]
-            args = {"step": step, "part": 0, "shards": [[a, [list(p) for p in box]] for a, box, _ in items]}
-            reply = self._call(h, "write", args, [buf for _, _, buf in items])
             if len(reply.payloads) != 1:
                 raise ProtocolError(f"host {h}: write answered {len(reply.payloads)} payloads, expected 1")
             # The host's part of the manifest is forwarded, not parsed (that would cost the head
@@ -294,7 +326,13 @@ class ClusterDispatcher(Dispatcher):
                                     f"shards for {len(items)} sent)")
             return info, bytes(reply.payloads[0])
 
-        results, failures = self._fan_out(one)
+        replies, failures = self._call_each("write", None, args, lambda h: [buf for _, _, buf in staged.shards[h]])
+        results: dict[str, tuple[dict, bytes]] = {}
+        for h, reply in replies.items():
+            try:
+                results[h] = one(h, reply)
+            except Exception as e:  # a bad answer fails this host, like any other failure
+                failures[h] = e
         if failures:
             self._abort(step, failures)
             raise self._save_error(step, "phase 1 (writing shards)", failures)
@@ -312,13 +350,9 @@ class ClusterDispatcher(Dispatcher):
         args = {"step": step, "max_to_keep": self._max_to_keep, "digest": digest}  # the head's retention
         decision = {**args, "keepers": [[h, peers[h]] for h in keepers if h in peers]}
         keep = set(keepers)
-
-        def one(h: str) -> dict:
-            if h in keep:
-                return self._call(h, "commit", args, [manifest]).result
-            return self._call(h, "commit", decision).result
-
-        results, failures = self._fan_out(one)
+        replies, failures = self._call_each("commit", None, lambda h: args if h in keep else decision,
+                                            lambda h: [manifest] if h in keep else [])
+        results = {h: r.result for h, r in replies.items()}
         if failures:
             self._abort(step, failures)
             raise self._save_error(step, "phase 2 (commit)", failures)
@@ -329,20 +363,20 @@ class ClusterDispatcher(Dispatcher):
 
     def verify(self, step: int) -> dict[str, dict]:
         """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
-        results, failures = self._fan_out(lambda h: self._call(h, "verify", {"step": step}).result)
-        return {**results, **{h: {"error": cause(e)} for h, e in failures.items()}}
+        replies, failures = self._call_each("verify", args={"step": step})
+        return {**{h: r.result for h, r in replies.items()}, **{h: {"error": cause(e)} for h, e in failures.items()}}
 
     def leases(self) -> dict[str, dict | None]:
         """The reachable hosts' leases (a host that is down is asked again when it is back)."""
-        results, failures = self._fan_out(lambda h: self._call(h, "lease").result)
+        replies, failures = self._call_each("lease")
         for h, e in sorted(failures.items()):
             if not isinstance(e, HostUnreachableError):
                 raise e
-        return {h: r.get("lease") for h, r in results.items()}
+        return {h: r.result.get("lease") for h, r in replies.items()}
 
     def claim(self, generation: int, head: dict) -> None:
         """Every reachable host takes ``head``; one that is down adopts it with its first request."""
-        _, failures = self._fan_out(lambda h: self._call(h, "claim", {"generation": generation, "head": head}))
+        _, failures = self._call_each("claim", args={"generation": generation, "head": head})
         for h, e in sorted(failures.items()):
             if isinstance(e, HostUnreachableError):
                 log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
@@ -357,7 +391,7 @@ class ClusterDispatcher(Dispatcher):
         for h in failed:
             self.add_aborts(h, [step])
         others = [h for h in self._hosts if h not in failed]
-        _, failures = self._fan_out(lambda h: self._call(h, "abort", {"step": step}), others)
+        _, failures = self._call_each("abort", others, {"step": step})
         for h, e in failures.items():
             log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, cause(e))
             self.add_aborts(h, [step])
@@ -393,11 +427,14 @@ class ClusterDispatcher(Dispatcher):
         return self._inventories("peer")
 
     def _inventories(self, lane: str) -> dict[str, HostInventory]:
-        def one(h: str) -> HostInventory:
-            args = {"devices": list(self.topology.host(h).devices)}
-            return HostInventory.from_wire(h, self._call(h, "inventory", args, lane=lane).result)
-
-        results, failures = self._fan_out(one, pool=self._peer_pool if lane == "peer" else None)
+        replies, failures = self._call_each("inventory", None, lambda h: {"devices": list(self.topology.host(h).devices)},
+                                            lane=lane)
+        results: dict[str, HostInventory] = {}
+        for h, r in replies.items():
+            try:
+                results[h] = HostInventory.from_wire(h, r.result)
+            except Exception as e:  # a malformed answer: this host's failure, like any other
+                failures[h] = e
         for h, e in failures.items():
             log.warning("inventory: %s; its steps cannot be confirmed", cause(e))
             results[h] = HostInventory.unreachable(h, cause(e))

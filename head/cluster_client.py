@@ -9,10 +9,13 @@ answers into ``RemoteFailure``. ``ClusterDispatcher`` (``mtc.head.cluster``) own
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import selectors
 import socket
 import threading
-from typing import Any, Protocol, Sequence
+import time
+from typing import Any, Callable, Protocol, Sequence
 
 from mtc.head.dispatch import raise_remote
 from mtc.shared import auth, protocol, version
@@ -88,24 +91,29 @@ class HostConnection:
                 timeout = self.owner.timeout_for(op)
                 try:
                     self.sock.settimeout(timeout)
-                    reply = self._roundtrip(op, args or {}, payloads, alloc)
+                    reply = self._receive(op, self._send(op, args or {}, payloads), alloc)
                 except (OSError, ProtocolError) as e:
                     self._drop()
                     if fresh or attempt or isinstance(e, TimeoutError):
-                        raise HostUnreachableError(
-                            f"host {self.id} at {self.address}: {transport_cause(e, timeout)}") from e
+                        raise self._unreachable(e, timeout) from e
                     continue
-                if reply.error is not None:
-                    raise RemoteFailure(self.id, reply.error.type, reply.error.message)
-                return reply
+                return self._answer(reply)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc, *, stamp: bool = True) -> protocol.Reply:
+        return self._receive(op, self._send(op, args, payloads, stamp=stamp), alloc)
+
+    def _send(self, op: str, args: dict, payloads: Sequence[Any], *, stamp: bool = True) -> int:
+        """Send one request; returns its id."""
         self._next_id += 1
         rid = self._next_id
         if stamp and self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
             args = {**args, "gen": self.owner.generation}
         protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
+        return rid
+
+    def _receive(self, op: str, rid: int, alloc) -> protocol.Reply:
+        """The reply to request ``rid`` (an error answer is returned, not raised: see ``_answer``)."""
         reply = protocol.recv_reply(self.sock, alloc=alloc)
         if reply.id is None and reply.error is not None:  # the daemon could not read our frame, or refused us
             if reply.error.type in ("AuthenticationError", "HostUnreachableError"):
@@ -114,6 +122,14 @@ class HostConnection:
         if reply.id != rid:
             raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
         return reply
+
+    def _answer(self, reply: protocol.Reply) -> protocol.Reply:
+        if reply.error is not None:
+            raise RemoteFailure(self.id, reply.error.type, reply.error.message)
+        return reply
+
+    def _unreachable(self, e: BaseException, timeout: float) -> HostUnreachableError:
+        return HostUnreachableError(f"host {self.id} at {self.address}: {transport_cause(e, timeout)}")
 
     def _connect(self) -> None:
         address = self.owner.address_of(self.id)
@@ -188,6 +204,108 @@ class HostConnection:
     def close(self) -> None:
         with self.lock:
             self._drop()
+
+
+def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], dict],
+              payloads: Callable[[str], Sequence[Any]] | None = None,
+              ) -> tuple[dict[str, protocol.Reply], dict[str, BaseException]]:
+    """``conn.call(op, args(id), payloads(id))`` on every connection at once, from this thread.
+
+    Every request is sent first, then the replies are read in the order they come (a selector),
+    so that N hosts cost one round trip and N encodes and decodes, not N threads woken in turn.
+    The guarantees are those of ``call``: each connection's lock is held, a new connection is
+    authenticated, checked and sends its queued aborts first (the missing ones are made in
+    parallel, on threads of their own), every request carries the generation,
+    each wait is bounded by the op's timeout, and a connection found stale (the daemon restarted
+    since) is tried once more through ``call``. For small messages: a payload is sent whole
+    before the next host's, and replies are read into fresh buffers. Returns (replies, failures)
+    by host id; a failure is a ``HostUnreachableError`` or a ``RemoteFailure``.
+    """
+    order = sorted(conns, key=lambda c: c.id)
+    replies: dict[str, protocol.Reply] = {}
+    failures: dict[str, BaseException] = {}
+    stale: list[HostConnection] = []
+    with contextlib.ExitStack() as held, selectors.DefaultSelector() as sel:
+        for c in order:  # in one order everywhere: two of these never deadlock
+            held.enter_context(c.lock)
+        missing = [c for c in order if c.sock is None]
+        fresh = {c.id for c in missing}
+        if missing:
+            failures.update(_connect_each(missing))
+
+        def failed(c: HostConnection, e: BaseException, timeout: float) -> None:
+            c._drop()
+            if c.id in fresh or isinstance(e, TimeoutError):
+                failures[c.id] = c._unreachable(e, timeout)
+            else:
+                stale.append(c)
+
+        for c in order:
+            if c.id in failures:
+                continue
+            timeout = c.owner.timeout_for(op)
+            try:
+                c.sock.settimeout(timeout)
+                rid = c._send(op, args(c.id), payloads(c.id) if payloads is not None else ())
+            except (OSError, ProtocolError) as e:
+                failed(c, e, timeout)
+                continue
+            sel.register(c.sock, selectors.EVENT_READ, (c, rid, timeout, time.monotonic() + timeout))
+        while sel.get_map():
+            ready = sel.select(max(0.0, min(k.data[3] for k in sel.get_map().values()) - time.monotonic()))
+            if not ready:
+                now = time.monotonic()
+                for key in [k for k in sel.get_map().values() if k.data[3] <= now]:
+                    sel.unregister(key.fileobj)
+                    c, _, timeout, _ = key.data
+                    failed(c, TimeoutError(), timeout)
+                continue
+            for key, _ in ready:
+                sel.unregister(key.fileobj)
+                c, rid, timeout, _ = key.data
+                try:
+                    reply = c._receive(op, rid, None)
+                except RemoteFailure as e:
+                    c._drop()
+                    failures[c.id] = e
+                    continue
+                except (OSError, ProtocolError) as e:
+                    failed(c, e, timeout)
+                    continue
+                if reply.error is not None:
+                    failures[c.id] = RemoteFailure(c.id, reply.error.type, reply.error.message)
+                else:
+                    replies[c.id] = reply
+    for c in stale:  # the locks are released: call() takes its own, reconnects and tries once
+        try:
+            replies[c.id] = c.call(op, args(c.id), payloads(c.id) if payloads is not None else ())
+        except Exception as e:  # each host's failure is reported
+            failures[c.id] = e
+    return replies, failures
+
+
+def _connect_each(conns: Sequence[HostConnection]) -> dict[str, BaseException]:
+    """Connect each of ``conns`` (their locks held by the caller), in parallel; the failures by host.
+
+    On threads of their own, not a shared pool: the pool's threads may all be waiting for the
+    locks the caller holds."""
+    failures: dict[str, BaseException] = {}
+
+    def one(c: HostConnection) -> None:
+        try:
+            c._connect()
+        except Exception as e:  # reported per host, like any other failure of the call
+            failures[c.id] = e
+
+    if len(conns) == 1:
+        one(conns[0])
+        return failures
+    threads = [threading.Thread(target=one, args=(c,), name=f"mtc-connect-{c.id}", daemon=True) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures
 
 
 def read_errors(result: Any) -> list[tuple[int, str, str]]:

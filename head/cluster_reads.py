@@ -1,10 +1,19 @@
 """The cluster mode's restore reads: every target box planned (``restore_plan.box_reads``),
 then read from the daemons in per-host batches, in parallel, straight into the target buffers;
-a read that fails moves on to its next candidate host."""
+a read that fails moves on to its next candidate host.
+
+A read that is exactly one saved shard is asked for as a stream: the daemon sends its blob's
+file as it is (from a map of it, no hash there) and the head hashes the bytes as they arrive
+(``protocol.Digesting``, while they are in the cache), against the blob name the manifest
+gives. So the bytes are verified end to end, the socket included, and the daemon reads them
+once. A stream that does not hash to its name is read again from the same host without
+streaming: that host then hashes its copy itself, removes it if it is the copy that is bad, and
+answers with the error, after which the read moves on as for any other failure."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
@@ -16,9 +25,12 @@ from mtc.head.restore_plan import BoxRead, box_reads
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 from mtc.shared.errors import HostUnreachableError, ProtocolError
+from mtc.shared.hashing import new_hasher
 
 if TYPE_CHECKING:
     from mtc.head.cluster import ClusterDispatcher
+
+log = logging.getLogger(__name__)
 
 Box = fmt.Box
 
@@ -29,7 +41,9 @@ class _Read:
 
     plan: BoxRead
     dest: np.ndarray  # a view into the target box buffer (may be strided for a piece)
+    blob: str | None = None  # the saved shard that is exactly what is read: streamed, hashed here
     tried: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (host, error type, cause)
+    host_verifies: bool = False  # its stream failed its hash here: the host hashes it next time
 
     @property
     def key(self) -> str:
@@ -51,6 +65,10 @@ class _Read:
 class ClusterLoader:
     """Runs the restore reads of one ``ClusterDispatcher`` (its connections and thread pool)."""
 
+    # False: the read path before streams (every box hashed on its host and sent from a map);
+    # bench/bench_cluster.py times both in one run.
+    stream_reads = True
+
     def __init__(self, dispatcher: "ClusterDispatcher"):
         self._d = dispatcher
 
@@ -70,6 +88,7 @@ class ClusterLoader:
                 dev_box = {d: fmt.box_from_index(i, rec.shape) for d, i in idx.items()}
                 boxes = list(dict.fromkeys(dev_box.values()))
             bufs: dict[Box, np.ndarray] = {}
+            exact = {s.box: s.blob for s in rec.shards}  # a read of exactly a saved shard is streamed
             for box in boxes:
                 shape = fmt.box_shape(box)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -77,7 +96,7 @@ class ClusterLoader:
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
                     for plan in box_reads(rec, box, owners, self._d.topology.host_ids, holders, self._d._host_or_none):
-                        reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()]))
+                        reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()], exact.get(plan.region)))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
         self._run_reads(step, reads, manifest)
         out: list[Any] = []
@@ -112,20 +131,28 @@ class ClusterLoader:
                 else:
                     bad = results[h]
                 for r, kind, why in bad:
+                    if kind is None:  # a stream that failed its hash: ask the same host to check its copy
+                        pending.append(r)
+                        continue
                     r.tried.append((h, kind, why))
                     if len(r.tried) >= len(r.candidates):
                         self._raise_read_error(step, r)
                     pending.append(r)
 
-    def _read_batch(self, h: str, step: int, batch: list[_Read], manifest: str | None) -> list[tuple[_Read, str, str]]:
+    def _read_batch(self, h: str, step: int, batch: list[_Read],
+                    manifest: str | None) -> list[tuple[_Read, str | None, str]]:
         """Read every box of ``batch`` from host ``h`` in one request; returns the failed ones
-        as (read, error type, cause)."""
+        as (read, error type, cause); error type None: a stream that failed its hash here (the
+        read is marked for the host to verify)."""
         tmp: dict[int, np.ndarray] = {}
+        stream = [i for i, r in enumerate(batch) if r.blob is not None and not r.host_verifies and self.stream_reads]
+        hashers: dict[int, Any] = {}
 
         def alloc(header: dict, sizes: list[int]) -> list[Any]:
             if "error" in header:
                 return [protocol.aligned_buffer(n) for n in sizes]
             errors = {e[0] for e in read_errors(header.get("result"))}
+            streamed = _streamed(h, header.get("result"), stream, errors)
             if len(sizes) != len(batch):
                 raise ProtocolError(f"host {h}: read answered {len(sizes)} payloads for {len(batch)} boxes")
             out = []
@@ -135,17 +162,31 @@ class ClusterLoader:
                     raise ProtocolError(f"host {h}: read of {r.key!r} {fmt.box_str(r.box)} answered {n} bytes, "
                                         f"expected {want}")
                 if n and r.dest.flags.c_contiguous:
-                    out.append(r.dest)  # straight into the target buffer
+                    buf = r.dest  # straight into the target buffer
                 else:
-                    out.append(tmp.setdefault(i, protocol.aligned_buffer(n)))
+                    buf = tmp.setdefault(i, protocol.aligned_buffer(n))
+                if i in streamed:
+                    buf = protocol.Digesting(buf, hashers.setdefault(i, new_hasher()))
+                out.append(buf)
             return out
 
         reads = [[r.key, [list(p) for p in r.box]] for r in batch]
         args = {"step": step, "reads": reads}
         if manifest is not None:  # the digest every read is checked against on the host
             args["manifest"] = manifest
+        if stream:
+            args["stream"] = stream
         reply = self._d._call(h, "read", args, alloc=alloc)
-        failed = {i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
+        failed: dict[int, tuple[str | None, str]] = {
+            i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
+        for i, hasher in hashers.items():
+            got = hasher.hexdigest()
+            if got != batch[i].blob:
+                r = batch[i]
+                log.warning("host %s: the bytes of blob %s (%r %s) it sent hash to %s; asking it to check its copy",
+                            h, r.blob, r.key, fmt.box_str(r.box), got)
+                r.host_verifies = True
+                failed[i] = (None, f"blob {r.blob} arrived corrupt (hashes to {got})")
         for i, buf in tmp.items():
             if i not in failed and buf.nbytes:
                 batch[i].dest[...] = buf.view(batch[i].dest.dtype).reshape(batch[i].dest.shape)
@@ -160,3 +201,11 @@ class ClusterLoader:
         host, kind, _ = r.tried[-1]
         raise_remote(host, kind, msg)
 
+
+def _streamed(h: str, result: Any, asked: list[int], errors: set[int]) -> set[int]:
+    """The boxes a read answer says it sent unverified: only ones the head asked to stream."""
+    rows = result.get("streamed", []) if isinstance(result, dict) else []
+    if not isinstance(rows, list) or not all(type(i) is int for i in rows) or not set(rows) <= set(asked) - errors:
+        raise ProtocolError(f"host {h}: read answer 'streamed' {rows!r:.100} is not a list of the boxes asked to "
+                            "be streamed")
+    return set(rows)

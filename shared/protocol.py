@@ -10,7 +10,8 @@ payload that follows, back to back. Everything else about a message is JSON; bul
 (shards, assembled boxes, manifests) travels as payloads, which are sent straight from the
 caller's buffers (``sendmsg`` on memoryviews, no copy) and received straight into buffers the
 receiver allocates (``recv_into``; 64-byte aligned by default, so the head can hand them to
-JAX without a copy). Nothing is ever unpickled.
+JAX without a copy). A receive buffer can be ``Digesting``: its bytes are hashed as they
+arrive, while they are still in the cache. Nothing is ever unpickled.
 
 Limits: a header is at most ``MAX_HEADER_BYTES``; the payloads of one frame at most the
 receiver's ``max_payload``. A frame that breaks a limit, is not JSON, has the wrong magic or
@@ -41,7 +42,8 @@ from mtc.shared.version import PROTOCOL_VERSION
 
 __all__ = [
     "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "OPS", "Request", "Reply", "RemoteError",
-    "HostSpec", "ClusterSpec", "aligned_buffer", "byte_view", "send_frame", "recv_frame", "frame_head", "recv_header",
+    "HostSpec", "ClusterSpec", "Digesting", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
+    "frame_head", "recv_header",
     "encode_bitmap", "decode_bitmap", "blob_list_digest",
     "send_request", "recv_request", "send_reply", "recv_reply", "parse_address",
 ]
@@ -58,6 +60,8 @@ MAX_PAYLOADS = 1 << 20
 _HEADER_CHUNK = 64 << 10
 # Buffers per sendmsg call (Linux IOV_MAX is 1024).
 _MAX_IOV = 512
+# A Digesting payload is received this much at a time, so that its hash reads bytes still in the cache.
+_DIGEST_CHUNK = 1 << 20
 
 # Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
 OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "part", "commit", "abort", "read",
@@ -70,6 +74,15 @@ Alloc = Callable[[dict, list[int]], Sequence[Buffer]]
 
 
 # --- buffers ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Digesting:
+    """A receive buffer whose bytes go to ``hasher.update`` as they arrive (an allocator may
+    return one in place of a buffer): hashing them then reads the cache, not memory."""
+
+    buffer: Buffer
+    hasher: Any
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -128,11 +141,16 @@ def _send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
                 sent = 0
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> int:
-    """Fill ``view``; returns the bytes read (less than its size only at end of stream)."""
+def _recv_into(sock: socket.socket, view: memoryview, hasher: Any = None) -> int:
+    """Fill ``view``; returns the bytes read (less than its size only at end of stream). With
+    ``hasher``, each piece is hashed as soon as it is in."""
     got, n = 0, view.nbytes
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if hasher is None:
+            k = sock.recv_into(view[got:], n - got)
+        else:
+            k = sock.recv_into(view[got:], min(n - got, _DIGEST_CHUNK))
+            hasher.update(view[got:got + k])
         if k == 0:
             return got
         got += k
@@ -188,9 +206,10 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     """Receive one frame: (header, payload buffers), or None when the peer closed cleanly.
 
     ``alloc(header, sizes)`` returns one writable buffer of exactly each size to receive the
-    payloads into (default: fresh 64-byte aligned uint8 arrays); it may raise
-    ``ProtocolError`` to refuse sizes it does not expect. Raises ``ProtocolError`` for a
-    malformed, oversized or truncated frame (the connection is unusable afterwards).
+    payloads into (default: fresh 64-byte aligned uint8 arrays), or a ``Digesting`` around one
+    (it comes back as given, its hasher fed); it may raise ``ProtocolError`` to refuse sizes
+    it does not expect. Raises ``ProtocolError`` for a malformed, oversized or truncated frame
+    (the connection is unusable afterwards).
     """
     header = recv_header(sock, max_header=max_header, max_payload=max_payload)
     if header is None:
@@ -200,11 +219,12 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     if len(buffers) != len(sizes):
         raise ProtocolError(f"allocator gave {len(buffers)} buffers for {len(sizes)} payloads")
     for i, (buf, n) in enumerate(zip(buffers, sizes)):
-        view = byte_view(buf)
+        hasher = buf.hasher if isinstance(buf, Digesting) else None
+        view = byte_view(buf.buffer if hasher is not None else buf)
         if view.nbytes != n or view.readonly:
             raise ProtocolError(f"buffer for payload {i} is {view.nbytes} bytes"
                                 f"{' and read-only' if view.readonly else ''}, the frame declares {n}")
-        got = _recv_into(sock, view)
+        got = _recv_into(sock, view, hasher)
         if got < n:
             raise ProtocolError(f"connection closed after {got} of {n} bytes of payload {i} "
                                 "(peer killed or restarted?)")

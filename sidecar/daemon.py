@@ -25,8 +25,11 @@ Ops (``args`` -> ``result``; payloads in brackets):
   [manifest], ``backup_listing {backup_url}``, ``backup_manifest {backup_url, name}`` -> [manifest],
   ``backup_fetch {backup_url, name, blobs}``: the backup tier of ``SidecarService``. The backup
   root comes from the head's config with each request (one source of truth, as in colocated mode).
-- ``read {step, reads: [[key, box or null], ...]}`` -> ``{"errors": [[index, type, message], ...]}``
-  [the raw bytes of each assembled box; empty for a box that failed]
+- ``read {step, reads: [[key, box or null], ...], stream?: [index, ...]}`` -> ``{"errors": [[index, type,
+  message], ...], "streamed": [index, ...]}`` [the raw bytes of each assembled box; empty for a box that
+  failed]. A box listed in ``stream`` that is exactly one saved shard is sent straight from a map of
+  its blob's file without being hashed here, and listed in ``streamed``: the head hashes it as it
+  arrives. Every other box is verified here before it is sent.
 - ``peer_pull {step, pulls: [[blob, size, [holder, ...]], ...], peers: {host: address}}`` [step manifest,
   optional: commit the step here once every pull succeeded] -> what was pulled (``mtc.sidecar.replication``).
   Its own peer service (``mtc.sidecar.peer``) is what the other sidecars pull from; its address is
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -63,6 +67,7 @@ from mtc.shared import auth, protocol
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
+from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.replication import parse_peers, parse_pulls
 from mtc.sidecar.jobs import MAX_WAIT_S
 from mtc.sidecar.service import SidecarService
@@ -192,8 +197,16 @@ class SidecarDaemon(ThreadedTCPServer):
             finally:
                 for batch in batches:  # landings the write did not publish (it failed, or was refused)
                     batch.close()
-            if not self._try_send(conn, reply):
-                return
+            streams = [p for p in reply.payloads if isinstance(p, BlobStream)]
+            if streams:  # sent from maps of their files, kept (and pinned) until then
+                reply = dataclasses.replace(reply, payloads=tuple(
+                    p.payload if isinstance(p, BlobStream) else p for p in reply.payloads))
+            try:
+                if not self._try_send(conn, reply):
+                    return
+            finally:
+                for st in streams:
+                    st.close()
 
     def _receive_buffers(self, header: dict, sizes: list[int], batches: list) -> list:
         """Where a request's payloads are received: a write's shards straight into mapped temp blob
@@ -336,8 +349,12 @@ class SidecarDaemon(ThreadedTCPServer):
         manifest = args.get("manifest")
         if manifest is not None and not isinstance(manifest, str):
             raise ProtocolError("read: 'manifest' must be the step manifest's digest (a string) or null")
-        out, errors = self.service.read_boxes_each(step, boxes, manifest=manifest)
-        return {"step": step, "errors": [list(e) for e in errors]}, out
+        stream = args.get("stream", [])
+        if not isinstance(stream, list) or not all(type(i) is int and 0 <= i < len(boxes) for i in stream):
+            raise ProtocolError("read: 'stream' must list indices into 'reads' (the boxes the head hashes itself)")
+        out, errors = self.service.read_boxes_each(step, boxes, manifest=manifest, stream=stream)
+        streamed = [i for i, p in enumerate(out) if isinstance(p, BlobStream)]
+        return {"step": step, "errors": [list(e) for e in errors], "streamed": streamed}, out
 
     def _op_peer_pull(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         step = _step(args)

@@ -443,15 +443,18 @@ class SidecarService:
         the whole array as a flat uint8 buffer, for host numpy leaves)."""
         return self._reader.read_box(self.manifest(step), key, box, as_bytes=as_bytes, out=out)
 
-    def read_boxes_each(self, step: int, reads: Sequence[tuple], *,
-                        manifest: str | None = None) -> tuple[list, list[tuple[int, str, str]]]:
+    def read_boxes_each(self, step: int, reads: Sequence[tuple], *, manifest: str | None = None,
+                        stream: Sequence[int] = ()) -> tuple[list, list[tuple[int, str, str]]]:
         """Read (key, box) or (key, box, as_bytes, out) rows; on a failure, box by box, so that the
         others still count: (buffers, [(index, error type, message)]), with b"" for a failed box.
         Both transports read through this (the daemon's head tries another holder for a failed
         box; the colocated transport raises the first).
 
         ``manifest`` is the digest of the step manifest the head restores by: when this host's
-        copy differs, every box fails (this host's copy counts as missing, never as data)."""
+        copy differs, every box fails (this host's copy counts as missing, never as data).
+
+        ``stream``: rows whose receiver hashes what it gets (the daemon's head); one that is a saved
+        shard comes back as a ``BlobStream`` to send and close (``BoxReader.read_each``)."""
         rows = [tuple(r) + (False, None)[len(r) - 2:] if len(r) < 4 else tuple(r) for r in reads]
         mine = self.manifest(step)
         if manifest is not None and mine.digest != manifest:
@@ -459,7 +462,7 @@ class SidecarService:
                    f"restores by ({manifest[:12]}); not reading from it")
             log.error(why)
             return [b"" for _ in rows], [(i, "ManifestError", why) for i in range(len(rows))]
-        return self._reader.read_each(mine, rows)
+        return self._reader.read_each(mine, rows, stream)
 
     # --- long operations (mtc.sidecar.jobs) --------------------------------------------
 

@@ -72,3 +72,20 @@ def test_bench_peer_smoke():
             if line.startswith("| 2 slices") or line.startswith("| 1 slice")}
     assert rows == {"2 slices x 2 hosts, data-parallel across slices": "0.00",
                     "1 slice x 4 hosts, sharded over all": "1.00"}, out
+
+
+@pytest.mark.integration
+def test_bench_cluster_smoke():
+    """bench/bench_cluster.py end to end, tiny: both fan-out tables (each save and ping both ways) and
+    the restore rows against the raw loopback copy, with the restored state checked bit for bit."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_cluster.py"), "--hosts", "1,2", "--saves", "1",
+         "--gib", "0.02", "--repeats", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for row in ("| 2 | ", "| cluster restore / raw loopback copy |", "| cluster restore (streamed, hashed by the head) |",
+                "| cluster restore as before (every box hashed on its host) |", "serial / inline"):
+        assert row in out, f"{row!r} missing:\n{out}"

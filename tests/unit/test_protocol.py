@@ -77,6 +77,29 @@ def test_large_payload_crosses_partial_sends(pair):
     assert np.array_equal(got.payloads[0], big) and bytes(got.payloads[1]) == b"tail"
 
 
+def test_digesting_buffer_hashes_exactly_what_arrives(pair):
+    """A Digesting buffer is filled and its hasher fed exactly the bytes received, in pieces (the
+    payload crosses several sends), and it comes back as given, between plain payloads."""
+    from mtc.shared.hashing import blob_name, new_hasher
+
+    a, b = pair
+    data = np.random.default_rng(2).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
+    t = threading.Thread(target=protocol.send_reply, args=(a, Reply(9, {"ok": 1}, None, (b"head", data, b"tail"))))
+    t.start()
+    hasher = new_hasher()
+
+    def alloc(header, sizes):
+        assert sizes == [4, data.nbytes, 4]
+        return [bytearray(4), protocol.Digesting(protocol.aligned_buffer(sizes[1]), hasher), bytearray(4)]
+
+    got = protocol.recv_reply(b, alloc=alloc)
+    t.join()
+    assert bytes(got.payloads[0]) == b"head" and bytes(got.payloads[2]) == b"tail"
+    assert isinstance(got.payloads[1], protocol.Digesting)
+    assert np.array_equal(got.payloads[1].buffer, data)
+    assert hasher.hexdigest() == blob_name(data) != blob_name(data[:-1])
+
+
 def test_clean_close_between_frames_is_none(pair):
     a, b = pair
     a.close()
