@@ -15,8 +15,9 @@ FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
   back; phase 2 sends the whole manifest to the keepers only (2, on distinct slices) and the
   decision (digest, keepers) to every other host;
 - head bytes per host per save, which must stay constant in H for a fixed per-host share;
-- one keeper's CPU to parse and check the whole manifest before it commits, which is also
-  what a restore costs the head to read it (skipped past ``--budget-s``, with an estimate).
+- the CPU to read and check the whole manifest (``StepManifest.from_json``): what a restore, a
+  host that fetches it, and the head's replication and backup planning after each commit pay
+  (a keeper only hashes it before it commits); skipped past ``--budget-s``, with an estimate.
 
 Ratios in one run, not absolute times. The data itself (the shards' bytes) is not counted.
 """
@@ -130,7 +131,7 @@ def main() -> None:
     p.add_argument("--hosts", default="64,512,4096")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--budget-s", type=float, default=120.0,
-                   help="skip a keeper's whole-manifest parse whose estimate exceeds this")
+                   help="skip reading the whole manifest when its estimate exceeds this")
     a = p.parse_args()
     rows = []
     per_shard_parse = None
@@ -146,7 +147,7 @@ def main() -> None:
     print(f"## One save's control plane, simulated: {rows[0]['arrays']} arrays (--layers {a.layers}), "
           f"FSDP over hosts x {DEVICES_PER_HOST} devices, {KEEPERS} keepers\n")
     print("| hosts | shard rows | manifest | head CPU per save | head sends | head receives | head sends per host "
-          "| head receives per host | a host: its part | a keeper (or a restore): parse + check |")
+          "| head receives per host | a host: its part | reading the whole manifest (a restore) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         head = r["head_check_s"] + r["head_build_s"] + r["head_phase2_s"]

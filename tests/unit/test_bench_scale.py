@@ -1,0 +1,29 @@
+"""bench/bench_scale.py drives mtc's own format and commit code for synthetic topologies: a small
+run must show what issue 15 asks of the control plane, head bytes per host per save constant in
+the number of hosts (for a fixed per-host share). Bytes are counted, not timed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_head_bytes_per_host_do_not_grow_with_hosts():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_scale.py"), "--hosts", "8,64", "--layers", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"head bytes sent per host ([\d.]+)x, received per host ([\d.]+)x", proc.stdout)
+    assert m, proc.stdout
+    sent, received = float(m.group(1)), float(m.group(2))
+    assert 0.9 <= sent <= 1.1 and 0.9 <= received <= 1.1, proc.stdout
+    # The design before sent every host the whole manifest: that would be ~8x here.
+    before = re.search(r"head sends [\d,.]+ \w+ per save at 64 hosts, [\d,.]+ \w+ per host \((\d+)x\)", proc.stdout)
+    assert before and int(before.group(1)) >= 4, proc.stdout
