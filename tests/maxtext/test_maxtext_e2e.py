@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -96,16 +97,18 @@ def metrics(run: Path) -> dict[int, dict]:
 
 def final_state(run: Path, step: int) -> dict:
     """(array key, box) -> the raw bytes of that shard, read from the blob files of ``step``."""
-    doc = json.loads(_step_file(run, step).read_bytes())
+    from mtc.shared import format as fmt
+
+    m = fmt.StepManifest.from_json(_step_file(run, step).read_bytes())
     blobs = run / "ramdisk" / "mtc" / "blobs"
     out = {}
-    for a in doc["arrays"]:
-        if a["kind"] == "scalar":
-            out[(a["key"], "value")] = json.dumps(a["value"]).encode()
+    for a in m.arrays:
+        if a.kind == "scalar":
+            out[(a.key, "value")] = json.dumps(a.value).encode()
             continue
-        for sh in a["shards"]:
-            out[(a["key"], json.dumps(sh["box"]))] = (blobs / sh["blob"]).read_bytes()
-        out[(a["key"], "meta")] = json.dumps([a["dtype"], a["shape"], a.get("prng_impl")]).encode()
+        for sh in a.shards:
+            out[(a.key, json.dumps(sh.box))] = (blobs / sh.blob).read_bytes()
+        out[(a.key, "meta")] = json.dumps([a.dtype, list(a.shape), a.prng_impl]).encode()
     return out
 
 
@@ -189,13 +192,16 @@ def test_cluster_mode_head_killed_and_restarted(tmp_path, ramdisk, maxtext_pytho
     _finish(_launch(maxtext_python, tiny_flags(base_yml, ref, pathways=False), 4, ref / "log.txt"), ref / "log.txt")
     reference = metrics(ref)
     # The daemons run in the MaxText environment too: head and sidecars must have one fingerprint.
+    # The job token, given to the daemons and the head alike (not left to whatever an earlier test
+    # of this process put in its environment).
+    token = secrets.token_hex(16)
     cluster = subprocess.Popen([maxtext_python, "-c", CLUSTER_SCRIPT, str(run / "ramdisk")], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True, env=_env(1))
+                               stdout=subprocess.PIPE, text=True, env=dict(_env(1), MTC_PEER_TOKEN=token))
     try:
         spec = cluster.stdout.readline().strip()
         assert spec, "the local cluster did not start"
         flags = tiny_flags(base_yml, run, pathways=False)
-        env = dict(_env(4), MTC_CLUSTER_SPEC=spec)
+        env = dict(_env(4), MTC_CLUSTER_SPEC=spec, MTC_PEER_TOKEN=token)
         logs = [run / "log1.txt", run / "log2.txt"]
         proc = subprocess.Popen([maxtext_python, "-m", "mtc.head.maxtext", *flags], env=env,
                                 stdout=logs[0].open("ab"), stderr=subprocess.STDOUT)
