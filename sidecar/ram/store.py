@@ -440,6 +440,18 @@ class RamStore:
                     "sidecar committed", self.root, step)
         return True
 
+    def rewrite_step(self, step: int, data: bytes) -> bool:
+        """Rewrite the file of committed ``step`` with ``data`` (what this sidecar committed for it);
+        False when the step is no longer there (pruned or aborted meanwhile)."""
+        step = check_step(step)
+        data = bytes(data)
+        parse_step(data, step, f"rewrite of step {step}")
+        with self._lock:
+            if not self._catalog.path(step).exists():
+                return False
+            self._catalog.write_commit(step, data)
+        return True
+
     def upgrade_step(self, step: int, step_manifest: bytes, digest: str) -> bool:
         """Replace the commit record of ``step`` (``fmt.CommitRecord``) by the whole step manifest
         whose digest the record names; True if replaced. Only a record is ever replaced."""
