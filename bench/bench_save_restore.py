@@ -264,13 +264,18 @@ def raw_write(dirpath: str, bufs: list[np.ndarray], threads: int, hash_it: bool 
             xxhash.xxh3_128_hexdigest(memoryview(bufs[i].reshape(-1).view(np.uint8)))
         _write_file(paths[i], bufs[i])
 
+    return _timed(one, len(bufs), threads)
+
+
+def _timed(one, n: int, threads: int) -> float:
+    """Seconds to run ``one(i)`` for i in range(n), on ``threads`` threads (1: in this one)."""
     t0 = time.perf_counter()
     if threads <= 1:
-        for i in range(len(bufs)):
+        for i in range(n):
             one(i)
     else:
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(one, range(len(bufs))))
+            list(ex.map(one, range(n)))
     return time.perf_counter() - t0
 
 
@@ -287,14 +292,7 @@ def raw_write_recycled(paths: list[str], bufs: list[np.ndarray], threads: int) -
         finally:
             os.close(fd)
 
-    t0 = time.perf_counter()
-    if threads <= 1:
-        for i in range(len(bufs)):
-            one(i)
-    else:
-        with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(one, range(len(bufs))))
-    return time.perf_counter() - t0
+    return _timed(one, len(bufs), threads)
 
 
 def raw_read_fresh(dirpath: str, like: list[np.ndarray], threads: int) -> float:

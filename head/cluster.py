@@ -69,7 +69,6 @@ class _Staged:
     """What ``write`` sends: per host, its unique (leaf index, box, buffer) shards."""
 
     shards: dict[str, list[tuple[int, Box, np.ndarray]]]
-    box_devices: dict[tuple[int, Box], list[int]]
     nbytes: int
 
 
@@ -270,7 +269,6 @@ class ClusterDispatcher(Dispatcher):
         hosts = self.topology.host_ids
         shards: dict[str, list[tuple[int, Box, np.ndarray]]] = {h: [] for h in hosts}
         seen: dict[str, set[tuple[int, Box]]] = {h: set() for h in hosts}
-        box_devices: dict[tuple[int, Box], list[int]] = {}
         to_copy: list[tuple[np.ndarray, np.ndarray]] = []
         nbytes = 0
         for leaf in leaves:
@@ -284,7 +282,6 @@ class ClusterDispatcher(Dispatcher):
                 box = tuple((0, n) for n in leaf.shape)
                 for h in hosts:
                     shards[h].append((leaf.index, box, buf))
-                box_devices[(leaf.index, box)] = list(self.topology.device_ids)
                 nbytes += buf.nbytes
                 continue
             copies: dict[Box, np.ndarray] = {}
@@ -301,13 +298,12 @@ class ClusterDispatcher(Dispatcher):
                     to_copy.append((buf, src))
                     copies[box] = buf
                     nbytes += buf.nbytes
-                box_devices.setdefault((leaf.index, box), []).append(dev_id)
                 if (leaf.index, box) not in seen[host]:
                     seen[host].add((leaf.index, box))
                     shards[host].append((leaf.index, box, buf))
         self._staging.copy_all(to_copy)  # on several threads
         self._staging.end()
-        return _Staged(shards, box_devices, nbytes)
+        return _Staged(shards, nbytes)
 
     def write(self, step: int, staged: _Staged) -> WriteResult:
         def args(h: str) -> dict:

@@ -568,24 +568,25 @@ class CommitRecord:
         return cls(step, digest, tuple((h, a) for h, a in keepers), part.encode())
 
 
-def step_format(data: bytes) -> str | None:
-    """The format a step file's first line names, read cheaply; None if it names none."""
+def _header_str(data: bytes, key: str) -> str | None:
+    """A string field of a step file's first line (a manifest's header, or a commit record), read
+    cheaply: no digest or part is checked; None if it is not there."""
     try:
         doc = json.loads(bytes(data).partition(b"\n")[0])
     except (ValueError, UnicodeDecodeError):
         return None
-    f = doc.get("format") if isinstance(doc, dict) else None
-    return f if isinstance(f, str) else None
+    v = doc.get(key) if isinstance(doc, dict) else None
+    return v if isinstance(v, str) else None
+
+
+def step_format(data: bytes) -> str | None:
+    """The format a step file names (see ``_header_str``)."""
+    return _header_str(data, "format")
 
 
 def step_digest(data: bytes) -> str | None:
-    """The digest a step file claims (a manifest's header, or a commit record), read cheaply; None if none."""
-    try:
-        doc = json.loads(bytes(data).partition(b"\n")[0])
-    except (ValueError, UnicodeDecodeError):
-        return None
-    d = doc.get("digest") if isinstance(doc, dict) else None
-    return d if isinstance(d, str) else None
+    """The digest a step file claims (see ``_header_str``)."""
+    return _header_str(data, "digest")
 
 
 def collect_blob_names(data: bytes) -> set[str]:
