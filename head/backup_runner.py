@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from mtc.head.backup_plan import assign_uploads, backup_due
 from mtc.head.dispatch import Dispatcher
 from mtc.head.reports import BackupReport
+from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout
-from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,9 @@ class BackupRunner:
         self._last: tuple[int, float] | None = None  # (step, monotonic time) of the last started
         self.last_report: BackupReport | None = None
 
-    def maybe_start(self, manifest: fmt.StepManifest) -> None:
-        """Start the backup of committed ``manifest`` in the background if it is due."""
-        step = manifest.step
+    def maybe_start(self, committed: CommittedStep) -> None:
+        """Start the backup of a committed step in the background if it is due."""
+        step = committed.step
         if not backup_due(self._config, step, self._last, time.monotonic()):
             return
         running = self._pending
@@ -45,12 +45,13 @@ class BackupRunner:
             return
         self._last = (step, time.monotonic())
         skipped, self._skipped = self._skipped, 0
-        self._pending = self._executor.submit(self._run, manifest, skipped)
+        self._pending = self._executor.submit(self._run, committed, skipped)
 
-    def _run(self, manifest: fmt.StepManifest, skipped: int) -> BackupReport:
+    def _run(self, committed: CommittedStep, skipped: int) -> BackupReport:
         t0 = time.perf_counter()
-        step = manifest.step
+        step = committed.step
         try:
+            manifest = committed.manifest
             hosts = self._dispatch.hosts()
             up = self._dispatch.backup_upload(assign_uploads(manifest, hosts, self._dispatch.host_of_device))
             name = backup_layout.backup_name(step)

@@ -32,8 +32,7 @@ from mtc.head.replication import ReplicationStrategy, summarize
 from mtc.head.replication_loop import Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restorer import Restorer
-from mtc.head.save import build_step, flatten
-from mtc.shared import format as fmt
+from mtc.head.save import CommittedStep, build_step, flatten
 from mtc.shared import version
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, FencedError, MTCError, SaveError, cause_in_chain
@@ -221,15 +220,15 @@ class CheckpointManager:
             if self._known_steps is not None:
                 self._known_steps.add(step)
             t3 = time.perf_counter()
-            # Replication and backup plan from the whole manifest: read here, after the commit,
-            # so that its cost (it grows with shards) is not part of the save's critical path.
-            manifest = fmt.StepManifest.from_json(data, source=f"step {step} manifest")
-            self._replicator.submit(manifest)
-            self._backups.maybe_start(manifest)
+            # Replication and the backup plan from the whole manifest; it is read (its cost grows
+            # with shards) by whichever of them needs it first, in the background, not here.
+            done = CommittedStep(step, data)
+            self._replicator.submit(done)
+            self._backups.maybe_start(done)
             written = sum(h.get("written_bytes", 0) for h in committed.values())
             report = SaveReport(
-                step=step, bytes_total=manifest.nbytes, bytes_written=written,
-                blobs_total=len(manifest.blob_names()), hosts=len(committed),
+                step=step, bytes_total=sum(leaf.nbytes for leaf in leaves), bytes_written=written,
+                blobs_total=sum(h.get("blobs", 0) for h in committed.values()), hosts=len(committed),
                 waited_for_previous_s=waited, blocked_s=blocked, stage_s=stage_s,
                 phase1_s=t2 - t1, phase2_s=t3 - t2, total_s=t3 - t0,
             )

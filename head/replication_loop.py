@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from mtc.head.dispatch import Dispatcher
 from mtc.head.replication import ReplicationStrategy, step_views
 from mtc.head.reports import ReplicationReport
+from mtc.head.save import CommittedStep
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import StepNotFoundError
@@ -55,18 +56,18 @@ class Replicator:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def submit(self, manifest: fmt.StepManifest) -> None:
-        """Start replicating ``manifest``'s step in the background (the step is committed)."""
+    def submit(self, committed: CommittedStep) -> None:
+        """Start replicating a committed step in the background (its manifest is read there)."""
         try:
             if self._config.replication_factor < 2 or len(self._dispatch.hosts()) < 2:
                 return  # nothing to copy, or nowhere to copy it
-            if self._newest is None or manifest.step > self._newest:
-                self._newest = manifest.step
-            self._pending = self._executor.submit(self._replicate, manifest)
+            if self._newest is None or committed.step > self._newest:
+                self._newest = committed.step
+            self._pending = self._executor.submit(self._replicate, committed)
         except Exception as e:  # the step is committed: a save never fails because of its copies
-            log.error("replication of step %d could not start: %s", manifest.step, e)
+            log.error("replication of step %d could not start: %s", committed.step, e)
 
-    def _replicate(self, manifest: fmt.StepManifest) -> ReplicationReport:
+    def _replicate(self, committed: CommittedStep) -> ReplicationReport:
         """Bring every blob of the step to ``replication_factor`` copies; retry until done.
 
         Each attempt asks the inventories (who holds what now), plans the missing copies and
@@ -74,7 +75,15 @@ class Replicator:
         host is down and copies are still short; it gives up when a newer step is saved, the
         manager closes, or after half an hour. Never raises: training must not fail for this.
         """
-        step, t0 = manifest.step, time.perf_counter()
+        step, t0 = committed.step, time.perf_counter()
+        try:
+            manifest = committed.manifest
+        except Exception as e:  # the bytes the hosts committed do not read: nothing can be planned
+            report = ReplicationReport(step=step, complete=False, replicated=False, attempts=0,
+                                       error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+            self.last_report = report
+            log.error("replication of step %d: its manifest does not read: %s", step, e)
+            return report
         names = sorted(manifest.blob_names())
         stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0,
                  "removed_bad_copies": 0}

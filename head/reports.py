@@ -7,7 +7,12 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class SaveReport:
-    """What one save did: sizes, blob counts and the time of each phase (seconds)."""
+    """What one save did: sizes, blob counts and the time of each phase (seconds).
+
+    ``bytes_total`` is the state's size (every array once); ``bytes_written`` what the hosts
+    wrote (less than their shares when blobs were unchanged); ``blobs_total`` the blobs the
+    hosts hold for the step, each host's counted (data-parallel twins count once per host).
+    """
 
     step: int
     bytes_total: int = 0

@@ -21,6 +21,7 @@ from mtc.head.dispatch import Dispatcher, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, RestoreReport
 from mtc.head.restore_plan import RestorePlan, make_plan, plan_target
+from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
@@ -68,7 +69,7 @@ class Restorer:
     """Restores through ``dispatch``; ``replicate`` re-makes peer copies after a host was refilled."""
 
     def __init__(self, dispatch: Dispatcher, config: MTCConfig, strategy: ReplicationStrategy,
-                 replicate: Callable[[fmt.StepManifest], None]):
+                 replicate: Callable[[CommittedStep], None]):
         self._dispatch = dispatch
         self._config = config
         self._strategy = strategy
@@ -345,7 +346,7 @@ class Restorer:
             self._pull_lacking(step, manifest, plan, fallback, pulled, backups)
             if pulled.blobs["peer"] or pulled.blobs["backup"]:
                 # A host was refilled: the copies it held for its peers are gone too; make them again.
-                self._replicate(manifest)
+                self._replicate(CommittedStep.of(manifest))
         return plan
 
     def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: RestorePlan, fallback: str | None,

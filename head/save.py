@@ -8,6 +8,7 @@ sidecar.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -109,6 +110,35 @@ def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult
     return fmt.encode_step(step=step, arrays=records, tree=tree_doc, created=time.time(),
                            topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint(),
                            parts=result.parts, listed_boxes=listed)
+
+
+class CommittedStep:
+    """A committed step whose manifest is read from its bytes when first needed, once.
+
+    Phase 2 ends with the manifest's bytes; reading them grows with the step's shards, so the
+    save thread hands them over unread and the first background task that needs the manifest
+    (replication, the backup) reads it: the next save does not wait for that.
+    """
+
+    def __init__(self, step: int, data: bytes | None = None, *, manifest: fmt.StepManifest | None = None):
+        if (data is None) == (manifest is None):
+            raise ValueError("CommittedStep needs the manifest's bytes or the manifest, not both")
+        self.step = step
+        self._data = data
+        self._manifest = manifest
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, manifest: fmt.StepManifest) -> "CommittedStep":
+        return cls(manifest.step, manifest=manifest)
+
+    @property
+    def manifest(self) -> fmt.StepManifest:
+        with self._lock:
+            if self._manifest is None:
+                self._manifest = fmt.StepManifest.from_json(self._data, source=f"step {self.step} manifest")
+                self._data = None
+            return self._manifest
 
 
 def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:

@@ -4,6 +4,8 @@ keeper is gone, and compare bit for bit."""
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -56,3 +58,33 @@ def test_only_the_keepers_get_the_manifest_and_restores_read_through_records(ram
             assert m.latest_step() == 5
             assert_trees_bitwise_equal(state, m.restore())
             assert m.last_restore_report.step == 5
+
+
+def test_the_save_thread_hands_the_manifest_to_replication_and_backup_unread(ramdisk, tmp_path, monkeypatch):
+    """Reading a step manifest grows with its shards: after phase 2 the save thread hands its bytes
+    on, and the replication or the backup reads it (once), so the next save does not wait for it."""
+    readers: list[str] = []
+    real = fmt.StepManifest.from_json.__func__
+
+    def spy(cls, data, **kw):  # the real reader, noting which thread called it
+        if "manifest" in str(kw.get("source", "")):
+            readers.append(threading.current_thread().name)
+        return real(cls, data, **kw)
+
+    monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(spy))
+    with LocalCluster(ramdisk / "cluster", 2, 2, devices_per_host=2) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, prefetch_on_start=False, base_output_directory=str(tmp_path / "bk"),
+                        multi_tier_checkpointing_backup_interval_steps=1)
+        state = _state(2)
+        with CheckpointManager(cfg) as m:
+            m.save(1, state)
+            m.wait_until_finished()
+            assert m.wait_for_replication().complete
+            assert m.wait_for_backup().error is None
+            report = m.last_save_report
+            assert report.bytes_total == sum(np.asarray(x).nbytes for x in state.values())
+            assert report.blobs_total > 0 and report.hosts == 4
+            assert_trees_bitwise_equal(state, m.restore(1))
+    assert not [t for t in readers if t.startswith("mtc-save")], readers
+    assert len([t for t in readers if t.startswith(("mtc-replicate", "mtc-backup"))]) == 1, readers
