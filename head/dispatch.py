@@ -77,6 +77,9 @@ class StepHolding:
     # True when the host committed a record (not the whole manifest): then ``held`` is over the
     # sorted blobs of its own part of the step (``StepManifest.part_blobs``), ``step_blobs`` their count.
     part: bool = False
+    # The digest of this host's own share's sorted blob names ("" from an older sidecar): hosts
+    # whose shares are equal (data-parallel twins) hold copies of each other's whole share.
+    own: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +114,11 @@ class HostInventory:
             manifest = s.get("manifest", "")
             if not isinstance(manifest, str):
                 raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'manifest' is not a digest")
+            own = s.get("own", "")
+            if not isinstance(own, str):
+                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'own' is not a digest")
             steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
-                                     s["held"], manifest, s.get("part") is True))
+                                     s["held"], manifest, s.get("part") is True, own))
         damaged = doc.get("damaged", [])
         if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
             raise errors.ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")

@@ -222,7 +222,7 @@ class CheckpointManager:
             t3 = time.perf_counter()
             # Replication and the backup plan from the whole manifest; it is read (its cost grows
             # with shards) by whichever of them needs it first, in the background, not here.
-            done = CommittedStep(step, data)
+            done = CommittedStep(step, data, digest=digest, hosts=tuple(committed))
             self._replicator.submit(done)
             self._backups.maybe_start(done)
             written = sum(h.get("written_bytes", 0) for h in committed.values())

@@ -24,7 +24,7 @@ from mtc.shared import protocol
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReplicationStrategy", "StepView", "Transfer", "step_views", "summarize"]
+__all__ = ["ReplicationStrategy", "StepView", "Transfer", "covered_by_shares", "step_views", "summarize"]
 
 
 class Transfer(NamedTuple):
@@ -242,6 +242,35 @@ def step_views(inventories: Mapping[str, HostInventory],
         out[step] = StepView(step, digest, tuple(frozenset(x) for x in sets), tuple(sorted(hosts)),
                              tuple(sorted(whole.get(step, set()) & set(hosts))), manifest)
     return out
+
+
+def covered_by_shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Iterable[str],
+                      strategy: ReplicationStrategy, topology: Mapping[str, int]) -> bool:
+    """Whether every blob of ``step`` has its copies already, as the hosts' own shares say.
+
+    Needs no step manifest (its reading grows with the shards; this grows with the hosts): the
+    blobs of a step are the union of the own shares of ``hosts``, the hosts that saved it; a
+    host's share is on every host that reports the same share digest (``StepHolding.own``:
+    data-parallel twins) and holds it whole. True when each share is so on
+    ``strategy.factor`` failure domains, as in a multi-slice data-parallel job right after a
+    save. False when that is not so or cannot be told (a saving host unreachable, or reporting
+    the step under another manifest ``digest``, or from an older sidecar): then the caller plans
+    from the manifest.
+    """
+    share: dict[str, str] = {}  # host -> its share's digest
+    whole: dict[str, set[str]] = {}  # share digest -> hosts that hold it whole
+    for host, inv in inventories.items():
+        if inv.error:
+            continue
+        for s in inv.steps:
+            if s.step == step and s.manifest == manifest and s.own:
+                share[host] = s.own
+                if s.local_blobs == s.blobs:
+                    whole.setdefault(s.own, set()).add(host)
+    hosts = list(hosts)
+    if not hosts or any(h not in share for h in hosts):
+        return False
+    return all(strategy.copies(whole.get(share[h], ()), topology) >= strategy.factor for h in hosts)
 
 
 def summarize(view: StepView, strategy: ReplicationStrategy, topology: Mapping[str, int]) -> dict[str, Any]:

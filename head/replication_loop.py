@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mtc.head.dispatch import Dispatcher
-from mtc.head.replication import ReplicationStrategy, step_views
+from mtc.head.replication import ReplicationStrategy, covered_by_shares, step_views
 from mtc.head.reports import ReplicationReport
 from mtc.head.save import CommittedStep
 from mtc.shared import format as fmt
@@ -76,24 +76,35 @@ class Replicator:
         manager closes, or after half an hour. Never raises: training must not fail for this.
         """
         step, t0 = committed.step, time.perf_counter()
+        stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0,
+                 "removed_bad_copies": 0}
+        inv = None
+        if committed.hosts and committed.digest:
+            # Twins may hold every copy already (multi-slice data parallelism): the hosts' shares
+            # tell, and the manifest, whose reading grows with the shards, is not read at all.
+            try:
+                inv = self._dispatch.peer_inventories()
+            except Exception as e:
+                log.warning("replication of step %d: inventories: %s", step, e)
+            if inv is not None and covered_by_shares(inv, step, committed.digest, committed.hosts,
+                                                     self._strategy, self.topology()):
+                return self._finish(ReplicationReport(step=step, complete=True, replicated=True, attempts=1,
+                                                      seconds=time.perf_counter() - t0, **stats))
         try:
             manifest = committed.manifest
         except Exception as e:  # the bytes the hosts committed do not read: nothing can be planned
-            report = ReplicationReport(step=step, complete=False, replicated=False, attempts=0,
-                                       error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
-            self.last_report = report
             log.error("replication of step %d: its manifest does not read: %s", step, e)
-            return report
+            return self._finish(ReplicationReport(step=step, attempts=0, error=f"{type(e).__name__}: {e}",
+                                                  seconds=time.perf_counter() - t0))
         names = sorted(manifest.blob_names())
-        stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0,
-                 "removed_bad_copies": 0}
         attempts, delay, error = 0, _REPLICATION_RETRY_S[0], None
         complete = replicated = False
         deadline = time.monotonic() + _REPLICATION_PATIENCE_S
         while True:
             attempts += 1
             try:
-                complete, replicated = self._replicate_once(manifest, names, stats, first=attempts == 1)
+                complete, replicated = self._replicate_once(manifest, names, stats, first=attempts == 1,
+                                                            inv=inv if attempts == 1 else None)
                 error = None
             except StepNotFoundError as e:  # pruned or aborted meanwhile: nothing left to do
                 error = str(e)
@@ -112,9 +123,13 @@ class Replicator:
                 break
             self._closing.wait(delay)
             delay = min(delay * 2, _REPLICATION_RETRY_S[1])
-        report = ReplicationReport(step=step, complete=complete, replicated=replicated, attempts=attempts,
-                                   error=error, seconds=time.perf_counter() - t0, **stats)
+        return self._finish(ReplicationReport(step=step, complete=complete, replicated=replicated,
+                                              attempts=attempts, error=error, seconds=time.perf_counter() - t0,
+                                              **stats))
+
+    def _finish(self, report: ReplicationReport) -> ReplicationReport:
         self.last_report = report
+        step, complete, replicated, attempts = report.step, report.complete, report.replicated, report.attempts
         log.info("- replicate step %d; duration=%.3fs; moved=%d bytes in %d blobs (%d planned); complete=%s "
                  "replicated=%s attempts=%d", step, report.seconds, report.moved_bytes, report.moved_blobs,
                  report.planned_blobs, complete, replicated, attempts)
@@ -124,10 +139,11 @@ class Replicator:
         return {h: self._dispatch.slice_of(h) for h in self._dispatch.hosts()}
 
     def _replicate_once(self, manifest: fmt.StepManifest, names: list[str], stats: dict, *,
-                        first: bool) -> tuple[bool, bool]:
-        """One attempt: (nothing left to retry, every blob has its copies)."""
+                        first: bool, inv=None) -> tuple[bool, bool]:
+        """One attempt: (nothing left to retry, every blob has its copies). ``inv``: the
+        inventories, when just asked."""
         step = manifest.step
-        inv = self._dispatch.peer_inventories()
+        inv = inv if inv is not None else self._dispatch.peer_inventories()
         down = {h for h, i in inv.items() if i.error}
         view = step_views(inv, lambda s, d: manifest if (s, d) == (step, manifest.digest) else None).get(step)
         holders = view.by_name(names) if view is not None else None

@@ -120,10 +120,13 @@ class CommittedStep:
     (replication, the backup) reads it: the next save does not wait for that.
     """
 
-    def __init__(self, step: int, data: bytes | None = None, *, manifest: fmt.StepManifest | None = None):
+    def __init__(self, step: int, data: bytes | None = None, *, digest: str = "", hosts: tuple[str, ...] = (),
+                 manifest: fmt.StepManifest | None = None):
         if (data is None) == (manifest is None):
             raise ValueError("CommittedStep needs the manifest's bytes or the manifest, not both")
         self.step = step
+        self.digest = digest or (manifest.digest if manifest is not None else "")
+        self.hosts = tuple(hosts)  # the hosts that committed it (every share of it is one of theirs)
         self._data = data
         self._manifest = manifest
         self._lock = threading.Lock()

@@ -19,7 +19,7 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared.buffers import byte_view
-from mtc.shared import ramdisk, version
+from mtc.shared import protocol, ramdisk, version
 from mtc.shared.errors import ConfigError, CorruptBlobError, ManifestError, MTCError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
@@ -385,7 +385,9 @@ class SidecarService:
 
         ``blobs``/``local_blobs`` count this host's own share of the step: the shards of
         ``devices`` (the head's device ids of this host) when given, else every blob of the
-        step (one host holding every device). The held bits cover every blob of the step.
+        step (one host holding every device); ``own`` is the digest of that share's sorted blob
+        names (hosts with equal shares, data-parallel twins, have equal ones). The held bits
+        cover every blob of the step (of the own share, for a host that committed a record).
         """
         mine = set(devices) if devices is not None else None
         have = self.store.list_blobs()
@@ -406,7 +408,7 @@ class SidecarService:
                 # and all it reports (the head maps it with the manifest): no fetch for an inventory.
                 own = rec.host_manifest().blob_names()
                 out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": rec.digest,
-                            "part": True, **held_bits(own, have)})
+                            "part": True, "own": protocol.blob_list_digest(sorted(own)), **held_bits(own, have)})
                 continue
             try:
                 m = self.manifest(s)
@@ -419,7 +421,7 @@ class SidecarService:
             else:  # shards with no device record (older manifests) count for every host
                 own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
             out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": m.digest,
-                        **held_bits(m.blob_names(), have)})
+                        "own": protocol.blob_list_digest(sorted(own)), **held_bits(m.blob_names(), have)})
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
         damaged += [s for s in self.store.unreadable_steps() if s not in damaged]

@@ -1,0 +1,74 @@
+"""``covered_by_shares``: whether a step's copies exist already, told from the hosts' own shares
+alone (no step manifest), and every case where it cannot be told so (then the manifest plans)."""
+
+from __future__ import annotations
+
+from mtc.head.dispatch import HostInventory, StepHolding
+from mtc.head.replication import ReplicationStrategy, covered_by_shares
+from mtc.shared import protocol
+
+TWO_SLICES = {"s0-h0": 0, "s0-h1": 0, "s1-h0": 1, "s1-h1": 1}
+ONE_SLICE = {"h0": 0, "h1": 0}
+
+
+def share(names: list[str]) -> str:
+    return protocol.blob_list_digest(sorted(names))
+
+
+def row(step: int, names: list[str], held: int | None = None, manifest: str = "m1", own: str | None = None):
+    n = len(names)
+    held = n if held is None else held
+    return StepHolding(step, n, held, n, share(names), protocol.encode_bitmap([i < held for i in range(n)]),
+                       manifest, True, share(names) if own is None else own)
+
+
+def inventories(rows: dict[str, StepHolding | None]) -> dict[str, HostInventory]:
+    return {h: (HostInventory(h, (r,)) if r is not None else HostInventory.unreachable(h, "down"))
+            for h, r in rows.items()}
+
+
+# Data-parallel over the slices, FSDP within each: s0-hK and s1-hK hold equal shares.
+A, B = ["a1", "a2"], ["b1", "b2", "b3"]
+TWINS = {"s0-h0": A, "s0-h1": B, "s1-h0": A, "s1-h1": B}
+
+
+def test_data_parallel_twins_on_two_slices_cover_factor_two():
+    inv = inventories({h: row(7, n) for h, n in TWINS.items()})
+    assert covered_by_shares(inv, 7, "m1", TWINS, ReplicationStrategy(2), TWO_SLICES)
+    assert not covered_by_shares(inv, 7, "m1", TWINS, ReplicationStrategy(3), TWO_SLICES)  # only 2 slices
+
+
+def test_a_twin_that_lacks_a_blob_of_its_share_does_not_count():
+    inv = inventories({**{h: row(7, n) for h, n in TWINS.items()}, "s1-h1": row(7, B, held=2)})
+    assert not covered_by_shares(inv, 7, "m1", TWINS, ReplicationStrategy(2), TWO_SLICES)
+
+
+def test_twins_in_one_slice_of_two_are_one_domain():
+    shares = {"s0-h0": A, "s0-h1": A, "s1-h0": B, "s1-h1": B}
+    inv = inventories({h: row(7, n) for h, n in shares.items()})
+    assert not covered_by_shares(inv, 7, "m1", shares, ReplicationStrategy(2), TWO_SLICES)
+
+
+def test_with_one_slice_the_domains_are_hosts():
+    inv = inventories({"h0": row(3, A), "h1": row(3, A)})
+    assert covered_by_shares(inv, 3, "m1", ["h0", "h1"], ReplicationStrategy(2), ONE_SLICE)
+    inv = inventories({"h0": row(3, A), "h1": row(3, B)})  # FSDP over both hosts: distinct shares
+    assert not covered_by_shares(inv, 3, "m1", ["h0", "h1"], ReplicationStrategy(2), ONE_SLICE)
+
+
+def test_it_cannot_tell_without_every_saving_host_under_the_same_manifest():
+    strategy = ReplicationStrategy(2)
+    down = inventories({**{h: row(7, n) for h, n in TWINS.items()}, "s0-h1": None})
+    assert not covered_by_shares(down, 7, "m1", TWINS, strategy, TWO_SLICES)
+    other = inventories({**{h: row(7, n) for h, n in TWINS.items()}, "s1-h0": row(7, A, manifest="m2")})
+    assert not covered_by_shares(other, 7, "m1", TWINS, strategy, TWO_SLICES)
+    old = inventories({**{h: row(7, n) for h, n in TWINS.items()}, "s0-h0": row(7, A, own="")})
+    assert not covered_by_shares(old, 7, "m1", TWINS, strategy, TWO_SLICES)
+    wrong_step = inventories({h: row(8, n) for h, n in TWINS.items()})
+    assert not covered_by_shares(wrong_step, 7, "m1", TWINS, strategy, TWO_SLICES)
+    assert not covered_by_shares(inventories({}), 7, "m1", [], strategy, TWO_SLICES)
+
+
+def test_a_host_the_topology_does_not_know_adds_no_domain():
+    inv = inventories({"s0-h0": row(7, A), "s9-h0": row(7, A)})
+    assert not covered_by_shares(inv, 7, "m1", ["s0-h0"], ReplicationStrategy(2), {"s0-h0": 0, "s1-h0": 1})
