@@ -270,7 +270,8 @@ def covered_by_shares(inventories: Mapping[str, HostInventory], step: int, manif
     hosts = list(hosts)
     if not hosts or any(h not in share for h in hosts):
         return False
-    return all(strategy.copies(whole.get(share[h], ()), topology) >= strategy.factor for h in hosts)
+    needed = {share[h] for h in hosts}  # each distinct share once (a share is on up to every slice)
+    return all(strategy.copies(whole.get(d, ()), topology) >= strategy.factor for d in needed)
 
 
 def summarize(view: StepView, strategy: ReplicationStrategy, topology: Mapping[str, int]) -> dict[str, Any]:
