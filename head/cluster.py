@@ -34,7 +34,7 @@ import numpy as np
 from mtc.head.cluster_reads import ClusterLoader
 from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
 from mtc.head.cluster_client import HostConnection, RemoteFailure, call_each, cause
-from mtc.head.save import choose_keepers
+from mtc.head.save import plan_commit
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
@@ -339,13 +339,10 @@ class ClusterDispatcher(Dispatcher):
 
     def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
         """Phase 2: the whole manifest to the keepers only; the decision (digest, keepers) to the others."""
-        keepers = choose_keepers(list(self._hosts), self.topology.slice_of, step, self._keepers)
-        peers = dict(self.peer_addresses)
-        if any(h not in peers for h in keepers):
-            keepers = list(self._hosts)  # a keeper the others cannot reach: every host keeps it
+        keep, where = plan_commit(list(self._hosts), self.topology.slice_of, step, self._keepers,
+                                  dict(self.peer_addresses))
         args = {"step": step, "max_to_keep": self._max_to_keep, "digest": digest}  # the head's retention
-        decision = {**args, "keepers": [[h, peers[h]] for h in keepers if h in peers]}
-        keep = set(keepers)
+        decision = {**args, "keepers": where}
         replies, failures = self._call_each("commit", None, lambda h: args if h in keep else decision,
                                             lambda h: [manifest] if h in keep else [])
         results = {h: r.result for h, r in replies.items()}

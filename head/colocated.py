@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
+from mtc.head.save import plan_commit
 from mtc.head.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing
@@ -92,6 +93,7 @@ class ColocatedDispatcher(Dispatcher):
         self._ramdisk_root = str(config.ramdisk_root)
         self._zone = None  # the landing zone of the last stage, if the sidecar is in this process
         self._host_of_row: list[str] | None = None
+        self._keepers = max(2, int(config.replication_factor))  # hosts that keep each whole manifest
 
     # --- control requests ---------------------------------------------------------------
 
@@ -100,9 +102,10 @@ class ColocatedDispatcher(Dispatcher):
         rows = np.broadcast_to(data, (len(devices), len(data)))
         return jax.device_put(np.ascontiguousarray(rows), _row_sharding(devices))
 
-    def _control(self, op: str, **args: Any) -> list[tuple[str, Any]]:
-        """Run ``op`` on every host; (host, result) per device row, errors re-raised typed."""
-        devices = self._ctl_devices
+    def _control(self, op: str, *, rows: list[int] | None = None, **args: Any) -> list[tuple[str, Any]]:
+        """Run ``op`` on every host (or on the hosts of control device ``rows``); (host, result)
+        per device row, errors re-raised typed."""
+        devices = self._ctl_devices if rows is None else [self._ctl_devices[i] for i in rows]
         rid = uuid.uuid4().hex
         sharding = _row_sharding(devices)
         req = self._request_array({"id": rid, "op": op, "gen": self.generation, **args}, devices)
@@ -114,7 +117,10 @@ class ColocatedDispatcher(Dispatcher):
             out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices), width), np.uint8, sharding=sharding))
         data = np.asarray(fetch(self._request_array({"id": rid, "width": width}, devices)))
         replies = [decode_reply(data[i, : sizes[i]].tobytes()) for i in range(len(devices))]
-        hosts = self._hosts_of_rows() if op != "fingerprint" else [None] * len(devices)
+        if op == "fingerprint":
+            hosts = [None] * len(devices)
+        else:
+            hosts = self._hosts_of_rows() if rows is None else [self._hosts_of_rows()[i] for i in rows]
         out = []
         for i, (result, error) in enumerate(replies):
             host = hosts[i] or (result if isinstance(result, dict) else {}).get("host", f"row{i}")
@@ -229,9 +235,21 @@ class ColocatedDispatcher(Dispatcher):
         return WriteResult([(h, parts[h]) for h in self.hosts() if h in parts], {h: {} for h in self.hosts()})
 
     def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
-        # Every colocated host gets the same request (one replicated array), so here every host
-        # keeps the manifest; the digest makes each check it is the one decided.
-        return dict(self._control("commit", step=step, manifest=manifest.decode(), digest=digest))
+        """Phase 2: the whole manifest to the keepers (one call on their control devices), the
+        decision (digest, keepers) to the others (a second call, on theirs): each host receives
+        its own rows only, so the others never get the manifest's bytes."""
+        row_hosts = self._hosts_of_rows()
+        hosts = sorted(set(row_hosts))
+        peers = {}
+        if len(hosts) > self._keepers:  # several hosts (Pathways): their peer addresses, as they are now
+            peers = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
+        keep, where = plan_commit(hosts, self.slice_of, step, self._keepers, peers)
+        out = dict(self._control("commit", rows=[i for i, h in enumerate(row_hosts) if h in keep],
+                                 step=step, manifest=manifest.decode(), digest=digest))
+        others = [i for i, h in enumerate(row_hosts) if h not in keep]
+        if others:
+            out.update(self._control("commit", rows=others, step=step, digest=digest, keepers=where))
+        return out
 
     def abort(self, step: int) -> None:
         self._control("abort", step=step)

@@ -144,6 +144,17 @@ class CommittedStep:
             return self._manifest
 
 
+def plan_commit(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int,
+                peers: dict[str, str]) -> tuple[set[str], list[list[str]]]:
+    """Phase 2's two messages: (the hosts that get the whole manifest, the keepers named to the
+    others as [host, peer address]). When a keeper has no peer address the others could fetch
+    from, or there are no others, every host gets the whole manifest."""
+    keepers = choose_keepers(hosts, slice_of, step, count)
+    if len(set(keepers)) >= len(set(hosts)) or any(h not in peers for h in keepers):
+        return set(hosts), []
+    return set(keepers), [[h, peers[h]] for h in keepers]
+
+
 def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:
     """The hosts that keep the whole manifest of ``step``: ``count`` of them, on distinct slices
     while there are slices left, starting at a host that moves with the step so that the

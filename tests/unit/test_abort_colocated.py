@@ -77,3 +77,20 @@ def test_service_inventory_share_and_per_box_fallback(ramdisk):
         assert np.array_equal(np.frombuffer(bytes(bufs[0]), np.float32), np.arange(32, dtype=np.float32))
     finally:
         svc.close()
+
+
+def test_a_control_request_can_go_to_some_hosts_only(ramdisk):
+    """Colocated phase 2 sends the whole manifest on the keepers' control devices only and the
+    decision on the others' (a second call): requests on a subset of the control devices run on
+    exactly those rows (here, one host's rows: on CPU every control device is this process)."""
+    with CheckpointManager(MTCConfig(local_checkpoint_directory=str(ramdisk), local_checkpoint_period=1)) as m:
+        disp = m._dispatch
+        n = len(disp._ctl_devices)
+        assert n >= 2
+        some = disp._control("inventory", rows=[0, n - 1])
+        assert len(some) == 2 and all(h == disp.hosts()[0] and "steps" in r for h, r in some)
+        assert len(disp._control("inventory")) == n
+        m.save(1, _state(1))  # one host: it is the keeper, and the only call is the keepers'
+        m.wait_until_finished()
+        assert fmt.CommitRecord.parse((ramdisk / "mtc" / "steps" / f"{1:012d}.json").read_bytes()) is None
+        assert_trees_bitwise_equal(_state(1), m.restore(1))

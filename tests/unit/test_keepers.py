@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtc.head.save import choose_keepers
+from mtc.head.save import choose_keepers, plan_commit
 from mtc.shared import format as fmt
 from mtc.shared.errors import ManifestError
 from mtc.sidecar.service import SidecarService
@@ -130,3 +130,18 @@ def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services)
     assert services["h2"].peer_pull(5, [], {}, manifest)["adopted"]
     assert services["h2"].store.read_step(5) == manifest
     assert [s["step"] for s in services["h2"].inventory()["steps"]] == [5]
+
+
+def test_phase_2_sends_the_manifest_to_the_keepers_and_names_them_to_the_others():
+    slices = {"a0": 0, "a1": 0, "b0": 1, "b1": 1}
+    peers = {h: f"10.0.0.{i}:7001" for i, h in enumerate(slices)}
+    keep, where = plan_commit(list(slices), slices.__getitem__, 5, 2, peers)
+    assert len(keep) == 2 and {slices[h] for h in keep} == {0, 1}
+    assert where == [[h, peers[h]] for h in choose_keepers(list(slices), slices.__getitem__, 5, 2)]
+    # A keeper the others could not fetch from (no peer address): every host keeps the manifest.
+    missing = dict(peers)
+    del missing[where[0][0]]
+    assert plan_commit(list(slices), slices.__getitem__, 5, 2, missing) == (set(slices), [])
+    # As many keepers as hosts: nobody is left to name them to.
+    assert plan_commit(["a0", "b0"], slices.__getitem__, 5, 2, peers) == ({"a0", "b0"}, [])
+    assert plan_commit(["a0"], slices.__getitem__, 5, 2, {}) == ({"a0"}, [])
