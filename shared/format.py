@@ -225,7 +225,31 @@ class StepManifest:
 
     def to_json(self) -> bytes:
         """The document (for one read from bytes: exactly those bytes)."""
+        if self.local_part is not None:
+            raise ManifestError(f"step {self.step}: a host's local view of the manifest (the part of "
+                                f"{self.local_part} only) is never written or sent; read the whole manifest")
         return self._encoded[0]
+
+    @property
+    def local_part(self) -> str | None:
+        """The host whose part alone this holds (``local_view``), or None for a whole manifest."""
+        return self.__dict__.get("_local_part")
+
+    @classmethod
+    def local_view(cls, header: bytes, host: str, part: bytes, *, source: str = "manifest") -> "StepManifest":
+        """A host's view of an ``mtc/3`` manifest from its header line and the host's own part:
+        every array, with only the shards of that part. The header is checked against its
+        digest and the part against its hash in the header, so the view's ``digest`` is the
+        whole manifest's; coverage is not checked (the other parts are not here). Enough to read
+        the host's own shards (a restore onto the same topology) without the other parts, which
+        grow with hosts x shards; never written or sent (``to_json`` refuses)."""
+        header = bytes(header)
+        _expect(b"\n" not in header, source, "a header is one line")
+        doc = _load(header, source)
+        _expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+        m = _parse_v3(doc, b"", source, only=(host, bytes(part)))
+        m.__dict__["_local_part"] = host
+        return m
 
     @classmethod
     def from_json(cls, data: bytes | str, *, source: str = "manifest") -> "StepManifest":
@@ -354,7 +378,7 @@ def _parse_v2(doc: dict, source: str) -> StepManifest:
     return m
 
 
-def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
+def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | None = None) -> StepManifest:
     digest = doc.pop("digest", None)
     _expect(isinstance(digest, str) and digest == _digest(doc), source,
             "its header does not match its digest (changed after it was written); not using it")
@@ -369,15 +393,20 @@ def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
     docs, metas = doc.get("arrays"), doc.get("parts")
     _expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
     _expect(isinstance(metas, list), source, "'parts' is missing or not a list")
-    lines = rest.split(b"\n") if rest else []
-    _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+    if only is None:
+        lines = rest.split(b"\n") if rest else []
+        _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+        pairs = list(zip(metas, lines))
+    else:  # one host's local view: its part only (see StepManifest.local_view)
+        pairs = [(meta, only[1]) for meta in metas if isinstance(meta, dict) and meta.get("host") == only[0]]
+        _expect(len(pairs) == 1, source, f"its header lists {len(pairs)} parts of host {only[0]}, not one")
     # The header's arrays, then their shards from every part (equal boxes from several hosts are
     # replicas: one record, and they must name the same blob).
     heads = [_array_head(a, table, f"{source}: arrays[{i}]") for i, a in enumerate(docs)]
     found: list[dict[Box, tuple[str, int, str]]] = [{} for _ in heads]
     parts = []
     part_blobs: dict[str, set[str]] = {}
-    for j, (meta, line) in enumerate(zip(metas, lines)):
+    for j, (meta, line) in enumerate(pairs):
         where = f"{source}: part {j}"
         _expect(isinstance(meta, dict) and isinstance(meta.get("host"), str), where, "its header entry is malformed")
         host = meta["host"]
@@ -412,7 +441,7 @@ def _parse_v3(doc: dict, rest: bytes, source: str) -> StepManifest:
             if nbytes != want:
                 _expect(False, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
             out.append(ShardRecord(box, blob, nbytes, owners.get(box, ())))
-        _expect(_covers(list(rec.shape), shards), where, "its shards do not cover the whole array")
+        _expect(only is not None or _covers(list(rec.shape), shards), where, "its shards do not cover the whole array")
         records.append(dataclasses.replace(rec, shards=tuple(out)))
     keys = [r.key for r in records]
     _expect(len(set(keys)) == len(keys), source, "duplicate array keys")

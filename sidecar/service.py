@@ -76,6 +76,9 @@ class SidecarService:
         # step -> the bytes this sidecar committed (a manifest or a record): a step file damaged
         # under a live sidecar is rewritten from them (see inventory).
         self._committed: dict[int, bytes] = {}
+        # step -> (local view of a step committed here as a record, {array key: its own boxes}):
+        # what a restore onto the same topology reads by, without the other hosts' parts.
+        self._views: dict[int, tuple[fmt.StepManifest, dict[str, set], dict[str, tuple]]] = {}
         self._peer = None  # the peer tier's server (start_peer_service)
         self._peer_token = ""
         self._closed = False
@@ -364,7 +367,8 @@ class SidecarService:
         except (ManifestError, StepNotFoundError, OSError):
             return None
 
-    def _fetch_manifest(self, rec: fmt.CommitRecord) -> bytes:
+    def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False) -> bytes:
+        what = "the header of its manifest" if header_only else "its manifest"
         causes = []
         for host, address in rec.keepers:
             if host == self.host_id or not self._peer_token:
@@ -372,13 +376,53 @@ class SidecarService:
                 continue
             try:
                 with PeerClient(address, self._peer_token, peer=host, timeout_s=60.0) as client:
-                    data = client.manifest(rec.step, rec.digest)
-                log.info("host %s: fetched the manifest of step %d from keeper %s", self.host_id, rec.step, host)
+                    data = client.manifest(rec.step, rec.digest, header_only=header_only)
+                log.info("host %s: fetched %s (step %d) from keeper %s", self.host_id, what, rec.step, host)
                 return data
             except (MTCError, OSError) as e:
                 causes.append(f"{host}: {e}")
         raise ManifestError(f"host {self.host_id}: step {rec.step} is committed here as a record, and no keeper "
-                            f"could give its manifest ({'; '.join(causes)}); the head gives it back at restore")
+                            f"could give {what} ({'; '.join(causes)}); the head gives it back at restore")
+
+    def _view_for(self, step: int, rows: Sequence[tuple]) -> fmt.StepManifest:
+        """The manifest to read ``rows`` (key, box, ...) of ``step`` by.
+
+        Where this host keeps the whole manifest, that one. Where it committed a record and every
+        row is exactly one of its own shards (a restore onto the same topology), its local view:
+        the header fetched from a keeper (one line: arrays and shardings) with its own part, both
+        checked against the digest it committed; the other hosts' parts, which grow with hosts x
+        shards, are not fetched. Any other read (a resharded restore) fetches the whole manifest.
+        """
+        if step in self._manifests:
+            return self._manifests[step]
+        rec = self._record(step)
+        if rec is None:
+            return self.manifest(step)
+        held = self._views.get(step)
+        if held is None or held[0].digest != rec.digest:
+            try:
+                view = fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True), self.host_id, rec.part,
+                                                   source=f"{self.host_id} step {step} local view")
+            except ManifestError as e:
+                log.info("host %s: step %d: no local view (%s); reading by the whole manifest", self.host_id, step, e)
+                return self.manifest(step)
+            if view.step != step or view.digest != rec.digest:
+                return self.manifest(step)
+            boxes = {a.key: {s.box for s in a.shards} for a in view.arrays if a.shards}
+            shapes = {a.key: a.shape for a in view.arrays}
+            held = (view, boxes, shapes)
+            kept = set(self.store.committed_steps())
+            for s in [s for s in self._views if s not in kept]:
+                del self._views[s]
+            self._views[step] = held
+        view, boxes, shapes = held
+        for key, box, *_ in rows:
+            if key not in shapes:
+                return self.manifest(step)
+            want = tuple((0, n) for n in shapes[key]) if box is None else tuple(tuple(b) for b in box)
+            if want not in boxes.get(key, ()):
+                return self.manifest(step)
+        return view
 
     def inventory(self, devices: Sequence[int] | None = None) -> dict:
         """What this host holds: committed steps, and for each which of its blobs are here.
@@ -442,6 +486,7 @@ class SidecarService:
             self._partial.pop(step, None)
         self._manifests.pop(step, None)
         self._committed.pop(step, None)
+        self._views.pop(step, None)
         removed = self.store.delete_step(step)
         if removed:
             log.info("host %s: step %d aborted (its save failed on some host)", self.host_id, step)
@@ -468,7 +513,7 @@ class SidecarService:
         ``stream``: rows whose receiver hashes what it gets (the daemon's head); one that is a saved
         shard comes back as a ``BlobStream`` to send and close (``BoxReader.read_each``)."""
         rows = [tuple(r) + (False, None)[len(r) - 2:] if len(r) < 4 else tuple(r) for r in reads]
-        mine = self.manifest(step)
+        mine = self._view_for(step, rows)
         if manifest is not None and mine.digest != manifest:
             why = (f"host {self.host_id}: its manifest of step {step} ({mine.digest[:12]}) is not the one the head "
                    f"restores by ({manifest[:12]}); not reading from it")

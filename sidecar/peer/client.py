@@ -171,9 +171,10 @@ class PeerClient:
             raise HostUnreachableError(f"{self._where()}: get of blob {name} failed ({cause(e)})") from e
         return sizes[0]
 
-    def manifest(self, step: int, digest: str, *, max_bytes: int = 1 << 34) -> bytes:
-        """The whole manifest of ``step`` from a peer that keeps it, checked against ``digest``."""
-        rid = self._send("manifest", {"step": int(step), "digest": digest})
+    def manifest(self, step: int, digest: str, *, header_only: bool = False, max_bytes: int = 1 << 34) -> bytes:
+        """The whole manifest of ``step`` from a peer that keeps it, checked against ``digest``;
+        with ``header_only`` its header line (the reader checks it: ``StepManifest.local_view``)."""
+        rid = self._send("manifest", {"step": int(step), "digest": digest, **({"header_only": True} if header_only else {})})
         header = self._reply_header("manifest", rid, max_bytes)
         sizes = header["payloads"]
         if len(sizes) != 1:
@@ -192,6 +193,8 @@ class PeerClient:
             self.close()
             raise HostUnreachableError(f"{self._where()}: manifest of step {step} failed ({cause(e)})") from e
         data = bytes(buf)
+        if header_only:
+            return data
         try:
             m = fmt.StepManifest.from_json(data, source=f"step {step} manifest from {self._where()}")
         except ManifestError as e:

@@ -223,7 +223,8 @@ class PeerServer(ThreadedTCPServer):
 
 
     def _op_manifest(self, conn: socket.socket, req: Request, sizes: list[int]) -> bool:
-        # The whole step manifest, from a host that keeps it (see fmt.CommitRecord). The reader
+        # The whole step manifest (or, with header_only, its first line), from a host that keeps it
+        # (see fmt.CommitRecord). The reader
         # checks it against the digest every host committed; this side only matches the claim.
         step, digest = req.args.get("step"), req.args.get("digest")
         if type(step) is not int or step < 0 or not isinstance(digest, str):
@@ -235,6 +236,8 @@ class PeerServer(ThreadedTCPServer):
         if data is None or fmt.CommitRecord.parse(data) is not None or fmt.step_digest(data) != digest:
             return self._reply(conn, Reply(req.id, error=RemoteError(
                 "FileNotFoundError", f"host {self.host_id} does not keep the manifest {digest[:12]} of step {step}")))
+        if req.args.get("header_only") is True:  # what a host needs to read its own shards (mtc/3)
+            data = data.partition(b"\n")[0]
         conn.sendall(protocol.frame_head(Reply(req.id, {"step": step, "size": len(data)}).header(), [len(data)]))
         conn.sendall(data)
         self._count(sent_manifests=1)

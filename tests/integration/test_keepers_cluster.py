@@ -58,6 +58,10 @@ def test_only_the_keepers_get_the_manifest_and_restores_read_through_records(ram
             assert m.latest_step() == 5
             assert_trees_bitwise_equal(state, m.restore())
             assert m.last_restore_report.step == 5
+        # The record hosts read their own shards by their local view (the header from the keeper
+        # left, and their own part): none of them fetched the whole manifest.
+        for h in records:
+            assert fmt.CommitRecord.parse((cluster.store_root(h) / "steps" / f"{5:012d}.json").read_bytes()), h
 
 
 def test_the_save_thread_hands_the_manifest_to_replication_and_backup_unread(ramdisk, tmp_path, monkeypatch):

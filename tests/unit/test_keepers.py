@@ -145,3 +145,39 @@ def test_phase_2_sends_the_manifest_to_the_keepers_and_names_them_to_the_others(
     # As many keepers as hosts: nobody is left to name them to.
     assert plan_commit(["a0", "b0"], slices.__getitem__, 5, 2, peers) == ({"a0", "b0"}, [])
     assert plan_commit(["a0"], slices.__getitem__, 5, 2, {}) == ({"a0"}, [])
+
+
+def test_a_record_host_reads_its_own_shards_by_its_local_view_without_the_other_parts(services):
+    manifest, digest, data = _save(services, 6, ["h0"])
+    h1 = services["h1"]
+    # Its own shard, exactly (a restore onto the same topology): the header from the keeper and its
+    # own part suffice; the step file stays a record (the whole manifest was not fetched).
+    bufs, errors = h1.read_boxes_each(6, [("['w']", ((2, 4), (0, 4)))], manifest=digest)
+    assert not errors and np.asarray(bufs[0]).tobytes() == data[2:4].tobytes()
+    assert fmt.CommitRecord.parse(h1.store.read_step(6)) is not None
+    view = h1._view_for(6, [("['w']", ((2, 4), (0, 4)))])
+    assert view.local_part == "h1" and view.digest == digest
+    assert [s.box for a in view.arrays for s in a.shards] == [((2, 4), (0, 4))]
+    with pytest.raises(ManifestError, match="never written or sent"):
+        view.to_json()
+    # A box that is not one of its shards (a resharded restore): it reads by the whole manifest,
+    # fetched (it replaces the record); the rows of h0 and h2 are not here, which the error names.
+    bufs, errors = h1.read_boxes_each(6, [("['w']", ((0, 6), (0, 4)))], manifest=digest)
+    assert h1.store.read_step(6) == manifest
+    assert [e[:2] for e in errors] == [(0, "CorruptBlobError")] and "shard [0:2, 0:4]" in errors[0][2], errors
+
+
+def test_a_local_view_is_checked_against_the_header_and_the_part(services):
+    manifest, digest, _ = _save(services, 8, ["h0"])
+    header, _, rest = manifest.partition(b"\n")
+    parts = rest.split(b"\n")
+    view = fmt.StepManifest.local_view(header, "h2", parts[2])
+    assert view.digest == digest and view.part_blobs == {"h2": fmt.HostManifest.from_json(parts[2]).blob_names()}
+    with pytest.raises(ManifestError, match="does not match its hash"):
+        fmt.StepManifest.local_view(header, "h2", parts[1])  # another host's part under h2's name
+    with pytest.raises(ManifestError, match="lists 0 parts of host h9"):
+        fmt.StepManifest.local_view(header, "h9", parts[2])
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.StepManifest.local_view(header.replace(b'"step":8', b'"step":9'), "h2", parts[2])
+    with pytest.raises(ManifestError, match="one line"):
+        fmt.StepManifest.local_view(manifest, "h2", parts[2])
