@@ -89,7 +89,7 @@ def _op_backup_finalize(svc: SidecarService, req: dict) -> Any:
 _OPS = {
     "fingerprint": lambda svc, req: svc.fingerprint(),
     "inventory": lambda svc, req: svc.inventory(),
-    "manifest": lambda svc, req: svc.manifest_bytes(int(req["step"])).decode(),
+    "manifest": lambda svc, req: svc.manifest_bytes(int(req["step"]), here_only=req.get("here_only") is True).decode(),
     "part": lambda svc, req: svc.part_bytes(int(req["step"])).decode(),
     "commit": lambda svc, req: svc.commit(
         int(req["step"]), req["manifest"].encode() if req.get("manifest") else None, digest=req.get("digest"),

@@ -92,5 +92,18 @@ def test_a_control_request_can_go_to_some_hosts_only(ramdisk):
         assert len(disp._control("inventory")) == n
         m.save(1, _state(1))  # one host: it is the keeper, and the only call is the keepers'
         m.wait_until_finished()
-        assert fmt.CommitRecord.parse((ramdisk / "mtc" / "steps" / f"{1:012d}.json").read_bytes()) is None
+        data = (ramdisk / "mtc" / "steps" / f"{1:012d}.json").read_bytes()
+        assert fmt.CommitRecord.parse(data) is None
+        # The head asks for a manifest one host at a time (one row), so it gets one copy, not one per host.
+        asked = []
+        real = disp._control
+
+        def noting(op, **kw):
+            asked.append((op, kw.get("rows")))
+            return real(op, **kw)
+
+        disp._control = noting
+        assert disp.manifest(1).to_json() == data
+        assert asked == [("manifest", [0])]
+        disp._control = real
         assert_trees_bitwise_equal(_state(1), m.restore(1))
