@@ -82,3 +82,45 @@ def test_a_finalize_fenced_off_while_the_bucket_was_down_writes_and_prunes_nothi
     finally:
         svc.close()
         store.close()
+
+
+def test_a_guarded_store_asks_its_guard_before_every_retry(emulator_factory, monkeypatch):
+    """An operation that started before its head was fenced off, and is still retrying against an
+    unreachable bucket, stops at its next try: it does not land once the bucket is back."""
+    server = emulator_factory("fake-gcs-server", persistent=True)
+    bucket = f"mtc-{uuid.uuid4().hex[:12]}"
+    server.client().create_bucket(bucket)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+    store = open_store(f"gs://{bucket}/run/mtc")
+    fenced = threading.Event()
+
+    def guard() -> None:
+        if fenced.is_set():
+            raise FencedError("fenced off by generation 2")
+
+    guarded = store.with_guard(guard)
+    try:
+        server.stop()
+        outcome: dict = {}
+
+        def put() -> None:
+            try:
+                outcome["result"] = guarded.put_bytes("backups/x.json", b"{}", if_absent=True)
+            except Exception as e:  # noqa: BLE001 - the test judges what came out
+                outcome["error"] = e
+
+        t = threading.Thread(target=put)
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive(), outcome  # retrying: the guard passed when the put started
+        fenced.set()
+        server.start()
+        t.join(timeout=60)
+        assert not t.is_alive()
+        assert isinstance(outcome.get("error"), FencedError), outcome
+        assert not store.exists("backups/x.json")
+        with pytest.raises(FencedError):  # and refused at once from now on
+            guarded.list("backups/")
+        assert store.list("backups/") == []  # the unguarded store is unaffected
+    finally:
+        store.close()
