@@ -337,7 +337,10 @@ class CheckpointManager:
         """Restorable steps, ascending: whole across the hosts (every blob has a copy on some
         host), or in a complete backup. When ``restore.version`` names a backup, only that
         backup's step."""
-        return self._restorer.all_steps()
+        # A head that took the hosts (its first save or restore, or the start-up pull) gives a host
+        # with a damaged copy of a step manifest the copy back first, as a restore does: the latest
+        # step is then the one restore() would choose.
+        return self._restorer.all_steps(repair=self._checked_versions)
 
     def latest_step(self) -> int | None:
         """The newest restorable step (see ``all_steps``), or None."""

@@ -92,6 +92,15 @@ class Restorer:
                          backup_unreachable=(listing or {}).get("unreachable"),
                          damaged={h: i.damaged for h, i in inv.items() if i.damaged})
 
+    def _inventory_repaired(self, listing: dict) -> Inventory:
+        """The inventory, after hosts with a damaged copy of a step manifest got it back: what
+        ``all_steps`` (so ``latest_step``) and a restore's choice both read, so that the step
+        ``latest_step`` names is the one ``restore()`` would choose."""
+        inv = self.inventory(listing)
+        if inv.damaged and not inv.unreachable and self._repair_manifests(inv):
+            inv = self.inventory(listing)
+        return inv
+
     def _repair_manifests(self, inv: Inventory) -> bool:
         """Hosts whose copy of a step manifest is damaged get the version the others agree on back
         (``peer_pull`` with nothing to pull adopts it), so that their blobs count again. Only steps
@@ -136,11 +145,14 @@ class Restorer:
             self._store_down = False
             return listing
 
-    def all_steps(self) -> list[int]:
+    def all_steps(self, repair: bool = True) -> list[int]:
+        """Restorable steps, ascending; with ``repair`` (a head that took the hosts: the repair
+        changes them), hosts with a damaged copy of a step manifest get it back first, as for a
+        restore's choice, so that the newest step listed is the one ``restore()`` would choose."""
         listing = self.backup_listing()
         if listing["restore_version"]:
             return [self.pinned_backup(listing)[1]]
-        inv = self.inventory(listing)
+        inv = self._inventory_repaired(listing) if repair else self.inventory(listing)
         steps = set(inv.restorable) | {b["step"] for b in listing["backups"]}
         whole = self._completed_by_backups(inv, listing, newer_than=max(steps, default=-1), only=None)
         return sorted(steps | ({whole} if whole is not None else set()))
@@ -165,9 +177,7 @@ class Restorer:
                 raise StepNotFoundError(f"restore.version pins backup {backup_name} (step {pinned}); "
                                         f"step {step} was asked for; clear restore.version to restore it")
             return pinned, backup_name, None, Inventory(views={}, unreachable={})  # the hosts are not asked
-        inv = self.inventory(listing)
-        if inv.damaged and not inv.unreachable and self._repair_manifests(inv):
-            inv = self.inventory(listing)
+        inv = self._inventory_repaired(listing)
         cluster = inv.restorable
         in_backup: dict[int, str] = {}
         for b in listing["backups"]:  # newest first: keep the newest backup of each step

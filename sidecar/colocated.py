@@ -81,7 +81,7 @@ def _op_peer_pull(svc: SidecarService, req: dict) -> Any:
 def _op_backup_finalize(svc: SidecarService, req: dict) -> Any:
     if req["host"] != svc.host_id:
         return None
-    return svc.backup_finalize(req["name"], req["manifest"].encode(), int(req["max_to_keep"]))
+    return svc.backup_finalize(req["name"], req["manifest"].encode(), int(req["max_to_keep"]), req.get("gen"))
 
 
 # Each control operation: decode the request, call one service method (long ones as a job the

@@ -392,7 +392,7 @@ class SidecarDaemon(ThreadedTCPServer):
         name, keep = args.get("name"), args.get("max_to_keep")
         if not isinstance(name, str) or type(keep) is not int or keep < 1 or len(payloads) != 1:
             raise ProtocolError("backup_finalize needs 'name', 'max_to_keep' >= 1 and the manifest payload")
-        return svc.backup_finalize(name, bytes(payloads[0]), keep), []
+        return svc.backup_finalize(name, bytes(payloads[0]), keep, args.get("gen")), []
 
     def _op_backup_listing(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         deadline = args.get("deadline_s")

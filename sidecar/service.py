@@ -548,8 +548,14 @@ class SidecarService:
         """Upload the blobs the head assigned to this host (those the store lacks)."""
         return self._backup_tier().upload(list(assignments.get(self.host_id, [])))
 
-    def backup_finalize(self, name: str, manifest_json: bytes, max_to_keep: int) -> dict:
-        return self._backup_tier().finalize(name, manifest_json, max_to_keep)
+    def backup_finalize(self, name: str, manifest_json: bytes, max_to_keep: int,
+                        generation: int | None = None) -> dict:
+        """Make backup ``name`` visible, then apply retention; ``generation`` is the asking head's
+        (``admit`` checked it once): checked again before every bucket operation, so that a head
+        fenced off meanwhile neither makes a backup visible nor prunes beside the next head."""
+        what = f"backup_finalize of {name} on host {self.host_id}"
+        return self._backup_tier().finalize(name, manifest_json, max_to_keep,
+                                            guard=lambda: self.lease.check(generation, what))
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
         return self._backup_tier().listing(deadline_s)

@@ -176,6 +176,7 @@ class GCSStore(ObjectStore):
         # Resumable session URLs authenticate by themselves: a plain session suffices.
         self._http = requests.Session()
         self._closed = threading.Event()
+        self._guard: Callable[[], None] | None = None  # see with_guard
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -186,6 +187,12 @@ class GCSStore(ObjectStore):
         other = copy.copy(self)  # the same client and settings; only the patience differs
         other.deadline = float(seconds)
         return other
+
+    def with_guard(self, guard: Callable[[], None]) -> "GCSStore":
+        other = copy.copy(self)  # the same client and settings; every try asks the guard first
+        other._guard = guard
+        return other
+
     def _full(self, name: str) -> str:
         return self.prefix + validate_name(name)
 
@@ -197,6 +204,14 @@ class GCSStore(ObjectStore):
             nonlocal tries
             tries += 1
             return is_transient(exc)
+
+        guard = self._guard
+        if guard is not None:  # before every try: an operation may wait out a long outage
+            unguarded = fn
+
+            def fn() -> T:
+                guard()
+                return unguarded()
 
         start = time.monotonic()
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import re
-from typing import Any
+from typing import Any, Callable
 
 from mtc.shared.errors import ConfigError, MTCError
 
@@ -105,6 +105,12 @@ class ObjectStore(abc.ABC):
         """
         return self
 
+    def with_guard(self, guard: Callable[[], None]) -> "ObjectStore":
+        """This store with ``guard()`` called before every operation, and before every retry of
+        one (a store that retries): ``guard`` raises to stop the caller, e.g. a backup finalize
+        whose head was fenced off while the bucket was unreachable (``BackupTier.finalize``)."""
+        return _GuardedStore(self, guard)
+
     @abc.abstractmethod
     def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
         """Upload the local file `path` as `name`, streaming. The object appears whole or
@@ -151,6 +157,52 @@ class ObjectStore(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+class _GuardedStore(ObjectStore):
+    """``store`` with ``guard()`` called before each operation (``ObjectStore.with_guard``)."""
+
+    def __init__(self, store: ObjectStore, guard: Callable[[], None]):
+        self._store, self._guard = store, guard
+        self.url = store.url
+
+    def with_deadline(self, seconds: float) -> ObjectStore:
+        return _GuardedStore(self._store.with_deadline(seconds), self._guard)
+
+    def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
+        self._guard()
+        return self._store.put_file(name, path, if_absent=if_absent)
+
+    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> bool:
+        self._guard()
+        return self._store.put_bytes(name, data, if_absent=if_absent)
+
+    def get_to_file(self, name: str, path: str) -> int:
+        self._guard()
+        return self._store.get_to_file(name, path)
+
+    def get_bytes(self, name: str) -> bytes:
+        self._guard()
+        return self._store.get_bytes(name)
+
+    def exists(self, name: str) -> bool:
+        self._guard()
+        return self._store.exists(name)
+
+    def size(self, name: str) -> int | None:
+        self._guard()
+        return self._store.size(name)
+
+    def list(self, prefix: str = "") -> list[str]:
+        self._guard()
+        return self._store.list(prefix)
+
+    def delete(self, name: str) -> None:
+        self._guard()
+        self._store.delete(name)
+
+    def close(self) -> None:
+        pass  # the store it guards is not its own
 
 
 def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S) -> ObjectStore:

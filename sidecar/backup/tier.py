@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
@@ -67,34 +68,43 @@ class BackupTier:
                  out["uploaded_bytes"], out["seconds"])
         return out
 
-    def finalize(self, name: str, manifest_json: bytes, max_to_keep: int) -> dict:
-        """Make backup ``name`` visible (its manifest, create-only), then apply retention."""
+    def finalize(self, name: str, manifest_json: bytes, max_to_keep: int,
+                 guard: Callable[[], None] | None = None) -> dict:
+        """Make backup ``name`` visible (its manifest, create-only), then apply retention.
+
+        ``guard`` (the sidecar's lease check for the head that asked) runs before every store
+        operation and every retry of one, and raises once that head was fenced off: a finalize
+        can outlive its head (killed while the bucket was unreachable, this call retrying), and
+        left to go on it would write and prune beside the next head's backups, whose manifests
+        its retention never listed (it would delete their blobs)."""
         manifest = fmt.StepManifest.from_json(manifest_json, source=f"backup {name} manifest")
         if layout.parse_backup_name(name) != manifest.step:
             raise ManifestError(f"backup name {name} does not match the manifest's step {manifest.step}")
-        present = {o[len(layout.BLOBS):] for o in self._store.list(layout.BLOBS)}
+        store = self._store if guard is None else self._store.with_guard(guard)
+        present = {o[len(layout.BLOBS):] for o in store.list(layout.BLOBS)}
         missing = sorted(manifest.blob_names() - present)
         if missing:
             raise CorruptBlobError(f"backup {name}: {len(missing)} blob(s) missing from {self.url} "
                                    f"({missing[0]}, ...); the backup is not made visible")
-        created = self._store.put_bytes(layout.manifest_object(name), manifest_json, if_absent=True)
-        deleted = self._retain(max_to_keep)
+        created = store.put_bytes(layout.manifest_object(name), manifest_json, if_absent=True)
+        deleted = self._retain(store, max_to_keep)
         return {"name": name, "created": created, "deleted_backups": deleted}
 
-    def _retain(self, max_to_keep: int) -> list[str]:
-        names = self.list_names()
+    def _retain(self, store: ObjectStore, max_to_keep: int) -> list[str]:
+        names = layout.names_from_listing(store.list(layout.BACKUPS))
         old = names[max_to_keep:]
         if not old:
             return []
         # Manifests first: a backup stops existing before any of its blobs can go.
         for n in old:
-            self._store.delete(layout.manifest_object(n))
+            store.delete(layout.manifest_object(n))
         live: set[str] = set()
         for n in names[:max_to_keep]:
-            live |= fmt.StepManifest.from_json(self.manifest(n), source=f"backup {n}").blob_names()
-        for obj in self._store.list(layout.BLOBS):
+            live |= fmt.StepManifest.from_json(store.get_bytes(layout.manifest_object(n)),
+                                               source=f"backup {n}").blob_names()
+        for obj in store.list(layout.BLOBS):
             if obj[len(layout.BLOBS):] not in live:
-                self._store.delete(obj)
+                store.delete(obj)
         return old
 
     # --- restore side --------------------------------------------------------------------

@@ -64,3 +64,35 @@ def test_a_step_file_made_unreadable_under_a_live_daemon_is_rewritten_and_its_bl
             assert_trees_bitwise_equal(state, m.restore(1), check_sharding=True)
         assert path.read_bytes() == good
         assert "was damaged; rewrote it" in cluster.log_path("s0-h1").read_text()
+
+
+def test_latest_step_counts_a_step_whose_damaged_copy_the_head_gives_back(ramdisk):
+    """Found by the soak (flip_manifest on a keeper before replication caught up, under load): the only
+    host with some shards of the newest step had a damaged step file. ``restore()`` gives the host its
+    manifest back before it chooses, but ``latest_step()`` (what a training script asks first) did not,
+    so it named the step before, and that was restored. Here the host's daemon was restarted after the
+    commit, so it cannot rewrite the file from what it committed: only the head can."""
+    rng = np.random.default_rng(2)
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    states = [{"w": jax.device_put(random_array(rng, (64, 256), np.float32), sh)} for _ in range(2)]
+    with LocalCluster(ramdisk / "cluster", 1, 2, devices_per_host=4) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, replication_factor=1,  # s0-h1's shards live on s0-h1 only
+                        prefetch_on_start=False)
+        with CheckpointManager(cfg) as m:
+            for step, state in enumerate(states, 1):
+                m.save(step, state)
+                m.wait_until_finished()
+            path = cluster.store_root("s0-h1") / "steps" / f"{2:012d}.json"
+            good = path.read_bytes()
+            # Still JSON, but a shard row of a part is one byte longer than its box: its hash fails.
+            damaged = re.sub(rb'",(\d+)\]', lambda mo: b'",' + str(int(mo.group(1)) + 1).encode() + b"]", good,
+                             count=1)
+            assert damaged != good
+            cluster.kill("s0-h1")
+            path.write_bytes(damaged)
+            cluster.restart("s0-h1")
+            assert m.all_steps() == [1, 2]
+            assert m.latest_step() == 2
+            assert_trees_bitwise_equal(states[1], m.restore(m.latest_step()), check_sharding=True)
+        assert path.read_bytes() == good
