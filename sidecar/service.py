@@ -46,6 +46,9 @@ def _log_ramdisk_advice(store: RamStore) -> None:
         (log.info if m.is_tmpfs else log.warning)("%s", text)
 
 
+# A save part with at most this many bytes is hashed and written on the request's thread.
+_INLINE_BYTES = 1 << 20
+
 # Requests that change a host: only the head holding the lease may send them (fencing).
 MUTATING_OPS = frozenset({"write", "commit", "abort", "peer_pull", "backup_upload", "backup_finalize",
                           "backup_fetch"})
@@ -180,8 +183,8 @@ class SidecarService:
             wait(futures)
             written = sum(len(buf) for (buf, _), f in zip(todo.values(), futures) if f.result())
             manifest = self._record_part(step, entries, written, t0)
-        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
-                 time.perf_counter() - t0)
+        log.debug("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
+                  time.perf_counter() - t0)
         return manifest
 
     def _put(self, buf: memoryview, land, name: str) -> bool:
@@ -214,19 +217,28 @@ class SidecarService:
                     return name, 0  # an equal shard's landing is removed when its batch closes
                 return name, len(buf) if self._put(buf, land, name) else 0
 
-            futures = []
-            for i, (key, buf) in enumerate(unique.items()):
-                if i == 1:
-                    crash_point("between_blobs")
-                futures.append(self._io.submit(one, buf, landed[key]))
-            wait(futures)
-            results = [f.result() for f in futures]  # the first error, once all writes stopped
+            if len(unique) == 1 or sum(len(b) for b in unique.values()) <= _INLINE_BYTES:
+                # Small: hashed and written on this thread. A hand-off to the I/O threads would
+                # cost more (wake-ups, futexes) than it overlaps.
+                results = []
+                for i, (key, buf) in enumerate(unique.items()):
+                    if i == 1:
+                        crash_point("between_blobs")
+                    results.append(one(buf, landed[key]))
+            else:
+                futures = []
+                for i, (key, buf) in enumerate(unique.items()):
+                    if i == 1:
+                        crash_point("between_blobs")
+                    futures.append(self._io.submit(one, buf, landed[key]))
+                wait(futures)
+                results = [f.result() for f in futures]  # the first error, once all writes stopped
             entries = [fmt.HostShard(a, box, name, len(buf))
                        for ((a, box), buf), (name, _) in zip(unique.items(), results)]
             written = sum(n for _, n in results)
             manifest = self._record_part(step, entries, written, t0)
-        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(claimed), written,
-                 time.perf_counter() - t0)
+        log.debug("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(claimed), written,
+                  time.perf_counter() - t0)
         return manifest
 
     def _record_part(self, step: int, entries: list[fmt.HostShard], written: int, t0: float) -> fmt.HostManifest:
@@ -299,11 +311,11 @@ class SidecarService:
             raise CorruptBlobError(f"host {self.host_id}: step {step} is missing {len(missing)} of its "
                                    f"blobs ({missing[0]}, ...); not committing")
         crash_point("before_commit")
-        self.store.commit(step, data)
+        kept = set(self.store.commit(step, data))
         self._committed[step] = data
-        kept = set(self.store.committed_steps())
         for s in [s for s in self._committed if s not in kept]:  # pruned by this commit
             del self._committed[s]
+            self._manifests.pop(s, None)
         if manifest is not None:
             self._manifests[step] = manifest
         crash_point("after_commit")
@@ -422,7 +434,7 @@ class SidecarService:
                         **held_bits(m.blob_names(), have)})
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
-        damaged += [s for s in self.store.unreadable_steps() if s not in damaged]
+        damaged += [s for s in self.store.unreadable_steps(listed=True) if s not in damaged]
         return {"host": self.host_id, "steps": out, "damaged": sorted(damaged)}
 
     def verify(self, step: int) -> dict:

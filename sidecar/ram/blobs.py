@@ -80,7 +80,7 @@ class BlobFiles:
 
     def names(self) -> set[str]:
         """Names of all committed blobs (temp files excluded)."""
-        return {p.name for p in self.directory.iterdir() if valid_name(p.name)}
+        return {n for n in os.listdir(self.directory) if valid_name(n)}
 
     def missing_bytes(self, blobs: dict[str, int]) -> int:
         return sum(self.round(n) for name, n in blobs.items() if not self.has(name))
