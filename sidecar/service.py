@@ -79,6 +79,10 @@ class SidecarService:
         # step -> the bytes this sidecar committed (a manifest or a record): a step file damaged
         # under a live sidecar is rewritten from them (see inventory).
         self._committed: dict[int, bytes] = {}
+        # step -> (step file bytes, its commit record or None, the record part's blob names): parsed once.
+        self._records: dict[int, tuple[bytes, fmt.CommitRecord | None, frozenset | None]] = {}
+        # step -> (pending host manifest bytes, that manifest) as this sidecar wrote it in phase 1.
+        self._parts: dict[int, tuple[bytes, fmt.HostManifest]] = {}
         self._peer = None  # the peer tier's server (start_peer_service)
         self._peer_token = ""
         self._closed = False
@@ -248,7 +252,10 @@ class SidecarService:
             self._partial[step] = (done, done_bytes + written, done_s + time.perf_counter() - t0)
             manifest = fmt.HostManifest(step, self.host_id, tuple(done), done_bytes + written,
                                         done_s + time.perf_counter() - t0)
-            self.store.write_pending(step, manifest.to_json())
+            data = manifest.to_json()
+            self._parts.pop(step, None)
+            self.store.write_pending(step, data)
+            self._parts[step] = (data, manifest)
         return manifest
 
     def part_bytes(self, step: int) -> bytes:
@@ -305,7 +312,11 @@ class SidecarService:
             data = fmt.CommitRecord(step, digest, tuple((str(h), str(a)) for h, a in keepers), pending).to_json()
         else:
             raise ManifestError(f"commit of step {step} needs the step manifest, or its digest and its keepers")
-        host = fmt.HostManifest.from_json(pending, source=f"host {self.host_id} step {step} pending manifest")
+        written = self._parts.get(step)
+        for s in [s for s in self._parts if s <= step]:  # committed now, or abandoned before it
+            self._parts.pop(s, None)
+        host = written[1] if written is not None and written[0] == pending else fmt.HostManifest.from_json(
+            pending, source=f"host {self.host_id} step {step} pending manifest")
         missing = sorted({s.blob for s in host.shards if not self.store.has_blob(s.blob)})
         if missing:
             raise CorruptBlobError(f"host {self.host_id}: step {step} is missing {len(missing)} of its "
@@ -371,10 +382,25 @@ class SidecarService:
 
     def _record(self, step: int) -> fmt.CommitRecord | None:
         """The commit record of ``step`` here, if that is what this host committed (else None)."""
+        return self._read_record(step)[0]
+
+    def _read_record(self, step: int) -> tuple[fmt.CommitRecord | None, frozenset | None]:
+        """(the commit record of ``step`` here or None, the blob names of its part). The file is
+        read each time (a damaged one must show); bytes read as before are not parsed again."""
         try:
-            return fmt.CommitRecord.parse(self.store.read_step(step), source=f"{self.host_id} step {step} record")
+            data = self.store.read_step(step)
         except (ManifestError, StepNotFoundError, OSError):
-            return None
+            return None, None
+        hit = self._records.get(step)
+        if hit is not None and hit[0] == data:
+            return hit[1], hit[2]
+        try:
+            rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} record")
+            own = None if rec is None else frozenset(rec.host_manifest().blob_names())
+        except (ManifestError, OSError):
+            return None, None
+        self._records[step] = (data, rec, own)
+        return rec, own
 
     def _fetch_manifest(self, rec: fmt.CommitRecord) -> bytes:
         causes = []
@@ -411,12 +437,13 @@ class SidecarService:
                     committed = self.store.committed_steps()
         for s in set(self._committed) - set(committed):  # pruned or aborted (or not repairable)
             self._committed.pop(s, None)
+        for s in set(self._records) - set(committed):
+            self._records.pop(s, None)
         for s in committed:
-            rec = None if s in self._manifests else self._record(s)
+            rec, own = (None, None) if s in self._manifests else self._read_record(s)
             if rec is not None:
                 # Committed here as a record: this host's own part is all it holds of the step,
                 # and all it reports (the head maps it with the manifest): no fetch for an inventory.
-                own = rec.host_manifest().blob_names()
                 out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": rec.digest,
                             "part": True, **held_bits(own, have)})
                 continue
@@ -452,6 +479,8 @@ class SidecarService:
             self._partial.pop(step, None)
         self._manifests.pop(step, None)
         self._committed.pop(step, None)
+        self._records.pop(step, None)
+        self._parts.pop(step, None)
         removed = self.store.delete_step(step)
         if removed:
             log.info("host %s: step %d aborted (its save failed on some host)", self.host_id, step)

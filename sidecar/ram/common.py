@@ -56,7 +56,12 @@ _temp_counter = itertools.count()
 
 def temp_name(directory: Path, tag: str = "") -> Path:
     """A fresh temp file name in ``directory`` (never looks like committed data)."""
-    return directory / f"{TMP_PREFIX}{tag}{_TEMP_PREFIX}{next(_temp_counter) & 0xFFFFFFFF:08x}"
+    return Path(temp_path(str(directory), tag))
+
+
+def temp_path(directory: str, tag: str = "") -> str:
+    """``temp_name`` as a string (no Path to build: for the per-save writes)."""
+    return f"{directory}/{TMP_PREFIX}{tag}{_TEMP_PREFIX}{next(_temp_counter) & 0xFFFFFFFF:08x}"
 
 
 def file_key(st: os.stat_result) -> tuple:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from mtc.shared.errors import InsufficientSpaceError, ManifestError, StepNotFoundError
-from mtc.sidecar.ram.common import TMP_PREFIX, check_step, file_key, read_fd, read_file, temp_name
+from mtc.sidecar.ram.common import TMP_PREFIX, check_step, file_key, read_fd, read_file, temp_path
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ def parse_step(data: bytes, step: int, where: str) -> None:
 _file_key = file_key
 
 
-def _remove_pending_dir(d: Path) -> None:
+def _remove_pending_dir(d: str | Path) -> None:
     """Remove a pending step directory: its host manifest, then the directory (rmtree if it holds more)."""
     try:
-        os.unlink(d / HOST_JSON)
+        os.unlink(os.path.join(d, HOST_JSON))
     except FileNotFoundError:
         pass
     except OSError:
@@ -74,11 +74,16 @@ class StepCatalog:
         self.root = root
         self.pending_root = root / "pending"
         self.steps_root = root / "steps"
+        # The same as strings: the per-save paths are joined as strings (no Path objects to build).
+        self._pending_s = str(self.pending_root)
+        self._steps_s = str(self.steps_root)
         self._blobs_of = blobs_of
         self._no_space = no_space
         self._warned: set[str] = set()
         self._step_ok: dict[str, tuple[tuple, str | None]] = {}
-        self._blobs_cache: dict[Path, tuple[tuple, frozenset]] = {}
+        self._blobs_cache: dict[str, tuple[tuple, frozenset]] = {}  # by os.fspath
+        self._valid: dict[int, bytes] = {}  # step -> the last bytes of its file that passed parse_step
+        self._pending: dict[int, tuple[tuple, bytes]] = {}  # step -> (file key, bytes) this process wrote
 
     def path(self, step: int) -> Path:
         return self.steps_root / f"{step:012d}.json"
@@ -86,9 +91,16 @@ class StepCatalog:
     def pending_dir(self, step: int) -> Path:
         return self.pending_root / f"{step:012d}"
 
-    def _atomic_write(self, final: Path, data: bytes, what: str, step: int) -> os.stat_result:
+    def _step_file(self, step: int) -> str:
+        return f"{self._steps_s}/{step:012d}.json"
+
+    def _pending_dir_s(self, step: int) -> str:
+        return f"{self._pending_s}/{step:012d}"
+
+    def _atomic_write(self, final: str, data: bytes, what: str, step: int) -> os.stat_result:
         """Write ``final`` atomically; returns its stat (the cache keys of ``committed``)."""
-        tmp = temp_name(final.parent, f"{final.name}-")
+        directory, name = os.path.split(final)
+        tmp = temp_path(directory, f"{name}-")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
@@ -110,13 +122,23 @@ class StepCatalog:
     # --- pending (phase 1) ---------------------------------------------------------------
 
     def write_pending(self, step: int, host_manifest: bytes) -> None:
-        d = self.pending_dir(step)
-        d.mkdir(mode=0o700, exist_ok=True)
-        self._atomic_write(d / HOST_JSON, bytes(host_manifest), "the host manifest", step)
+        d = self._pending_dir_s(step)
+        data = bytes(host_manifest)
+        self._pending.pop(step, None)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        st = self._atomic_write(f"{d}/{HOST_JSON}", data, "the host manifest", step)
+        self._pending[step] = (_file_key(st), data)
 
     def read_pending(self, step: int) -> bytes | None:
+        path = f"{self._pending_dir_s(check_step(step))}/{HOST_JSON}"
         try:
-            return read_file(self.pending_dir(check_step(step)) / HOST_JSON)[0]
+            mine = self._pending.get(step)
+            if mine is not None and _file_key(os.stat(path)) == mine[0]:
+                return mine[1]  # the version this process wrote (files are replaced, never rewritten)
+            return read_file(path)[0]
         except FileNotFoundError:
             return None
 
@@ -145,6 +167,7 @@ class StepCatalog:
         dirs = self.pending_dirs() if dirs is None else dirs
         for p, d in list(dirs.items()):
             if p not in live_pending:
+                self._pending.pop(p, None)
                 _remove_pending_dir(d)
                 del dirs[p]
 
@@ -153,15 +176,17 @@ class StepCatalog:
     def write_commit(self, step: int, data: bytes) -> None:
         """Write ``steps/<step>.json`` atomically (``data`` already validated), then drop the
         step's pending manifest."""
-        path = self.path(step)
+        path = self._step_file(step)
         st = self._atomic_write(path, data, "the step manifest", step)
         key = _file_key(st)
-        self._step_ok[path.name] = (key, None)  # validated: no second parse
+        self._step_ok[os.path.basename(path)] = (key, None)  # validated: no second parse
         try:  # what it keeps alive, for the garbage collection that follows: not read back
             self._blobs_cache[path] = (key, frozenset(self._blobs_of(data)))
         except Exception:  # unreadable for the callback: garbage collection reads it and says so
             self._blobs_cache.pop(path, None)
-        _remove_pending_dir(self.pending_dir(step))
+        self._valid[step] = data
+        self._pending.pop(step, None)
+        _remove_pending_dir(self._pending_dir_s(step))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -175,7 +200,7 @@ class StepCatalog:
         for name in os.listdir(self.steps_root):
             if name.startswith(TMP_PREFIX):
                 continue
-            p = self.steps_root / name
+            p = f"{self._steps_s}/{name}"
             m = _STEP_FILE_RE.match(name)
             if not m:
                 self._warn_once(name, "ramdisk %s: ignoring %s in steps/: not a step file name", self.root, p)
@@ -193,7 +218,7 @@ class StepCatalog:
                         st = os.fstat(fd)
                         key = _file_key(st)
                         try:
-                            parse_step(read_fd(fd, st.st_size), step, str(p))
+                            parse_step(read_fd(fd, st.st_size), step, p)
                             error = None
                         except ManifestError as e:
                             error = str(e)
@@ -205,10 +230,12 @@ class StepCatalog:
             except OSError as e:
                 error = str(e)
             if error is not None:
-                self._warn_once(p.name, "ramdisk %s: ignoring %s: %s", self.root, p, error)
+                self._warn_once(name, "ramdisk %s: ignoring %s: %s", self.root, p, error)
                 continue
             out.append(step)
         self._step_ok = seen
+        if len(self._valid) > len(out):
+            self._valid = {s: d for s, d in self._valid.items() if s in out}
         return sorted(out)
 
     def unreadable(self) -> list[int]:
@@ -223,29 +250,38 @@ class StepCatalog:
 
     def read(self, step: int) -> bytes:
         step = check_step(step)
-        path = self.path(step)
+        path = self._step_file(step)
         try:
             data = read_file(path)[0]
-            parse_step(data, step, str(path))
+            if self._valid.get(step) != data:  # the same bytes as last time need no second parse
+                parse_step(data, step, path)
+                self._valid[step] = data
             return data
         except (FileNotFoundError, ManifestError):
             raise StepNotFoundError(f"step {step} is not committed in the ramdisk {self.root}; "
                                     f"committed steps: {self.committed()}") from None
 
-    def remove(self, step: int) -> None:
+    def remove(self, step: int, *, pending: bool = True) -> None:
+        """Remove committed ``step`` and its pending dir (``pending=False``: the caller's listing
+        under the store's lock has none)."""
         with contextlib.suppress(FileNotFoundError):
-            self.path(step).unlink()
-        _remove_pending_dir(self.pending_dir(step))
+            os.unlink(self._step_file(step))
+        self._valid.pop(step, None)
+        self._pending.pop(step, None)
+        if pending:
+            _remove_pending_dir(self._pending_dir_s(step))
 
     def exists(self, step: int) -> bool:
         return self.path(step).exists() or self.pending_dir(step).exists()
 
     # --- what the manifests keep alive ---------------------------------------------------
 
-    def blobs_in(self, path: Path) -> set[str]:
-        """The blob names the manifest file ``path`` uses (ManifestError if unreadable)."""
+    def blobs_in(self, path: str | Path, key: tuple | None = None) -> set[str]:
+        """The blob names the manifest file ``path`` uses (ManifestError if unreadable); ``key``:
+        its ``file_key`` as the caller just found it (else one stat here)."""
+        path = os.fspath(path)
         cached = self._blobs_cache.get(path)
-        if cached is not None and cached[0] == _file_key(os.stat(path)):  # one stat for a known version
+        if cached is not None and cached[0] == (key if key is not None else _file_key(os.stat(path))):
             return set(cached[1])
         data, key = read_file(path)
         try:
@@ -255,7 +291,7 @@ class StepCatalog:
         except Exception as e:  # the callback's own parsing errors: untrusted bytes from disk
             raise ManifestError(f"{path}: cannot tell which blobs it uses ({e!r})") from None
         if len(self._blobs_cache) > 256:
-            self._blobs_cache = {p: v for p, v in self._blobs_cache.items() if p.exists()}
+            self._blobs_cache = {p: v for p, v in self._blobs_cache.items() if os.path.exists(p)}
         self._blobs_cache[path] = (key, names)
         return set(names)
 
@@ -265,11 +301,14 @@ class StepCatalog:
         listing made under the store's lock, else a new one), and ``pinned``."""
         live = set(pinned)
         for s in steps:
-            live |= self.blobs_in(self.path(s))
+            # The key ``committed`` found for it; callers list the steps under the store's lock
+            # first, and only this process commits (and holds that lock), so it is current.
+            seen = self._step_ok.get(f"{s:012d}.json")
+            live |= self.blobs_in(self._step_file(s), seen[0] if seen is not None and seen[1] is None else None)
         dirs = self.pending_dirs() if dirs is None else dirs
         for p in pending:
             try:
-                live |= self.blobs_in(dirs[p] / HOST_JSON)
+                live |= self.blobs_in(os.path.join(dirs[p], HOST_JSON))
             except (FileNotFoundError, KeyError):
                 pass
         return live

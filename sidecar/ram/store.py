@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,8 @@ from mtc.sidecar.ram.steps import BlobsOf, StepCatalog, parse_step
 
 log = logging.getLogger(__name__)
 
+_LAYOUT = ("blobs", "pending", "steps")
+
 
 class RamStore:
     """One host's blob store and committed steps under ``root`` (see ``mtc.sidecar.ram``).
@@ -39,6 +42,7 @@ class RamStore:
         if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"max_to_keep (local_max_to_keep) must be an integer >= 1, got {max_to_keep!r}")
         self.root = Path(root)
+        self._root_s = str(self.root)
         self.max_to_keep = max_to_keep
         self._lock = threading.RLock()  # serialises metadata: commit, prune, gc, check_space, ...
         self._pins: Counter[str] = Counter()
@@ -72,9 +76,20 @@ class RamStore:
         # Least privilege: only this process's user may read the weights (0700 folders, 0600 files).
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.root.chmod(0o700)
-        for d in ("blobs", "pending", "steps"):
+        for d in _LAYOUT:
             (self.root / d).mkdir(mode=0o700, exist_ok=True)
             (self.root / d).chmod(0o700)
+
+    def _missing_dirs(self) -> list[str]:
+        out = []
+        for d in _LAYOUT:
+            try:
+                if stat.S_ISDIR(os.stat(os.path.join(self._root_s, d)).st_mode):
+                    continue
+            except OSError:
+                pass
+            out.append(d)
+        return out
 
     def check_layout(self) -> bool:
         """Re-create the layout if the ramdisk was emptied under this process; True when it was.
@@ -84,11 +99,11 @@ class RamStore:
         or the backup); what must not happen is that every later save fails on the missing
         folders until the daemon restarts. So: notice, say so, start again empty, carry on.
         """
-        missing = [d for d in ("blobs", "pending", "steps") if not (self.root / d).is_dir()]
+        missing = self._missing_dirs()
         if not missing:
             return False
         with self._lock:
-            missing = [d for d in ("blobs", "pending", "steps") if not (self.root / d).is_dir()]
+            missing = self._missing_dirs()
             if not missing:
                 return False
             self._pool.forget()
@@ -525,10 +540,10 @@ class RamStore:
         removed, what garbage collection removed, as words for a log line: "" for nothing)."""
         steps = self.committed_steps()
         drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
-        for s in drop:
-            self._catalog.remove(s)
-        kept = steps[len(drop):]
         dirs = self._catalog.pending_dirs()
+        for s in drop:
+            self._catalog.remove(s, pending=dirs.pop(s, None) is not None)
+        kept = steps[len(drop):]
         self._catalog.remove_stale_pending(self._catalog.live_pending(kept, dirs), dirs)
         collected = []
         self._gc_locked(frozenset(), recycle=True, steps=kept, pending=dirs, report=collected)
