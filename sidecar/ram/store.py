@@ -167,8 +167,13 @@ class RamStore:
             yield
         finally:
             with self._lock:
-                self._pins.subtract(names)
-                self._pins += Counter()  # drop zero counts
+                pins = self._pins
+                for n in names:  # no zero counts kept
+                    c = pins.get(n, 0)
+                    if c > 1:
+                        pins[n] = c - 1
+                    else:
+                        pins.pop(n, None)
 
     def write_blob(self, data, *, name: str | None = None) -> tuple[str, bool]:
         """Store ``data`` (bytes-like or C-contiguous ndarray: its raw bytes) as a blob.
@@ -581,8 +586,9 @@ class RamStore:
         garbage = self.list_blobs() - live
         cap = None  # the pool's bound: worked out for the first file big enough to be pooled
         freed = count = pooled = 0
+        directory = str(self._blobs.directory)
         for name in garbage:
-            path = self._blobs.directory / name
+            path = f"{directory}/{name}"
             try:
                 st = os.stat(path)
                 if want is not None and want[st.st_size] > 0 and self._pool.recycle(path, st, None):
