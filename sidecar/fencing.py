@@ -19,10 +19,12 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from mtc.shared.errors import FencedError, ProtocolError
+from mtc.sidecar.ram.common import file_key, read_file
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ class HeadLease:
         self.root = Path(root)
         self._path = self.root / LEASE_FILE
         self._lock_path = self.root / LOCK_FILE
+        # (file key, parsed lease) of the last read: the file is only ever replaced (os.replace, a
+        # new inode), so an unchanged key is an unchanged lease and one stat replaces the read.
+        self._seen: tuple[tuple, dict] | None = None
+        self._seen_lock = threading.Lock()
 
     @contextlib.contextmanager
     def _locked(self):
@@ -56,7 +62,11 @@ class HeadLease:
     def current(self) -> dict | None:
         """{"generation": int, "head": {...} or None}, or None when no head has claimed this ramdisk."""
         try:
-            doc = json.loads(self._path.read_bytes())
+            seen = self._seen
+            if seen is not None and file_key(os.stat(self._path)) == seen[0]:
+                return _copy(seen[1])
+            data, key = read_file(self._path)
+            doc = json.loads(data)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
@@ -66,7 +76,10 @@ class HeadLease:
         if type(gen) is not int:
             log.warning("ramdisk %s: %s has no integer generation; treating it as unclaimed", self.root, LEASE_FILE)
             return None
-        return {"generation": gen, "head": doc.get("head") if isinstance(doc.get("head"), dict) else None}
+        lease = {"generation": gen, "head": doc.get("head") if isinstance(doc.get("head"), dict) else None}
+        with self._seen_lock:
+            self._seen = (key, lease)
+        return _copy(lease)
 
     def _write(self, generation: int, head: dict | None) -> None:
         tmp = self.root / f".tmp-{LEASE_FILE}-{os.getpid()}"
@@ -120,6 +133,11 @@ class HeadLease:
             elif generation < cur["generation"]:
                 raise FencedError(f"{what} refused: fenced off by {describe_head(cur['head'])} "
                                   f"(generation {cur['generation']})", current=cur)
+
+
+def _copy(lease: dict) -> dict:
+    """A caller's own copy of a cached lease."""
+    return {"generation": lease["generation"], "head": None if lease["head"] is None else dict(lease["head"])}
 
 
 def _check_generation(generation: Any) -> None:

@@ -46,6 +46,9 @@ def _log_ramdisk_advice(store: RamStore) -> None:
         (log.info if m.is_tmpfs else log.warning)("%s", text)
 
 
+# A save part with at most this many bytes is hashed and written on the request's thread.
+_INLINE_BYTES = 1 << 20
+
 # Requests that change a host: only the head holding the lease may send them (fencing).
 MUTATING_OPS = frozenset({"write", "commit", "abort", "peer_pull", "backup_upload", "backup_finalize",
                           "backup_fetch"})
@@ -79,6 +82,10 @@ class SidecarService:
         # step -> (local view of a step committed here as a record, {array key: its own boxes}):
         # what a restore onto the same topology reads by, without the other hosts' parts.
         self._views: dict[int, tuple[fmt.StepManifest, dict[str, set], dict[str, tuple]]] = {}
+        # step -> (step file bytes, its commit record or None, the record part's blob names): parsed once.
+        self._records: dict[int, tuple[bytes, fmt.CommitRecord | None, frozenset | None]] = {}
+        # step -> (pending host manifest bytes, that manifest) as this sidecar wrote it in phase 1.
+        self._parts: dict[int, tuple[bytes, fmt.HostManifest]] = {}
         self._peer = None  # the peer tier's server (start_peer_service)
         self._peer_token = ""
         self._closed = False
@@ -183,8 +190,8 @@ class SidecarService:
             wait(futures)
             written = sum(len(buf) for (buf, _), f in zip(todo.values(), futures) if f.result())
             manifest = self._record_part(step, entries, written, t0)
-        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
-                 time.perf_counter() - t0)
+        log.debug("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(todo), written,
+                  time.perf_counter() - t0)
         return manifest
 
     def _put(self, buf: memoryview, land, name: str) -> bool:
@@ -217,19 +224,28 @@ class SidecarService:
                     return name, 0  # an equal shard's landing is removed when its batch closes
                 return name, len(buf) if self._put(buf, land, name) else 0
 
-            futures = []
-            for i, (key, buf) in enumerate(unique.items()):
-                if i == 1:
-                    crash_point("between_blobs")
-                futures.append(self._io.submit(one, buf, landed[key]))
-            wait(futures)
-            results = [f.result() for f in futures]  # the first error, once all writes stopped
+            if len(unique) == 1 or sum(len(b) for b in unique.values()) <= _INLINE_BYTES:
+                # Small: hashed and written on this thread. A hand-off to the I/O threads would
+                # cost more (wake-ups, futexes) than it overlaps.
+                results = []
+                for i, (key, buf) in enumerate(unique.items()):
+                    if i == 1:
+                        crash_point("between_blobs")
+                    results.append(one(buf, landed[key]))
+            else:
+                futures = []
+                for i, (key, buf) in enumerate(unique.items()):
+                    if i == 1:
+                        crash_point("between_blobs")
+                    futures.append(self._io.submit(one, buf, landed[key]))
+                wait(futures)
+                results = [f.result() for f in futures]  # the first error, once all writes stopped
             entries = [fmt.HostShard(a, box, name, len(buf))
                        for ((a, box), buf), (name, _) in zip(unique.items(), results)]
             written = sum(n for _, n in results)
             manifest = self._record_part(step, entries, written, t0)
-        log.info("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(claimed), written,
-                 time.perf_counter() - t0)
+        log.debug("step %d part %d: %d blobs, %d bytes written in %.3fs", step, part, len(claimed), written,
+                  time.perf_counter() - t0)
         return manifest
 
     def _record_part(self, step: int, entries: list[fmt.HostShard], written: int, t0: float) -> fmt.HostManifest:
@@ -239,7 +255,10 @@ class SidecarService:
             self._partial[step] = (done, done_bytes + written, done_s + time.perf_counter() - t0)
             manifest = fmt.HostManifest(step, self.host_id, tuple(done), done_bytes + written,
                                         done_s + time.perf_counter() - t0)
-            self.store.write_pending(step, manifest.to_json())
+            data = manifest.to_json()
+            self._parts.pop(step, None)
+            self.store.write_pending(step, data)
+            self._parts[step] = (data, manifest)
         return manifest
 
     def part_bytes(self, step: int) -> bytes:
@@ -296,17 +315,21 @@ class SidecarService:
             data = fmt.CommitRecord(step, digest, tuple((str(h), str(a)) for h, a in keepers), pending).to_json()
         else:
             raise ManifestError(f"commit of step {step} needs the step manifest, or its digest and its keepers")
-        host = fmt.HostManifest.from_json(pending, source=f"host {self.host_id} step {step} pending manifest")
+        written = self._parts.get(step)
+        for s in [s for s in self._parts if s <= step]:  # committed now, or abandoned before it
+            self._parts.pop(s, None)
+        host = written[1] if written is not None and written[0] == pending else fmt.HostManifest.from_json(
+            pending, source=f"host {self.host_id} step {step} pending manifest")
         missing = sorted({s.blob for s in host.shards if not self.store.has_blob(s.blob)})
         if missing:
             raise CorruptBlobError(f"host {self.host_id}: step {step} is missing {len(missing)} of its "
                                    f"blobs ({missing[0]}, ...); not committing")
         crash_point("before_commit")
-        self.store.commit(step, data)
+        kept = set(self.store.commit(step, data))
         self._committed[step] = data
-        kept = set(self.store.committed_steps())
         for s in [s for s in self._committed if s not in kept]:  # pruned by this commit
             del self._committed[s]
+            self._manifests.pop(s, None)
         if manifest is not None:
             self._manifests[step] = manifest
         crash_point("after_commit")
@@ -362,10 +385,25 @@ class SidecarService:
 
     def _record(self, step: int) -> fmt.CommitRecord | None:
         """The commit record of ``step`` here, if that is what this host committed (else None)."""
+        return self._read_record(step)[0]
+
+    def _read_record(self, step: int) -> tuple[fmt.CommitRecord | None, frozenset | None]:
+        """(the commit record of ``step`` here or None, the blob names of its part). The file is
+        read each time (a damaged one must show); bytes read as before are not parsed again."""
         try:
-            return fmt.CommitRecord.parse(self.store.read_step(step), source=f"{self.host_id} step {step} record")
+            data = self.store.read_step(step)
         except (ManifestError, StepNotFoundError, OSError):
-            return None
+            return None, None
+        hit = self._records.get(step)
+        if hit is not None and hit[0] == data:
+            return hit[1], hit[2]
+        try:
+            rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} record")
+            own = None if rec is None else frozenset(rec.host_manifest().blob_names())
+        except (ManifestError, OSError):
+            return None, None
+        self._records[step] = (data, rec, own)
+        return rec, own
 
     def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False) -> bytes:
         what = "the header of its manifest" if header_only else "its manifest"
@@ -445,12 +483,13 @@ class SidecarService:
                     committed = self.store.committed_steps()
         for s in set(self._committed) - set(committed):  # pruned or aborted (or not repairable)
             self._committed.pop(s, None)
+        for s in set(self._records) - set(committed):
+            self._records.pop(s, None)
         for s in committed:
-            rec = None if s in self._manifests else self._record(s)
+            rec, own = (None, None) if s in self._manifests else self._read_record(s)
             if rec is not None:
                 # Committed here as a record: this host's own part is all it holds of the step,
                 # and all it reports (the head maps it with the manifest): no fetch for an inventory.
-                own = rec.host_manifest().blob_names()
                 out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": rec.digest,
                             "part": True, "own": protocol.blob_list_digest(sorted(own)), **held_bits(own, have)})
                 continue
@@ -468,7 +507,7 @@ class SidecarService:
                         "own": protocol.blob_list_digest(sorted(own)), **held_bits(m.blob_names(), have)})
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
-        damaged += [s for s in self.store.unreadable_steps() if s not in damaged]
+        damaged += [s for s in self.store.unreadable_steps(listed=True) if s not in damaged]
         return {"host": self.host_id, "steps": out, "damaged": sorted(damaged)}
 
     def verify(self, step: int) -> dict:
@@ -487,6 +526,8 @@ class SidecarService:
         self._manifests.pop(step, None)
         self._committed.pop(step, None)
         self._views.pop(step, None)
+        self._records.pop(step, None)
+        self._parts.pop(step, None)
         removed = self.store.delete_step(step)
         if removed:
             log.info("host %s: step %d aborted (its save failed on some host)", self.host_id, step)

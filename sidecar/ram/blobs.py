@@ -13,6 +13,7 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -22,7 +23,7 @@ from mtc.shared.buffers import byte_view
 from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError
 from mtc.shared.hashing import blob_name, new_hasher
 from mtc.sidecar.ram import readers
-from mtc.sidecar.ram.common import FREE_PREFIX, HUGE_PAGE, TMP_PREFIX, check_name, temp_name, valid_name
+from mtc.sidecar.ram.common import FREE_PREFIX, HUGE_PAGE, TMP_PREFIX, check_name, temp_name, temp_path, valid_name
 from mtc.sidecar.ram.landing import Landing, MapCache
 from mtc.sidecar.ram.pool import FreePool
 
@@ -59,6 +60,7 @@ class BlobFiles:
     def __init__(self, directory: Path, *, pool: FreePool, round: Callable[[int], int], no_space: NoSpace,
                  maps: MapCache | None = None):
         self.directory = directory
+        self._dir_s = str(directory)  # per-save paths are joined as strings
         self.pool = pool
         self.maps = maps if maps is not None else MapCache()
         self.round = round
@@ -69,7 +71,12 @@ class BlobFiles:
         return self.directory / check_name(name)
 
     def has(self, name: str) -> bool:
-        return self.path(name).is_file()
+        try:
+            return stat.S_ISREG(os.stat(f"{self._dir_s}/{check_name(name)}").st_mode)
+        except OSError as e:  # as Path.is_file: absent is False, other errors are errors
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+                return False
+            raise
 
     def size(self, name: str) -> int:
         path = self.path(name)
@@ -80,7 +87,7 @@ class BlobFiles:
 
     def names(self) -> set[str]:
         """Names of all committed blobs (temp files excluded)."""
-        return {p.name for p in self.directory.iterdir() if valid_name(p.name)}
+        return {n for n in os.listdir(self.directory) if valid_name(n)}
 
     def missing_bytes(self, blobs: dict[str, int]) -> int:
         return sum(self.round(n) for name, n in blobs.items() if not self.has(name))
@@ -117,7 +124,7 @@ class BlobFiles:
                 break
         raise FileNotFoundError(errno.ENOENT, f"blob {name} is not in the ramdisk", str(path))
 
-    def publish(self, tmp: Path, final: Path) -> bool:
+    def publish(self, tmp: str | Path, final: str | Path) -> bool:
         """Move a finished temp file to its final name; False if the blob already existed."""
         try:
             os.link(tmp, final)
@@ -126,7 +133,7 @@ class BlobFiles:
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                 raise
-            if final.exists():
+            if os.path.exists(final):
                 return False
             os.replace(tmp, final)  # filesystem without hard links: same bytes, so replacing is harmless
             return True
@@ -185,8 +192,8 @@ class BlobFiles:
         """See ``RamStore.write_blob``."""
         mv = byte_view(data)
         name = blob_name(mv) if name is None else check_name(name)
-        final = self.directory / name
-        if final.exists():
+        final = f"{self._dir_s}/{name}"
+        if os.path.exists(final):
             return name, False
         n = mv.nbytes
         retried = False
@@ -195,7 +202,7 @@ class BlobFiles:
             if taken is not None:
                 fd, tmp = taken
             else:
-                tmp = temp_name(self.directory)
+                tmp = temp_path(self._dir_s)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 from pathlib import Path
@@ -47,9 +48,49 @@ def check_step(step) -> int:
     return int(step)
 
 
+# Temp names: a random prefix drawn once per process, then a counter (no getrandom per name).
+# They only have to differ from each other; every creator opens with O_EXCL.
+_TEMP_PREFIX = secrets.token_hex(4)
+_temp_counter = itertools.count()
+
+
 def temp_name(directory: Path, tag: str = "") -> Path:
     """A fresh temp file name in ``directory`` (never looks like committed data)."""
-    return directory / f"{TMP_PREFIX}{tag}{secrets.token_hex(8)}"
+    return Path(temp_path(str(directory), tag))
+
+
+def temp_path(directory: str, tag: str = "") -> str:
+    """``temp_name`` as a string (no Path to build: for the per-save writes)."""
+    return f"{directory}/{TMP_PREFIX}{tag}{_TEMP_PREFIX}{next(_temp_counter) & 0xFFFFFFFF:08x}"
+
+
+def file_key(st: os.stat_result) -> tuple:
+    """What identifies one version of a file that is only ever replaced atomically (a new inode)."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def read_fd(fd: int, size: int) -> bytes:
+    """The rest of the regular file open at ``fd``, whose size (fstat) is ``size``."""
+    chunks = []
+    while True:
+        want = max(size, 0) + 1
+        got = os.read(fd, want)
+        if got:
+            chunks.append(got)
+        if len(got) < want:  # a regular file reads short only at its end (an empty read: at it)
+            return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+        size = 1 << 16
+
+
+def read_file(path: str | os.PathLike) -> tuple[bytes, tuple]:
+    """The bytes of a small file and its ``file_key``, with raw calls (open, fstat, read, close):
+    a buffered open adds a tty check, seeks and a second fstat to each."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        return read_fd(fd, st.st_size), file_key(st)
+    finally:
+        os.close(fd)
 
 
 def free_bytes(root: Path) -> int:

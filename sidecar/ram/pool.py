@@ -107,7 +107,7 @@ class FreePool:
                 self._maps.forget(st)  # a kept map would hold the pages
         return freed
 
-    def recycle(self, path: Path, st: os.stat_result, cap: int | None) -> bool:
+    def recycle(self, path: str | Path, st: os.stat_result, cap: int | None) -> bool:
         """Move the collected blob file ``path`` into the pool; False if it must be unlinked.
 
         Refused when the file is small, has other links, would take the pool over ``cap``

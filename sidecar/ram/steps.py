@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from mtc.shared.errors import InsufficientSpaceError, ManifestError, StepNotFoundError
-from mtc.sidecar.ram.common import TMP_PREFIX, check_step, temp_name
+from mtc.sidecar.ram.common import TMP_PREFIX, check_step, file_key, read_fd, read_file, temp_path
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,24 @@ def parse_step(data: bytes, step: int, where: str) -> None:
                             f"got {got!r}")
 
 
-def _file_key(st: os.stat_result) -> tuple:
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+_file_key = file_key
+
+
+def _remove_pending_dir(d: str | Path) -> None:
+    """Remove a pending step directory: its host manifest, then the directory (rmtree if it holds more)."""
+    try:
+        os.unlink(os.path.join(d, HOST_JSON))
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(d, ignore_errors=True)
+        return
+    try:
+        os.rmdir(d)
+    except FileNotFoundError:
+        pass
+    except OSError:  # not empty (a temp file of an interrupted writer), or not a directory
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class StepCatalog:
@@ -58,11 +74,16 @@ class StepCatalog:
         self.root = root
         self.pending_root = root / "pending"
         self.steps_root = root / "steps"
+        # The same as strings: the per-save paths are joined as strings (no Path objects to build).
+        self._pending_s = str(self.pending_root)
+        self._steps_s = str(self.steps_root)
         self._blobs_of = blobs_of
         self._no_space = no_space
         self._warned: set[str] = set()
         self._step_ok: dict[str, tuple[tuple, str | None]] = {}
-        self._blobs_cache: dict[Path, tuple[tuple, frozenset]] = {}
+        self._blobs_cache: dict[str, tuple[tuple, frozenset]] = {}  # by os.fspath
+        self._valid: dict[int, bytes] = {}  # step -> the last bytes of its file that passed parse_step
+        self._pending: dict[int, tuple[tuple, bytes]] = {}  # step -> (file key, bytes) this process wrote
 
     def path(self, step: int) -> Path:
         return self.steps_root / f"{step:012d}.json"
@@ -70,14 +91,25 @@ class StepCatalog:
     def pending_dir(self, step: int) -> Path:
         return self.pending_root / f"{step:012d}"
 
-    def _atomic_write(self, final: Path, data: bytes, what: str, step: int) -> os.stat_result:
+    def _step_file(self, step: int) -> str:
+        return f"{self._steps_s}/{step:012d}.json"
+
+    def _pending_dir_s(self, step: int) -> str:
+        return f"{self._pending_s}/{step:012d}"
+
+    def _atomic_write(self, final: str, data: bytes, what: str, step: int) -> os.stat_result:
         """Write ``final`` atomically; returns its stat (the cache keys of ``committed``)."""
-        tmp = temp_name(final.parent, f"{final.name}-")
+        directory, name = os.path.split(final)
+        tmp = temp_path(directory, f"{name}-")
         try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as f:
-                f.write(memoryview(data))
-                f.flush()
-                st = os.fstat(f.fileno())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                view, off = memoryview(data), 0
+                while off < len(view):
+                    off += os.write(fd, view[off:])
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, final)
             return st
         except BaseException as e:
@@ -90,47 +122,71 @@ class StepCatalog:
     # --- pending (phase 1) ---------------------------------------------------------------
 
     def write_pending(self, step: int, host_manifest: bytes) -> None:
-        d = self.pending_dir(step)
-        d.mkdir(mode=0o700, exist_ok=True)
-        self._atomic_write(d / HOST_JSON, bytes(host_manifest), "the host manifest", step)
+        d = self._pending_dir_s(step)
+        data = bytes(host_manifest)
+        self._pending.pop(step, None)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        st = self._atomic_write(f"{d}/{HOST_JSON}", data, "the host manifest", step)
+        self._pending[step] = (_file_key(st), data)
 
     def read_pending(self, step: int) -> bytes | None:
+        path = f"{self._pending_dir_s(check_step(step))}/{HOST_JSON}"
         try:
-            return (self.pending_dir(check_step(step)) / HOST_JSON).read_bytes()
+            mine = self._pending.get(step)
+            if mine is not None and _file_key(os.stat(path)) == mine[0]:
+                return mine[1]  # the version this process wrote (files are replaced, never rewritten)
+            return read_file(path)[0]
         except FileNotFoundError:
             return None
 
     def pending_dirs(self) -> dict[int, Path]:
         out = {}
-        for p in self.pending_root.iterdir():
-            m = _STEP_DIR_RE.match(p.name)
-            if m and p.is_dir():
-                out[int(m.group(1))] = p
+        with os.scandir(self.pending_root) as it:
+            for e in it:
+                m = _STEP_DIR_RE.match(e.name)
+                if m and e.is_dir():
+                    out[int(m.group(1))] = self.pending_root / e.name
         return out
 
     def pending_steps(self) -> list[int]:
         return sorted(s for s, p in self.pending_dirs().items() if (p / HOST_JSON).is_file())
 
-    def live_pending(self, steps: list[int]) -> list[int]:
-        """Pending dirs that still matter: those of uncommitted steps newer than the newest."""
+    def live_pending(self, steps: list[int], dirs: dict[int, Path] | None = None) -> list[int]:
+        """Pending dirs that still matter: those of uncommitted steps newer than the newest
+        (``dirs``: a listing of ``pending_dirs`` made under the store's lock, else a new one)."""
         newest = steps[-1] if steps else None
-        return [p for p in self.pending_dirs() if newest is None or (p > newest and p not in steps)]
+        dirs = self.pending_dirs() if dirs is None else dirs
+        return [p for p in dirs if newest is None or (p > newest and p not in steps)]
 
-    def remove_stale_pending(self, live_pending: list[int]) -> None:
-        for p, d in self.pending_dirs().items():
+    def remove_stale_pending(self, live_pending: list[int], dirs: dict[int, Path] | None = None) -> None:
+        """Remove the pending dirs not in ``live_pending`` (of ``dirs``, as in ``live_pending``);
+        removed ones are dropped from ``dirs``."""
+        dirs = self.pending_dirs() if dirs is None else dirs
+        for p, d in list(dirs.items()):
             if p not in live_pending:
-                shutil.rmtree(d, ignore_errors=True)
+                self._pending.pop(p, None)
+                _remove_pending_dir(d)
+                del dirs[p]
 
     # --- committed (phase 2) -------------------------------------------------------------
 
     def write_commit(self, step: int, data: bytes) -> None:
         """Write ``steps/<step>.json`` atomically (``data`` already validated), then drop the
         step's pending manifest."""
-        st = self._atomic_write(self.path(step), data, "the step manifest", step)
-        self._step_ok[self.path(step).name] = (_file_key(st), None)  # validated: no second parse
-        d = self.pending_dir(step)
-        if d.exists():
-            shutil.rmtree(d, ignore_errors=True)
+        path = self._step_file(step)
+        st = self._atomic_write(path, data, "the step manifest", step)
+        key = _file_key(st)
+        self._step_ok[os.path.basename(path)] = (key, None)  # validated: no second parse
+        try:  # what it keeps alive, for the garbage collection that follows: not read back
+            self._blobs_cache[path] = (key, frozenset(self._blobs_of(data)))
+        except Exception:  # unreadable for the callback: garbage collection reads it and says so
+            self._blobs_cache.pop(path, None)
+        self._valid[step] = data
+        self._pending.pop(step, None)
+        _remove_pending_dir(self._pending_dir_s(step))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -141,36 +197,45 @@ class StepCatalog:
         """Committed steps, ascending. Malformed files in steps/ are ignored (with a warning)."""
         out = []
         seen = {}
-        for p in self.steps_root.iterdir():
-            if p.name.startswith(TMP_PREFIX):
+        for name in os.listdir(self.steps_root):
+            if name.startswith(TMP_PREFIX):
                 continue
-            m = _STEP_FILE_RE.match(p.name)
+            p = f"{self._steps_s}/{name}"
+            m = _STEP_FILE_RE.match(name)
             if not m:
-                self._warn_once(p.name, "ramdisk %s: ignoring %s in steps/: not a step file name", self.root, p)
+                self._warn_once(name, "ramdisk %s: ignoring %s in steps/: not a step file name", self.root, p)
                 continue
             step = int(m.group(1))
             try:
-                with open(p, "rb") as f:
-                    key = _file_key(os.fstat(f.fileno()))
-                    cached = self._step_ok.get(p.name)
-                    if cached is not None and cached[0] == key:
-                        error = cached[1]
-                    else:
+                # One stat for a version already checked (files are replaced, never rewritten).
+                key = _file_key(os.stat(p))
+                cached = self._step_ok.get(name)
+                if cached is not None and cached[0] == key:
+                    error = cached[1]
+                else:
+                    fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        st = os.fstat(fd)
+                        key = _file_key(st)
                         try:
-                            parse_step(f.read(), step, str(p))
+                            parse_step(read_fd(fd, st.st_size), step, p)
                             error = None
                         except ManifestError as e:
                             error = str(e)
-                seen[p.name] = (key, error)
+                    finally:
+                        os.close(fd)
+                seen[name] = (key, error)
             except FileNotFoundError:
                 continue  # removed meanwhile
             except OSError as e:
                 error = str(e)
             if error is not None:
-                self._warn_once(p.name, "ramdisk %s: ignoring %s: %s", self.root, p, error)
+                self._warn_once(name, "ramdisk %s: ignoring %s: %s", self.root, p, error)
                 continue
             out.append(step)
         self._step_ok = seen
+        if len(self._valid) > len(out):
+            self._valid = {s: d for s, d in self._valid.items() if s in out}
         return sorted(out)
 
     def unreadable(self) -> list[int]:
@@ -185,35 +250,40 @@ class StepCatalog:
 
     def read(self, step: int) -> bytes:
         step = check_step(step)
-        path = self.path(step)
+        path = self._step_file(step)
         try:
-            data = path.read_bytes()
-            parse_step(data, step, str(path))
+            data = read_file(path)[0]
+            if self._valid.get(step) != data:  # the same bytes as last time need no second parse
+                parse_step(data, step, path)
+                self._valid[step] = data
             return data
         except (FileNotFoundError, ManifestError):
             raise StepNotFoundError(f"step {step} is not committed in the ramdisk {self.root}; "
                                     f"committed steps: {self.committed()}") from None
 
-    def remove(self, step: int) -> None:
+    def remove(self, step: int, *, pending: bool = True) -> None:
+        """Remove committed ``step`` and its pending dir (``pending=False``: the caller's listing
+        under the store's lock has none)."""
         with contextlib.suppress(FileNotFoundError):
-            self.path(step).unlink()
-        d = self.pending_dir(step)
-        if d.exists():
-            shutil.rmtree(d, ignore_errors=True)
+            os.unlink(self._step_file(step))
+        self._valid.pop(step, None)
+        self._pending.pop(step, None)
+        if pending:
+            _remove_pending_dir(self._pending_dir_s(step))
 
     def exists(self, step: int) -> bool:
         return self.path(step).exists() or self.pending_dir(step).exists()
 
     # --- what the manifests keep alive ---------------------------------------------------
 
-    def blobs_in(self, path: Path) -> set[str]:
-        """The blob names the manifest file ``path`` uses (ManifestError if unreadable)."""
-        with open(path, "rb") as f:
-            key = _file_key(os.fstat(f.fileno()))
-            cached = self._blobs_cache.get(path)
-            if cached is not None and cached[0] == key:
-                return set(cached[1])
-            data = f.read()
+    def blobs_in(self, path: str | Path, key: tuple | None = None) -> set[str]:
+        """The blob names the manifest file ``path`` uses (ManifestError if unreadable); ``key``:
+        its ``file_key`` as the caller just found it (else one stat here)."""
+        path = os.fspath(path)
+        cached = self._blobs_cache.get(path)
+        if cached is not None and cached[0] == (key if key is not None else _file_key(os.stat(path))):
+            return set(cached[1])
+        data, key = read_file(path)
         try:
             names = frozenset(self._blobs_of(data))
         except ManifestError:
@@ -221,19 +291,24 @@ class StepCatalog:
         except Exception as e:  # the callback's own parsing errors: untrusted bytes from disk
             raise ManifestError(f"{path}: cannot tell which blobs it uses ({e!r})") from None
         if len(self._blobs_cache) > 256:
-            self._blobs_cache = {p: v for p, v in self._blobs_cache.items() if p.exists()}
+            self._blobs_cache = {p: v for p, v in self._blobs_cache.items() if os.path.exists(p)}
         self._blobs_cache[path] = (key, names)
         return set(names)
 
-    def live_blobs(self, steps: list[int], pending: Iterable[int], pinned: Iterable[str]) -> set[str]:
-        """Blobs used by ``steps``, the ``pending`` host manifests, and ``pinned``."""
+    def live_blobs(self, steps: list[int], pending: Iterable[int], pinned: Iterable[str],
+                   dirs: dict[int, Path] | None = None) -> set[str]:
+        """Blobs used by ``steps``, the ``pending`` host manifests (of ``dirs``, a ``pending_dirs``
+        listing made under the store's lock, else a new one), and ``pinned``."""
         live = set(pinned)
         for s in steps:
-            live |= self.blobs_in(self.path(s))
-        dirs = self.pending_dirs()
+            # The key ``committed`` found for it; callers list the steps under the store's lock
+            # first, and only this process commits (and holds that lock), so it is current.
+            seen = self._step_ok.get(f"{s:012d}.json")
+            live |= self.blobs_in(self._step_file(s), seen[0] if seen is not None and seen[1] is None else None)
+        dirs = self.pending_dirs() if dirs is None else dirs
         for p in pending:
             try:
-                live |= self.blobs_in(dirs[p] / HOST_JSON)
+                live |= self.blobs_in(os.path.join(dirs[p], HOST_JSON))
             except (FileNotFoundError, KeyError):
                 pass
         return live

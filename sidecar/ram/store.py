@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,8 @@ from mtc.sidecar.ram.steps import BlobsOf, StepCatalog, parse_step
 
 log = logging.getLogger(__name__)
 
+_LAYOUT = ("blobs", "pending", "steps")
+
 
 class RamStore:
     """One host's blob store and committed steps under ``root`` (see ``mtc.sidecar.ram``).
@@ -39,6 +42,7 @@ class RamStore:
         if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"max_to_keep (local_max_to_keep) must be an integer >= 1, got {max_to_keep!r}")
         self.root = Path(root)
+        self._root_s = str(self.root)
         self.max_to_keep = max_to_keep
         self._lock = threading.RLock()  # serialises metadata: commit, prune, gc, check_space, ...
         self._pins: Counter[str] = Counter()
@@ -72,9 +76,20 @@ class RamStore:
         # Least privilege: only this process's user may read the weights (0700 folders, 0600 files).
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.root.chmod(0o700)
-        for d in ("blobs", "pending", "steps"):
+        for d in _LAYOUT:
             (self.root / d).mkdir(mode=0o700, exist_ok=True)
             (self.root / d).chmod(0o700)
+
+    def _missing_dirs(self) -> list[str]:
+        out = []
+        for d in _LAYOUT:
+            try:
+                if stat.S_ISDIR(os.stat(os.path.join(self._root_s, d)).st_mode):
+                    continue
+            except OSError:
+                pass
+            out.append(d)
+        return out
 
     def check_layout(self) -> bool:
         """Re-create the layout if the ramdisk was emptied under this process; True when it was.
@@ -84,11 +99,11 @@ class RamStore:
         or the backup); what must not happen is that every later save fails on the missing
         folders until the daemon restarts. So: notice, say so, start again empty, carry on.
         """
-        missing = [d for d in ("blobs", "pending", "steps") if not (self.root / d).is_dir()]
+        missing = self._missing_dirs()
         if not missing:
             return False
         with self._lock:
-            missing = [d for d in ("blobs", "pending", "steps") if not (self.root / d).is_dir()]
+            missing = self._missing_dirs()
             if not missing:
                 return False
             self._pool.forget()
@@ -152,8 +167,13 @@ class RamStore:
             yield
         finally:
             with self._lock:
-                self._pins.subtract(names)
-                self._pins += Counter()  # drop zero counts
+                pins = self._pins
+                for n in names:  # no zero counts kept
+                    c = pins.get(n, 0)
+                    if c > 1:
+                        pins[n] = c - 1
+                    else:
+                        pins.pop(n, None)
 
     def write_blob(self, data, *, name: str | None = None) -> tuple[str, bool]:
         """Store ``data`` (bytes-like or C-contiguous ndarray: its raw bytes) as a blob.
@@ -406,21 +426,26 @@ class RamStore:
         """Steps with a phase-1 host manifest, ascending."""
         return self._catalog.pending_steps()
 
-    def commit(self, step: int, step_manifest: bytes) -> None:
+    def commit(self, step: int, step_manifest: bytes) -> list[int]:
         """Make ``step`` visible: write steps/<step>.json atomically, last; then prune.
 
         The manifest must be JSON whose "step" equals ``step`` (ManifestError otherwise).
+        Returns the committed steps after the prune.
         """
         step = check_step(step)
         data = bytes(step_manifest)
         parse_step(data, step, f"commit of step {step}")
         with self._lock:
             self._catalog.write_commit(step, data)
-            log.info("ramdisk %s: committed step %d", self.root, step)
             # Pool files this step's writes did not take do not fit what is saved now: free
             # them, so that the pool holds what the next save can reuse (usually nothing here).
             self._pool.drain()
-            self.prune()
+            kept, dropped, collected = self._prune_locked()
+        # One line per commit: what became visible, what retention and collection removed.
+        log.info("ramdisk %s: committed step %d%s%s", self.root, step,
+                 f"; removed step{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} "
+                 f"(local_max_to_keep={self.max_to_keep})" if dropped else "", collected)
+        return kept
 
     def repair_step(self, step: int, step_manifest: bytes) -> bool:
         """Rewrite steps/<step>.json from a good copy when the file is there but unreadable; True if so.
@@ -477,10 +502,12 @@ class RamStore:
         """
         return self._catalog.committed()
 
-    def unreadable_steps(self) -> list[int]:
-        """Steps whose file is in steps/ but unreadable (see ``StepCatalog.unreadable``)."""
+    def unreadable_steps(self, *, listed: bool = False) -> list[int]:
+        """Steps whose file is in steps/ but unreadable (see ``StepCatalog.unreadable``); with
+        ``listed``, as of the caller's last ``committed_steps`` (no new listing)."""
         with self._lock:
-            self._catalog.committed()
+            if not listed:
+                self._catalog.committed()
             return self._catalog.unreadable()
 
     def latest_step(self) -> int | None:
@@ -507,13 +534,25 @@ class RamStore:
     def prune(self) -> None:
         """Keep the newest ``max_to_keep`` steps, drop stale pending manifests, then gc()."""
         with self._lock:
-            steps = self.committed_steps()
-            drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
-            for s in drop:
-                log.info("ramdisk %s: removing step %d (local_max_to_keep=%d)", self.root, s, self.max_to_keep)
-                self._catalog.remove(s)
-            self._catalog.remove_stale_pending(self._catalog.live_pending(steps[len(drop):]))
-            self._gc_locked(frozenset(), recycle=True)
+            _, dropped, collected = self._prune_locked()
+        for s in dropped:
+            log.info("ramdisk %s: removed step %d (local_max_to_keep=%d)", self.root, s, self.max_to_keep)
+        if collected:
+            log.info("ramdisk %s: %s", self.root, collected.lstrip("; "))
+
+    def _prune_locked(self) -> tuple[list[int], list[int], str]:
+        """``prune`` under the lock, from one listing of steps/ and pending/: (steps kept, steps
+        removed, what garbage collection removed, as words for a log line: "" for nothing)."""
+        steps = self.committed_steps()
+        drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
+        dirs = self._catalog.pending_dirs()
+        for s in drop:
+            self._catalog.remove(s, pending=dirs.pop(s, None) is not None)
+        kept = steps[len(drop):]
+        self._catalog.remove_stale_pending(self._catalog.live_pending(kept, dirs), dirs)
+        collected = []
+        self._gc_locked(frozenset(), recycle=True, steps=kept, pending=dirs, report=collected)
+        return kept, drop, collected[0] if collected else ""
 
     # --- garbage -----------------------------------------------------------------------
 
@@ -526,42 +565,56 @@ class RamStore:
         with self._lock:
             return self._gc_locked(frozenset(extra_live))
 
-    def _gc_locked(self, extra_live: frozenset, *, recycle: bool = False, want: Counter | None = None) -> int:
+    def _gc_locked(self, extra_live: frozenset, *, recycle: bool = False, want: Counter | None = None,
+                   steps: list[int] | None = None, pending: dict | None = None, report: list | None = None) -> int:
         """Collect unused blobs; returns their bytes.
 
         With ``recycle``, collected files go to the free pool up to the bytes of the newest
         step; with ``want`` ({size: count}, decremented), up to that many files of each size.
-        The rest are unlinked.
+        The rest are unlinked. ``steps`` and ``pending`` are the committed steps and the
+        ``pending_dirs`` as the caller listed them under this lock (else they are listed here).
+        With ``report``, what was removed is appended to it as words instead of logged.
         """
-        steps = self.committed_steps()
+        steps = self.committed_steps() if steps is None else steps
+        dirs = self._catalog.pending_dirs() if pending is None else pending
         try:
-            live = self._catalog.live_blobs(steps, sorted(self._catalog.pending_dirs()), self._pins)
+            live = self._catalog.live_blobs(steps, sorted(dirs), self._pins, dirs)
         except ManifestError as e:
             log.error("ramdisk %s: garbage collection skipped, a manifest is unreadable: %s", self.root, e)
             return 0
         live |= extra_live
         garbage = self.list_blobs() - live
-        cap = self._pool_cap(steps) if recycle and garbage and self.free_pool else None
+        cap = None  # the pool's bound: worked out for the first file big enough to be pooled
         freed = count = pooled = 0
+        directory = str(self._blobs.directory)
         for name in garbage:
-            path = self._blobs.directory / name
+            path = f"{directory}/{name}"
             try:
-                st = path.stat()
+                st = os.stat(path)
                 if want is not None and want[st.st_size] > 0 and self._pool.recycle(path, st, None):
                     want[st.st_size] -= 1
                     pooled += 1
-                elif cap is not None and self._pool.recycle(path, st, cap):
-                    pooled += 1
+                elif recycle and self.free_pool and st.st_size >= POOL_MIN:
+                    if cap is None:
+                        cap = self._pool_cap(steps)
+                    if self._pool.recycle(path, st, cap):
+                        pooled += 1
+                    else:
+                        os.unlink(path)
                 else:
-                    path.unlink()
+                    os.unlink(path)
             except FileNotFoundError:
                 continue
             freed += st.st_size
             count += 1
         self._maps.sweep()  # maps of files unlinked here (or by anyone) would hold their pages
         if count:
-            log.info("ramdisk %s: garbage collection removed %d blobs, %s (%d kept in the free pool)",
-                     self.root, count, format_bytes(freed), pooled)
+            words = (f"garbage collection removed {count} blob{'s' if count != 1 else ''}, {format_bytes(freed)} "
+                     f"({pooled} kept in the free pool)")
+            if report is not None:
+                report.append("; " + words)
+            else:
+                log.info("ramdisk %s: %s", self.root, words)
         return freed
 
     def _pool_cap(self, steps: list[int]) -> int:

@@ -47,3 +47,18 @@ def test_a_wiped_lease_adopts_the_next_generation(tmp_path):
 def test_malformed_generations_are_protocol_errors(tmp_path, bad):
     with pytest.raises(ProtocolError, match="generation"):
         HeadLease(tmp_path).check(bad, "write")
+
+
+def test_a_lease_replaced_by_another_process_is_seen_at_once(tmp_path):
+    """Each sidecar process of a host keeps its last read of the lease and trusts it while the file
+    is unchanged (one stat): a claim through another process's object must still fence it off."""
+    mine, other = HeadLease(tmp_path), HeadLease(tmp_path)
+    mine.claim(10, A)
+    for _ in range(3):
+        mine.check(10, "write")  # read once, then kept
+    other.claim(11, B)  # right after: the same second, the same size of file
+    with pytest.raises(FencedError, match="generation 11"):
+        mine.check(10, "write")
+    got = mine.current()
+    got["head"]["pid"] = 0  # a caller's copy: the lease kept is not changed through it
+    assert mine.current() == {"generation": 11, "head": B}

@@ -181,3 +181,31 @@ def test_a_local_view_is_checked_against_the_header_and_the_part(services):
         fmt.StepManifest.local_view(header.replace(b'"step":8', b'"step":9'), "h2", parts[2])
     with pytest.raises(ManifestError, match="one line"):
         fmt.StepManifest.local_view(manifest, "h2", parts[2])
+
+
+def test_a_record_read_before_and_then_damaged_is_still_reported_damaged(services):
+    """A record's parse is kept by its bytes, and the file is read each time: damage after an
+    inventory shows in the next one."""
+    _save(services, 6, ["h0"])
+    assert [s["step"] for s in services["h2"].inventory()["steps"]] == [6]
+    path = services["h2"].store.root / "steps" / f"{6:012d}.json"
+    data = bytearray(path.read_bytes())
+    i = data.index(b'\\"shards\\"') + 20
+    while chr(data[i]) not in "0123456789abcdef":
+        i += 1
+    data[i] = ord("0") if data[i] != ord("0") else ord("1")
+    path.write_bytes(bytes(data))  # in place: the same inode and size
+    services["h2"]._committed.clear()  # nothing to rewrite it from
+    inv = services["h2"].inventory()
+    assert inv["damaged"] == [6] and inv["steps"] == []
+
+
+def test_a_sidecar_keeps_no_manifest_of_a_step_it_pruned(services):
+    for step in range(1, 7):
+        _save(services, step, ["h0", "h1"])
+        for svc in services.values():
+            svc.inventory()  # the keepers load their manifests
+    for svc in services.values():
+        committed = svc.store.committed_steps()
+        assert committed == [5, 6]
+        assert set(svc._manifests) <= set(committed) and set(svc._committed) == set(committed)

@@ -590,3 +590,34 @@ def test_crash_point_rejects_unknown_names(monkeypatch):
     monkeypatch.delenv("MTC_CRASH_AT", raising=False)
     with pytest.raises(ValueError, match="unknown crash point"):
         faults.crash_point("typo_point")
+
+
+@pytest.mark.unit
+def test_a_commit_lists_each_folder_once_and_reads_back_nothing_it_wrote(store, monkeypatch):
+    """Retention and garbage collection after a commit work from one listing of steps/ and
+    pending/ and from what this store wrote; they still collect what the pruned step held."""
+    from mtc.sidecar.ram import steps as ram_steps
+
+    for s in (1, 2):
+        save_step(store, s, [rand_bytes(1000, s)])
+    listed, read = [], []
+    real_listdir, real_scandir, real_read = os.listdir, os.scandir, ram_steps.read_file
+    monkeypatch.setattr(os, "listdir", lambda p=".": listed.append(os.path.basename(p)) or real_listdir(p))
+    monkeypatch.setattr(os, "scandir", lambda p=".": listed.append(os.path.basename(p)) or real_scandir(p))
+    monkeypatch.setattr(ram_steps, "read_file", lambda p: read.append(os.path.basename(p)) or real_read(p))
+    names = save_step(store, 3, [rand_bytes(1000, 3)])
+    assert sorted(listed) == ["blobs", "pending", "steps"]
+    assert read == []  # not the step file it wrote, nor the ones it checked before
+    monkeypatch.undo()
+    assert store.committed_steps() == [2, 3]
+    assert len(store.list_blobs()) == 2 and set(names) <= store.list_blobs()  # step 1's blob collected
+    assert not (store.root / "pending" / f"{3:012d}").exists()
+
+
+@pytest.mark.unit
+def test_a_pending_dir_with_a_stray_file_still_goes_at_commit(store):
+    names = save_step(store, 4, [b"four"], commit=False)
+    stray = store.root / "pending" / f"{4:012d}" / ".tmp-host.json-left"
+    stray.write_bytes(b"an interrupted writer's temp file")
+    store.commit(4, manifest(4, names))
+    assert not stray.parent.exists() and store.committed_steps() == [4]
