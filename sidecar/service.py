@@ -477,9 +477,13 @@ class SidecarService:
         committed = self.store.committed_steps()
         kept = set(self._manifests) | set(self._committed)
         for s in sorted(kept - set(committed)):  # a step file no longer JSON is rewritten
+            # (A commit on another thread may prune the step meanwhile: then there is nothing to repair.)
+            m = self._manifests.get(s)
+            data = self._committed.get(s) if m is None else None
             with contextlib.suppress(ManifestError, OSError):
-                data = self._manifests[s].to_json() if s in self._manifests else self._committed[s]
-                if self.store.repair_step(s, data):
+                if m is not None:
+                    data = m.to_json()
+                if data is not None and self.store.repair_step(s, data):
                     committed = self.store.committed_steps()
         for s in set(self._committed) - set(committed):  # pruned or aborted (or not repairable)
             self._committed.pop(s, None)

@@ -209,3 +209,39 @@ def test_a_sidecar_keeps_no_manifest_of_a_step_it_pruned(services):
         committed = svc.store.committed_steps()
         assert committed == [5, 6]
         assert set(svc._manifests) <= set(committed) and set(svc._committed) == set(committed)
+
+
+class _PrunedMeanwhile(dict):
+    """A sidecar's committed-bytes table whose entries another thread's commit prunes just before
+    they are looked up: the interleaving a commit that prunes and an inventory can have."""
+
+    def __getitem__(self, key):
+        self.pop(key, None)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.pop(key, None)
+        return super().get(key, default)
+
+
+def test_an_inventory_beside_a_commit_that_prunes_is_not_an_error(tmp_path):
+    svc = SidecarService(tmp_path / "h", host_id="h", max_to_keep=1)
+    try:
+        rec = fmt.ArrayRecord(key="['w']", kind="jax", dtype="float32", shape=(2, 4),
+                              sharding={"type": "named", "mesh_shape": [1], "axis_names": ["x"],
+                                        "device_ids": [0], "spec": ["x"]})
+        for step in (1, 2):
+            svc.write_shards(step, [(0, ((0, 2), (0, 4)), np.full((2, 4), step, np.float32))])
+            data, digest = fmt.encode_step(step=step, arrays=[rec], tree=None, created=0.0,
+                                           topology={"hosts": ["h"]}, fingerprint={},
+                                           parts=[("h", svc.part_bytes(step))])
+            svc.commit(step, data, digest=digest)
+        # Step 1's file is pruned (by step 2's commit); its bytes are still in the table when the
+        # inventory lists the steps, and gone when it looks them up.
+        svc._committed = _PrunedMeanwhile({**svc._committed, 1: b"{}"})
+        svc._manifests.pop(1, None)
+        inv = svc.inventory()
+        assert [r["step"] for r in inv["steps"]] == [2] and inv["damaged"] == []
+        assert svc.store.committed_steps() == [2]  # a pruned step is never brought back
+    finally:
+        svc.close()
