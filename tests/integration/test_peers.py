@@ -283,13 +283,18 @@ def test_a_bad_peer_copy_is_skipped_for_another_holder_repaired_and_no_good_copy
             assert asked
             rrep = m.wait_for_replication()
             assert rrep.replicated and rrep.moved_blobs >= len(asked), rrep
+            # Three good copies of each repaired blob again (on the repaired holder or on another: the
+            # plan spreads the copies it makes), and no corrupt copy left anywhere.
             for b in asked:
-                assert blob_name((cluster.store_root(bad_holder) / "blobs" / b).read_bytes()) == b
+                holders = [h for h in cluster.hosts if b in blobs_on_disk(cluster, h)]
+                assert len(holders) == 3, (b, holders)
+                assert all(blob_name((cluster.store_root(h) / "blobs" / b).read_bytes()) == b for h in holders)
             assert all(s.replicated and s.min_copies == 3 for s in m.step_status())
 
             # Now no good copy is left of one shard of "w" anywhere but on the host that is lost.
             victim = next(b for b in sorted(need) if bad_holder in others[b])
-            for h in others[victim]:
+            holding = [h for h in cluster.hosts[1:] if victim in blobs_on_disk(cluster, h)]  # as re-replicated
+            for h in holding:
                 flip_byte(cluster.store_root(h) / "blobs" / victim)
             cluster.wipe("s0-h0")
             cluster.restart("s0-h0")
@@ -299,7 +304,7 @@ def test_a_bad_peer_copy_is_skipped_for_another_holder_repaired_and_no_good_copy
             manifest = m._dispatch.manifest(5)
             rec, shard = next((r, s) for r in manifest.arrays for s in r.shards if s.blob == victim)
             for part in (f"array {rec.key!r}", "[" + ", ".join(f"{a}:{b}" for a, b in shard.box) + "]", victim,
-                         "tiers tried: ram", "peer (", "backup (", *others[victim], "corrupt"):
+                         "tiers tried: ram", "peer (", "backup (", *holding, "corrupt"):
                 assert part in msg, (part, msg)
 
 
