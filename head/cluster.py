@@ -548,7 +548,8 @@ class ClusterDispatcher(Dispatcher):
         return self.topology.slice_of(host_id)
 
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None) -> dict[str, PullResult]:
+                  manifest: fmt.StepManifest | None = None, *,
+                  shares: dict[str, list[tuple[str, list[str]]]] | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches its blobs from the holders listed, verified.
 
         host -> what it pulled (an ``error`` when the host could not be asked or failed as a whole). With ``manifest``, a host that
@@ -557,11 +558,15 @@ class ClusterDispatcher(Dispatcher):
         peers = dict(self.peer_addresses)
         data = [manifest.to_json()] if manifest is not None else []
 
+        shares = shares or {}
+
         def one(h: str) -> PullResult:
-            args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls[h]], "peers": peers}
+            args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, ())], "peers": peers}
+            if h in shares:
+                args["shares"] = [[owner, list(srcs)] for owner, srcs in shares[h]]
             return PullResult.from_wire(h, self._run_job(h, "peer_pull", args, data))
 
-        results, failures = self._fan_out(one, list(pulls), pool=self._peer_pool)
+        results, failures = self._fan_out(one, sorted(set(pulls) | set(shares)), pool=self._peer_pool)
         for h, e in failures.items():
             log.warning("peer pull of step %d on %s failed: %s", step, h, cause(e))
             results[h] = PullResult.unreachable(h, cause(e))

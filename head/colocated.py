@@ -365,8 +365,8 @@ class ColocatedDispatcher(Dispatcher):
         return 0
 
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None, *, peers: dict[str, str] | None = None
-                  ) -> dict[str, PullResult]:
+                  manifest: fmt.StepManifest | None = None, *, peers: dict[str, str] | None = None,
+                  shares: dict[str, list[tuple[str, list[str]]]] | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches its blobs from the holders, as a sidecar job.
 
         The address book is what the sidecars report with their fingerprints; ``peers`` adds
@@ -378,11 +378,12 @@ class ColocatedDispatcher(Dispatcher):
             results = self._run_job(
                 "peer_pull", step=step, peers=book,
                 pulls={h: [[b, n, list(srcs)] for b, n, srcs in rows] for h, rows in pulls.items()},
+                shares={h: [[o, list(srcs)] for o, srcs in rows] for h, rows in (shares or {}).items()},
                 manifest=manifest.to_json().decode() if manifest is not None else None)
         except MTCError as e:
-            return {h: PullResult.unreachable(h, str(e)) for h in pulls}
+            return {h: PullResult.unreachable(h, str(e)) for h in {*pulls, *(shares or {})}}
         return {h: PullResult.from_wire(h, results[h]) if h in results
-                else PullResult.unreachable(h, f"host {h} did not answer") for h in pulls}
+                else PullResult.unreachable(h, f"host {h} did not answer") for h in {*pulls, *(shares or {})}}
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         return self._run_job("backup_upload", assignments=assignments)

@@ -80,6 +80,9 @@ class StepHolding:
     # The digest of this host's own share's sorted blob names ("" from an older sidecar): hosts
     # whose shares are equal (data-parallel twins) hold copies of each other's whole share.
     own: str = ""
+    # The digests of the shares this host holds whole (a host that keeps the whole manifest: its
+    # own and the copies it keeps for others; a record host reports none, its counts say).
+    copies: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +117,12 @@ class HostInventory:
             manifest = s.get("manifest", "")
             if not isinstance(manifest, str):
                 raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'manifest' is not a digest")
-            own = s.get("own", "")
-            if not isinstance(own, str):
-                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'own' is not a digest")
+            own, copies = s.get("own", ""), s.get("copies", [])
+            if not isinstance(own, str) or not (isinstance(copies, list) and all(isinstance(c, str) for c in copies)):
+                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'own' or 'copies' "
+                                           "is not a digest (list)")
             steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
-                                     s["held"], manifest, s.get("part") is True, own))
+                                     s["held"], manifest, s.get("part") is True, own, tuple(copies)))
         damaged = doc.get("damaged", [])
         if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
             raise errors.ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")
@@ -138,6 +142,7 @@ class PullResult:
     bad_copies: tuple[tuple[str, str, str], ...] = ()  # (blob, holder, cause): copies that failed their hash
     removed_bad_copies: tuple[tuple[str, str], ...] = ()  # (blob, holder): bad at the holder, now removed
     error: str | None = None
+    asked_bytes: int = 0  # the bytes of the distinct blobs it was asked for (held already or not)
 
     @property
     def failed_blobs(self) -> set[str]:
@@ -158,7 +163,8 @@ class PullResult:
                 failed=tuple((str(b), tuple((str(src), str(c)) for src, c in causes))
                              for b, causes in doc.get("failed", [])),
                 bad_copies=tuple((str(b), str(src), str(c)) for b, src, c in doc.get("bad_copies", [])),
-                removed_bad_copies=tuple((str(b), str(src)) for b, src in doc.get("removed_bad_copies", [])))
+                removed_bad_copies=tuple((str(b), str(src)) for b, src in doc.get("removed_bad_copies", [])),
+                asked_bytes=int(doc.get("asked_bytes", 0)))
         except (TypeError, ValueError) as e:
             raise errors.ProtocolError(f"host {host}: malformed peer pull answer ({e}): {doc!r:.200}") from None
 
@@ -272,8 +278,11 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None) -> dict[str, PullResult]:
-        """Each host of ``pulls`` fetches [(blob, nbytes, [holders to try])] from its peers, verified.
+                  manifest: fmt.StepManifest | None = None, *,
+                  shares: dict[str, list[tuple[str, list[str]]]] | None = None) -> dict[str, PullResult]:
+        """Each host of ``pulls`` fetches [(blob, nbytes, [holders to try])] from its peers, verified;
+        each host of ``shares`` fetches [(owner host, [holders])]: every blob of the owner's share,
+        which the host lists from its own copy of the step manifest.
 
         host -> what it pulled (a host that could not be asked has an ``error``). With
         ``manifest``, a host that lacks the step commits it once all its pulls succeeded.

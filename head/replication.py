@@ -24,7 +24,8 @@ from mtc.shared import protocol
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReplicationStrategy", "StepView", "Transfer", "covered_by_shares", "step_views", "summarize"]
+__all__ = ["ReplicationStrategy", "StepView", "Transfer", "covered_by_shares", "plan_shares", "step_views",
+           "summarize"]
 
 
 class Transfer(NamedTuple):
@@ -244,34 +245,92 @@ def step_views(inventories: Mapping[str, HostInventory],
     return out
 
 
-def covered_by_shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Iterable[str],
-                      strategy: ReplicationStrategy, topology: Mapping[str, int]) -> bool:
-    """Whether every blob of ``step`` has its copies already, as the hosts' own shares say.
-
-    Needs no step manifest (its reading grows with the shards; this grows with the hosts): the
-    blobs of a step are the union of the own shares of ``hosts``, the hosts that saved it; a
-    host's share is on every host that reports the same share digest (``StepHolding.own``:
-    data-parallel twins) and holds it whole. True when each share is so on
-    ``strategy.factor`` failure domains, as in a multi-slice data-parallel job right after a
-    save. False when that is not so or cannot be told (a saving host unreachable, or reporting
-    the step under another manifest ``digest``, or from an older sidecar): then the caller plans
-    from the manifest.
-    """
-    share: dict[str, str] = {}  # host -> its share's digest
-    whole: dict[str, set[str]] = {}  # share digest -> hosts that hold it whole
+def _shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Sequence[str]
+            ) -> tuple[dict[str, str], dict[str, set[str]]] | None:
+    """(host -> its share's digest, share digest -> hosts that hold that share whole), for the
+    saving ``hosts``; None when some saving host does not report its share under ``manifest``.
+    A share is held whole by a host that committed a record of it and holds all of it, and by a
+    host that lists it among the shares it holds whole (``StepHolding.copies``: a host that keeps
+    the whole manifest lists its own share and the copies it keeps for others)."""
+    share: dict[str, str] = {}
+    whole: dict[str, set[str]] = {}
     for host, inv in inventories.items():
         if inv.error:
             continue
         for s in inv.steps:
             if s.step == step and s.manifest == manifest and s.own:
                 share[host] = s.own
-                if s.local_blobs == s.blobs:
+                if s.part and s.local_blobs == s.blobs:  # a record host: its counts are over its share
                     whole.setdefault(s.own, set()).add(host)
-    hosts = list(hosts)
+                for d in s.copies:
+                    whole.setdefault(d, set()).add(host)
     if not hosts or any(h not in share for h in hosts):
+        return None
+    return share, whole
+
+
+def covered_by_shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Iterable[str],
+                      strategy: ReplicationStrategy, topology: Mapping[str, int]) -> bool:
+    """Whether every blob of ``step`` has its copies already, as the hosts' shares say.
+
+    Needs no step manifest (its reading grows with the shards; this grows with the hosts): the
+    blobs of a step are the union of the own shares of ``hosts``, the hosts that saved it; a
+    share is on every host that reports the same share digest (``StepHolding.own``:
+    data-parallel twins) and holds it whole, and on every host that keeps a copy of it
+    (``StepHolding.copies``). True when each share is so on ``strategy.factor`` failure
+    domains, as in a multi-slice data-parallel job right after a save. False when that is not
+    so or cannot be told (a saving host unreachable, or reporting the step under another
+    manifest ``digest``, or from an older sidecar).
+    """
+    hosts = list(hosts)
+    got = _shares(inventories, step, manifest, hosts)
+    if got is None:
         return False
-    needed = {share[h] for h in hosts}  # each distinct share once (a share is on up to every slice)
+    share, whole = got
+    needed = {share[h] for h in hosts}  # each distinct share once
     return all(strategy.copies(whole.get(d, ()), topology) >= strategy.factor for d in needed)
+
+
+def plan_shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Sequence[str],
+                strategy: ReplicationStrategy, topology: Mapping[str, int], *, targets: Iterable[str]
+                ) -> dict[str, list[tuple[str, list[str]]]] | None:
+    """The copies to make, share by share: dst -> [(owner host, holders to pull from)].
+
+    O(hosts): a share is named by one host that saved it (its owner), and the receiving host
+    lists the share's blobs from its own copy of the manifest. Each share short of
+    ``strategy.factor`` failure domains goes to the least loaded eligible host (one of
+    ``targets``) of a domain that lacks it, ties going to the next host around the ring from
+    the owner, so that the copies spread. A share that no host holds whole is left out (its
+    blobs may still be on several hosts: the per-blob plan finds them). None when the shares
+    cannot be told (see ``covered_by_shares``): then the caller plans per blob.
+    """
+    got = _shares(inventories, step, manifest, list(hosts))
+    if got is None:
+        return None
+    share, whole = got
+    ring = {h: i for i, h in enumerate(topology)}
+    n = max(1, len(ring))
+    allowed = [h for h in ring if h in set(targets)]
+    domain = strategy._domain_of(topology)
+    load: Counter[str] = Counter()
+    out: dict[str, list[tuple[str, list[str]]]] = {}
+    owners: dict[str, str] = {}
+    for h in sorted(hosts, key=lambda h: ring.get(h, n)):
+        owners.setdefault(share[h], h)
+    for d, owner in owners.items():
+        have = sorted(whole.get(d, set()) & set(ring), key=lambda h: (h != owner, ring[h]))
+        if not have:
+            continue
+        covered = {domain(h) for h in have}
+        while len(covered) < strategy.factor:
+            cands = [h for h in allowed if domain(h) not in covered]
+            if not cands:
+                break
+            dst = min(cands, key=lambda h: (load[h], (ring[h] - ring.get(owner, 0)) % n))
+            out.setdefault(dst, []).append((owner, have))
+            load[dst] += 1
+            covered.add(domain(dst))
+    return out
 
 
 def summarize(view: StepView, strategy: ReplicationStrategy, topology: Mapping[str, int]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mtc.head.dispatch import Dispatcher
-from mtc.head.replication import ReplicationStrategy, covered_by_shares, step_views
+from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.reports import ReplicationReport
 from mtc.head.save import CommittedStep
 from mtc.shared import format as fmt
@@ -78,33 +78,33 @@ class Replicator:
         step, t0 = committed.step, time.perf_counter()
         stats = {"planned_blobs": 0, "planned_bytes": 0, "moved_blobs": 0, "moved_bytes": 0, "bad_copies": 0,
                  "removed_bad_copies": 0}
-        inv = None
-        if committed.hosts and committed.digest:
-            # Twins may hold every copy already (multi-slice data parallelism): the hosts' shares
-            # tell, and the manifest, whose reading grows with the shards, is not read at all.
-            try:
-                inv = self._dispatch.peer_inventories()
-            except Exception as e:
-                log.warning("replication of step %d: inventories: %s", step, e)
-            if inv is not None and covered_by_shares(inv, step, committed.digest, committed.hosts,
-                                                     self._strategy, self.topology()):
-                return self._finish(ReplicationReport(step=step, complete=True, replicated=True, attempts=1,
-                                                      seconds=time.perf_counter() - t0, **stats))
-        try:
-            manifest = committed.manifest
-        except Exception as e:  # the bytes the hosts committed do not read: nothing can be planned
-            log.error("replication of step %d: its manifest does not read: %s", step, e)
-            return self._finish(ReplicationReport(step=step, attempts=0, error=f"{type(e).__name__}: {e}",
-                                                  seconds=time.perf_counter() - t0))
-        names = sorted(manifest.blob_names())
+        # Share by share while the hosts' shares tell (the manifest, whose reading grows with the
+        # shards, is not read at all); blob by blob from the manifest otherwise.
+        by_shares = bool(committed.hosts and committed.digest)
+        manifest: fmt.StepManifest | None = None
+        names: list[str] = []
         attempts, delay, error = 0, _REPLICATION_RETRY_S[0], None
         complete = replicated = False
         deadline = time.monotonic() + _REPLICATION_PATIENCE_S
         while True:
             attempts += 1
             try:
-                complete, replicated = self._replicate_once(manifest, names, stats, first=attempts == 1,
-                                                            inv=inv if attempts == 1 else None)
+                outcome = None
+                if by_shares:
+                    outcome = self._replicate_shares(committed, stats, first=attempts == 1)
+                    by_shares = outcome is not None
+                if outcome is None:
+                    if manifest is None:
+                        try:
+                            manifest = committed.manifest
+                        except Exception as e:  # the bytes the hosts committed do not read: nothing to plan
+                            log.error("replication of step %d: its manifest does not read: %s", step, e)
+                            return self._finish(ReplicationReport(
+                                step=step, attempts=attempts, error=f"{type(e).__name__}: {e}",
+                                seconds=time.perf_counter() - t0, **stats))
+                        names = sorted(manifest.blob_names())
+                    outcome = self._replicate_once(manifest, names, stats, first=attempts == 1)
+                complete, replicated = outcome
                 error = None
             except StepNotFoundError as e:  # pruned or aborted meanwhile: nothing left to do
                 error = str(e)
@@ -138,12 +138,54 @@ class Replicator:
     def topology(self) -> dict[str, int]:
         return {h: self._dispatch.slice_of(h) for h in self._dispatch.hosts()}
 
+    def _replicate_shares(self, committed: CommittedStep, stats: dict, *, first: bool) -> tuple[bool, bool] | None:
+        """One attempt by shares: (nothing left to retry, every blob has its copies), or None when
+        the shares cannot tell or place the copies (then the manifest plans, blob by blob).
+
+        O(hosts) on the head: the inventories say which hosts hold which share whole (their own,
+        a twin's, or a copy they keep); each share short of copies is pulled whole by a host of a
+        domain that lacks it, which lists the blobs from its own copy of the manifest."""
+        step, digest, hosts = committed.step, committed.digest, committed.hosts
+        inv = self._dispatch.peer_inventories()
+        topology = self.topology()
+        if covered_by_shares(inv, step, digest, hosts, self._strategy, topology):
+            return True, True
+        down = {h for h, i in inv.items() if i.error}
+        targets = {h for h, i in inv.items() if not i.error
+                   and any(s.step == step and s.manifest == digest for s in i.steps)}
+        plan = plan_shares(inv, step, digest, hosts, self._strategy, topology, targets=targets)
+        if not plan:
+            return None
+        if first:
+            blobs = {h: s.blobs for h, i in inv.items() for s in i.steps if s.step == step}
+            stats["planned_blobs"] = sum(blobs.get(owner, 0) for rows in plan.values() for owner, _ in rows)
+        failed = repaired = 0
+        for dst, res in self._dispatch.peer_pull(step, {}, shares=plan).items():
+            if res.error:
+                failed += len(plan.get(dst, ()))
+                log.warning("replication of step %d: %s could not pull its shares: %s", step, dst, res.error)
+                continue
+            failed += len(res.failed)
+            stats["moved_blobs"] += res.pulled
+            stats["moved_bytes"] += res.pulled_bytes
+            stats["bad_copies"] += len(res.bad_copies)
+            stats["removed_bad_copies"] += len(res.removed_bad_copies)
+            repaired += len(res.removed_bad_copies)
+            if first:
+                stats["planned_bytes"] += res.asked_bytes
+        if repaired:  # holders dropped corrupt copies: they hold less than the inventory said; look again
+            return False, False
+        if covered_by_shares(self._dispatch.peer_inventories(), step, digest, hosts, self._strategy, topology):
+            return True, True
+        if failed or down:
+            return False, False
+        return None  # the shares' copies were made and still not enough: the per-blob plan decides
+
     def _replicate_once(self, manifest: fmt.StepManifest, names: list[str], stats: dict, *,
-                        first: bool, inv=None) -> tuple[bool, bool]:
-        """One attempt: (nothing left to retry, every blob has its copies). ``inv``: the
-        inventories, when just asked."""
+                        first: bool) -> tuple[bool, bool]:
+        """One attempt: (nothing left to retry, every blob has its copies)."""
         step = manifest.step
-        inv = inv if inv is not None else self._dispatch.peer_inventories()
+        inv = self._dispatch.peer_inventories()
         down = {h for h, i in inv.items() if i.error}
         view = step_views(inv, lambda s, d: manifest if (s, d) == (step, manifest.digest) else None).get(step)
         holders = view.by_name(names) if view is not None else None

@@ -33,7 +33,7 @@ from mtc.shared import landing, shardings
 from mtc.shared import errors as mtc_errors
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.sidecar.peer import resolve_token
-from mtc.sidecar.replication import parse_peers, parse_pulls
+from mtc.sidecar.replication import parse_peers, parse_pulls, parse_shares
 from mtc.shared.buffers import aligned_empty
 from mtc.sidecar.service import SidecarService
 
@@ -71,11 +71,12 @@ def _request(x) -> dict:
 
 def _op_peer_pull(svc: SidecarService, req: dict) -> Any:
     rows = req["pulls"].get(svc.host_id)
-    if rows is None:  # nothing for this host; every host answers with a job
+    shares = (req.get("shares") or {}).get(svc.host_id)
+    if rows is None and shares is None:  # nothing for this host; every host answers with a job
         return svc.start_job(dict)
     manifest = req.get("manifest")
-    return svc.start_job(svc.peer_pull, int(req["step"]), parse_pulls(rows), parse_peers(req["peers"]),
-                         manifest.encode() if manifest else None)
+    return svc.start_job(svc.peer_pull, int(req["step"]), parse_pulls(rows or []), parse_peers(req["peers"]),
+                         manifest.encode() if manifest else None, parse_shares(shares))
 
 
 def _op_backup_finalize(svc: SidecarService, req: dict) -> Any:

@@ -30,7 +30,7 @@ Ops (``args`` -> ``result``; payloads in brackets):
   failed]. A box listed in ``stream`` that is exactly one saved shard is sent straight from a map of
   its blob's file without being hashed here, and listed in ``streamed``: the head hashes it as it
   arrives. Every other box is verified here before it is sent.
-- ``peer_pull {step, pulls: [[blob, size, [holder, ...]], ...], peers: {host: address}}`` [step manifest,
+- ``peer_pull {step, pulls: [[blob, size, [holder, ...]], ...], peers: {host: address}, shares: [[owner, [holder, ...]], ...]}`` [step manifest,
   optional: commit the step here once every pull succeeded] -> what was pulled (``mtc.sidecar.replication``).
   Its own peer service (``mtc.sidecar.peer``) is what the other sidecars pull from; its address is
   in the ``fingerprint`` answer (``"peer"``).
@@ -68,7 +68,7 @@ from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, Protoc
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.reads import BlobStream
-from mtc.sidecar.replication import parse_peers, parse_pulls
+from mtc.sidecar.replication import parse_peers, parse_pulls, parse_shares
 from mtc.sidecar.jobs import MAX_WAIT_S
 from mtc.sidecar.service import SidecarService
 from mtc.sidecar.tcpserver import ThreadedTCPServer
@@ -363,7 +363,8 @@ class SidecarDaemon(ThreadedTCPServer):
         if len(payloads) > 1:
             raise ProtocolError("peer_pull: at most one payload (the step manifest, to adopt the step)")
         manifest = bytes(payloads[0]) if payloads else None
-        return {"job": self.service.start_job(self.service.peer_pull, step, pulls, peers, manifest)}, []
+        shares = parse_shares(args.get("shares"))
+        return {"job": self.service.start_job(self.service.peer_pull, step, pulls, peers, manifest, shares)}, []
 
     def _op_job(self, args: dict, payloads: Sequence) -> tuple[Any, list]:
         job_id, wait_s = args.get("job"), args.get("wait_s", 0.0)

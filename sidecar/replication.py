@@ -34,7 +34,7 @@ from mtc.sidecar.ram import RamStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pull", "held_bits", "parse_peers", "parse_pulls", "pull_blobs"]
+__all__ = ["Pull", "held_bits", "parse_peers", "parse_pulls", "parse_shares", "pull_blobs"]
 
 
 def held_bits(step_blobs: set[str], have: set[str]) -> dict:
@@ -73,6 +73,26 @@ def parse_pulls(rows: Any) -> list[Pull]:
             except ConfigError as e:
                 raise ProtocolError(f"pulls[{i}]: {e}") from None
         out.append(Pull(row[0], row[1], tuple(row[2])))
+    return out
+
+
+def parse_shares(rows: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """Share pulls from the wire: ``[[owner host, [holder, ...]], ...]`` (ProtocolError when malformed)."""
+    if rows is None:
+        return []
+    if not isinstance(rows, list):
+        raise ProtocolError("'shares' must be a list of [owner host, [holders]]")
+    out = []
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and isinstance(row[1], list)
+                and row[1] and all(isinstance(h, str) for h in row[1])):
+            raise ProtocolError(f"shares[{i}] is not [owner host, [holder, ...]]: {row!r:.120}")
+        for h in (row[0], *row[1]):
+            try:
+                protocol.check_host_id(h)
+            except ConfigError as e:
+                raise ProtocolError(f"shares[{i}]: {e}") from None
+        out.append((row[0], tuple(row[1])))
     return out
 
 

@@ -28,7 +28,7 @@ from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.peer import PeerClient, PeerServer
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.reads import BoxReader
-from mtc.sidecar.replication import held_bits, pull_blobs
+from mtc.sidecar.replication import Pull, held_bits, pull_blobs
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class SidecarService:
         # step -> (local view of a step committed here as a record, {array key: its own boxes}):
         # what a restore onto the same topology reads by, without the other hosts' parts.
         self._views: dict[int, tuple[fmt.StepManifest, dict[str, set], dict[str, tuple]]] = {}
+        # (step, manifest digest) -> {host: digest of its share's blob names}, for inventories.
+        self._share_digests: dict[tuple[int, str], dict[str, str]] = {}
         # step -> (step file bytes, its commit record or None, the record part's blob names): parsed once.
         self._records: dict[int, tuple[bytes, fmt.CommitRecord | None, frozenset | None]] = {}
         # step -> (pending host manifest bytes, that manifest) as this sidecar wrote it in phase 1.
@@ -507,12 +509,27 @@ class SidecarService:
                 own = m.blob_names()
             else:  # shards with no device record (older manifests) count for every host
                 own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
+            # Its share: the part it wrote (mtc/3), else the shards of its devices.
+            share = m.part_blobs.get(self.host_id, own)
             out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": m.digest,
-                        "own": protocol.blob_list_digest(sorted(own)), **held_bits(m.blob_names(), have)})
+                        "own": protocol.blob_list_digest(sorted(share)), "copies": self._shares_held(m, have),
+                        **held_bits(m.blob_names(), have)})
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
         damaged += [s for s in self.store.unreadable_steps(listed=True) if s not in damaged]
         return {"host": self.host_id, "steps": out, "damaged": sorted(damaged)}
+
+    def _shares_held(self, m: fmt.StepManifest, have: set[str]) -> list[str]:
+        """The digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own
+        and the copies it keeps for others, as the head's replication counts them
+        (``covered_by_shares``)."""
+        key = (m.step, m.digest)
+        digests = self._share_digests.get(key)
+        if digests is None:
+            digests = {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()}
+            self._share_digests = {k: v for k, v in self._share_digests.items() if k[0] in self._manifests}
+            self._share_digests[key] = digests
+        return sorted({d for h, d in digests.items() if m.part_blobs[h] <= have})
 
     def verify(self, step: int) -> dict:
         """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}."""
@@ -634,22 +651,36 @@ class SidecarService:
     def peer_address(self) -> str | None:
         return None if self._peer is None else self._peer.address
 
-    def peer_pull(self, step: int, pulls: Sequence, peers: dict[str, str], manifest_json: bytes | None = None) -> dict:
+    def peer_pull(self, step: int, pulls: Sequence, peers: dict[str, str], manifest_json: bytes | None = None,
+                  shares: Sequence[tuple[str, Sequence[str]]] = ()) -> dict:
         """Pull blobs of ``step`` from the peers that hold them, verified (see mtc.sidecar.replication).
 
-        With ``manifest_json`` (a restore onto a host that lost the step), the step is committed
-        here once every pull succeeded, so that its blobs are kept and the host counts as
-        holding the step again.
+        ``shares`` are (owner host, holders): every blob of the owner's part of the step, which
+        this host lists from its manifest (fetched from a keeper if need be), so that the head
+        names a share, not its blobs. With ``manifest_json`` (a restore onto a host that lost
+        the step), the step is committed here once every pull succeeded, so that its blobs are
+        kept and the host counts as holding the step again.
         """
         if self._peer is None:
             raise ConfigError(f"host {self.host_id} has no peer tier: start its sidecar with a peer token "
                               "(MTC_PEER_TOKEN or peer_token)")
-        if step in self.store.committed_steps():
+        if shares:
+            # Copies held for others are kept alive by the whole manifest, which also lists the shares.
+            m = self.manifest(step)
+            sizes = m.blob_sizes()
+            pulls = list(pulls)
+            for owner, holders in shares:
+                blobs = m.part_blobs.get(owner)
+                if blobs is None:
+                    raise ManifestError(f"host {self.host_id}: step {step}'s manifest has no part of host {owner}")
+                pulls += [Pull(b, sizes[b], tuple(holders)) for b in sorted(blobs)]
+        elif step in self.store.committed_steps():
             # Copies held for others are kept alive by the whole manifest: a host that committed
             # only a record fetches it first (if it cannot, ``manifest_json`` below, or a later try).
             with contextlib.suppress(ManifestError, StepNotFoundError):
                 self.manifest(step)
         out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id)
+        out["asked_bytes"] = sum(size for size in {p.blob: p.size for p in pulls}.values())
         out["adopted"] = False
         if manifest_json is not None and not out["failed"] and not self._has_readable(step):
             manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")

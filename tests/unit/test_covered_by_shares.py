@@ -4,7 +4,7 @@ alone (no step manifest), and every case where it cannot be told so (then the ma
 from __future__ import annotations
 
 from mtc.head.dispatch import HostInventory, StepHolding
-from mtc.head.replication import ReplicationStrategy, covered_by_shares
+from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares
 from mtc.shared import protocol
 
 TWO_SLICES = {"s0-h0": 0, "s0-h1": 0, "s1-h0": 1, "s1-h1": 1}
@@ -72,3 +72,54 @@ def test_it_cannot_tell_without_every_saving_host_under_the_same_manifest():
 def test_a_host_the_topology_does_not_know_adds_no_domain():
     inv = inventories({"s0-h0": row(7, A), "s9-h0": row(7, A)})
     assert not covered_by_shares(inv, 7, "m1", ["s0-h0"], ReplicationStrategy(2), {"s0-h0": 0, "s1-h0": 1})
+
+
+# --- plan_shares: the copies to make, share by share -------------------------------------------
+
+C, D = ["c1"], ["d1", "d2"]
+FSDP = {"s0-h0": A, "s0-h1": B, "s1-h0": C, "s1-h1": D}  # FSDP over both slices: no twins
+
+
+def full_row(step: int, own: list[str], holds: list[list[str]], manifest: str = "m1") -> StepHolding:
+    """A host that keeps the whole manifest: it lists the shares it holds whole (its own among them)."""
+    return StepHolding(step, len(own), len(own), 9, "x", "", manifest, False, share(own),
+                       tuple(share(h) for h in holds))
+
+
+def test_shares_without_twins_go_to_the_other_slice_spread_over_its_hosts():
+    inv = inventories({h: row(7, n) for h, n in FSDP.items()})
+    strategy = ReplicationStrategy(2)
+    assert not covered_by_shares(inv, 7, "m1", FSDP, strategy, TWO_SLICES)
+    plan = plan_shares(inv, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP)
+    assert plan == {"s1-h0": [("s0-h0", ["s0-h0"])], "s1-h1": [("s0-h1", ["s0-h1"])],
+                    "s0-h0": [("s1-h0", ["s1-h0"])], "s0-h1": [("s1-h1", ["s1-h1"])]}
+    # Once the receivers report the copies they keep, every share is on both slices.
+    after = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": full_row(7, B, [B, D]),
+                         "s1-h0": full_row(7, C, [C, A]), "s1-h1": full_row(7, D, [D, B])})
+    assert covered_by_shares(after, 7, "m1", FSDP, strategy, TWO_SLICES)
+    assert plan_shares(after, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP) == {}
+    # A copy reported but not held whole does not count (the receiver lists only whole shares).
+    partial = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": full_row(7, B, [B]),
+                           "s1-h0": full_row(7, C, [C, A]), "s1-h1": full_row(7, D, [D, B])})
+    assert not covered_by_shares(partial, 7, "m1", FSDP, strategy, TWO_SLICES)
+    assert plan_shares(partial, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP) == {
+        "s0-h0": [("s1-h1", ["s1-h1"])]}
+
+
+def test_with_one_slice_each_share_goes_to_the_next_host():
+    hosts = {f"h{i}": 0 for i in range(4)}
+    shares = {f"h{i}": [f"b{i}"] for i in range(4)}
+    inv = inventories({h: row(2, n) for h, n in shares.items()})
+    plan = plan_shares(inv, 2, "m1", list(hosts), ReplicationStrategy(2), hosts, targets=hosts)
+    assert plan == {"h1": [("h0", ["h0"])], "h2": [("h1", ["h1"])], "h3": [("h2", ["h2"])], "h0": [("h3", ["h3"])]}
+
+
+def test_a_host_down_receives_nothing_and_a_share_nobody_holds_whole_is_left_to_the_blob_plan():
+    inv = inventories({**{h: row(7, n) for h, n in FSDP.items()}, "s0-h1": row(7, B, held=1)})
+    plan = plan_shares(inv, 7, "m1", list(FSDP), ReplicationStrategy(2), TWO_SLICES,
+                       targets={"s0-h0", "s0-h1", "s1-h0"})
+    assert "s1-h1" not in plan  # not a target (down, say)
+    assert all(owner != "s0-h1" for rows in plan.values() for owner, _ in rows)  # B is held in part only
+    assert plan["s1-h0"] == [("s0-h0", ["s0-h0"])]
+    assert plan_shares(inventories({}), 7, "m1", list(FSDP), ReplicationStrategy(2), TWO_SLICES,
+                       targets=FSDP) is None
