@@ -17,7 +17,8 @@ FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
 - head bytes per host per save, which must stay constant in H for a fixed per-host share;
 - the replication decision after the save when the slices are data-parallel twins (as MaxText
   runs multi-slice): every host's inventory (its own share's digest and bitmap) parsed, and
-  ``covered_by_shares`` deciding that every copy exists, with no manifest read;
+  ``covered_by_shares`` deciding that every copy exists, with no manifest read; and without
+  twins (FSDP over every host): ``plan_shares`` sending each host's share to another slice;
 - the CPU to read and check the whole manifest (``StepManifest.from_json``): what a restore, a
   host that fetches it, and the head's replication and backup planning after each commit pay
   (a keeper only hashes it before it commits); skipped past ``--budget-s``, with an estimate.
@@ -34,7 +35,7 @@ import math
 import time
 
 from mtc.head.dispatch import HostInventory
-from mtc.head.replication import ReplicationStrategy, covered_by_shares
+from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares
 from mtc.head.save import choose_keepers
 from mtc.shared import format as fmt
 from mtc.shared import protocol
@@ -119,6 +120,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     t3 = time.process_time()
     sent2 = decisions + len(data) * len(keepers)
     repl_s, repl_received = replication_decision(hosts, len(per_host["h0"]))
+    plan_s, _ = replication_decision(hosts, len(per_host["h0"]), twins=False)
     keeper_s = None
     if parse:
         p0 = time.process_time()
@@ -129,21 +131,24 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
             "keeper_parse_s": keeper_s, "replication_s": repl_s, "replication_received": repl_received,
+            "plan_s": plan_s,
             "head_sent": sent1 + sent2, "head_received": recv1,
             "before_sent": sent1 + len(data) * hosts}
 
 
-def replication_decision(hosts: int, shards_per_host: int) -> tuple[float, int]:
-    """(head CPU, bytes received) to decide that a data-parallel multi-slice save needs no copies:
-    host k of every slice holds the same share; each answers its inventory row of the step."""
+def replication_decision(hosts: int, shards_per_host: int, twins: bool = True) -> tuple[float, int]:
+    """(head CPU, bytes received) of the replication decision after a save, from every host's
+    inventory row of the step. With ``twins`` (data parallelism over the slices): host k of every
+    slice holds the same share, and the decision is that no copy is needed. Without (FSDP over
+    every host): every share is planned to a host of another slice, share by share."""
     slices = max(2, hosts // HOSTS_PER_SLICE)
     per_slice = max(1, hosts // slices)
-    names = {k: sorted(f"{k:08x}{i:024x}" for i in range(shards_per_host)) for k in range(per_slice)}
-    own = {k: protocol.blob_list_digest(v) for k, v in names.items()}
+    # A share's digest is opaque to the head (the hosts compute it over their blob names).
+    own = {k: f"{k:064x}" for k in range(slices * per_slice)}
     bitmap = protocol.encode_bitmap([True] * shards_per_host)
     wire, topology = {}, {}
     for h in range(slices * per_slice):
-        k = h % per_slice
+        k = h % per_slice if twins else h
         topology[f"h{h}"] = h // per_slice
         wire[f"h{h}"] = json.dumps({"host": f"h{h}", "damaged": [], "steps": [
             {"step": 1, "blobs": shards_per_host, "local_blobs": shards_per_host, "manifest": "d" * 64, "part": True,
@@ -151,8 +156,11 @@ def replication_decision(hosts: int, shards_per_host: int) -> tuple[float, int]:
     t0 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     ok = covered_by_shares(inv, 1, "d" * 64, list(topology), ReplicationStrategy(2), topology)
+    if not twins:
+        plan = plan_shares(inv, 1, "d" * 64, list(topology), ReplicationStrategy(2), topology, targets=topology)
+        assert sum(len(v) for v in plan.values()) == len(topology)
     spent = time.process_time() - t0
-    assert ok
+    assert ok == twins
     return spent, sum(len(w) for w in wire.values())
 
 
@@ -182,8 +190,8 @@ def main() -> None:
           f"FSDP over hosts x {DEVICES_PER_HOST} devices, {KEEPERS} keepers\n")
     print("| hosts | shard rows | manifest | head CPU per save | head sends | head receives | head sends per host "
           "| head receives per host | a host: its part | replication decision, data-parallel slices (head CPU) "
-          "| reading the whole manifest (a restore) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| replication plan, no twins (head CPU) | reading the whole manifest (a restore) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         head = r["head_check_s"] + r["head_build_s"] + r["head_phase2_s"]
         keeper = (f"{r['keeper_parse_s']:.2f} s" if r["keeper_parse_s"] is not None
@@ -191,7 +199,7 @@ def main() -> None:
         print(f"| {r['hosts']} | {r['shards']:,} | {_mib(r['manifest_bytes'])} | {head * 1e3:,.0f} ms | "
               f"{_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
               f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | "
-              f"{r['replication_s'] * 1e3:,.0f} ms | {keeper} |")
+              f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         k = a1["hosts"] / a0["hosts"]

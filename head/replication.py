@@ -298,38 +298,53 @@ def plan_shares(inventories: Mapping[str, HostInventory], step: int, manifest: s
 
     O(hosts): a share is named by one host that saved it (its owner), and the receiving host
     lists the share's blobs from its own copy of the manifest. Each share short of
-    ``strategy.factor`` failure domains goes to the least loaded eligible host (one of
-    ``targets``) of a domain that lacks it, ties going to the next host around the ring from
-    the owner, so that the copies spread. A share that no host holds whole is left out (its
-    blobs may still be on several hosts: the per-blob plan finds them). None when the shares
-    cannot be told (see ``covered_by_shares``): then the caller plans per blob.
+    ``strategy.factor`` failure domains goes to the next domain around the ring that lacks it,
+    to the host at the owner's position there (the next position when that host is not one of
+    ``targets``), so every host receives about one share per missing copy. A share that no
+    host holds whole is left out (its blobs may still be on several hosts: the per-blob plan
+    finds them). None when the shares cannot be told (see ``covered_by_shares``): then the
+    caller plans per blob.
     """
     got = _shares(inventories, step, manifest, list(hosts))
     if got is None:
         return None
     share, whole = got
-    ring = {h: i for i, h in enumerate(topology)}
-    n = max(1, len(ring))
-    allowed = [h for h in ring if h in set(targets)]
     domain = strategy._domain_of(topology)
-    load: Counter[str] = Counter()
-    out: dict[str, list[tuple[str, list[str]]]] = {}
+    allowed = set(targets)
+    order: list = []  # the domains in ring order
+    members: dict = {}  # domain -> its hosts, in ring order
+    position: dict[str, int] = {}  # host -> its index among its domain's hosts
+    for h in topology:
+        dom = domain(h)
+        if dom not in members:
+            members[dom] = []
+            order.append(dom)
+        position[h] = len(members[dom])
+        members[dom].append(h)
+    index = {dom: i for i, dom in enumerate(order)}
+    ring = {h: i for i, h in enumerate(topology)}
     owners: dict[str, str] = {}
-    for h in sorted(hosts, key=lambda h: ring.get(h, n)):
+    for h in sorted((h for h in hosts if h in ring), key=ring.__getitem__):
         owners.setdefault(share[h], h)
+    out: dict[str, list[tuple[str, list[str]]]] = {}
     for d, owner in owners.items():
         have = sorted(whole.get(d, set()) & set(ring), key=lambda h: (h != owner, ring[h]))
         if not have:
             continue
         covered = {domain(h) for h in have}
-        while len(covered) < strategy.factor:
-            cands = [h for h in allowed if domain(h) not in covered]
-            if not cands:
+        start, p = index[domain(owner)], position[owner]
+        for k in range(1, len(order)):
+            if len(covered) >= strategy.factor:
                 break
-            dst = min(cands, key=lambda h: (load[h], (ring[h] - ring.get(owner, 0)) % n))
+            dom = order[(start + k) % len(order)]
+            if dom in covered:
+                continue
+            hs = members[dom]
+            dst = next((hs[(p + j) % len(hs)] for j in range(len(hs)) if hs[(p + j) % len(hs)] in allowed), None)
+            if dst is None:
+                continue
             out.setdefault(dst, []).append((owner, have))
-            load[dst] += 1
-            covered.add(domain(dst))
+            covered.add(dom)
     return out
 
 

@@ -160,10 +160,12 @@ class Replicator:
             blobs = {h: s.blobs for h, i in inv.items() for s in i.steps if s.step == step}
             stats["planned_blobs"] = sum(blobs.get(owner, 0) for rows in plan.values() for owner, _ in rows)
         failed = repaired = 0
+        given_up = False
         for dst, res in self._dispatch.peer_pull(step, {}, shares=plan).items():
-            if res.error:
-                failed += len(plan.get(dst, ()))
-                log.warning("replication of step %d: %s could not pull its shares: %s", step, dst, res.error)
+            if res.error:  # e.g. it could not get the manifest from a keeper to list the share
+                given_up = True
+                log.warning("replication of step %d: %s could not pull its shares (%s); planning per blob",
+                            step, dst, res.error)
                 continue
             failed += len(res.failed)
             stats["moved_blobs"] += res.pulled
@@ -173,6 +175,8 @@ class Replicator:
             repaired += len(res.removed_bad_copies)
             if first:
                 stats["planned_bytes"] += res.asked_bytes
+        if given_up:
+            return None
         if repaired:  # holders dropped corrupt copies: they hold less than the inventory said; look again
             return False, False
         if covered_by_shares(self._dispatch.peer_inventories(), step, digest, hosts, self._strategy, topology):

@@ -95,3 +95,41 @@ def test_the_save_thread_hands_the_manifest_to_replication_and_backup_unread(ram
     # Twins on both slices hold every copy: the hosts' shares say so, and replication reads nothing.
     assert not [t for t in readers if t.startswith("mtc-replicate")], readers
     assert len([t for t in readers if t.startswith("mtc-backup")]) == 1, readers
+
+
+def test_without_twins_replication_plans_whole_shares_and_reads_no_manifest(ramdisk, monkeypatch):
+    """FSDP over both slices: no host has a twin. The head plans each host's share to a host of the
+    other slice, which lists the blobs from its own copy of the manifest; the head reads none, and
+    a slice lost afterwards comes back from the copies, bit for bit."""
+    readers: list[str] = []
+    real = fmt.StepManifest.from_json.__func__
+
+    def spy(cls, data, **kw):  # the real reader, noting which thread called it
+        readers.append(threading.current_thread().name)
+        return real(cls, data, **kw)
+
+    monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(spy))
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("x",))
+    rng = np.random.default_rng(3)
+    state = {"w": jax.device_put(random_array(rng, (64, 32), np.float32), NamedSharding(mesh, P("x"))),
+             "b": jax.device_put(random_array(rng, (32,), np.float32), NamedSharding(mesh, P()))}
+    with LocalCluster(ramdisk / "cluster", 2, 2, devices_per_host=2) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, prefetch_on_start=False)
+        with CheckpointManager(cfg) as m:
+            m.save(3, state)
+            m.wait_until_finished()
+            rep = m.wait_for_replication()
+            # 4 shares of 3 blobs (2 of w, b); each receiver holds b already, so 8 blobs move.
+            assert rep.complete and rep.replicated and rep.planned_blobs == 12 and rep.moved_blobs == 8, rep
+            assert rep.moved_bytes == state["w"].nbytes and rep.planned_bytes > rep.moved_bytes, rep
+            assert not [t for t in readers if t.startswith(("mtc-replicate", "mtc-save"))], readers
+            assert all(s.replicated and s.min_copies == 2 for s in m.step_status())
+        for h in ("s1-h0", "s1-h1"):
+            cluster.kill(h)
+            cluster.wipe(h)
+            cluster.restart(h)
+        with CheckpointManager(cfg) as m:
+            assert m.latest_step() == 3
+            assert_trees_bitwise_equal(state, m.restore())
+            assert m.last_restore_report.bytes_by_tier["backup"] == 0

@@ -103,7 +103,7 @@ def test_shares_without_twins_go_to_the_other_slice_spread_over_its_hosts():
                            "s1-h0": full_row(7, C, [C, A]), "s1-h1": full_row(7, D, [D, B])})
     assert not covered_by_shares(partial, 7, "m1", FSDP, strategy, TWO_SLICES)
     assert plan_shares(partial, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP) == {
-        "s0-h0": [("s1-h1", ["s1-h1"])]}
+        "s0-h1": [("s1-h1", ["s1-h1"])]}  # the owner's position in the other slice
 
 
 def test_with_one_slice_each_share_goes_to_the_next_host():
@@ -121,5 +121,10 @@ def test_a_host_down_receives_nothing_and_a_share_nobody_holds_whole_is_left_to_
     assert "s1-h1" not in plan  # not a target (down, say)
     assert all(owner != "s0-h1" for rows in plan.values() for owner, _ in rows)  # B is held in part only
     assert plan["s1-h0"] == [("s0-h0", ["s0-h0"])]
+    # The owner's counterpart on the other slice cannot take it: the next host there does.
+    inv = inventories({h: row(7, n) for h, n in FSDP.items()})
+    plan = plan_shares(inv, 7, "m1", list(FSDP), ReplicationStrategy(2), TWO_SLICES,
+                       targets={"s0-h0", "s0-h1", "s1-h0"})
+    assert plan["s1-h0"] == [("s0-h0", ["s0-h0"]), ("s0-h1", ["s0-h1"])]
     assert plan_shares(inventories({}), 7, "m1", list(FSDP), ReplicationStrategy(2), TWO_SLICES,
                        targets=FSDP) is None
