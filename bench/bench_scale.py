@@ -211,7 +211,9 @@ def main() -> None:
         print(f"- head CPU per save at {a1['hosts']} hosts: {head1:.2f} s (target <= 1 s); with the replication "
               f"decision of data-parallel slices: {head1 + a1['replication_s']:.2f} s "
               f"(replication {a0['replication_s'] / a0['hosts'] * 1e6:.0f} -> "
-              f"{a1['replication_s'] / a1['hosts'] * 1e6:.0f} us per host, no manifest read)")
+              f"{a1['replication_s'] / a1['hosts'] * 1e6:.0f} us per host, no manifest read); without twins, "
+              f"every share planned to another slice: {head1 + a1['plan_s']:.2f} s "
+              f"({a0['plan_s'] / a0['hosts'] * 1e6:.0f} -> {a1['plan_s'] / a1['hosts'] * 1e6:.0f} us per host)")
         print(f"- had phase 2 sent the whole manifest to every host (the design before): head sends "
               f"{_mib(a1['before_sent'])} per save at {a1['hosts']} hosts, {_mib(a1['before_sent'] / a1['hosts'])} "
               f"per host ({a1['before_sent'] / a1['head_sent']:.0f}x)")

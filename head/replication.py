@@ -328,7 +328,7 @@ def plan_shares(inventories: Mapping[str, HostInventory], step: int, manifest: s
         owners.setdefault(share[h], h)
     out: dict[str, list[tuple[str, list[str]]]] = {}
     for d, owner in owners.items():
-        have = sorted(whole.get(d, set()) & set(ring), key=lambda h: (h != owner, ring[h]))
+        have = sorted((h for h in whole.get(d, ()) if h in ring), key=lambda h: (h != owner, ring[h]))
         if not have:
             continue
         covered = {domain(h) for h in have}
