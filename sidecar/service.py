@@ -527,8 +527,10 @@ class SidecarService:
         digests = self._share_digests.get(key)
         if digests is None:
             digests = {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()}
-            self._share_digests = {k: v for k, v in self._share_digests.items() if k[0] in self._manifests}
-            self._share_digests[key] = digests
+            # Rebuilt, not changed in place: inventories may run on several threads at once.
+            kept = {k: v for k, v in list(self._share_digests.items()) if k[0] in self._manifests}
+            kept[key] = digests
+            self._share_digests = kept
         return sorted({d for h, d in digests.items() if m.part_blobs[h] <= have})
 
     def verify(self, step: int) -> dict:
