@@ -224,9 +224,11 @@ def free_bytes(path: str) -> int:
 # --- raw I/O (the physical limits) ---------------------------------------------------------------
 
 
-def _write_file(path: str, buf: np.ndarray) -> None:
+def _write_file(path: str, buf: np.ndarray, flags: int = os.O_CREAT | os.O_EXCL) -> None:
+    """os.write ``buf`` to ``path`` from its start (a new file by default; ``flags=0``: over an
+    existing one, not truncated)."""
     mv = memoryview(buf.reshape(-1).view(np.uint8))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags, 0o644)
     try:
         off, n = 0, mv.nbytes
         while off < n:
@@ -283,14 +285,7 @@ def raw_write_recycled(paths: list[str], bufs: list[np.ndarray], threads: int) -
     """os.write each buffer over the start of an existing file of its size (no truncation): the
     tmpfs pages exist, as in the blob files a steady-state save rewrites."""
     def one(i: int) -> None:
-        mv = memoryview(bufs[i].reshape(-1).view(np.uint8))
-        fd = os.open(paths[i], os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            off, n = 0, mv.nbytes
-            while off < n:
-                off += os.write(fd, mv[off:off + (64 << 20)])
-        finally:
-            os.close(fd)
+        _write_file(paths[i], bufs[i], flags=0)
 
     return _timed(one, len(bufs), threads)
 

@@ -557,7 +557,6 @@ class ClusterDispatcher(Dispatcher):
         """
         peers = dict(self.peer_addresses)
         data = [manifest.to_json()] if manifest is not None else []
-
         shares = shares or {}
 
         def one(h: str) -> PullResult:

@@ -374,6 +374,7 @@ class ColocatedDispatcher(Dispatcher):
         """
         book = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
         book.update(peers or {})
+        asked = {*pulls, *(shares or {})}
         try:
             results = self._run_job(
                 "peer_pull", step=step, peers=book,
@@ -381,9 +382,9 @@ class ColocatedDispatcher(Dispatcher):
                 shares={h: [[o, list(srcs)] for o, srcs in rows] for h, rows in (shares or {}).items()},
                 manifest=manifest.to_json().decode() if manifest is not None else None)
         except MTCError as e:
-            return {h: PullResult.unreachable(h, str(e)) for h in {*pulls, *(shares or {})}}
+            return {h: PullResult.unreachable(h, str(e)) for h in asked}
         return {h: PullResult.from_wire(h, results[h]) if h in results
-                else PullResult.unreachable(h, f"host {h} did not answer") for h in {*pulls, *(shares or {})}}
+                else PullResult.unreachable(h, f"host {h} did not answer") for h in asked}
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         return self._run_job("backup_upload", assignments=assignments)

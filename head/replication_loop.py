@@ -129,10 +129,9 @@ class Replicator:
 
     def _finish(self, report: ReplicationReport) -> ReplicationReport:
         self.last_report = report
-        step, complete, replicated, attempts = report.step, report.complete, report.replicated, report.attempts
         log.info("- replicate step %d; duration=%.3fs; moved=%d bytes in %d blobs (%d planned); complete=%s "
-                 "replicated=%s attempts=%d", step, report.seconds, report.moved_bytes, report.moved_blobs,
-                 report.planned_blobs, complete, replicated, attempts)
+                 "replicated=%s attempts=%d", report.step, report.seconds, report.moved_bytes, report.moved_blobs,
+                 report.planned_blobs, report.complete, report.replicated, report.attempts)
         return report
 
     def topology(self) -> dict[str, int]:

@@ -123,7 +123,7 @@ class CommittedStep:
     def __init__(self, step: int, data: bytes | None = None, *, digest: str = "", hosts: tuple[str, ...] = (),
                  manifest: fmt.StepManifest | None = None):
         if (data is None) == (manifest is None):
-            raise ValueError("CommittedStep needs the manifest's bytes or the manifest, not both")
+            raise ValueError("CommittedStep needs exactly one of the manifest's bytes and the manifest")
         self.step = step
         self.digest = digest or (manifest.digest if manifest is not None else "")
         self.hosts = tuple(hosts)  # the hosts that committed it (every share of it is one of theirs)

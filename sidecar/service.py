@@ -450,11 +450,7 @@ class SidecarService:
                 return self.manifest(step)
             boxes = {a.key: {s.box for s in a.shards} for a in view.arrays if a.shards}
             shapes = {a.key: a.shape for a in view.arrays}
-            held = (view, boxes, shapes)
-            kept = set(self.store.committed_steps())
-            for s in [s for s in self._views if s not in kept]:
-                del self._views[s]
-            self._views[step] = held
+            held = self._views[step] = (view, boxes, shapes)
         view, boxes, shapes = held
         for key, box, *_ in rows:
             if key not in shapes:
@@ -489,8 +485,9 @@ class SidecarService:
                     committed = self.store.committed_steps()
         for s in set(self._committed) - set(committed):  # pruned or aborted (or not repairable)
             self._committed.pop(s, None)
-        for s in set(self._records) - set(committed):
+        for s in (set(self._records) | set(self._views)) - set(committed):
             self._records.pop(s, None)
+            self._views.pop(s, None)
         for s in committed:
             rec, own = (None, None) if s in self._manifests else self._read_record(s)
             if rec is not None:
@@ -682,7 +679,7 @@ class SidecarService:
             with contextlib.suppress(ManifestError, StepNotFoundError):
                 self.manifest(step)
         out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id)
-        out["asked_bytes"] = sum(size for size in {p.blob: p.size for p in pulls}.values())
+        out["asked_bytes"] = sum({p.blob: p.size for p in pulls}.values())
         out["adopted"] = False
         if manifest_json is not None and not out["failed"] and not self._has_readable(step):
             manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")

@@ -112,17 +112,22 @@ def test_a_keeper_whose_copy_was_changed_is_not_believed(services):
     assert m.digest == digest and services["h2"].store.read_step(3) == manifest
 
 
-def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services):
-    """Found by the soak: a flipped byte in a record's part (still valid JSON) made the host report
-    blobs it does not hold; the head did not count it and did not repair it."""
-    manifest, _, _ = _save(services, 5, ["h0"])
-    path = services["h2"].store.root / "steps" / f"{5:012d}.json"
+def _flip_a_part_digit(path) -> None:
+    """Change one hex digit in the part of the record at ``path``: still JSON, same size."""
     data = bytearray(path.read_bytes())
     i = data.index(b'\\"shards\\"') + 20
     while chr(data[i]) not in "0123456789abcdef":
         i += 1
     data[i] = ord("0") if data[i] != ord("0") else ord("1")
     path.write_bytes(bytes(data))
+
+
+def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services):
+    """Found by the soak: a flipped byte in a record's part (still valid JSON) made the host report
+    blobs it does not hold; the head did not count it and did not repair it."""
+    manifest, _, _ = _save(services, 5, ["h0"])
+    path = services["h2"].store.root / "steps" / f"{5:012d}.json"
+    _flip_a_part_digit(path)
     services["h2"]._committed.clear()  # as after a restart: nothing to rewrite it from here
     inv = services["h2"].inventory()
     assert inv["damaged"] == [5] and inv["steps"] == []
@@ -189,12 +194,7 @@ def test_a_record_read_before_and_then_damaged_is_still_reported_damaged(service
     _save(services, 6, ["h0"])
     assert [s["step"] for s in services["h2"].inventory()["steps"]] == [6]
     path = services["h2"].store.root / "steps" / f"{6:012d}.json"
-    data = bytearray(path.read_bytes())
-    i = data.index(b'\\"shards\\"') + 20
-    while chr(data[i]) not in "0123456789abcdef":
-        i += 1
-    data[i] = ord("0") if data[i] != ord("0") else ord("1")
-    path.write_bytes(bytes(data))  # in place: the same inode and size
+    _flip_a_part_digit(path)  # in place: the same inode and size
     services["h2"]._committed.clear()  # nothing to rewrite it from
     inv = services["h2"].inventory()
     assert inv["damaged"] == [6] and inv["steps"] == []
