@@ -11,9 +11,12 @@ and MaxText users call it, so switching is one constructor::
     restored = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args))).state
 
-Every item of the ``Composite`` is saved in one mtc step (a tree ``{name: item}``). Orbax is
-not imported: the ``args`` objects are read by their attributes (``item``, ``restore_args``,
-``partial_restore``), and ``restore`` answers with the ``Composite`` class it was given.
+Every item of the ``Composite`` is saved in one mtc step (a tree ``{name: item}``), in one
+commit: array trees (``PyTreeSave``/``StandardSave``) and the items that are not (a data
+iterator's position: Grain's ``CheckpointSave`` or mtc's ``IteratorSave``; Orbax's ``JsonSave``),
+which become small byte items of the step (``mtc.head.items``). Orbax is not imported: the
+``args`` objects are read by their attributes (``item``, ``restore_args``, ``partial_restore``),
+and ``restore`` answers with the ``Composite`` class it was given.
 
 Steps in flight: as in Orbax, a step is listed by ``all_steps``/``latest_step`` from the
 moment its (asynchronous) save starts, and a second ``save`` of it (MaxText's forced final
@@ -29,7 +32,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from mtc.head import items as byte_items
 from mtc.head.manager import CheckpointManager
+from mtc.head.restore_plan import AS_SAVED, NothingSavedError
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import MTCError
 
@@ -70,12 +75,12 @@ def _items(args: Any, what: str) -> dict[str, Any]:
             raise TypeError(f"{what}: args is an empty Composite; name at least one item")
         items = {str(n): args[n] for n in names}
         for name, item_args in items.items():
-            if not _is_item_args(item_args):
+            if byte_items.byte_item(item_args) is None and not _is_item_args(item_args):
                 raise TypeError(f"{what}: item {name!r} is a {type(item_args).__name__}; pass args=ocp.args."
                                 f"Composite({name}=ocp.args.PyTree{what.capitalize()}(item=...)) (or "
                                 f"ocp.args.Standard{what.capitalize()})")
         return items
-    if _is_item_args(args):
+    if byte_items.byte_item(args) is not None or _is_item_args(args):
         return {DEFAULT_ITEM: args}
     raise TypeError(f"{what}: args must be an ocp.args.Composite of PyTree{what.capitalize()}/Standard"
                     f"{what.capitalize()} items, got {type(args).__name__}")
@@ -193,7 +198,11 @@ class OrbaxCompatibleManager:
         if self._mgr.has_step(int(step)):
             log.info("step %d is already saved or being saved; not saving it again", step)
             return False
-        state = {name: item_args.item for name, item_args in items.items()}
+        if not (force or self._mgr.should_save(int(step))):
+            return False
+        # Byte items are taken now, with the arrays: the iterator's position at this step.
+        state = {name: (byte_items.save_tree(kind, item_args) if (kind := byte_items.byte_item(item_args))
+                        else item_args.item) for name, item_args in items.items()}
         return self._mgr.save(int(step), state, force=force)
 
     def restore(self, step: int | None = None, args: Any = None, directory: Any = None) -> Any:
@@ -210,12 +219,48 @@ class OrbaxCompatibleManager:
                 "backup, pin it with `mtc restore-version set NAME`")
         items = _items(args, "restore")
         self._listed = None  # a restore may refill hosts (and lists the tiers itself)
+        kinds = {name: kind for name, item_args in items.items() if (kind := byte_items.byte_item(item_args))}
+        try:
+            restored = self._restore_items(step, items, kinds)
+            absent: list[str] = []
+        except NothingSavedError as e:  # a step saved without an item that is asked for
+            absent = [n for n in kinds if jax.tree_util.keystr((jax.tree_util.DictKey(n),)) in e.keys]
+            iterators = [n for n in absent if kinds[n] == "iterator"]
+            optional = [n for n in iterators if _attr(byte_items.as_iterator_args(items[n]), "missing_ok")]
+            if iterators and optional != absent:
+                raise byte_items.DataPositionError(
+                    f"{e}: the step was saved without its data iterator's position, and restoring it would "
+                    "start the data over. Restore a step saved with it, or restart the data on purpose "
+                    "(IteratorRestore(missing_ok=True); MTC_DATA_RESTART=1 under the MaxText launcher)") from e
+            if not absent or optional != absent:
+                raise
+            log.warning("step %s holds no data iterator position (%s): the data starts over", step, ", ".join(absent))
+            restored = self._restore_items(step, {n: a for n, a in items.items() if n not in absent},
+                                           {n: k for n, k in kinds.items() if n not in absent})
+        done = self._mgr.last_restore_report.step if self._mgr.last_restore_report else step
+        for name, kind in kinds.items():
+            restored[name] = (_attr(items[name], "item") if name in absent
+                              else byte_items.restore_item(kind, items[name], restored[name], name, done))
+        rep = self._mgr.last_restore_report
+        if rep is not None:
+            log.info("mtc: restored step %d (%s) in %.2f s: %s", rep.step,
+                     "backup " + rep.source if rep.source != "cluster" else "from the hosts", rep.total_s,
+                     ", ".join(f"{tier} {rep.bytes_by_tier.get(tier, 0)} bytes" for tier in ("ram", "peer", "backup")))
+        if not _is_composite(args):
+            return restored[DEFAULT_ITEM]
+        return type(args)(**{n: restored[n] for n in items})
+
+    def _restore_items(self, step: int | None, items: dict[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+        """One mtc restore of the named items: array trees into their targets, byte items as saved."""
         target: dict[str, Any] = {}
         casts: dict[str, Any] = {}
         whole: list[str] = []
         partial = False
         for name, item_args in items.items():
             item = _attr(item_args, "item")
+            if name in kinds:
+                target[name] = AS_SAVED
+                continue
             if item is None:
                 whole.append(name)
                 continue
@@ -226,26 +271,19 @@ class OrbaxCompatibleManager:
                 continue
             target[name] = jax.tree.map(_restore_leaf, item, restore_args)
             casts[name] = restore_args
-        if whole:
-            if target:
-                raise TypeError(f"restore: items {whole} have no item tree; give every item one, or none")
+        if whole and not target:
             restored = self._mgr.restore(step)
             restored = {n: restored[n] for n in whole} if isinstance(restored, Mapping) else restored
         else:
-            # Items the caller did not name are not read; within a named item every saved leaf
-            # must be in its tree unless it asked for partial_restore.
+            # An item without a tree comes back as saved; items the caller did not name are not
+            # read; within a named item every saved leaf must be in its tree unless it asked for
+            # partial_restore.
+            target.update({n: AS_SAVED for n in whole})
             required = True if partial else tuple(jax.tree_util.keystr((jax.tree_util.DictKey(n),)) for n in target)
             restored = self._mgr.restore(step, target=target, partial=required)
         for name, restore_args in casts.items():
             restored[name] = jax.tree.map(_cast, restored[name], restore_args)
-        rep = self._mgr.last_restore_report
-        if rep is not None:
-            log.info("mtc: restored step %d (%s) in %.2f s: %s", rep.step,
-                     "backup " + rep.source if rep.source != "cluster" else "from the hosts", rep.total_s,
-                     ", ".join(f"{tier} {rep.bytes_by_tier.get(tier, 0)} bytes" for tier in ("ram", "peer", "backup")))
-        if not _is_composite(args):
-            return restored[DEFAULT_ITEM]
-        return type(args)(**{n: restored[n] for n in items})
+        return restored
 
     def item_metadata(self, step: int) -> Any:
         raise UnsupportedOperationError(

@@ -167,21 +167,89 @@ def host_needs(manifest: fmt.StepManifest, requests: list[LoadRequest], hosts: S
             out.setdefault(host, set()).update(blobs)
     return {h: sorted(b) for h, b in out.items()}
 
+class NothingSavedError(TargetMismatchError):
+    """A restore target's ``AS_SAVED`` names a place where the step holds nothing (``keys``)."""
+
+    def __init__(self, keys: list[str], message: str):
+        super().__init__(message)
+        self.keys = list(keys)
+
+
+class _AsSaved:
+    """The marker ``AS_SAVED`` (see ``plan_target``)."""
+
+    _instance = None
+
+    def __new__(cls) -> "_AsSaved":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "mtc.head.AS_SAVED"
+
+    def __reduce__(self) -> str:
+        return "AS_SAVED"
+
+
+AS_SAVED = _AsSaved()
+"""In a restore target, a leaf that stands for the whole saved subtree at its place, restored as
+saved: its leaves with the shardings they were saved with, host data (numpy, byte items) as it
+was. ``restore(target={"state": abstract, "iter": AS_SAVED})`` gives ``iter`` back without
+knowing its structure or sizes in advance."""
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith((prefix + "[", prefix + "."))
+
+
+def _subtree(obj: Any, path: tuple) -> Any:
+    """The part of a decoded tree (``tree_lib.decode``) at a jax key path."""
+    for entry in path:
+        if isinstance(entry, jax.tree_util.DictKey):
+            obj = obj[entry.key]
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            obj = obj[entry.idx]
+        elif isinstance(entry, jax.tree_util.GetAttrKey):
+            obj = getattr(obj, entry.name) if not isinstance(obj, dict) else obj[entry.name]
+        else:  # FlattenedIndexKey: a registered node, decoded as a list of its children
+            obj = obj[entry.key]
+    return obj
+
+
 def plan_target(manifest: fmt.StepManifest, target: Any, partial: Any = False) -> tuple[list[LoadRequest], Callable]:
-    """The arrays to load (each with the sharding it must come back in) and how to rebuild the tree."""
+    """The arrays to load (each with the sharding it must come back in) and how to rebuild the tree.
+
+    A leaf ``AS_SAVED`` in ``target`` stands for every saved leaf under its key, restored as saved.
+    """
     by_key = {a.key: a for a in manifest.arrays}
+    whole: dict[int, tuple] = {}  # position in target -> its key path (an AS_SAVED leaf)
     if target is None:
         keys = [a.key for a in manifest.arrays]
         targets = [None] * len(keys)
         rebuild = lambda leaves: tree_lib.decode(manifest.tree, leaves)  # noqa: E731
     else:
         keys, targets, treedef = tree_lib.flatten(target)
+        if any(t is AS_SAVED for t in targets):
+            paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]]
+            whole = {i: paths[i] for i, t in enumerate(targets) if t is AS_SAVED}
+        covered = {k for i, k in enumerate(keys) if i not in whole}
+        empty = []
+        for i in whole:
+            under = [a.key for a in manifest.arrays if _under(a.key, keys[i])]
+            if not under:
+                empty.append(keys[i])
+            covered.update(under)
+        if empty:
+            raise NothingSavedError(empty, 
+                f"step {manifest.step} holds nothing under {', '.join(empty)} (restore target AS_SAVED); "
+                "restore without that item, or restore a step saved with it")
         if partial is True:
             missing = []
         else:  # False: every saved leaf; key prefixes: every saved leaf under them
             prefixes = tuple(partial) if partial else ("",)
-            missing = sorted(k for k in set(by_key) - set(keys) if k.startswith(prefixes))
-        extra = sorted(set(keys) - set(by_key))
+            missing = sorted(k for k in set(by_key) - covered if k.startswith(prefixes))
+        extra = sorted(k for i, k in enumerate(keys) if i not in whole and k not in by_key)
         if missing or extra:
             raise TargetMismatchError(
                 f"restore target does not match the tree saved at step {manifest.step}: "
@@ -192,23 +260,36 @@ def plan_target(manifest: fmt.StepManifest, target: Any, partial: Any = False) -
         rebuild = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)  # noqa: E731
     requests: list[LoadRequest] = []
     slots: list[tuple[str, Any]] = []
-    for key, tgt in zip(keys, targets):
-        rec = by_key[key]
+
+    def plan_leaf(rec: fmt.ArrayRecord, tgt: Any) -> tuple[str, Any]:
         if rec.kind == "scalar":
-            slots.append(("value", scalar_value(rec.value)))
-            continue
-        sharding = target_sharding(rec, tgt)
-        slots.append(("key" if rec.prng_impl else "array", len(requests)))
-        requests.append(LoadRequest(rec, sharding))
+            return ("value", scalar_value(rec.value))
+        requests.append(LoadRequest(rec, target_sharding(rec, tgt)))
+        return ("key" if rec.prng_impl else "array", len(requests) - 1)
+
+    for i, (key, tgt) in enumerate(zip(keys, targets)):
+        if i in whole:
+            slots.append(("saved", (whole[i], [(a.key, plan_leaf(a, None)) for a in manifest.arrays
+                                                 if _under(a.key, key)])))
+        else:
+            slots.append(plan_leaf(by_key[key], tgt))
+
+    def value(slot: tuple[str, Any], arrays: list[Any]) -> Any:
+        kind, v = slot
+        if kind == "key":
+            return jax.random.wrap_key_data(arrays[v], impl=requests[v].record.prng_impl)
+        return v if kind == "value" else arrays[v]
 
     def finish(arrays: list[Any]) -> Any:
         leaves = []
-        for kind, v in slots:
-            if kind == "key":
-                rec = requests[v].record
-                leaves.append(jax.random.wrap_key_data(arrays[v], impl=rec.prng_impl))
-            else:
-                leaves.append(v if kind == "value" else arrays[v])
+        for slot in slots:
+            if slot[0] != "saved":
+                leaves.append(value(slot, arrays))
+                continue
+            path, parts = slot[1]
+            got = {k: value(s, arrays) for k, s in parts}
+            saved = tree_lib.decode(manifest.tree, [got.get(a.key) for a in manifest.arrays])
+            leaves.append(_subtree(saved, path))
         return rebuild(leaves)
 
     return requests, finish
