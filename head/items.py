@@ -53,6 +53,8 @@ class IteratorSave:
 class IteratorRestore:
     """Restore a data iterator's position in place (``item`` as for ``IteratorSave``).
 
+    ``names``: as for ``IteratorSave``, or a function of the saved state files' names that
+    returns this run's (it raises ``DataPositionError`` when they cannot be mapped);
     ``pipeline``: this run's description, compared with the saved one (a difference is refused);
     ``missing_ok``: a step saved without an iterator restores (the data starts over: a warning),
     instead of being refused.
@@ -175,6 +177,8 @@ def restore_item(kind: str, args: Any, tree: Any, name: str, step: int) -> Any:
                 f"step {step}'s data position ({name!r}) belongs to another input pipeline than this run's: "
                 + "; ".join(diff) + ". Resume with the pipeline it was saved with, or restart the data on purpose "
                 "(MTC_DATA_RESTART=1 under the MaxText launcher; missing_ok/no iterator item in the API)")
+    if callable(args.names):
+        args = dataclasses.replace(args, names=args.names(saved_files))
     wanted = _names(args, len(iterators))
     absent = [w for w in wanted if w not in saved_files]
     if absent:

@@ -28,6 +28,7 @@ import numpy as np
 from mtc.head.backup_runner import BackupRunner
 from mtc.head.dispatch import Dispatcher
 from mtc.head.elastic import as_host_lost, host_lost_as_elastic
+from mtc.head.preemption import PreemptionNotice
 from mtc.head.replication import ReplicationStrategy, summarize
 from mtc.head.replication_loop import Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
@@ -94,6 +95,7 @@ class CheckpointManager:
         self.last_save_report: SaveReport | None = None
         self.last_restore_report: RestoreReport | None = None
         self._closing = threading.Event()
+        self._preemption: PreemptionNotice | None = None
         self._strategy = ReplicationStrategy(config.replication_factor)
         self._replicator = Replicator(self._dispatch, config, self._strategy, self._closing)
         self._backups = BackupRunner(self._dispatch, config)
@@ -259,6 +261,57 @@ class CheckpointManager:
             self._dispatch.abort(step)
         except Exception as e:
             log.warning("could not abort step %d on every host: %s", step, e)
+
+    # --- preemption ----------------------------------------------------------------------
+
+    def watch_preemption(self, grace_s: float | None = None,
+                         notice: PreemptionNotice | None = None) -> PreemptionNotice:
+        """Opt in: the first SIGTERM makes ``reached_preemption`` true (call from the main thread).
+
+        ``grace_s`` (default ``MTC_PREEMPTION_GRACE_S``, else 25 s) is the budget from the notice
+        to the exit; a second SIGTERM, or the budget's end, exits at once (status 143). The loop::
+
+            mgr.watch_preemption()
+            for step in range(start, num_steps):
+                state = train_step(state)
+                mgr.save(step, state, force=mgr.reached_preemption(step))
+                if mgr.reached_preemption(step):
+                    mgr.finish_preemption()   # the commit, then the copies, within the budget
+                    break
+        """
+        self._preemption = notice or PreemptionNotice(grace_s).install()
+        return self._preemption
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption notice came (``watch_preemption``): save ``step`` and stop."""
+        return self._preemption is not None and self._preemption.received
+
+    def finish_preemption(self) -> dict:
+        """After the last save: wait, within what is left of the budget, for its commit and (with
+        more than one failure domain) its copies; log what is where. Returns that as a dict."""
+        notice = self._preemption or PreemptionNotice()
+        step = self._pending_step
+        out: dict = {"step": step, "committed": False, "replicated": None}
+        try:
+            if self._pending is not None:
+                self._pending.result(timeout=notice.remaining())
+            self.check_for_errors()
+            out["committed"] = step is not None
+            if step is not None:
+                report = self._replicator.wait(timeout=notice.remaining())
+                if report is not None and report.step == step:
+                    out["replicated"] = report.replicated
+        except TimeoutError:
+            pass
+        except MTCError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = notice.elapsed()
+        where = ("not committed" if not out["committed"] else "committed on the hosts' ramdisks"
+                 + {None: "", True: ", with its copies in another failure domain",
+                    False: ", its copies not complete"}[out["replicated"]])
+        log.warning("mtc: preemption: step %s %s, %.1f s after the notice (budget %g s)%s", step, where,
+                    out["seconds"], notice.grace_s, f"; {out['error']}" if "error" in out else "")
+        return out  # the budget's timer still runs: exit (or close, then exit) now
 
     # --- replication (the peer tier) ----------------------------------------------------
 

@@ -18,7 +18,14 @@ with ``enable_multi_tier_checkpointing=True``:
   MaxText's ``isinstance`` dispatch (save, restore, latest_step, all_steps, ...) takes its
   multi-tier path unchanged;
 - ``max_utils.initialize_multi_tier_checkpointing`` (which writes ``replicator.yaml`` and waits
-  for GKE's replicator daemon) does nothing: mtc is the replication service.
+  for GKE's replicator daemon) does nothing: mtc is the replication service;
+- ``emergency_checkpointing.save``/``restore`` (which MaxText's ``save_checkpoint`` and
+  ``load_state_if_possible`` call for a multi-tier manager) save and restore the Grain data
+  iterator too, as the ``iter`` item of the same step (``mtc.head.maxtext_data``): a resumed run
+  reads the data from where the step left it;
+- a SIGTERM makes ``reached_preemption`` true: MaxText saves the step it reached at the next step
+  boundary and stops; the launcher waits for its commit and copies within
+  ``MTC_PREEMPTION_GRACE_S`` and exits 0 (``mtc.head.preemption``).
 
 Those are MaxText internals, so the launcher refuses a MaxText outside ``SUPPORTED``.
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from typing import Any, Sequence
 
 from mtc.shared.config import MTCConfig
@@ -51,6 +59,9 @@ _HOOKED = (
     ("maxtext.common.checkpointing", "EmergencyReplicatorCheckpointManager"),
     ("maxtext.common.emergency_checkpointing", "save"),
     ("maxtext.common.emergency_checkpointing", "restore"),
+    ("maxtext.common.checkpointing", "save_checkpoint"),
+    ("maxtext.common.checkpointing", "load_state_if_possible"),
+    ("maxtext.common.checkpointing", "_should_save_checkpoint_at_step"),
     ("maxtext.trainers.pre_train.train", "main"),
 )
 
@@ -110,6 +121,8 @@ def _mtc_initialize_multi_tier_checkpointing(*args: Any, **kwargs: Any) -> None:
 
 _installed = False
 _managers: list = []  # made for MaxText, which never closes its checkpoint manager: closed at the end
+_notice = None  # the launcher's PreemptionNotice (SIGTERM), given to every manager it makes
+_call = threading.local()  # the data iterator and config of the MaxText save/restore call in progress
 
 
 def _close_managers() -> None:
@@ -157,6 +170,8 @@ def install() -> None:
                  cfg.local_checkpoint_directory, cfg.local_checkpoint_period,
                  f", backups to {cfg.backup_root}" if cfg.backup_enabled else "")
         manager = OrbaxCompatibleManager(cfg)
+        if _notice is not None:
+            manager.mtc_manager.watch_preemption(notice=_notice)
         _managers.append(manager)
         return manager
 
@@ -164,10 +179,94 @@ def install() -> None:
     rcm.ReplicatorCheckpointManager.register(OrbaxCompatibleManager)
     train_utils.create_checkpoint_manager = create_checkpoint_manager
     max_utils.initialize_multi_tier_checkpointing = _mtc_initialize_multi_tier_checkpointing
+    _hook_data_and_preemption(modules["maxtext.common.checkpointing"], modules["maxtext.common.emergency_checkpointing"],
+                              OrbaxCompatibleManager)
     _installed = True
 
 
+def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) -> None:
+    """The data iterator into mtc's steps and out of them; SIGTERM as a save of the step reached.
+
+    MaxText's ``save_checkpoint``/``load_state_if_possible`` have the data iterator, and call
+    ``emergency_checkpointing.save``/``restore`` without it for a multi-tier manager: the first
+    two note it for the call, the second two use it (only for mtc's manager).
+    """
+    import orbax.checkpoint as ocp
+
+    from mtc.head import maxtext_data
+
+    save_checkpoint, load_state = checkpointing.save_checkpoint, checkpointing.load_state_if_possible
+    emergency_save, emergency_restore = emergency.save, emergency.restore
+    should_save = checkpointing._should_save_checkpoint_at_step
+
+    def save_checkpoint_noting(checkpoint_manager, step, state, config=None, data_iterator=None, force=False):
+        _call.data_iterator = data_iterator
+        try:
+            return save_checkpoint(checkpoint_manager, step, state, config, data_iterator, force)
+        finally:
+            _call.data_iterator = None
+
+    def save(checkpoint_manager, step, state, config, force):
+        if not isinstance(checkpoint_manager, ours):
+            return emergency_save(checkpoint_manager, step, state, config, force)
+        items = {"state": ocp.args.PyTreeSave(item=state)}
+        iterator = getattr(_call, "data_iterator", None)
+        if config is not None and maxtext_data.keeps_position(config, iterator):
+            items[maxtext_data.ITEM] = maxtext_data.save_args(config, iterator)
+        force = force or checkpoint_manager.reached_preemption(step)
+        return checkpoint_manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def restore(checkpoint_manager, step, abstract_state):
+        if not isinstance(checkpoint_manager, ours):
+            return emergency_restore(checkpoint_manager, step, abstract_state)
+        target = abstract_state.to_pure_dict() if hasattr(abstract_state, "to_pure_dict") else abstract_state
+        import jax
+
+        items = {"state": ocp.args.PyTreeRestore(
+            item=target, partial_restore=True,
+            restore_args=jax.tree.map(lambda a: ocp.type_handlers.ArrayRestoreArgs(sharding=a.sharding), target))}
+        iterator, config = getattr(_call, "data_iterator", None), getattr(_call, "config", None)
+        if config is not None and maxtext_data.keeps_position(config, iterator):
+            if maxtext_data.restart_requested():
+                log.warning("mtc: MTC_DATA_RESTART is set: step %d's state is restored, its data position is not "
+                            "(the data starts over)", step)
+            else:
+                items[maxtext_data.ITEM] = maxtext_data.restore_args(config, iterator)
+        restored = checkpoint_manager.restore(step, args=ocp.args.Composite(**items))
+        if maxtext_data.ITEM in items:
+            log.info("mtc: step %d's data position restored (%s)", step, maxtext_data.ITEM)
+        return restored.state
+
+    def load_state_if_possible(checkpoint_manager, data_iterator, *args, **kwargs):
+        if not isinstance(checkpoint_manager, ours):
+            return load_state(checkpoint_manager, data_iterator, *args, **kwargs)
+        config = kwargs.get("maxtext_config")
+        if config is not None:
+            skip = maxtext_data.describe_skip(config, data_iterator)
+            log.info("%s", skip or f"mtc: the data iterator's position is saved with every step (item "
+                                   f"{maxtext_data.ITEM!r}, dataset_type=grain)")
+        _call.data_iterator, _call.config = data_iterator, config
+        try:
+            return load_state(checkpoint_manager, data_iterator, *args, **kwargs)
+        finally:
+            _call.data_iterator = _call.config = None
+
+    def should_save_at(checkpoint_manager, step, config, force):
+        if isinstance(checkpoint_manager, ours) and checkpoint_manager.reached_preemption(step):
+            return True  # the step a SIGTERM found the job at, whatever the periods say
+        return should_save(checkpoint_manager, step, config, force)
+
+    checkpointing.save_checkpoint = save_checkpoint_noting
+    checkpointing.load_state_if_possible = load_state_if_possible
+    checkpointing._should_save_checkpoint_at_step = should_save_at
+    emergency.save, emergency.restore = save, restore
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    global _notice
+    from mtc.head.items import DataPositionError
+    from mtc.head.preemption import PreemptionNotice
+
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2:
         print("usage: python3 -m mtc.head.maxtext <MaxText config.yml> key=value ... "
@@ -180,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "multi_tier_checkpointing_backup_interval_minutes or "
                               "multi_tier_checkpointing_backup_interval_steps (MaxText requires exactly one)")
         install()
+        _notice = PreemptionNotice().install()  # SIGTERM: save the step reached, then exit (MTC_PREEMPTION_GRACE_S)
     except (ConfigError, UnsupportedMaxTextError) as e:
         print(f"mtc: {e}", file=sys.stderr)
         return 2
@@ -189,9 +289,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def main_then_close(args: Sequence[str]) -> None:
         try:
-            train.main(args)
+            try:
+                train.main(args)
+            except DataPositionError as e:  # bad input, named: a message, not a traceback
+                print(f"mtc: {e}", file=sys.stderr)
+                sys.exit(2)
+            if _notice.received:
+                for m in list(_managers):
+                    m.mtc_manager.finish_preemption()
         finally:
             _close_managers()
+            _notice.done()  # closed in time: no exit by the budget's timer
 
     app.run(main_then_close, argv=argv)
     return 0

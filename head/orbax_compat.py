@@ -173,7 +173,10 @@ class OrbaxCompatibleManager:
         return self._mgr.should_save(step) and not self._mgr.has_step(step)
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether JAX's preemption sync point is reached at ``step`` (False without a distributed runtime)."""
+        """Whether a SIGTERM came (``mtc_manager.watch_preemption()``), or JAX's preemption sync point
+        is reached at ``step`` (False without a distributed runtime)."""
+        if self._mgr.reached_preemption(step):
+            return True
         from jax.experimental import multihost_utils
 
         try:

@@ -47,10 +47,11 @@ class Replicator:
         pending = self._pending
         return pending is not None and not pending.done()
 
-    def wait(self) -> ReplicationReport | None:
+    def wait(self, timeout: float | None = None) -> ReplicationReport | None:
+        """The report once the running replication ends; TimeoutError after ``timeout`` seconds."""
         pending = self._pending
         if pending is not None:
-            pending.result()
+            pending.result(timeout=timeout)
         return self.last_report
 
     def close(self) -> None:
