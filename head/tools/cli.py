@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from mtc.head.preemption import DEFAULT_GRACE_S
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes, ramdisk_size
 
@@ -237,6 +238,9 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
                     help="base_output_directory, e.g. gs://bucket/checkpoints (backups: <it>/<run_name>/mtc)")
     mt.add_argument("--run-name", default="", help="run_name (default --name)")
 
+    r.add_argument("--preemption-grace-s", type=float, default=None, metavar="S",
+                   help="seconds from a SIGTERM to the exit, for saving the step reached (MTC_PREEMPTION_GRACE_S, "
+                        "default 25); the pods' terminationGracePeriodSeconds is set above it")
     peer = r.add_argument_group("peer tier")
     peer.add_argument("--peer-port", type=int, default=DEFAULT_PEER_PORT,
                       help=f"port of the sidecars' peer service on each host (default {DEFAULT_PEER_PORT})")
@@ -623,7 +627,8 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
         peer_port=args.peer_port, peer_token=token, peer_token_secret=args.peer_token_secret,
         image=args.image, sidecar_image=args.sidecar_image, image_registry=args.image_registry,
         pathways_version=args.pathways_version, pathways_gcs_location=args.pathways_gcs_location,
-        max_restarts=args.max_restarts, mtc_launcher=args.mtc_launcher)
+        max_restarts=args.max_restarts, mtc_launcher=args.mtc_launcher,
+        preemption_grace_s=args.preemption_grace_s if args.preemption_grace_s is not None else DEFAULT_GRACE_S)
     try:
         text = manifests.to_yaml(manifests.render_documents(manifests.with_peer_token(options)))
     except ConfigError as e:

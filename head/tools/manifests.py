@@ -127,6 +127,7 @@ class ManifestOptions:
     pathways_gcs_location: str = ""
     max_restarts: int = 4
     mtc_launcher: bool = False  # run MaxText's pre-training through python3 -m mtc.head.maxtext
+    preemption_grace_s: float = 25.0  # SIGTERM to exit: the launcher's budget to save the step reached
 
 
 MAXTEXT_TRAIN_MODULE = "maxtext.trainers.pre_train.train"
@@ -218,6 +219,9 @@ def plan(options: ManifestOptions) -> Plan:
     _check_name_length(o.name, slices, hosts)
     ramdisk_dir = _ramdisk_dir(flags["local_checkpoint_directory"])
     _check_config(flags, o.peer_port)
+    if not o.preemption_grace_s > 0:
+        raise ConfigError(f"--preemption-grace-s={o.preemption_grace_s:g} must be > 0 (seconds from a SIGTERM to the "
+                          "exit, for saving the step reached)")
     if not 1 <= o.peer_port <= 65535:
         raise ConfigError(f"--peer-port={o.peer_port} is out of range; use 1..65535 "
                           f"(default {DEFAULT_PEER_PORT})")
@@ -324,6 +328,7 @@ def head_job(p: Plan) -> dict:
     """One pod: Pathways resource manager and proxy (native sidecars) and the training command."""
     pod = {
         "restartPolicy": "OnFailure",
+        "terminationGracePeriodSeconds": termination_grace(p),
         "hostNetwork": True,
         "dnsPolicy": "ClusterFirstWithHostNet",
         "initContainers": [_resource_manager(p), _proxy(p)],
@@ -338,6 +343,8 @@ def worker_job(p: Plan) -> dict:
         # Restart containers in place: an emptyDir ramdisk lives as long as the pod, so a
         # crashed sidecar finds its checkpoints again; a new pod would start empty.
         "restartPolicy": "OnFailure",
+        # The sidecars must outlive the head's preemption save (they write and copy it).
+        "terminationGracePeriodSeconds": termination_grace(p),
         "hostNetwork": True,
         "dnsPolicy": "ClusterFirstWithHostNet",
         "nodeSelector": {
@@ -354,6 +361,11 @@ def worker_job(p: Plan) -> dict:
     hosts = p.hosts_per_slice
     return _replicated_job(WORKER_JOB, p.num_slices, hosts, 4 * hosts, pod,
                            exclusive="cloud.google.com/gke-nodepool")
+
+
+def termination_grace(p: Plan) -> int:
+    """The pods' ``terminationGracePeriodSeconds``: the launcher's preemption budget plus 10 s to exit."""
+    return math.ceil(p.options.preemption_grace_s) + 10
 
 
 def ramdisk_volume(p: Plan) -> dict:
@@ -454,6 +466,7 @@ def _main(p: Plan) -> dict:
             {"name": "XCLOUD_ENVIRONMENT", "value": "GCP"},
             # mtc's own setting: MaxText's flag parser would refuse peer_port=.
             {"name": "MTC_PEER_PORT", "value": str(p.options.peer_port)},
+            {"name": "MTC_PREEMPTION_GRACE_S", "value": f"{p.options.preemption_grace_s:g}"},
         ],
     }
 

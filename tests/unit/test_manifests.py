@@ -466,3 +466,18 @@ def test_images_check_with_an_engine_that_cannot_answer_is_an_error_naming_it(tm
                          capture_output=True, text=True, env=env)
     assert out.returncode == 2 and "--engine docker: docker does not answer here (Cannot connect" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_preemption_budget_sets_the_pods_grace_period_and_the_heads_variable(capsys, tmp_path):
+    js = _by_kind(render_documents(options(preemption_grace_s=50)))["JobSet"]
+    pods = _pod_specs(js)
+    assert pods and all(pod["terminationGracePeriodSeconds"] == 60 for pod in pods.values()), pods
+    head_env = {e["name"]: e.get("value") for e in _containers(pods[manifests.HEAD_JOB])["main"]["env"]}
+    assert head_env["MTC_PREEMPTION_GRACE_S"] == "50", head_env
+    with pytest.raises(ConfigError, match="preemption-grace-s"):
+        render_documents(options(preemption_grace_s=0))
+    out = tmp_path / "js.yaml"
+    assert main(["manifests", "render", "--name", "j", "--base-output-directory", "gs://b/p", "--params", "1e9",
+                 "--command", "python3 -m maxtext.trainers.pre_train.train", "--preemption-grace-s", "-1",
+                 "--output", str(out)]) != 0
+    assert "preemption-grace-s" in capsys.readouterr().err
