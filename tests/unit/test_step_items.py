@@ -163,3 +163,39 @@ def test_as_saved_restores_a_subtree_without_knowing_it(ramdisk):
         m.wait_until_finished()
         assert json.loads(m.restore(2)["meta"]["metadata"].tobytes()) == {"x": 1}
     assert jax.tree.structure(out["extra"]) == jax.tree.structure(extra)
+
+
+class _Config:
+    """The MaxText settings maxtext_data reads (a MaxText config object has these attributes)."""
+
+    def __init__(self, **kw):
+        self.dataset_type, self.grain_file_type, self.grain_train_files = "grain", "parquet", "/d/data-train-*.parquet"
+        self.expansion_factor_real_data, self.data_shuffle_seed = -1, 0
+        self.__dict__.update(kw)
+
+
+def test_maxtext_names_and_shard_rules(mngr):
+    """The launcher's layout of the iter item follows MaxText's grain_utility rules (one process)."""
+    from mtc.head import maxtext_data
+
+    one, two = dataset_iterator(), [dataset_iterator(), dataset_iterator()]
+    assert maxtext_data.save_args(_Config(), one).names == ["process_0-of-1.json"]
+    assert maxtext_data.save_args(_Config(), two).names == ["process_0-of-2.json", "process_1-of-2.json"]
+    take(two[0], 3), take(two[1], 5)
+    mngr.save(1, args=ocp.args.Composite(iter=maxtext_data.save_args(_Config(), two)))
+    mngr.wait_until_finished()
+    # Two saved shards onto one iterator: MaxText cannot map them; refused with the way out.
+    with pytest.raises(DataPositionError, match="expansion_factor_real_data"):
+        mngr.restore(1, args=ocp.args.Composite(iter=maxtext_data.restore_args(_Config(), dataset_iterator())))
+    # Onto two iterators again: each comes back at its own position.
+    fresh = [dataset_iterator(), dataset_iterator()]
+    mngr.restore(1, args=ocp.args.Composite(iter=maxtext_data.restore_args(_Config(), fresh)))
+    ref = [dataset_iterator(), dataset_iterator()]
+    take(ref[0], 3), take(ref[1], 5)
+    for f, r in zip(fresh, ref):
+        np.testing.assert_array_equal(next(f), next(r))
+    # Another shuffle seed is another stream: refused, naming the setting.
+    with pytest.raises(DataPositionError, match="data_shuffle_seed: saved 0, now 1"):
+        mngr.restore(1, args=ocp.args.Composite(iter=maxtext_data.restore_args(_Config(data_shuffle_seed=1), fresh)))
+    assert maxtext_data.describe_skip(_Config(dataset_type="synthetic"), None).startswith("mtc: dataset_type=synthetic")
+    assert maxtext_data.describe_skip(_Config(), one) is None
