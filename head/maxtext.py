@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 SUPPORTED = ((0, 2, 5), (0, 3, 0))  # MaxText versions whose internals the hooks were written for: [lo, hi)
 SUPPORTED_TEXT = "maxtext >= 0.2.5, < 0.3"
 
-# MaxText flags that are mtc's config too (DESIGN section 7): read from MaxText's parsed config.
+# MaxText flags that are mtc's config too: read from MaxText's parsed config.
 MAXTEXT_FLAGS = (
     "enable_checkpointing", "enable_multi_tier_checkpointing", "colocated_python_checkpointing",
     "local_checkpoint_directory", "local_checkpoint_period", "multi_tier_checkpointing_backup_interval_minutes",

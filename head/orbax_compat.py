@@ -1,4 +1,4 @@
-"""An Orbax-compatible checkpoint manager backed by mtc (DESIGN section 12).
+"""An Orbax-compatible checkpoint manager backed by mtc (README, "MaxText").
 
 ``OrbaxCompatibleManager`` has the surface of Orbax's ``AbstractCheckpointManager`` as Orbax
 and MaxText users call it, so switching is one constructor::

@@ -1,4 +1,4 @@
-"""Restore planning, as values the dispatcher executes (DESIGN section 13).
+"""Restore planning, as values the dispatcher executes (docs/architecture.md, "The seam").
 
 ``plan_target`` turns a step manifest and a restore target (the shardings of the *current*
 mesh) into load requests; ``host_needs`` says which saved blobs each host needs for its

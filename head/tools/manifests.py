@@ -1,4 +1,4 @@
-"""Kubernetes manifests for a Pathways job that checkpoints with mtc (DESIGN section 9).
+"""Kubernetes manifests for a Pathways job that checkpoints with mtc (README, "Kubernetes (JobSet)").
 
 ``render_documents(options)`` builds, as plain dicts, what ``kubectl apply -f`` needs:
 
