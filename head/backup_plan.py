@@ -1,4 +1,4 @@
-"""Backup scheduling and upload assignment, as values (DESIGN sections 5 and 13).
+"""Backup scheduling and upload assignment, as values.
 
 ``backup_due`` says whether a committed step is due for a backup under the config's interval;
 ``assign_uploads`` gives each unique blob of a step to one of the hosts that hold it, largest

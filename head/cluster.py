@@ -1,4 +1,4 @@
-"""Cluster dispatch (DESIGN section 4, mode 2): sidecar daemons reached over local sockets.
+"""Cluster dispatch (the second transport of the seam, docs/architecture.md): sidecar daemons reached over local sockets.
 
 ``MTCConfig(cluster_spec=PATH)`` (or ``MTC_CLUSTER_SPEC`` through ``MTCConfig.from_env``)
 selects it. The head's devices are mapped to the daemons by ``Topology.from_spec``; each host

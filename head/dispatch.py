@@ -1,4 +1,4 @@
-"""The one interface between the checkpoint manager and the sidecars (DESIGN section 4).
+"""The one interface between the checkpoint manager and the sidecars (docs/architecture.md, "The seam").
 
 Two implementations: ``ColocatedDispatcher`` (colocated Python: Pathways, and in-process on a
 CPU backend) and the cluster dispatcher (sidecar daemons reached over local sockets). The

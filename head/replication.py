@@ -5,7 +5,7 @@ receiving sidecar executes its part (``mtc.sidecar.replication``): it pulls from
 the plan names, verifying every copy. Plans are pure functions of their inputs, separate from
 doing them, so they are unit-tested on their own and can be re-made after any failure.
 
-Rule (DESIGN section 5): every blob on at least ``replication_factor`` failure domains: slices
+Rule: every blob on at least ``replication_factor`` failure domains: slices
 when the topology has more than one, hosts when it has one. Copies that exist already count
 (data-parallel twins in other slices, copies made for an earlier step), so a multi-slice
 data-parallel job plans no transfer at all.

@@ -1,4 +1,4 @@
-"""The save path's two pure steps (DESIGN section 13): the state as leaves, and the step manifest.
+"""The save path's two pure steps: the state as leaves, and the step manifest.
 
 ``flatten`` validates a pytree and turns it into ``Leaf`` values (a typed PRNG key array is
 stored as its key data, its impl named); ``build_step`` turns phase 1's answers into the
