@@ -1,4 +1,4 @@
-"""Cluster dispatch (the second transport of the seam, docs/architecture.md): sidecar daemons reached over local sockets.
+"""Cluster dispatch (the seam's second transport): sidecar daemons reached over local sockets.
 
 ``MTCConfig(cluster_spec=PATH)`` (or ``MTC_CLUSTER_SPEC`` through ``MTCConfig.from_env``)
 selects it. The head's devices are mapped to the daemons by ``Topology.from_spec``; each host
