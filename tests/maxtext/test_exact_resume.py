@@ -11,7 +11,6 @@ losses differ, which is what every resume did before the iterator was part of a 
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from test_maxtext_e2e import _backups, _env, _finish, _kill_after_commit, _restored, _step_file, final_state
+from test_maxtext_e2e import metrics as logged_metrics
 
 pytestmark = [pytest.mark.maxtext, pytest.mark.integration]
 
@@ -84,11 +84,7 @@ def launch(py: str, flags: list[str], devices: int, log: Path, **env: str) -> su
 
 
 def metrics(run: Path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in (run / "metrics.txt").read_text().splitlines():
-        d = json.loads(line)
-        out[int(d["step"])] = {k: d[k] for k in METRICS}
-    return out
+    return logged_metrics(run, METRICS)
 
 
 @pytest.fixture(scope="module")

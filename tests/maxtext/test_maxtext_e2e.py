@@ -86,12 +86,12 @@ def _kill_after_commit(proc: subprocess.Popen, run: Path, step: int, log: Path, 
     proc.wait()
 
 
-def metrics(run: Path) -> dict[int, dict]:
-    """step -> the four metrics, from every line any run wrote (later runs overwrite earlier ones)."""
+def metrics(run: Path, names: tuple[str, ...] = METRICS) -> dict[int, dict]:
+    """step -> the metrics ``names``, from every line any run wrote (later runs overwrite earlier ones)."""
     out: dict[int, dict] = {}
     for line in (run / "metrics.txt").read_text().splitlines():
         d = json.loads(line)
-        out[int(d["step"])] = {k: d[k] for k in METRICS}
+        out[int(d["step"])] = {k: d[k] for k in names}
     return out
 
 
