@@ -21,7 +21,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,9 +34,13 @@ from mtc.head.replication_loop import Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restorer import Restorer
 from mtc.head.save import CommittedStep, build_step, flatten
+from mtc.shared import format as fmt
 from mtc.shared import version
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, FencedError, MTCError, SaveError, cause_in_chain
+
+if TYPE_CHECKING:
+    from mtc.head.export import ExportReport
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ class CheckpointManager:
     """
 
     def __init__(self, config: MTCConfig | None = None, *, dispatcher: Dispatcher | None = None,
-                 **kwargs: Any):
+                 read_only: bool = False, **kwargs: Any):
         if config is None:
             config = MTCConfig(**kwargs)
         elif kwargs:
@@ -100,6 +104,9 @@ class CheckpointManager:
         self._replicator = Replicator(self._dispatch, config, self._strategy, self._closing)
         self._backups = BackupRunner(self._dispatch, config)
         self._restorer = Restorer(self._dispatch, config, self._strategy, self._replicator.submit)
+        # A reader (read_only) never takes the hosts: a running job's head keeps them; it restores
+        # what the hosts hold and the backups, and cannot save.
+        self._read_only = self._restorer.read_only = bool(read_only)
         _install_exit_hook()
         _LIVE.add(self)
         self.last_prefetch_report: PrefetchReport | None = None
@@ -122,7 +129,8 @@ class CheckpointManager:
         with self._ready_lock:  # the start-up pull and the first save/restore may race here
             if not self._checked_versions:
                 version.check_fingerprints(version.fingerprint(), self._dispatch.fingerprints())
-                self._claim_hosts()
+                if not self._read_only:
+                    self._claim_hosts()
                 self._checked_versions = True
 
     def _claim_hosts(self) -> None:
@@ -180,6 +188,8 @@ class CheckpointManager:
         step = int(step)
         if not self._config.enable_checkpointing:
             return False
+        if self._read_only:
+            raise ConfigError("this CheckpointManager is read_only (it does not take the hosts): it cannot save")
         if not (force or self.should_save(step)):
             return False
         t0 = time.perf_counter()
@@ -421,6 +431,19 @@ class CheckpointManager:
         self._check_versions()
         result, self.last_restore_report = self._restorer.restore(step, target, partial, prefetched)
         return result
+
+    def manifest(self, step: int | None = None) -> fmt.StepManifest:
+        """What ``step`` (default: the latest) holds: every array's key, shape, dtype and sharding."""
+        self._check_open()
+        self._check_versions()
+        return self._restorer.manifest_of(step)
+
+    def export(self, directory: str, step: int | None = None, **kwargs: Any) -> "ExportReport":
+        """Write ``step`` (default: the latest) as a standard Orbax checkpoint, ``directory/<step>``,
+        as MaxText's own checkpointing writes it; see ``mtc.head.export.export`` for the options."""
+        from mtc.head.export import export
+
+        return export(self, directory, step, **kwargs)
 
     # --- start-up pull ---------------------------------------------------------------------
 

@@ -80,6 +80,7 @@ class Restorer:
         # the first found the store down rather than wait out the whole deadline again.
         self._listing_lock = threading.Lock()
         self._manifests: dict[str, fmt.StepManifest] = {}  # digest -> manifest (see _remember)
+        self.read_only = False  # a reader's (mtc export of a running job): never changes the hosts
 
     # --- what there is ---------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ class Restorer:
         ``all_steps`` (so ``latest_step``) and a restore's choice both read, so that the step
         ``latest_step`` names is the one ``restore()`` would choose."""
         inv = self.inventory(listing)
-        if inv.damaged and not inv.unreachable and self._repair_manifests(inv):
+        if inv.damaged and not inv.unreachable and not self.read_only and self._repair_manifests(inv):
             inv = self.inventory(listing)
         return inv
 
@@ -234,6 +235,13 @@ class Restorer:
             if {b for b, hs in holders.items() if not hs} <= in_backups:
                 return s
         return None
+
+    def manifest_of(self, step: int | None) -> fmt.StepManifest:
+        """The manifest of ``step`` (default: the one a restore would choose), as a restore reads it."""
+        listing = self.backup_listing()
+        step, backup_name, _, inv = self.choose_step(step, listing)
+        view = inv.views.get(step) if backup_name is None else None
+        return self._manifest(step, backup_name, view.manifest if view is not None and view.manifest else None)
 
     # --- restore ---------------------------------------------------------------------------
 

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import secrets
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from mtc.shared import backup_layout
-from mtc.shared.config import ENV_TOKEN, MTCConfig
+from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, MTCError
 
 
@@ -172,50 +168,6 @@ def render(st: Status, console: Any) -> None:
         console.print(f"note: {n}")
 
 
-class _TempDaemons:
-    """A sidecar daemon on each ramdisk folder of a stopped job, for the time of one question."""
-
-    def __init__(self, dirs: list[Path]):
-        self.tmp = Path(tempfile.mkdtemp(prefix="mtc-status-"))
-        self.token = secrets.token_hex(32)  # these daemons' own job token, for this one question
-        self.procs = []
-        hosts = []
-        for i, d in enumerate(dirs):
-            ready = self.tmp / f"h{i}.ready"
-            p = subprocess.Popen([sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(d), "--host-id",
-                                  f"h{i}", "--ready-file", str(ready), "--log-file", str(self.tmp / f"h{i}.log")],
-                                 env={**os.environ, ENV_TOKEN: self.token})
-            self.procs.append(p)
-            hosts.append((f"h{i}", ready))
-        rows = []
-        deadline = time.monotonic() + 60
-        for hid, ready in hosts:
-            while not ready.exists():
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise MTCError(f"the sidecar daemon on {dirs[int(hid[1:])]} did not start (see {self.tmp})")
-                time.sleep(0.05)
-            doc = json.loads(ready.read_text())
-            rows.append({"id": hid, "slice": 0, "address": doc["address"], "devices": 1})
-        from mtc.shared import protocol
-
-        self.spec_path = self.tmp / "cluster.json"
-        protocol.ClusterSpec(tuple(protocol.HostSpec(r["id"], r["slice"], r["address"], r["devices"])
-                                   for r in rows)).write(self.spec_path)
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        import shutil
-
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
 def run(args: Any) -> int:
     """``mtc status`` (see cli.py for the options)."""
     from rich.console import Console
@@ -229,12 +181,10 @@ def run(args: Any) -> int:
             raise ConfigError("give the job's --cluster-spec (a running local cluster) or its "
                               "--local-checkpoint-directory (ramdisk folders of a stopped job; several allowed)")
         if args.local_checkpoint_directory:
-            dirs = [Path(d) for d in args.local_checkpoint_directory]
-            for d in dirs:
-                if not (d / "mtc").is_dir():
-                    raise ConfigError(f"{d} holds no mtc ramdisk ({d / 'mtc'} does not exist); pass the "
-                                      "local_checkpoint_directory the job used")
-            temp = _TempDaemons(dirs)
+            from mtc.head.tools.sources import TempDaemons, folder_hosts
+
+            hosts = folder_hosts(args.local_checkpoint_directory)
+            temp = TempDaemons(hosts)
             spec_path = temp.spec_path
             token = temp.token
         else:
@@ -242,8 +192,7 @@ def run(args: Any) -> int:
             token = ""  # the job's own: MTC_PEER_TOKEN in this environment
         protocol.ClusterSpec.read(spec_path)  # validated: a clear error for a wrong file
         spec = json.loads(Path(spec_path).read_text())
-        config = MTCConfig(local_checkpoint_directory=str(args.local_checkpoint_directory[0]
-                                                          if args.local_checkpoint_directory else spec_path.parent),
+        config = MTCConfig(local_checkpoint_directory=str(hosts[0][1] if temp is not None else spec_path.parent),
                            cluster_spec=str(spec_path), base_output_directory=args.base_output_directory or "",
                            run_name=args.run_name or "", replication_factor=args.replication_factor,
                            peer_token=token)

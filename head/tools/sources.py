@@ -1,0 +1,120 @@
+"""Where the tools (``mtc status``, ``mtc export``) read a job's steps from.
+
+A running local cluster (its cluster spec), the ramdisk folders of a stopped job (a sidecar
+daemon is started on each for the time of one command), or the backup tier alone (one daemon
+on an empty scratch folder, which the restore fills from the backup).
+
+A folder's host id is read from what it holds: each host's commit record of a step names its
+own part; a host that keeps whole step manifests is the host whose part's blobs it holds, among
+those no other folder is. ``ID=DIR`` names it where that cannot tell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from mtc.shared import format as fmt
+from mtc.shared import protocol
+from mtc.shared.config import ENV_TOKEN
+from mtc.shared.errors import ConfigError, MTCError
+
+
+def _steps(d: Path) -> list[bytes]:
+    out = []
+    for f in sorted((d / "mtc" / "steps").glob("*.json"), reverse=True):
+        try:
+            out.append(f.read_bytes())
+        except OSError:
+            continue
+    return out
+
+
+def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path]]:
+    """(host id, folder) of each ``DIR`` or ``ID=DIR`` (the id read from the folder when not given)."""
+    named: list[tuple[str | None, Path]] = []
+    for a in args:
+        hid, sep, path = a.partition("=")
+        d = Path(path if sep else a)
+        if not (d / "mtc").is_dir():
+            raise ConfigError(f"{d} holds no mtc ramdisk ({d / 'mtc'} does not exist); pass the "
+                              "local_checkpoint_directory the job used")
+        named.append((hid if sep else None, d))
+    parts: dict[str, set[str]] = {}  # host -> its part's blobs, from whole manifests
+    found: list[str | None] = []
+    for hid, d in named:
+        own = hid
+        for data in _steps(d):
+            try:
+                rec = fmt.CommitRecord.parse(data)
+                if rec is not None:
+                    own = own or rec.host_manifest().host
+                    continue
+                m = fmt.StepManifest.from_json(data)
+            except MTCError:
+                continue
+            for h, blobs in (m.part_blobs or {}).items():
+                parts.setdefault(h, set()).update(blobs)
+        found.append(own)
+    for i, (hid, d) in enumerate(named):
+        if found[i] is not None:
+            continue
+        have = {p.name for p in (d / "mtc" / "blobs").iterdir()} if (d / "mtc" / "blobs").is_dir() else set()
+        left = [h for h in sorted(parts) if h not in found and parts[h] <= have]
+        # Data-parallel twins hold the same blobs: either id reads the same; the folder's name breaks the tie.
+        left.sort(key=lambda h: h not in (d.name, d.parent.name))
+        if not left:
+            raise ConfigError(f"cannot tell which host the ramdisk folder {d} belongs to (no step on it names its "
+                              "host); name it as HOST_ID=DIR, with the id the job gave that host")
+        found[i] = left[0]
+    dupes = sorted({h for h in found if found.count(h) > 1})
+    if dupes:
+        raise ConfigError(f"two folders hold host {dupes[0]}'s steps; pass each host's folder once "
+                          "(or name them as HOST_ID=DIR)")
+    return [(h, d) for h, (_, d) in zip(found, named)]  # type: ignore[misc]
+
+
+class TempDaemons:
+    """A sidecar daemon on each ramdisk folder of a stopped job, for the time of one command."""
+
+    def __init__(self, hosts: Sequence[tuple[str, Path]]):
+        self.tmp = Path(tempfile.mkdtemp(prefix="mtc-tool-"))
+        self.token = secrets.token_hex(32)  # these daemons' own job token, for this one command
+        self.procs: list[subprocess.Popen] = []
+        ready_files = []
+        for i, (hid, d) in enumerate(hosts):
+            ready = self.tmp / f"{i}.ready"
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(d), "--host-id", hid,
+                 "--ready-file", str(ready), "--log-file", str(self.tmp / f"{i}.log")],
+                env={**os.environ, ENV_TOKEN: self.token}))
+            ready_files.append(ready)
+        rows = []
+        deadline = time.monotonic() + 60
+        for (hid, d), ready in zip(hosts, ready_files):
+            while not ready.exists():
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise MTCError(f"the sidecar daemon on {d} did not start (its log is in {self.tmp})")
+                time.sleep(0.05)
+            rows.append(protocol.HostSpec(hid, 0, json.loads(ready.read_text())["address"], 1))
+        self.spec_path = self.tmp / "cluster.json"
+        protocol.ClusterSpec(tuple(rows)).write(self.spec_path)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
