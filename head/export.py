@@ -249,7 +249,7 @@ def _context(orbax: Any, *, saving: bool) -> Any:
     if saving:
         registry = ocp.handlers.local_registry()
         registry.add(orbax.handler, checkpointable_name=ITEMS)
-        ctx = ocp.Context(checkpointables_options=ocp.options.CheckpointablesOptions(registry=registry))
+        ctx.checkpointables.registry = registry
     else:
         ctx.pytree.loading.partial_load = True
     return ctx
@@ -349,7 +349,7 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
         with _context(orbax, saving=True):
             for n, group in enumerate(plan):
                 target = _nest((paths[i], _target(manifest.arrays[i], onto)) for i in group)
-                restored = manager.restore(step, target=target, partial=True)
+                restored = manager.restore(step, target=target, partial=True, pull=False)
                 rep = manager.last_restore_report
                 for tier, b in (rep.bytes_by_tier if rep else {}).items():
                     by_tier[tier] = by_tier.get(tier, 0) + b
@@ -402,7 +402,8 @@ def _file_items(orbax: Any, manager: Any, step: int, file_items: dict[str, tuple
 
     if not file_items:
         return {}
-    saved = manager.restore(step, target={p[0].key: AS_SAVED for p in file_items.values()}, partial=True)
+    saved = manager.restore(step, target={p[0].key: AS_SAVED for p in file_items.values()}, partial=True,
+                            pull=False)
     return {name: orbax.Files({f: np.asarray(b).tobytes() for f, b in saved[path[0].key].items()
                           if f != byte_items.ITERATOR_META})
             for name, path in file_items.items()}

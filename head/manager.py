@@ -412,7 +412,7 @@ class CheckpointManager:
 
     # --- restore -------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None, *, partial: Any = False) -> Any:
+    def restore(self, step: int | None = None, target: Any = None, *, partial: Any = False, pull: bool = True) -> Any:
         """Restore ``step`` (default: the latest) into the structure and shardings of ``target``.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``sharding``) or of arrays;
@@ -422,14 +422,14 @@ class CheckpointManager:
         A host that stops answering raises ``HostLostError`` (see ``save``).
         """
         with host_lost_as_elastic():
-            return self._restore(step, target, partial)
+            return self._restore(step, target, partial, pull)
 
-    def _restore(self, step: int | None, target: Any, partial: Any) -> Any:
+    def _restore(self, step: int | None, target: Any, partial: Any, pull: bool = True) -> Any:
         self._check_open()
         prefetched = self._await_prefetch()
         self._wait_previous()
         self._check_versions()
-        result, self.last_restore_report = self._restorer.restore(step, target, partial, prefetched)
+        result, self.last_restore_report = self._restorer.restore(step, target, partial, prefetched, pull)
         return result
 
     def manifest(self, step: int | None = None) -> fmt.StepManifest:

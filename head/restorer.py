@@ -11,6 +11,7 @@ only whether the backup store answered the last listing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -246,20 +247,20 @@ class Restorer:
     # --- restore ---------------------------------------------------------------------------
 
     def restore(self, step: int | None, target: Any, partial: Any,
-                prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
+                prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
         try:
-            return self._restore_once(step, target, partial, prefetched)
+            return self._restore_once(step, target, partial, prefetched, pull)
         except CorruptBlobError as e:
             # A host found its own copy corrupt while loading and removed it (mtc.sidecar.reads): plan
             # once more, so that a good copy comes from a peer or a backup.
             log.warning("restore: %s; planning the restore again without that copy", e)
             try:
-                return self._restore_once(step, target, partial, None)
+                return self._restore_once(step, target, partial, None, pull)
             except StepNotFoundError:
                 raise e from None  # no other copy anywhere: the error that names the array and the shard
 
     def _restore_once(self, step: int | None, target: Any, partial: Any,
-                      prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
+                      prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
         listing = self.backup_listing()
         step, backup_name, fallback, inv = self.choose_step(step, listing)
@@ -269,7 +270,7 @@ class Restorer:
         manifest = self._manifest(step, backup_name, agreed)
         requests, finish = plan_target(manifest, target, partial)
         pulled = _Pulled()
-        plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing))
+        plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing), pull)
         if plan is None:
             needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
             holders = None
@@ -343,12 +344,14 @@ class Restorer:
 
     def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
                        backup_name: str | None, fallback: str | None, pulled: _Pulled,
-                       inv: Inventory, backups: list[str]) -> RestorePlan | None:
+                       inv: Inventory, backups: list[str], pull: bool = True) -> RestorePlan | None:
         """Every host pulls the blobs it lacks for its shards of ``requests``; returns the plan.
 
         A replaced node lacks its own shards; after an elastic resize any host may lack saved
         shards its target shards overlap. Planned per host, and counted per host: a blob two
-        hosts need is two transfers. None when the inventories did not see the step.
+        hosts need is two transfers. None when the inventories did not see the step. Without
+        ``pull`` (a reader: the head reads each blob from a host that holds it), only blobs no
+        host holds are fetched, from a backup.
         """
         view = inv.views.get(step) if backup_name is None else None
         if backup_name is None and view is None:
@@ -361,8 +364,11 @@ class Restorer:
             for h, blobs in plan.needs.items():
                 pulled.got(h, blobs)
         else:
-            self._pull_lacking(step, manifest, plan, fallback, pulled, backups)
-            if pulled.blobs["peer"] or pulled.blobs["backup"]:
+            held = plan.holders or {}
+            self._pull_lacking(step, manifest, plan if pull else dataclasses.replace(
+                plan, needs={h: [b for b in bs if not held.get(b)] for h, bs in plan.needs.items()}),
+                fallback, pulled, backups)
+            if pull and (pulled.blobs["peer"] or pulled.blobs["backup"]):
                 # A host was refilled: the copies it held for its peers are gone too; make them again.
                 self._replicate(CommittedStep.of(manifest))
         return plan

@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=lambda a: __import__("mtc.head.tools.status", fromlist=["run"]).run(a))
 
+    from mtc.head.tools import export_cmd
+
+    export_cmd.add_parser(sub)
+
     rv = sub.add_parser(
         "restore-version", help="pin restore to one backup (restore.version)",
         description="Show the backups and the restore.version file, pin restore to one backup "
