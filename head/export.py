@@ -14,10 +14,10 @@ Orbax's own finalize merges them and makes ``<step>`` appear at once: an export 
 half-way leaves ``<step>.partial_save``, which no reader takes for a checkpoint, and the next
 export of the step starts it over.
 
-What the saved tree maps to: the MaxText launcher's steps hold ``state`` and ``iter``; they
-become ``items`` and ``iter``. A step saved through ``OrbaxCompatibleManager`` with one item
-(``default``) exports that item as ``items``; any other step exports its whole array tree as
-``items``, beside its data-iterator items under their own names.
+What the saved tree maps to: the MaxText launcher's steps hold ``state`` (and ``iter``); they
+become ``items`` (and ``iter``). A step whose array tree is one item (``state``, or ``default``:
+``OrbaxCompatibleManager`` given one args object) exports that item as ``items``; any other step
+exports its whole array tree as ``items``. Data-iterator items keep their own names.
 """
 
 from __future__ import annotations
@@ -180,12 +180,7 @@ def plan_items(manifest: fmt.StepManifest) -> tuple[tuple, dict[str, tuple]]:
     files = _iterator_items(manifest)
     top = manifest.tree.get("k", []) if manifest.tree.get("t") == "dict" else []
     arrays = [k for k in top if k not in files]
-    if files and len(arrays) == 1 and arrays[0] in (LAUNCHER_STATE, "default"):
-        state: tuple = (_K.DictKey(arrays[0]),)
-    elif not files and top == ["default"]:
-        state = (_K.DictKey("default"),)
-    else:
-        state = ()
+    state: tuple = (_K.DictKey(arrays[0]),) if arrays in ([LAUNCHER_STATE], ["default"]) else ()
     if ITEMS in files:
         raise ExportError("the step holds a data iterator item named 'items', the name of the train state "
                           "in an Orbax checkpoint; it cannot be exported beside it")

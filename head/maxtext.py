@@ -25,7 +25,13 @@ with ``enable_multi_tier_checkpointing=True``:
   reads the data from where the step left it;
 - a SIGTERM makes ``reached_preemption`` true: MaxText saves the step it reached at the next step
   boundary and stops; the launcher waits for its commit and copies within
-  ``MTC_PREEMPTION_GRACE_S`` and exits 0 (``mtc.head.preemption``).
+  ``MTC_PREEMPTION_GRACE_S`` and exits 0 (``mtc.head.preemption``);
+- a run that mtc holds no step of starts from MaxText's own ``load_full_state_path`` /
+  ``load_parameters_path`` (a standard Orbax checkpoint), as without mtc, and from then on saves
+  and restores through mtc's tiers: a restart resumes from mtc's newest step, not from the path;
+- with ``MTC_EXPORT_ON_FINISH`` set (``1``: MaxText's own ``checkpoint_dir``,
+  ``<base_output_directory>/<run_name>/checkpoints``; else a directory), a run that finishes
+  exports its last step as MaxText's standard checkpoint (``mtc.head.export``), ``<dir>/<step>/items``.
 
 Those are MaxText internals, so the launcher refuses a MaxText outside ``SUPPORTED``.
 """
@@ -123,6 +129,23 @@ _installed = False
 _managers: list = []  # made for MaxText, which never closes its checkpoint manager: closed at the end
 _notice = None  # the launcher's PreemptionNotice (SIGTERM), given to every manager it makes
 _call = threading.local()  # the data iterator and config of the MaxText save/restore call in progress
+_export: dict = {}  # MTC_EXPORT_ON_FINISH: {"to": directory, "custom_metadata": ...} of the run's config
+ENV_EXPORT = "MTC_EXPORT_ON_FINISH"
+
+
+def export_target(config: Any, environ: Any = None) -> dict:
+    """Where a finished run exports its last step (``MTC_EXPORT_ON_FINISH``); {} when it does not."""
+    import os
+
+    value = (environ if environ is not None else os.environ).get(ENV_EXPORT, "").strip()
+    if value.lower() in ("", "0", "false", "no"):
+        return {}
+    to = str(getattr(config, "checkpoint_dir", "") or "") if value.lower() in ("1", "true", "yes") else value
+    if not to:
+        raise ConfigError(f"{ENV_EXPORT}=1 exports to MaxText's checkpoint_dir, which this config does not "
+                          f"have; set {ENV_EXPORT} to a directory")
+    meta = {"scan_layers": config.scan_layers} if hasattr(config, "scan_layers") else {}
+    return {"to": to.rstrip("/") or to, "custom_metadata": meta}
 
 
 def _close_managers() -> None:
@@ -169,6 +192,7 @@ def install() -> None:
         log.info("mtc: multi-tier checkpointing (%s mode) at %s, every %d steps%s", cfg.mode,
                  cfg.local_checkpoint_directory, cfg.local_checkpoint_period,
                  f", backups to {cfg.backup_root}" if cfg.backup_enabled else "")
+        _export.update(export_target(config))
         manager = OrbaxCompatibleManager(cfg)
         if _notice is not None:
             manager.mtc_manager.watch_preemption(notice=_notice)
@@ -247,9 +271,17 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
                                    f"{maxtext_data.ITEM!r}, dataset_type=grain)")
         _call.data_iterator, _call.config = data_iterator, config
         try:
-            return load_state(checkpoint_manager, data_iterator, *args, **kwargs)
+            restored, params = load_state(checkpoint_manager, data_iterator, *args, **kwargs)
         finally:
             _call.data_iterator = _call.config = None
+        if (isinstance(restored, dict) and list(restored) == ["items"]
+                and checkpoint_manager.mtc_manager.last_restore_report is None):
+            # mtc held no step: MaxText read its load_full_state_path, and hands the state back the
+            # way its standard manager does; for a multi-tier manager it expects the state itself.
+            log.info("mtc: no step of this run in mtc's tiers: started from load_full_state_path; the run saves "
+                     "and resumes through mtc from now on")
+            restored = restored["items"]
+        return restored, params
 
     def should_save_at(checkpoint_manager, step, config, force):
         if isinstance(checkpoint_manager, ours) and checkpoint_manager.reached_preemption(step):
@@ -260,6 +292,18 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
     checkpointing.load_state_if_possible = load_state_if_possible
     checkpointing._should_save_checkpoint_at_step = should_save_at
     emergency.save, emergency.restore = save, restore
+
+
+def _export_last_step(manager: Any) -> None:
+    """The run finished: its last step as MaxText's standard checkpoint (MTC_EXPORT_ON_FINISH)."""
+    manager.wait_until_finished()
+    step = manager.latest_step()
+    if step is None:
+        log.warning("mtc: %s is set but the run saved no step; nothing exported", ENV_EXPORT)
+        return
+    report = manager.export(_export["to"], step, custom_metadata=_export["custom_metadata"] or None)
+    log.info("mtc: exported step %d as a standard checkpoint: %s (%s)", step, report.path,
+             " ".join(report.maxtext_flags()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -297,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if _notice.received:
                 for m in list(_managers):
                     m.mtc_manager.finish_preemption()
+            elif _export and _managers:
+                _export_last_step(_managers[-1].mtc_manager)
         finally:
             _close_managers()
             _notice.done()  # closed in time: no exit by the budget's timer
