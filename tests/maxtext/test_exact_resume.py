@@ -187,3 +187,29 @@ def test_another_file_list_is_refused_and_a_restart_on_purpose_starts_the_data_o
     got = metrics(run)
     resumed = [s for s in range(2 * PERIOD + 1, STEPS)]
     assert all(got[s]["learning/loss"] != ref_metrics[s]["learning/loss"] for s in resumed[:3])
+
+
+def test_export_at_finish_is_a_checkpoint_unmodified_maxtext_resumes_with_its_data_position(
+        ramdisk, maxtext_python, maxtext_dir, data, reference):
+    """MTC_EXPORT_ON_FINISH=1 writes the last step into MaxText's own checkpoint_dir (items + iter):
+    MaxText without mtc, the same run name, resumes from it, data position included."""
+    ref_metrics, _ = reference(1)
+    run = ramdisk / "run"
+    run.mkdir()
+    first = 8
+    flags = [f"steps={first}" if f.startswith("steps=") else f for f in grain_flags(maxtext_dir, run, data[0])]
+    log = run / "log1.txt"
+    _finish(launch(maxtext_python, flags, 1, log, MTC_EXPORT_ON_FINISH="1"), log)
+    step_dir = run / "out" / "r" / "checkpoints" / str(first - 1)
+    assert {p.name for p in step_dir.iterdir()} >= {"_CHECKPOINT_METADATA", "items", "iter"}, log.read_text()[-3000:]
+    assert [p.name for p in (step_dir / "iter").iterdir()] == ["process_0-of-1.json"]
+    plain = [f for f in grain_flags(maxtext_dir, run, data[0])
+             if not f.startswith(("enable_multi_tier_checkpointing", "local_checkpoint", "multi_tier_"))]
+    log2 = run / "log2.txt"
+    proc = subprocess.Popen([maxtext_python, "-m", "maxtext.trainers.pre_train.train", *plain, "checkpoint_period=1000"],
+                            env=_env(1), stdout=log2.open("ab"), stderr=subprocess.STDOUT)
+    _finish(proc, log2)
+    assert f"restoring from this run's directory step {first - 1}" in log2.read_text(), log2.read_text()[-3000:]
+    got = metrics(run)
+    for step in range(first, STEPS):
+        assert got[step] == ref_metrics[step], f"step {step}: {got[step]} != reference {ref_metrics[step]}"
