@@ -332,9 +332,10 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
         raise ExportError(f"{final} already exists: an export of step {step} (or another checkpoint) is there; "
                           "nothing was written. Export to another directory, or remove it first")
     partial = orbax.partial_path.add_partial_save_suffix(final)
-    if partial.exists():
-        log.warning("removing %s, an export of step %d that did not finish", partial, step)
-        partial.rmtree()
+    stale = sorted(final.parent.glob(f"{partial.name}*")) if final.parent.exists() else []
+    if stale:
+        log.warning("removing %s, an export of step %d that did not finish", ", ".join(map(str, stale)), step)
+        _remove(partial)
     final.parent.mkdir(parents=True, exist_ok=True)
     total = sum(sizes)
     done = largest = 0
@@ -382,12 +383,13 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
     return report
 
 
-def _remove(path: Any) -> None:
-    try:
-        if path.exists():
-            path.rmtree()
-    except OSError as e:  # the export's error is the one to raise; this is cleanup
-        log.warning("could not remove the unfinished export %s: %s", path, e)
+def _remove(partial: Any) -> None:
+    """An unfinished export: Orbax's partial-save folder and its pending ``.orbax-checkpoint-tmp*`` ones."""
+    for path in list(partial.parent.glob(f"{partial.name}*")):
+        try:
+            path.rmtree() if path.is_dir() else path.unlink()
+        except OSError as e:  # the export's error is the one to raise; this is cleanup
+            log.warning("could not remove the unfinished export %s: %s", path, e)
 
 
 def _file_items(orbax: Any, manager: Any, step: int, file_items: dict[str, tuple]) -> dict[str, Any]:
