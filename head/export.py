@@ -238,15 +238,12 @@ def _orbax() -> Any:
                            partial_saving=partial_saving, execution=execution)
 
 
-def _context(orbax: Any, *, saving: bool) -> Any:
-    ocp = orbax.ocp
-    ctx = ocp.Context()
-    if saving:
-        registry = ocp.handlers.local_registry()
-        registry.add(orbax.handler, checkpointable_name=ITEMS)
-        ctx.checkpointables.registry = registry
-    else:
-        ctx.pytree.loading.partial_load = True
+def _partial_context(orbax: Any) -> Any:
+    """The Orbax context of the partial saves: ``items`` is written by the partial-save handler."""
+    ctx = orbax.ocp.Context()
+    registry = orbax.ocp.handlers.local_registry()
+    registry.add(orbax.handler, checkpointable_name=ITEMS)
+    ctx.checkpointables.registry = registry
     return ctx
 
 
@@ -336,13 +333,20 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
     if stale:
         log.warning("removing %s, an export of step %d that did not finish", ", ".join(map(str, stale)), step)
         _remove(partial)
+    whole = len(plan) == 1  # one group: Orbax's ordinary save, no partial save
+    if not whole and str(final).startswith("gs://"):
+        raise ExportError(
+            f"step {step} is {sum(sizes):,} bytes, more than max_bytes ({max_bytes:,}) at once, and orbax-checkpoint's "
+            "partial save (how an export holds only part of the state at a time) does not write to gs://. "
+            "Export to a local directory and copy it (gcloud storage cp -r), or allow the whole state in memory "
+            f"(max_bytes / --max-memory >= {sum(sizes):,})")
     final.parent.mkdir(parents=True, exist_ok=True)
     total = sum(sizes)
     done = largest = 0
     by_tier: dict[str, int] = {}
     digests: list[tuple[list, dict]] = []
     try:
-        with _context(orbax, saving=True):
+        with orbax.ocp.Context() if whole else _partial_context(orbax):
             for n, group in enumerate(plan):
                 target = _nest((paths[i], _target(manifest.arrays[i], onto)) for i in group)
                 restored = manager.restore(step, target=target, partial=True, pull=False)
@@ -356,17 +360,23 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
                 if n == 0:
                     checkpointables.update(_file_items(orbax, manager, step, file_items))
                 del restored, pairs
-                orbax.execution.save_checkpointables_impl(
-                    partial, checkpointables, overwrite=False, custom_metadata=custom_metadata or None,
-                    async_origin=False, partial_save=True).result()
+                if whole:
+                    orbax.ocp.save_checkpointables(final, checkpointables, custom_metadata=custom_metadata or None)
+                else:
+                    orbax.execution.save_checkpointables_impl(
+                        partial, checkpointables, overwrite=False, custom_metadata=custom_metadata or None,
+                        async_origin=False, partial_save=True).result()
                 del checkpointables
                 gbytes = sum(size_of[i] for i in group)
                 largest, done = max(largest, gbytes), done + gbytes
                 if progress is not None:
                     progress(done, total)
-            orbax.partial_saving.finalize(final)
+            if not whole:
+                orbax.partial_saving.finalize(final)
     except BaseException as e:
         _remove(partial)
+        if whole:
+            _remove(final.parent / f"{final.name}.orbax-checkpoint-tmp")
         if isinstance(e, MTCError) or not isinstance(e, Exception):
             raise
         raise ExportError(f"writing step {step} to {final} failed ({type(e).__name__}: {e}); nothing was left "

@@ -162,3 +162,23 @@ def test_cli_export_from_the_backup_tier_on_a_gcs_emulator(ramdisk, tmp_path, fa
                              env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "restorable steps: [5]" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_export_to_gs_on_a_gcs_emulator(ramdisk, fake_gcs_server, monkeypatch):
+    pytest.importorskip("gcsfs")  # what Orbax's paths need for gs://
+    bucket = f"mtc-{uuid.uuid4().hex[:12]}"
+    fake_gcs_server.client().create_bucket(bucket)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs_server.url)  # gcsfs
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", fake_gcs_server.url)  # TensorStore, which writes the arrays
+    s = state(2)
+    with manager(ramdisk) as m:
+        m.save(2, s)
+        m.wait_until_finished()
+        with pytest.raises(ExportError, match="does not write to gs://"):
+            m.export(f"gs://{bucket}/exp", max_bytes=1024)  # bounded memory: Orbax's partial save, local only
+        rep = m.export(f"gs://{bucket}/exp", verify=True)
+    assert rep.path == f"gs://{bucket}/exp/2" and rep.verified and rep.groups == 1
+    got = ocp.load(rep.path, onto(s, Mesh(np.array(jax.devices()[:2]), ("data",))), checkpointable_name="items")
+    assert_trees_bitwise_equal(s, got, check_sharding=False)
+    names = {b.name for b in fake_gcs_server.client().list_blobs(bucket)}
+    assert {"exp/2/commit_success.txt", "exp/2/items/_METADATA"} <= names
