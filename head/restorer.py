@@ -82,6 +82,7 @@ class Restorer:
         self._listing_lock = threading.Lock()
         self._manifests: dict[str, fmt.StepManifest] = {}  # digest -> manifest (see _remember)
         self.read_only = False  # a reader's (mtc export of a running job): never changes the hosts
+        self._given: set[tuple[int, str, str]] = set()  # (step, manifest digest, host) a reader gave it to
 
     # --- what there is ---------------------------------------------------------------------
 
@@ -365,6 +366,8 @@ class Restorer:
                 pulled.got(h, blobs)
         else:
             held = plan.holders or {}
+            if not pull and not self.read_only:
+                self._give_manifest(step, manifest, {h for bs in plan.needs.values() for b in bs for h in held.get(b, ())})
             self._pull_lacking(step, manifest, plan if pull else dataclasses.replace(
                 plan, needs={h: [b for b in bs if not held.get(b)] for h, bs in plan.needs.items()}),
                 fallback, pulled, backups)
@@ -372,6 +375,18 @@ class Restorer:
                 # A host was refilled: the copies it held for its peers are gone too; make them again.
                 self._replicate(CommittedStep.of(manifest))
         return plan
+
+    def _give_manifest(self, step: int, manifest: fmt.StepManifest, hosts: set[str]) -> None:
+        """A reader reads blobs from any host that holds them, which may hold only a commit record of
+        the step and fetch the manifest from its keepers; those of a stopped job may be gone: the
+        head gives it (an empty pull with the manifest). A host that cannot take it is read from
+        another holder."""
+        hosts = {h for h in hosts if (step, manifest.digest, h) not in self._given}
+        for h, res in self._dispatch.peer_pull(step, {h: [] for h in sorted(hosts)}, manifest).items():
+            if res.error:
+                log.warning("step %d: could not give host %s the manifest: %s", step, h, res.error)
+            else:
+                self._given.add((step, manifest.digest, h))
 
     def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: RestorePlan, fallback: str | None,
                       pulled: _Pulled, backups: list[str]) -> None:

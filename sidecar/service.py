@@ -8,6 +8,7 @@ call the same methods here, so tiers, formats and policies are one code path.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -49,6 +50,8 @@ def _log_ramdisk_advice(store: RamStore) -> None:
 # A save part with at most this many bytes is hashed and written on the request's thread.
 _INLINE_BYTES = 1 << 20
 
+HOST_FILE = "host.json"  # in the ramdisk root: {"host": id} of the sidecar that serves it
+
 # Requests that change a host: only the head holding the lease may send them (fencing).
 MUTATING_OPS = frozenset({"write", "commit", "abort", "peer_pull", "backup_upload", "backup_finalize",
                           "backup_fetch"})
@@ -69,6 +72,7 @@ class SidecarService:
         self._backup = None
         self.jobs = Jobs(self.host_id)
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
+        self._note_host_id()
         _log_ramdisk_advice(self.store)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
         self._reader = BoxReader(self.store, self._io, self.host_id)
@@ -92,6 +96,18 @@ class SidecarService:
         self._peer_token = ""
         self._closed = False
         self.lease = HeadLease(self.store.root)
+
+    def _note_host_id(self) -> None:
+        """Which host's ramdisk this is (``host.json``), for tools that read a stopped job's folders."""
+        path = self.store.root / HOST_FILE
+        doc = json.dumps({"host": self.host_id}).encode()
+        try:
+            if not path.exists() or path.read_bytes() != doc:
+                tmp = path.with_name(f".{HOST_FILE}.tmp")
+                tmp.write_bytes(doc)
+                os.replace(tmp, path)
+        except OSError as e:  # a note for tools; the sidecar serves without it
+            log.warning("host %s: could not write %s: %s", self.host_id, path, e)
 
     # --- fencing (one head at a time) --------------------------------------------------
 

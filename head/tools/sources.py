@@ -4,8 +4,8 @@ A running local cluster (its cluster spec), the ramdisk folders of a stopped job
 daemon is started on each for the time of one command), or the backup tier alone (one daemon
 on an empty scratch folder, which the restore fills from the backup).
 
-A folder's host id is read from what it holds: each host's commit record of a step names its
-own part; a host that keeps whole step manifests is the host whose part's blobs it holds, among
+A folder's host id is read from what it holds: the id its sidecar noted (``host.json``); in a
+folder without that note (an older mtc), each host's commit record of a step names its own part; a host that keeps whole step manifests is the host whose part's blobs it holds, among
 those no other folder is. ``ID=DIR`` names it where that cannot tell.
 """
 
@@ -51,7 +51,7 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path]]:
     parts: dict[str, set[str]] = {}  # host -> its part's blobs, from whole manifests
     found: list[str | None] = []
     for hid, d in named:
-        own = hid
+        own = hid or _noted(d)
         for data in _steps(d):
             try:
                 rec = fmt.CommitRecord.parse(data)
@@ -80,6 +80,15 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path]]:
         raise ConfigError(f"two folders hold host {dupes[0]}'s steps; pass each host's folder once "
                           "(or name them as HOST_ID=DIR)")
     return [(h, d) for h, (_, d) in zip(found, named)]  # type: ignore[misc]
+
+
+def _noted(d: Path) -> str | None:
+    """The host id the sidecar that served ``d`` wrote there (``host.json``), if any."""
+    try:
+        host = json.loads((d / "mtc" / "host.json").read_text()).get("host")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return host if isinstance(host, str) and host else None
 
 
 class TempDaemons:

@@ -100,3 +100,31 @@ def test_status_of_a_stopped_job_and_bad_input(tmp_path, capsys):
     assert main(["status"]) == 2 and "--cluster-spec" in capsys.readouterr().err
     assert main(["status", "--local-checkpoint-directory", str(tmp_path / "nope")]) == 2
     assert "holds no mtc ramdisk" in capsys.readouterr().err
+
+
+def test_a_stopped_multi_host_job_is_read_with_the_host_ids_its_folders_hold(tmp_path, capsys):
+    """The folders of a stopped 2 x 2 job, named in any order and not after their hosts: status sees
+    the newest step on every host (not 'does not match the manifest'), and an export reads it."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    sh = NamedSharding(mesh, P(None, "model"))
+    with LocalCluster(tmp_path / "c", 2, 2, devices_per_host=2) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(tmp_path / "c"), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1)
+        with CheckpointManager(cfg) as m:
+            for step in (1, 2):
+                m.save(step, {"w": jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8) + step, sh)})
+                m.wait_until_finished()
+        folders = {h: cluster.ramdisk(h) for h in cluster.hosts}
+    renamed = []
+    for i, (h, d) in enumerate(sorted(folders.items(), reverse=True)):  # reversed, and named folder-N
+        renamed.append(d.rename(tmp_path / f"folder-{i}"))
+    st = _status(capsys, "--local-checkpoint-directory", *map(str, renamed))
+    rows = {r["step"]: r for r in st["steps"]}
+    assert rows[2]["hosts"] == sorted(folders) and rows[2]["restorable"] and rows[2]["min_copies"] == 2, st
+    assert st["choice"] == 2 and "from the hosts" in st["reason"] and not st["notes"], st
+    assert main(["export", "--to", str(tmp_path / "out"), "--verify", "--local-checkpoint-directory",
+                 *map(str, renamed)]) == 0
+    assert "exported step 2" in capsys.readouterr().out
+    # Named by hand, a folder's id is taken as given; one given twice is refused.
+    assert main(["status", "--local-checkpoint-directory", f"s0-h0={renamed[0]}", f"s0-h0={renamed[1]}"]) == 2
+    assert "two folders hold host s0-h0" in capsys.readouterr().err
