@@ -104,7 +104,9 @@ class SidecarService:
         try:
             if not path.exists() or path.read_bytes() != doc:
                 tmp = path.with_name(f".{HOST_FILE}.tmp")
-                tmp.write_bytes(doc)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the job's files: its user's only
+                with os.fdopen(fd, "wb") as f:
+                    f.write(doc)
                 os.replace(tmp, path)
         except OSError as e:  # a note for tools; the sidecar serves without it
             log.warning("host %s: could not write %s: %s", self.host_id, path, e)
