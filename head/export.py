@@ -202,8 +202,9 @@ def _orbax() -> Any:
         from orbax.checkpoint.experimental.v1._src.partial import saving as partial_saving
         from orbax.checkpoint.experimental.v1._src.saving import execution
     except ImportError as e:
-        raise ExportError(f"mtc export writes with orbax-checkpoint's v1 API and its partial save, which this "
-                          f"orbax-checkpoint lacks ({e}); install orbax-checkpoint >= 0.12.8") from e
+        raise ExportError(f"mtc export writes with orbax-checkpoint (its v1 API and partial save), which is not "
+                          f"installed here or too old ({e}): pip install 'mtc[export]' (orbax-checkpoint >= 0.12.8)"
+                          ) from e
 
     class PyTreeHandler(pytree_handler.PyTreeHandler):
         """Orbax's PyTreeHandler in partial-save mode, recorded under its own name, so the written
