@@ -227,7 +227,7 @@ class CheckpointManager:
             t1 = time.perf_counter()
             result = self._dispatch.write(step, staged)
             t2 = time.perf_counter()
-            data, digest = build_step(step, leaves, tree_doc, result)
+            data, digest = build_step(step, leaves, tree_doc, result, self._dispatch.slice_of)
             committed = self._dispatch.commit(step, data, digest)
             if self._known_steps is not None:
                 self._known_steps.add(step)

@@ -73,7 +73,8 @@ def flatten(state: Any) -> tuple[list[Leaf], Any]:
     return leaves, tree_lib.encode(state)
 
 
-def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult) -> tuple[bytes, str]:
+def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult,
+               slice_of: Any = None) -> tuple[bytes, str]:
     """The step manifest (bytes, digest) from the leaves and phase 1's host parts.
 
     The head's work here grows with arrays and hosts, not shards: the parts are hashed and
@@ -107,8 +108,12 @@ def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult
         records.append(fmt.ArrayRecord(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=leaf.shape,
                                        sharding=sharding, prng_impl=leaf.prng_impl,
                                        prng_key_shape=leaf.prng_key_shape))
+    topology: dict = {"hosts": sorted(result.hosts)}
+    slices = {h: slice_of(h) for h in topology["hosts"]} if slice_of is not None else {}
+    if any(slices.values()):  # more than one slice: which host is in which (tools reading a stopped job)
+        topology["slices"] = slices
     return fmt.encode_step(step=step, arrays=records, tree=tree_doc, created=time.time(),
-                           topology={"hosts": sorted(result.hosts)}, fingerprint=version.fingerprint(),
+                           topology=topology, fingerprint=version.fingerprint(),
                            parts=result.parts, listed_boxes=listed)
 
 

@@ -106,7 +106,7 @@ def run(args: Any) -> int:
             else:
                 scratch = args.scratch or Path(tempfile.mkdtemp(prefix="mtc-export-"))
                 (scratch / "mtc").mkdir(parents=True, exist_ok=True)
-                hosts = [("h0", scratch)]
+                hosts = [("h0", scratch, 0)]
             temp = TempDaemons(hosts)
             spec_path, token = temp.spec_path, temp.token
         spec = protocol.ClusterSpec.read(spec_path)  # validated: a clear error for a wrong file

@@ -38,8 +38,9 @@ def _steps(d: Path) -> list[bytes]:
     return out
 
 
-def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path]]:
-    """(host id, folder) of each ``DIR`` or ``ID=DIR`` (the id read from the folder when not given)."""
+def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path, int]]:
+    """(host id, folder, slice) of each ``DIR`` or ``ID=DIR`` (the id read from the folder when not
+    given; the slice from the newest step manifest that names the slices, else 0)."""
     named: list[tuple[str | None, Path]] = []
     for a in args:
         hid, sep, path = a.partition("=")
@@ -49,6 +50,7 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path]]:
                               "local_checkpoint_directory the job used")
         named.append((hid if sep else None, d))
     parts: dict[str, set[str]] = {}  # host -> its part's blobs, from whole manifests
+    slices: dict[str, int] = {}
     found: list[str | None] = []
     for hid, d in named:
         own = hid or _noted(d)
@@ -63,6 +65,9 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path]]:
                 continue
             for h, blobs in (m.part_blobs or {}).items():
                 parts.setdefault(h, set()).update(blobs)
+            for h, sl in (m.topology.get("slices") or {}).items():
+                if isinstance(sl, int):
+                    slices.setdefault(h, sl)
         found.append(own)
     for i, (hid, d) in enumerate(named):
         if found[i] is not None:
@@ -79,7 +84,7 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path]]:
     if dupes:
         raise ConfigError(f"two folders hold host {dupes[0]}'s steps; pass each host's folder once "
                           "(or name them as HOST_ID=DIR)")
-    return [(h, d) for h, (_, d) in zip(found, named)]  # type: ignore[misc]
+    return [(h, d, slices.get(h, 0)) for h, (_, d) in zip(found, named)]  # type: ignore[misc]
 
 
 def _noted(d: Path) -> str | None:
@@ -94,12 +99,12 @@ def _noted(d: Path) -> str | None:
 class TempDaemons:
     """A sidecar daemon on each ramdisk folder of a stopped job, for the time of one command."""
 
-    def __init__(self, hosts: Sequence[tuple[str, Path]]):
+    def __init__(self, hosts: Sequence[tuple[str, Path, int]]):
         self.tmp = Path(tempfile.mkdtemp(prefix="mtc-tool-"))
         self.token = secrets.token_hex(32)  # these daemons' own job token, for this one command
         self.procs: list[subprocess.Popen] = []
         ready_files = []
-        for i, (hid, d) in enumerate(hosts):
+        for i, (hid, d, _) in enumerate(hosts):
             ready = self.tmp / f"{i}.ready"
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(d), "--host-id", hid,
@@ -108,13 +113,13 @@ class TempDaemons:
             ready_files.append(ready)
         rows = []
         deadline = time.monotonic() + 60
-        for (hid, d), ready in zip(hosts, ready_files):
+        for (hid, d, sl), ready in zip(hosts, ready_files):
             while not ready.exists():
                 if time.monotonic() > deadline:
                     self.close()
                     raise MTCError(f"the sidecar daemon on {d} did not start (its log is in {self.tmp})")
                 time.sleep(0.05)
-            rows.append(protocol.HostSpec(hid, 0, json.loads(ready.read_text())["address"], 1))
+            rows.append(protocol.HostSpec(hid, sl, json.loads(ready.read_text())["address"], 1))
         self.spec_path = self.tmp / "cluster.json"
         protocol.ClusterSpec(tuple(rows)).write(self.spec_path)
 

@@ -122,6 +122,12 @@ def test_a_stopped_multi_host_job_is_read_with_the_host_ids_its_folders_hold(tmp
     rows = {r["step"]: r for r in st["steps"]}
     assert rows[2]["hosts"] == sorted(folders) and rows[2]["restorable"] and rows[2]["min_copies"] == 2, st
     assert st["choice"] == 2 and "from the hosts" in st["reason"] and not st["notes"], st
+    # Slices too: a copy on the twin in the other slice counts as a copy in another failure domain.
+    assert rows[2]["replicated"] and rows[2]["min_copies"] == 2
+    from mtc.head.tools.sources import folder_hosts
+
+    assert sorted((h, sl) for h, _, sl in folder_hosts(map(str, renamed))) == [
+        ("s0-h0", 0), ("s0-h1", 0), ("s1-h0", 1), ("s1-h1", 1)]
     assert main(["export", "--to", str(tmp_path / "out"), "--verify", "--local-checkpoint-directory",
                  *map(str, renamed)]) == 0
     assert "exported step 2" in capsys.readouterr().out
