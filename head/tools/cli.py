@@ -674,8 +674,8 @@ def _cmd_manifests_check(args: argparse.Namespace) -> int:
         if args.kubernetes_version:
             options["kubernetes_version"] = args.kubernetes_version
         report = manifest_check.check_text(text, **options)
-    except ImportError as e:
-        return fail(f"{e}; checking manifests needs pip install 'mtc[k8s]'")
+    except ImportError as e:  # manifest_check's own message names what to install
+        return fail(str(e) if "mtc[k8s]" in str(e) else f"{e}; checking manifests needs pip install 'mtc[k8s]'")
     except Exception as e:  # e.g. kubernetes-validate without a schema for --kubernetes-version
         return fail(f"{type(e).__name__}: {getattr(e, 'message', None) or _last_line(e)}")
     for note in report.notes:

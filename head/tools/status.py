@@ -168,10 +168,24 @@ def render(st: Status, console: Any) -> None:
         console.print(f"note: {n}")
 
 
-def run(args: Any) -> int:
-    """``mtc status`` (see cli.py for the options)."""
-    from rich.console import Console
+def render_plain(st: Status) -> None:
+    """The table without rich (a plain ``pip install mtc``)."""
+    print(f"steps x tiers ({len(st.hosts)} hosts)")
+    print("step  on hosts  replicated  backups  restorable")
+    for r in st.steps:
+        print(f"{r.step}  {', '.join(r.hosts) or '-'}  "
+              f"{f'yes ({r.min_copies} copies)' if r.replicated else f'no ({r.min_copies})'}  "
+              f"{', '.join(r.backups) or '-'}  {'yes' if r.restorable else 'no'}"
+              + ("  <- restore" if r.step == st.choice else "") + (f"  {r.why_not}" if r.why_not else ""))
+    print(f"backup root: {st.backup_root or 'none configured'}; restore.version: {st.restore_version or 'not set'}")
+    print(f"restore would choose: {st.reason}")
+    for n in st.notes:
+        print(f"note: {n}")
 
+
+def run(args: Any) -> int:
+    """``mtc status`` (see cli.py for the options). Exit 0; 1 when a host did not answer (what it
+    holds is not known: the answer may be wrong); 2 on bad input."""
     from mtc.head.cluster import ClusterDispatcher
     from mtc.shared import protocol
 
@@ -212,5 +226,14 @@ def run(args: Any) -> int:
     if args.json:
         print(st.to_json())
     else:
-        render(st, Console(width=max(100, os.get_terminal_size(1).columns if sys.stdout.isatty() else 120)))
+        try:
+            from rich.console import Console
+        except ImportError:  # rich comes with the demo, test and export extras; plain text without it
+            render_plain(st)
+        else:
+            render(st, Console(width=max(100, os.get_terminal_size(1).columns if sys.stdout.isatty() else 120)))
+    if st.unreachable:
+        print(f"mtc status: {len(st.unreachable)} of {len(st.hosts)} hosts did not answer; what they hold is not "
+              "counted", file=sys.stderr)
+        return 1
     return 0
