@@ -38,6 +38,7 @@ from mtc.shared.config import ENV_TOKEN
 _XLA = "--xla_force_host_platform_device_count=8"
 SLICES, HOSTS, DEVICES_PER_HOST = 2, 2, 2
 MIN_STEPS = 16
+RUN_NAME = "demo"  # the run name of the demo's backups: <workdir>/backup/demo/mtc
 
 
 def _job_token() -> str:
@@ -140,7 +141,7 @@ class Timeline:
     saves: list = field(default_factory=list)  # (t, step)
     backups: list = field(default_factory=list)  # (t, step)
     faults: list = field(default_factory=list)  # (t, text)
-    recoveries: list = field(default_factory=list)  # (t start, t end, step)
+    recoveries: list = field(default_factory=list)  # (t start, t end, step, tiers it read from)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -228,7 +229,7 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
         spec = json.loads(cluster.spec.read_text())
         sub.write_text(json.dumps({**spec, "hosts": [h for h in spec["hosts"] if h["slice"] in slices]}))
         cfg = MTCConfig(local_checkpoint_directory=str(root), cluster_spec=str(sub), local_checkpoint_period=period,
-                        base_output_directory=str(backups), run_name="demo",
+                        base_output_directory=str(backups), run_name=RUN_NAME,
                         multi_tier_checkpointing_backup_interval_steps=backup_every)
         live = [d for s in slices for d in slice_devices[s]]
         m = CheckpointManager(cfg, dispatcher=ClusterDispatcher(cfg, devices=live))
@@ -245,7 +246,8 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
         r = m.last_restore_report
         t_end = tl.now()
         recoveries.append(Recovery(FAULT_SHORT[fault], latest, dict(r.bytes_by_tier), t_end - t_fault))
-        tl.recoveries.append((t_fault, t_end, latest))
+        by_tier = dict(r.bytes_by_tier)
+        tl.recoveries.append((t_fault, t_end, latest, [k for k in ("ram", "peer", "backup") if by_tier.get(k)]))
         served = ", ".join(f"{n} B from {tier}" for tier, n in r.bytes_by_tier.items() if n) or "nothing to move"
         console.print(f"  [green]recovered[/green]: step {latest} restored on {len(slices)} slice(s) ({served}) "
                       f"in {t_end - t_fault:.2f} s; training goes on from step {latest + 1}")
@@ -363,6 +365,26 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
     return 0 if ok else 1
 
 
+TIER_COLOR = {"ram": "tab:green", "peer": "tab:blue", "backup": "tab:purple"}
+
+
+def _squeeze(recoveries: list, width: float):
+    """Map run time to the picture's x: each recovery takes ``width`` seconds of it, whatever it
+    lasted (its duration is written on it), so training, not waiting, fills the picture."""
+    spans = sorted((t0, t1) for t0, t1, *_ in recoveries)
+
+    def x(t: float) -> float:
+        out = t
+        for t0, t1 in spans:
+            if t >= t1:
+                out -= (t1 - t0) - width
+            elif t > t0:
+                out -= (t - t0) * (1 - width / (t1 - t0))
+        return out
+
+    return x
+
+
 def _plot(tl: Timeline, path: Path, steps: int) -> None:
     import matplotlib
 
@@ -370,32 +392,78 @@ def _plot(tl: Timeline, path: Path, steps: int) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Recoveries take a quarter of the picture between them, training the rest.
+    run_s = max([t for t, _, _ in tl.steps] + [t1 for _, t1, *_ in tl.recoveries], default=1.0)
+    training_s = max(run_s - sum(t1 - t0 for t0, t1, *_ in tl.recoveries), 1e-3)
+    width = training_s / 3 / max(1, len(tl.recoveries))
+    x = _squeeze(tl.recoveries, width)
     fig, ax = plt.subplots(figsize=(11, 5))
     if tl.steps:
-        ax.plot([t for t, _, _ in tl.steps], [s for _, s, _ in tl.steps], ".", color="0.4", ms=3, label="train step")
-        one = [(t, s) for t, s, n in tl.steps if n == 1]
+        ax.plot([x(t) for t, _, _ in tl.steps], [s for _, s, _ in tl.steps], ".", color="0.4", ms=3,
+                label="train step")
+        one = [(x(t), s) for t, s, n in tl.steps if n == 1]
         if one:
             ax.plot(*zip(*one), ".", color="tab:orange", ms=4, label="train step on one slice")
     if tl.saves:
-        ax.plot(*zip(*tl.saves), "o", mfc="none", color="tab:blue", label="local checkpoint")
+        ax.plot([x(t) for t, _ in tl.saves], [s for _, s in tl.saves], "o", mfc="none", color="0.55", ms=5,
+                label="local checkpoint")
     if tl.backups:
-        ax.plot(*zip(*tl.backups), "s", mfc="none", color="tab:purple", ms=9, label="backup")
+        ax.plot([x(t) for t, _ in tl.backups], [s for _, s in tl.backups], "s", mfc="none", color="tab:purple",
+                ms=9, label="backup")
     for t, fault in tl.faults:
-        ax.axvline(t, color="tab:red", lw=1)
-        ax.text(t, steps * 1.03, " " + FAULT_SHORT[fault], rotation=90, va="bottom", ha="right", fontsize=8,
+        ax.axvline(x(t), color="tab:red", lw=1)
+        ax.text(x(t), steps * 1.02, FAULT_SHORT[fault], rotation=90, va="top", ha="right", fontsize=8,
                 color="tab:red")
-    for t0, t1, step in tl.recoveries:
-        ax.axvspan(t0, t1, color="tab:green", alpha=0.25)
-        ax.plot([t1], [step], "*", color="tab:green", ms=10)
-    ax.plot([], [], "*", color="tab:green", label="restored step (green: time to recover)")
-    ax.set_xlabel("seconds")
+    for t0, t1, step, tiers in tl.recoveries:
+        tier = (tiers or ["ram"])[-1]  # the farthest tier it needed
+        ax.axvspan(x(t0), x(t1), color=TIER_COLOR[tier], alpha=0.2)
+        ax.plot([x(t1)], [step], "*", color=TIER_COLOR[tier], ms=13)
+        ax.annotate(f"step {step} from {' + '.join(tiers) or 'ram'}\n{t1 - t0:.1f} s", (x(t1), step),
+                    textcoords="offset points", xytext=(6, -18), fontsize=8, color=TIER_COLOR[tier])
+    for tier, color in TIER_COLOR.items():
+        ax.plot([], [], "*", color=color, ms=10, label=f"restored, farthest tier {tier}")
+    ax.set_xlabel("seconds of training (each recovery drawn narrow, its duration written beside it)")
     ax.set_ylabel("step")
-    ax.set_ylim(0, steps * 1.6)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=6, frameon=False)
-    ax.set_title("mtc demo: steps, checkpoints, backups, faults and recoveries")
+    ax.set_ylim(0, steps * 1.05)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=7, frameon=False)
+    ax.set_title("mtc demo: training through five faults, and the tier each recovery read from")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def kept_message(work: Path) -> str:
+    """Where --keep left the job's folders, and the commands to look at them."""
+    hosts = " ".join(str(p) for p in sorted((work / "cluster").glob("s*-h*")) if p.is_dir())
+    backup = f"--base-output-directory {work / 'backup'} --run-name {RUN_NAME}"
+    return (f"kept: the hosts' ramdisk folders in {work / 'cluster'}, the backups in {work / 'backup'} "
+            f"(run name {RUN_NAME}), the head's log {work / 'head.log'}. Look at them with:\n"
+            f"  mtc status --local-checkpoint-directory {hosts} {backup}\n"
+            f"  mtc restore-version show {backup}\n"
+            f"  mtc export --to {work / 'export'} --local-checkpoint-directory {hosts} --verify   # pip install 'mtc[export]'")
+
+
+def _check_args(steps: int, period: int, timeline: Path) -> str | None:
+    """What is wrong with the demo's arguments (one line), before anything runs; None when nothing."""
+    if period < 1:
+        return f"mtc demo: --period {period}: the local checkpoint period is a number of steps, at least 1"
+    if steps < MIN_STEPS:
+        return f"mtc demo: --steps {steps}: the demo needs --steps >= {MIN_STEPS} for its five faults"
+    try:
+        fault_schedule(steps, period)
+    except ValueError as e:
+        return f"mtc demo: {e}"
+    if timeline.suffix.lower() != ".png":
+        return f"mtc demo: --timeline {timeline}: the timeline is a PNG picture; give a path ending in .png"
+    parent = timeline.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".mtc-demo-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"mtc demo: --timeline {timeline}: cannot write in {parent} ({e.strerror or e}); give another path"
+    return None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -407,10 +475,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as e:
         problem = f"mtc demo needs {e.name}: pip install 'mtc[demo]' (or pip install -e '.[demo]' in a checkout)"
     steps = args.steps if args.steps is not None else (20 if args.quick else 40)
-    try:
-        fault_schedule(steps, args.period)
-    except ValueError as e:
-        problem = problem or f"mtc demo: {e}"
+    problem = problem or _check_args(steps, args.period, Path(args.timeline))
     work = Path(args.workdir)
     if problem:
         print(problem, file=sys.stderr)
@@ -430,7 +495,10 @@ def main(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "mtc.head.tools.demo", "run", "--workdir", str(work), "--steps", str(steps),
            "--period", str(args.period), "--timeline", str(timeline)]
     try:
-        return subprocess.run(cmd, env=_worker_env()).returncode
+        rc = subprocess.run(cmd, env=_worker_env()).returncode
+        if args.keep:
+            print(kept_message(work))
+        return rc
     finally:
         if not args.keep:
             for name in ("cluster", "backup"):

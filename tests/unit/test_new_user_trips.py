@@ -49,3 +49,38 @@ def test_restore_version_on_gcs_without_credentials_is_one_line(capsys, monkeypa
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "credentials" in err
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--period", "0"], "--period 0"), (["--period", "-2"], "--period -2"), (["--steps", "3"], "--steps 3"),
+    (["--timeline", "/proc/nope/x.png"], "cannot write in /proc/nope"),
+    (["--timeline", "/tmp/timeline.svg"], "ending in .png"),
+])
+def test_demo_checks_its_arguments_before_it_runs(capsys, args, says):
+    import glob
+
+    before = set(glob.glob("/dev/shm/mtc-demo-*"))
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert set(glob.glob("/dev/shm/mtc-demo-*")) == before  # nothing left behind
+
+
+def test_demo_keep_says_where_and_how_to_look(tmp_path):
+    from mtc.head.tools.demo import kept_message
+
+    for h in ("s0-h0", "s1-h0"):
+        (tmp_path / "cluster" / h).mkdir(parents=True)
+    text = kept_message(tmp_path)
+    hosts = f"{tmp_path / 'cluster' / 's0-h0'} {tmp_path / 'cluster' / 's1-h0'}"
+    assert f"mtc status --local-checkpoint-directory {hosts} --base-output-directory {tmp_path / 'backup'} " \
+           "--run-name demo" in text
+    assert "mtc restore-version show" in text and "run name demo" in text
+
+
+def test_demo_timeline_draws_recoveries_narrow():
+    from mtc.head.tools.demo import _squeeze
+
+    x = _squeeze([(10.0, 40.0, 4, ["ram"]), (50.0, 52.0, 8, ["peer"])], 1.0)
+    assert x(5.0) == 5.0 and x(40.0) == 11.0 and x(45.0) == 16.0 and x(52.0) == 22.0 and x(60.0) == 30.0
+    assert 10.0 < x(25.0) < 11.0
