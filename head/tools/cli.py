@@ -545,10 +545,19 @@ def _cmd_restore_version(args: argparse.Namespace) -> int:
         return 1
     try:
         names = layout.names_from_listing(store.list(layout.BACKUPS))
-        if not names and not store.list(""):
+        held = [] if names else store.list("")
+        if not names and not held:
             print(f"mtc restore-version: error: the backup root {root} does not exist or is empty: nothing was "
                   "backed up there; check --base-output-directory and --run-name (backups go to "
                   "<base_output_directory>/<run_name>/mtc)", file=sys.stderr)
+            return 1
+        if not names and args.action != "clear":
+            tops = sorted({str(k).split("/")[0] for k in held})
+            inner = sorted({str(k).split("/")[0] for k in held if f"/{layout.BACKUPS}" in f"/{k}"})
+            hint = (f"; the backups are one level down: --backup-root {str(root).rstrip('/')}/{inner[0]}"
+                    if len(inner) == 1 and inner[0] != layout.BACKUPS else "")
+            print(f"mtc restore-version: error: {root} holds no backups (no {layout.BACKUPS} in it); it holds "
+                  f"{', '.join(tops[:8])}{' ...' if len(tops) > 8 else ''}{hint}", file=sys.stderr)
             return 1
         try:
             current = store.get_bytes(layout.RESTORE_VERSION).decode().strip()

@@ -84,3 +84,12 @@ def test_demo_timeline_draws_recoveries_narrow():
     x = _squeeze([(10.0, 40.0, 4, ["ram"]), (50.0, 52.0, 8, ["peer"])], 1.0)
     assert x(5.0) == 5.0 and x(40.0) == 11.0 and x(45.0) == 16.0 and x(52.0) == 22.0 and x(60.0) == 30.0
     assert 10.0 < x(25.0) < 11.0
+
+
+def test_restore_version_one_level_too_high_says_where_the_backups_are(capsys, tmp_path):
+    root = tmp_path / "run" / "mtc"
+    (root / "backups" / "20260101T000000Z-step-000000000004").mkdir(parents=True)
+    (root / "backups" / "20260101T000000Z-step-000000000004" / "manifest.json").write_text("{}")
+    assert main(["restore-version", "show", "--backup-root", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "holds no backups" in err and f"--backup-root {root}" in err and "(none)" not in err, err
