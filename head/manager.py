@@ -32,6 +32,7 @@ from mtc.head.preemption import PreemptionNotice
 from mtc.head.replication import ReplicationStrategy, summarize
 from mtc.head.replication_loop import Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
+from mtc.head.restore_plan import uncommit_lone
 from mtc.head.restorer import Restorer
 from mtc.head.save import CommittedStep, build_step, flatten
 from mtc.shared import format as fmt
@@ -430,7 +431,7 @@ class CheckpointManager:
         self._wait_previous()
         self._check_versions()
         result, self.last_restore_report = self._restorer.restore(step, target, partial, prefetched, pull)
-        return result
+        return uncommit_lone(target, result) if pull and target is not None else result
 
     def manifest(self, step: int | None = None) -> fmt.StepManifest:
         """What ``step`` (default: the latest) holds: every array's key, shape, dtype and sharding."""

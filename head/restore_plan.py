@@ -294,6 +294,33 @@ def plan_target(manifest: fmt.StepManifest, target: Any, partial: Any = False) -
 
     return requests, finish
 
+def uncommit_lone(target: Any, restored: Any) -> Any:
+    """Leaves whose target is the default device alone, beside leaves on several devices, as
+    uncommitted arrays there (what ``optimizer.init()`` gives for a scalar): jit may move them.
+
+    A state whose optimizer scalar was never placed trains (jit moves the uncommitted scalar
+    onto the mesh); restored committed to that one device, the same train step would fail inside
+    jit ("incompatible devices"), far from its cause. A leaf on any other single device stays
+    committed there, as its target says."""
+    t_leaves = jax.tree_util.tree_leaves(target)
+    spans = [len(s.device_set) for x in t_leaves
+             if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and (s := getattr(x, "sharding", None)) is not None]
+    if not spans or max(spans) == 1 or 1 not in spans:
+        return restored
+    default = jax.devices()[0]
+
+    def lone(x: Any) -> bool:
+        s = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+        return isinstance(s, jax.sharding.SingleDeviceSharding) and s.device_set == {default}
+
+    r_leaves, treedef = jax.tree_util.tree_flatten(restored)
+    if len(r_leaves) != len(t_leaves):
+        return restored
+    out = [jax.numpy.asarray(np.asarray(r)) if lone(t) and isinstance(r, jax.Array) and not is_prng_key(r) else r
+           for t, r in zip(t_leaves, r_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def target_sharding(rec: fmt.ArrayRecord, tgt: Any) -> Any:
     if tgt is not None and not isinstance(tgt, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
         if isinstance(tgt, (bool, int, float, str)):

@@ -42,3 +42,24 @@ def test_readme_example_runs_and_resumes(ramdisk):
     exec(compile(code, "README.md", "exec"), second)  # restores step 20, trains 21..34
     assert second["mgr"].last_restore_report.step == 20
     assert int(second["state"]["count"]) == 21 + 14 and float(second["state"]["w"][0, 0]) == 35.0
+
+
+def test_readme_example_with_an_unsharded_scalar_resumes(ramdisk):
+    """The trap: the scalar left where optimizer.init() puts it (the default device, uncommitted)
+    trains in the first run; restored committed to that device, the second run died inside jit
+    ("incompatible devices"). It comes back uncommitted there, and the second run trains on."""
+    code = _example().replace("/tmp/mtc_checkpoints", str(ramdisk))
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+
+    def init_state():
+        return {"w": jax.device_put(jnp.zeros((8, 4), jnp.float32), sh), "count": jnp.zeros((), jnp.int32)}
+
+    @jax.jit
+    def train_step(state):
+        return {"w": state["w"] + 1.0, "count": state["count"] + 1}
+
+    exec(compile(code, "README.md", "exec"), {"init_state": init_state, "train_step": train_step, "num_steps": 25})
+    second = {"init_state": init_state, "train_step": train_step, "num_steps": 35}
+    exec(compile(code, "README.md", "exec"), second)  # restores step 20, trains 21..34
+    assert second["mgr"].last_restore_report.step == 20
+    assert int(second["state"]["count"]) == 35 and float(second["state"]["w"][0, 0]) == 35.0
