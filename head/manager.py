@@ -495,7 +495,17 @@ class CheckpointManager:
             self._prefetch_executor.shutdown(wait=True)
             self._replicator.close()
             self._backups.close()
+            self._release_hosts()
             self._dispatch.close()
+
+    def _release_hosts(self) -> None:
+        """Mark the lease closed, so that the next head follows this one instead of taking over."""
+        if self.head is None or self._fenced is not None:
+            return
+        try:
+            self._dispatch.claim(self._dispatch.generation, {**self.head, "closed": True})
+        except Exception as e:  # best effort: a host that is gone keeps the open lease (the next head takes over)
+            log.debug("releasing the hosts: %s: %s", type(e).__name__, e)
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -100,13 +100,20 @@ class HeadLease:
             if cur is not None and cur["generation"] >= generation:
                 if cur["generation"] == generation and cur["head"] == head:
                     return cur  # the same head asking again (a retried request)
+                if (cur["generation"] == generation and isinstance(head, dict) and head.get("closed")
+                        and cur["head"] == {k: v for k, v in head.items() if k != "closed"}):
+                    self._write(generation, head)  # the holder closed: the next head follows it, no takeover
+                    return {"generation": generation, "head": head}
                 raise FencedError(
                     f"cannot claim {self.root} for generation {generation}: {describe_head(cur['head'])} holds "
                     f"generation {cur['generation']}", current=cur)
             self._write(generation, head)
-            if cur is not None:
-                log.warning("ramdisk %s: %s takes over from %s (generation %d -> %d)", self.root,
-                            describe_head(head), describe_head(cur["head"]), cur["generation"], generation)
+            if cur is not None and (cur["head"] or {}).get("closed"):
+                log.info("ramdisk %s: %s follows %s, which closed (generation %d -> %d)", self.root,
+                         describe_head(head), describe_head(cur["head"]), cur["generation"], generation)
+            elif cur is not None:
+                log.warning("ramdisk %s: %s takes over from %s, which did not close (generation %d -> %d)",
+                            self.root, describe_head(head), describe_head(cur["head"]), cur["generation"], generation)
             return {"generation": generation, "head": head}
 
     def check(self, generation: Any, what: str) -> None:

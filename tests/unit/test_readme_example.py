@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mtc.head import CheckpointManager, MTCConfig
+
 pytestmark = pytest.mark.unit
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -63,3 +65,25 @@ def test_readme_example_with_an_unsharded_scalar_resumes(ramdisk):
     exec(compile(code, "README.md", "exec"), second)  # restores step 20, trains 21..34
     assert second["mgr"].last_restore_report.step == 20
     assert int(second["state"]["count"]) == 35 and float(second["state"]["w"][0, 0]) == 35.0
+
+
+def test_a_restart_after_a_clean_exit_is_not_a_takeover(ramdisk, caplog):
+    import logging
+
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+    state = {"w": jax.device_put(jnp.zeros((8, 4), jnp.float32), sh)}
+    cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), local_checkpoint_period=1)
+    with caplog.at_level(logging.INFO, logger="mtc.sidecar.fencing"):
+        with CheckpointManager(cfg) as m:
+            m.save(1, state)
+        with CheckpointManager(cfg) as m:  # after a clean exit: it follows
+            m.restore(1)
+            m.save(2, state)
+        assert "takes over" not in caplog.text and "which closed" in caplog.text, caplog.text
+        caplog.clear()
+        left_open = CheckpointManager(cfg)  # never closed, as after kill -9
+        left_open.save(3, state)
+        left_open.wait_until_finished()
+        with CheckpointManager(cfg) as m:
+            m.restore(3)
+        assert "takes over from" in caplog.text and "which did not close" in caplog.text, caplog.text
