@@ -25,7 +25,7 @@ def _example() -> str:
 
 
 def test_readme_example_runs_and_resumes(ramdisk):
-    code = _example().replace("/tmp/mtc_checkpoints", str(ramdisk))
+    code = _example().replace("/dev/shm/mtc_checkpoints", str(ramdisk))
     mesh = Mesh(np.array(jax.devices()), ("x",))
     sh = NamedSharding(mesh, P("x"))
 
@@ -50,7 +50,7 @@ def test_readme_example_with_an_unsharded_scalar_resumes(ramdisk):
     """The trap: the scalar left where optimizer.init() puts it (the default device, uncommitted)
     trains in the first run; restored committed to that device, the second run died inside jit
     ("incompatible devices"). It comes back uncommitted there, and the second run trains on."""
-    code = _example().replace("/tmp/mtc_checkpoints", str(ramdisk))
+    code = _example().replace("/dev/shm/mtc_checkpoints", str(ramdisk))
     sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
 
     def init_state():
@@ -87,3 +87,18 @@ def test_a_restart_after_a_clean_exit_is_not_a_takeover(ramdisk, caplog):
         with CheckpointManager(cfg) as m:
             m.restore(3)
         assert "takes over from" in caplog.text and "which did not close" in caplog.text, caplog.text
+
+
+def test_readme_manifests_render_example_runs_as_written(capsys):
+    import shlex
+
+    from mtc.head.tools.cli import main
+
+    (line,) = [r for r in README.read_text().splitlines() if r.startswith("| `mtc manifests render")]
+    argv = shlex.split(line.split("`")[1])[1:]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "kind: JobSet" in capsys.readouterr().out
+
+
+def test_readme_example_ramdisk_is_a_tmpfs():
+    assert "local_checkpoint_directory=/dev/shm/" in _example()  # not /tmp: mtc warns it is not RAM
