@@ -24,6 +24,7 @@ import ast
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -355,6 +356,15 @@ def render_lock(resolved: str, requirements: Sequence[str], python: str, mtc: st
     return text
 
 
+# The versions the images are built with, for the renderer (`mtc manifests render` names these tags):
+# written with the lock, from it; `lock --check` checks it.
+IMAGE_VERSIONS = REPO / "head" / "tools" / "image_versions.json"
+
+
+def image_versions_text(lock: Lock) -> str:
+    return json.dumps({"mtc": lock.mtc, "python": lock.python, "jax": lock.jax}, indent=1) + "\n"
+
+
 def cmd_lock(args: argparse.Namespace) -> int:
     python = python_minor_of_image(BASE_IMAGE)
     path = Path(args.lock)
@@ -390,10 +400,16 @@ def cmd_lock(args: argparse.Namespace) -> int:
             print(f"{path} differs from what uv resolves today with the same requirements and date; "
                   "run python images/build.py lock to re-lock", file=sys.stderr)
             return 1
+        if path == LOCK and (not IMAGE_VERSIONS.exists() or IMAGE_VERSIONS.read_text() != image_versions_text(lock)):
+            print(f"{IMAGE_VERSIONS} does not hold the lock's versions ({tag(lock)}), which mtc manifests render "
+                  "names in its image tags; run python images/build.py lock", file=sys.stderr)
+            return 1
         print(f"ok: {path} is reproduced exactly: {len(lock.pins)} pins, resolved with files before "
               f"{exclude_newer}, tag {tag(lock)}")
         return 0
     path.write_text(text)
+    if path == LOCK:
+        IMAGE_VERSIONS.write_text(image_versions_text(lock))
     print(f"wrote {path}: {len(lock.pins)} pins, jax {lock.jax}, tag {tag(lock)} (files before {exclude_newer})")
     return 0
 

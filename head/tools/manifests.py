@@ -30,6 +30,7 @@ Error messages name the ``mtc manifests render`` flag to change.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import posixpath
 import re
@@ -41,7 +42,6 @@ from typing import Any
 from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS, MTCConfig
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes, ramdisk_size
-from mtc.shared.version import fingerprint
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
@@ -281,13 +281,26 @@ def to_yaml(documents: list[dict]) -> str:
     return yaml.safe_dump_all(documents, sort_keys=False, default_flow_style=False, width=100)
 
 
+def built_versions() -> dict:
+    """{"mtc", "python", "jax"} of the images ``images/build.py`` builds: its lock's versions, which
+    ``python images/build.py lock`` writes into ``image_versions.json`` (package data)."""
+    from importlib import resources
+
+    try:
+        return json.loads(resources.files("mtc.head.tools").joinpath("image_versions.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"this mtc has no image_versions.json ({e}), so it cannot name the images that were "
+                          "built; pass --image and --sidecar-image") from e
+
+
 def image_tag(fp: dict | None = None) -> str:
-    """``<mtc>-python_X.Y-jax_X.Y.Z``: the tag the build script gives every image.
+    """``<mtc>-python_X.Y-jax_X.Y.Z``: the tag the build script gives every image (default: the
+    versions of the images it builds, from its lock, not those of the environment this runs in).
 
     Pathways sidecar images carry python and jax in the tag the same way; head and sidecar
     must match exactly, and a tag that says so makes skew visible before anything runs.
     """
-    fp = fingerprint() if fp is None else fp
+    fp = built_versions() if fp is None else fp
     return f"{fp['mtc']}-python_{fp['python']}-jax_{fp.get('jax') or 'none'}"
 
 
@@ -750,7 +763,7 @@ def image_mismatches(head: str, sidecar: str) -> list[tuple[str, str, str]]:
 
 
 def _images(o: ManifestOptions) -> tuple[str, str]:
-    """Head and sidecar image references; both default to this environment's versions."""
+    """Head and sidecar image references; both default to the images the build script builds (its lock)."""
     tag = image_tag()
     prefix = o.image_registry.rstrip("/") + "/" if o.image_registry else ""
     head = o.image or f"{prefix}{HEAD_IMAGE_NAME}:{tag}"

@@ -12,6 +12,7 @@ the lock, the Dockerfiles, the tag format, the commands `build` prints and the m
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -410,3 +411,19 @@ def test_the_lock_runs_the_jax_and_numpy_of_the_maxtext_environment():
     lock = build.read_lock()
     for pkg in ("jax", "jaxlib", "numpy"):
         assert lock.pins[pkg] == pins[pkg], (pkg, lock.pins[pkg], pins[pkg])
+
+
+def test_rendered_default_image_tags_are_the_tags_the_build_script_builds():
+    """One source for the tags: the lock. `mtc manifests render` without --image names exactly what
+    `python images/build.py tags` prints, whatever Python and jax the renderer runs under."""
+    import subprocess
+    import sys
+
+    from mtc.head.tools import manifests
+
+    out = subprocess.run([sys.executable, str(build.IMAGES / "build.py"), "tags"], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    built = {ref.rsplit("/", 1)[-1].split(":")[0]: ref.rsplit(":", 1)[1] for ref in out}
+    lock = build.read_lock()
+    assert set(built.values()) == {build.tag(lock)} and manifests.image_tag() == build.tag(lock)
+    assert json.loads(build.IMAGE_VERSIONS.read_text()) == manifests.built_versions()
