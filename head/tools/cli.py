@@ -474,6 +474,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"mtc plan: error: {msg}", file=sys.stderr)
         return 2
 
+    notes: list[str] = []
     try:
         mtbf = _duration(args.mtbf)
         if args.params <= 0 or args.hosts < 1 or args.slices < 1 or args.step_time <= 0:
@@ -487,7 +488,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         elif args.rates or args.measure:
             if args.measure:
                 r = planner.measure_rates()
+                lo, hi = r.pop("_spread")["d2h"]
                 how = "measured with mtc on this machine (--measure)"
+                if hi > 1.5 * lo:
+                    notes.append(f"the device-to-host rate varied from {lo:.2f} to {hi:.2f} GB/s over the last saves "
+                                 "(a busy machine?): the recommendation moves with it; measure again when the machine "
+                                 "is quiet, or give --rates")
             else:
                 vals = [float(v) for v in args.rates.split(",")]
                 if len(vals) != 6 or min(vals) <= 0:
@@ -504,6 +510,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          backup_overhead=args.backup_overhead)
     except (ConfigError, ValueError) as e:
         return fail(str(e))
+    if p.goodput <= 0:
+        return fail(f"with a failure every {mtbf:g} s this job makes no progress under any checkpoint interval "
+                    f"(a local save blocks {costs.local_blocked_s:.2f} s and takes {costs.local_write_s:.2f} s, a restore "
+                    f"from RAM {costs.restore_ram_s:.2f} s): the MTBF must be much longer than these; check --mtbf "
+                    "(e.g. 1h, 30m)")
+    if math.isfinite(p.backup.interval_s) and p.local.interval_s > p.backup.interval_s:
+        notes.append(f"local checkpoints would be rarer (every {p.local.interval_s:.0f} s) than backups (every "
+                     f"{p.backup.interval_s:.0f} s): the local save's blocked time ({costs.local_blocked_s:.2f} s) is "
+                     "large against the backup's charged overhead; check the costs (a busy machine measures slow "
+                     "copies), or raise --backup-overhead")
     period = max(1, round(p.local.interval_s / args.step_time))
     minutes = max(1, math.ceil(p.backup.interval_s / 60)) if math.isfinite(p.backup.interval_s) else None
     print(f"{args.params:.3g} parameters x {args.bytes_per_param:g} B over {args.hosts} hosts per slice "
@@ -524,6 +540,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"{p.backup_only_interval_s:.0f} s, every failure restores from the bucket)")
     print(f"  blocking saves              {p.blocking_goodput:8.2%}  (training waits for each local write and "
           "each backup)")
+    for n in notes:
+        print(f"warning: {n}", file=sys.stderr)
     return 0
 
 
