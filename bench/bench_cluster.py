@@ -21,7 +21,7 @@ save is done (it would otherwise share the cores with it), both ways in turn: st
 shards sent as they are from maps of their files, hashed by the head as they arrive) and as
 before (every box hashed on its host, then sent).
 
-Times are ratios measured in one run: quote those, not absolute seconds (FACTS.md).
+Times are ratios measured in one run: quote those, not absolute seconds (a shared VM's speed varies).
 """
 
 from __future__ import annotations

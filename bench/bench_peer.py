@@ -11,7 +11,7 @@ ramdisk), hashed as it arrives, published once it verifies).
 Interleaved in the same run, --repeats times, the same bytes over raw loopback TCP sockets,
 each the best of one and two streams (mtc uses two connections per holder, so the raw copy
 gets them too): ``sendall`` of 4 MiB views into a preallocated buffer (the socket's physical
-limit, FACTS.md); the same from the ramdisk files with ``sendfile`` (what sending from this
+limit); the same from the ramdisk files with ``sendfile`` (what sending from this
 ramdisk costs); and from ramdisk files into new ramdisk files (what any copy between two
 ramdisks must also do: the receiver allocates fresh tmpfs pages). Medians; the ratios are
 what to quote.
@@ -94,7 +94,7 @@ def raw_copy(files: list[Path], send: str, recv: str, streams: int = 1, sink: np
     clock starts); ``send="file"``: they ``sendfile`` the ramdisk files, like a peer server.
     ``recv="mem"``: the receivers ``recv_into`` their part of ``sink``, a preallocated, touched
     buffer; ``recv="file"``: they write new files in ``out_dir`` (``recv_into`` 4 MiB + ``write``).
-    mem -> mem is the socket's physical limit (FACTS.md); file -> file is a plain copy between
+    mem -> mem is the socket's physical limit; file -> file is a plain copy between
     two ramdisks.
     """
     shares = [files[k::streams] for k in range(streams)]
@@ -300,7 +300,7 @@ def print_fetch(label: str, f: dict, repeats: int) -> None:
           f"{gb / med['peer']:.2f} |")
     print(f"| mtc peer fetch, steady state (receiver overwrites recycled ramdisk pages) | "
           f"{med['peer_steady']:.3f} | {gb / med['peer_steady']:.2f} |")
-    print(f"| raw loopback TCP copy, memory -> preallocated memory, one stream (FACTS.md's limit) | "
+    print(f"| raw loopback TCP copy, memory -> preallocated memory, one stream (the physical limit) | "
           f"{med['raw1']:.3f} | {gb / med['raw1']:.2f} |")
     print(f"| raw loopback TCP copy, memory -> preallocated memory (best of 1 and 2 streams) | {med['raw']:.3f} | "
           f"{gb / med['raw']:.2f} |")

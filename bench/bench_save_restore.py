@@ -27,14 +27,14 @@ reported as medians of --repeats, on each ramdisk:
 - on the --dir ramdisk only: Orbax StandardCheckpointer (default: zarr3 + zstd) and
   PyTreeCheckpointer with use_compression=False, fresh directory per repeat; and Orbax's
   multi-tier manager ``ReplicatorCheckpointManager`` (its local tier: OCDBT + zarr3 on the
-  ramdisk) with its default (zstd) and with compression patched off, run as FACTS.md says
+  ramdisk) with its default (zstd) and with compression patched off, run in one CPU process as init_orbax_multi_tier() below sets it up
   (one process: jax.distributed initialised with 1 process, device ids mapped); each restored
   into the same abstract target;
 - peak resident memory during each mtc save above the resident memory just before it
   (VmHWM reset through /proc/self/clear_refs; a 2 ms sampler thread where that is refused).
   Mapped ramdisk pages count: the first save maps the files it lands in.
 
-Times are ratios measured in one run: quote those, not absolute seconds (FACTS.md).
+Times are ratios measured in one run: quote those, not absolute seconds (a shared VM's speed varies).
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def raw_read(dirpath: str, bufs: list[np.ndarray], threads: int, hash_it: bool =
     return time.perf_counter() - t0
 
 
-# --- Orbax's multi-tier manager on CPU (FACTS.md) ----------------------------------------------
+# --- Orbax's multi-tier manager on CPU ----------------------------------------------
 
 
 def init_orbax_multi_tier() -> str | None:
@@ -349,7 +349,7 @@ def init_orbax_multi_tier() -> str | None:
 
 def replicator_manager(directory: str, mesh, compression: bool):
     """Orbax's ReplicatorCheckpointManager on ``directory``; without ``compression``, its local
-    handler is built with use_compression=False (there is no option for it: FACTS.md)."""
+    handler is built with use_compression=False (there is no option for it)."""
     import functools
 
     from etils import epath

@@ -1,4 +1,4 @@
-"""Restore orchestration (DESIGN section 13): choose the step, plan, bring what hosts lack, load.
+"""Restore orchestration (docs/architecture.md, "One head at a time"): choose the step, plan, bring what hosts lack, load.
 
 ``Restorer`` is what ``CheckpointManager.restore`` and the start-up pull run. Each restore
 takes one look at the hosts (an ``Inventory`` value) and the backup listing, chooses the

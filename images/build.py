@@ -1,4 +1,4 @@
-"""Build the head and sidecar images from one lock file (DESIGN section 8).
+"""Build the head and sidecar images from one lock file (README, "Images").
 
 The head refuses to run against sidecars whose jax/jaxlib/python/mtc differ from its own
 (``mtc.shared.version``). This script makes that refusal rare: every image installs the same

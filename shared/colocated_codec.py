@@ -1,4 +1,4 @@
-"""The colocated seam's encoding, used by both sides (DESIGN section 4).
+"""The colocated seam's encoding, used by both sides (docs/architecture.md, "The seam").
 
 Colocated Python calls take and return only ``jax.Array``s, so control messages travel as
 JSON bytes in uint8 rows (one row per CPU device, each host reading its own), replies as a

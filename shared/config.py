@@ -1,4 +1,4 @@
-"""The one mtc configuration, with MaxText's flag names (DESIGN section 7).
+"""The one mtc configuration, with MaxText's flag names (README, "Tiers and modes").
 
 `MTCConfig` is frozen and validated on construction, so a config that exists is a config
 that makes sense. Three ways to build one:

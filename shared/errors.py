@@ -71,7 +71,7 @@ class AuthenticationError(MTCError):
 
 
 class FencedError(MTCError):
-    """A newer head drives these hosts: this head may no longer change them (DESIGN section 13)."""
+    """A newer head drives these hosts: this head may no longer change them (docs/architecture.md, "One head at a time")."""
 
     def __init__(self, message: str, *, current: dict | None = None):
         super().__init__(message)

@@ -1,6 +1,6 @@
 """Blob names: the content hash of a shard's bytes.
 
-xxh3-128 was chosen by measurement on the target machines (FACTS.md and bench/): ~22-27 GB/s
+xxh3-128 was chosen by measurement on the target machines (bench/bench_hash.py): ~22-27 GB/s
 on one core, against 3.9 GB/s for blake3 and 1.6 GB/s for sha256. Hashing 1 GiB costs ~40 ms,
 about 4 % of writing it to tmpfs, so every write and every read can be hashed. It is not a
 cryptographic hash: it guards against corruption and serves deduplication; peers are

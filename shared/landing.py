@@ -1,6 +1,6 @@
 """In-process landing zones: where the head's staging copy lands when the sidecar shares its process.
 
-On a CPU backend, colocated Python runs the sidecar in the head's process (DESIGN section 4),
+On a CPU backend, colocated Python runs the sidecar in the head's process (docs/architecture.md, "The seam"),
 and the head must copy the state out of the device buffers before ``save`` returns (a train
 step may donate them). That copy can go straight into the ramdisk pages the sidecar will publish
 as blobs, instead of into anonymous staging buffers that the sidecar would then copy again. The

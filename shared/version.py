@@ -1,4 +1,4 @@
-"""Version pinning between the head and the sidecars (DESIGN section 8).
+"""Version pinning between the head and the sidecars (README, "Images").
 
 The head compares its fingerprint with every sidecar's before the first save or restore and
 refuses to go on when something that must match does not.

@@ -1,6 +1,6 @@
 """The sidecar daemon: one host's ``SidecarService`` served over a TCP control socket.
 
-This is the cluster mode of DESIGN section 4: each worker host is a process
+This is the cluster mode (docs/architecture.md, "The seam"): each worker host is a process
 (``python -m mtc.sidecar serve ...``) with its own ramdisk, and the head talks to it with the
 frames of ``mtc.shared.protocol``. One thread per connection (``mtc.sidecar.tcpserver``); requests
 on one connection are answered in order.

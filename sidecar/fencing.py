@@ -1,4 +1,4 @@
-"""One head at a time: the lease a sidecar keeps of the head that drives it (DESIGN section 13).
+"""One head at a time: the lease a sidecar keeps of the head that drives it (docs/architecture.md, "One head at a time").
 
 A head claims every host when its manager starts, with a **generation** (a number larger than
 any the hosts have seen) and who it is (host name, pid, start time). Each request that changes

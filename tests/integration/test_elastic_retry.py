@@ -10,7 +10,7 @@ finishes. The final state equals, bit for bit, a run without failures.
 
 On CPU the devices have no ``slice_index``: the slice map is made from the local cluster's
 slices (``elastic.get_slice_to_devices``), and a slice's health is whether its sidecar
-daemons answer (``elastic.DefaultSliceHealthChecker``), as FACTS.md says can be done.
+daemons answer (``elastic.DefaultSliceHealthChecker``), as pathwaysutils allows.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One head at a time (DESIGN section 13): a second head fences the first off; a head killed
+"""One head at a time (docs/architecture.md, "One head at a time"): a second head fences the first off; a head killed
 with kill -9 and started again takes over without cleanup. Both modes, real processes."""
 
 from __future__ import annotations

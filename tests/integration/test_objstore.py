@@ -97,7 +97,7 @@ def test_create_only_returns_false_and_keeps_the_first(store_backend, tmp_path):
 
 def test_create_only_race_has_one_winner(store_backend):
     if not store_backend.enforces_create_only:
-        pytest.skip(f"{store_backend.name} ignores generation preconditions (FACTS.md): no atomic create-only")
+        pytest.skip(f"{store_backend.name} ignores generation preconditions: no atomic create-only")
     store = store_backend.make()
     writers = 8
     barrier = threading.Barrier(writers)
@@ -282,7 +282,7 @@ def test_outage_is_transient_and_retried(kind, emulator_factory, tmp_path, caplo
 def test_upload_survives_a_dropped_connection(kind, emulator_factory, tmp_path):
     """A connection cut in the middle of a 40 MiB resumable upload. gcp-storage-emulator
     resumes the session from the byte it confirms; fake-gcs-server finalizes the object
-    early on the status query (FACTS.md), which the store detects (size, crc32c): it deletes
+    early on the status query, which the store detects (size, crc32c): it deletes
     that generation and uploads again. Either way the object is whole, bit for bit."""
     from mtc.shared.objstore.gcs import GCSStore, make_client
     from mtc.shared.objstore.retry import Backoff

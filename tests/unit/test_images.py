@@ -1,4 +1,4 @@
-"""The head and sidecar images come from one lock by one script (DESIGN section 8).
+"""The head and sidecar images come from one lock by one script (README, "Images").
 
 Three images: mtc-head, mtc-sidecar (the cluster-mode daemon) on one python base, and
 mtc-colocated-sidecar (colocated mode on Pathways) on Google's colocated Python sidecar image,

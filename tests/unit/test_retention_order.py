@@ -1,4 +1,4 @@
-"""Retention and choice follow step order, never clocks (DESIGN section 10)."""
+"""Retention and choice follow step order, never clocks (docs/architecture.md, "What must never happen")."""
 
 from __future__ import annotations
 
