@@ -1,4 +1,4 @@
-"""Colocated-Python dispatch (docs/architecture.md, "The seam", mode 1).
+"""Colocated-Python dispatch (docs/architecture.md, "The seam": colocated mode).
 
 The head wraps the sidecar class with ``colocated_python_class`` and calls it with
 ``jax.Array`` arguments on the colocated CPU devices. The class is named by import path, not

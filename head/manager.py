@@ -15,16 +15,15 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mtc.head import head_claim
 from mtc.head.backup_runner import BackupRunner
 from mtc.head.dispatch import Dispatcher
 from mtc.head.elastic import as_host_lost, host_lost_as_elastic
@@ -131,25 +130,8 @@ class CheckpointManager:
             if not self._checked_versions:
                 version.check_fingerprints(version.fingerprint(), self._dispatch.fingerprints())
                 if not self._read_only:
-                    self._claim_hosts()
+                    self.head = head_claim.claim(self._dispatch, self._started)
                 self._checked_versions = True
-
-    def _claim_hosts(self) -> None:
-        """Take every host for this head with a generation newer than any lease they hold.
-
-        A head that drove them before (alive, or killed -9) is fenced off: its next change
-        is refused with FencedError naming this one. Hosts that cannot be asked now take the
-        generation with this head's first request that reaches them.
-        """
-        head = {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex[:12],
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._started))}
-        newest = max((lease["generation"] for lease in self._dispatch.leases().values() if lease), default=0)
-        generation = max(time.time_ns() // 1000, newest + 1)
-        self._dispatch.claim(generation, head)
-        self._dispatch.generation = generation
-        self.head = head
-        log.info("head %s (pid %d) drives %d hosts as generation %d", head["host"], head["pid"],
-                 len(self._dispatch.hosts()), generation)
 
     # --- save ----------------------------------------------------------------------------
 
@@ -440,8 +422,7 @@ class CheckpointManager:
         return self._restorer.manifest_of(step)
 
     def export(self, directory: str, step: int | None = None, **kwargs: Any) -> "ExportReport":
-        """Write ``step`` (default: the latest) as a standard Orbax checkpoint, ``directory/<step>``,
-        as MaxText's own checkpointing writes it; see ``mtc.head.export.export`` for the options."""
+        """``step`` (default: the latest) as MaxText's standard Orbax checkpoint (``mtc.head.export``)."""
         from mtc.head.export import export
 
         return export(self, directory, step, **kwargs)
@@ -495,17 +476,9 @@ class CheckpointManager:
             self._prefetch_executor.shutdown(wait=True)
             self._replicator.close()
             self._backups.close()
-            self._release_hosts()
+            if self.head is not None and self._fenced is None:
+                head_claim.release(self._dispatch, self.head)
             self._dispatch.close()
-
-    def _release_hosts(self) -> None:
-        """Mark the lease closed, so that the next head follows this one instead of taking over."""
-        if self.head is None or self._fenced is not None:
-            return
-        try:
-            self._dispatch.claim(self._dispatch.generation, {**self.head, "closed": True})
-        except Exception as e:  # best effort: a host that is gone keeps the open lease (the next head takes over)
-            log.debug("releasing the hosts: %s: %s", type(e).__name__, e)
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -1,12 +1,12 @@
-"""Restore orchestration (docs/architecture.md, "One head at a time"): choose the step, plan, bring what hosts lack, load.
+"""Restore orchestration (docs/architecture.md, "A restore"): choose the step, plan, bring what hosts lack, load.
 
 ``Restorer`` is what ``CheckpointManager.restore`` and the start-up pull run. Each restore
 takes one look at the hosts (an ``Inventory`` value) and the backup listing, chooses the
 newest step whose every blob has a copy somewhere (or the one asked for, or the one
 ``restore.version`` pins), plans per host what it needs (``RestorePlan``), has the hosts that
 lack blobs pull them from peers (the rest from a backup of that step), and loads from where
-the blobs are after that (``RestorePlan.after_fetch``). It keeps no per-call state; across calls
-only whether the backup store answered the last listing.
+the blobs are after that (``RestorePlan.after_fetch``). No per-call state; across calls only
+whether the store answered, manifests read, and which hosts a reader gave a manifest.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from mtc.head import manifest_gift
 from mtc.head.dispatch import Dispatcher, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, RestoreReport
@@ -100,32 +101,9 @@ class Restorer:
         ``all_steps`` (so ``latest_step``) and a restore's choice both read, so that the step
         ``latest_step`` names is the one ``restore()`` would choose."""
         inv = self.inventory(listing)
-        if inv.damaged and not inv.unreachable and not self.read_only and self._repair_manifests(inv):
+        if inv.damaged and not inv.unreachable and not self.read_only and manifest_gift.repair_damaged(self._dispatch, inv):
             inv = self.inventory(listing)
         return inv
-
-    def _repair_manifests(self, inv: Inventory) -> bool:
-        """Hosts whose copy of a step manifest is damaged get the version the others agree on back
-        (``peer_pull`` with nothing to pull adopts it), so that their blobs count again. Only steps
-        newer than the newest restorable one, and only from a copy that passes its checks."""
-        newest = max(inv.restorable, default=-1)
-        repaired = False
-        for step in sorted({s for steps in inv.damaged.values() for s in steps if s > newest}, reverse=True):
-            view = inv.views.get(step)
-            if view is None or not view.manifest:
-                continue
-            try:
-                manifest = self._dispatch.manifest(step, view.manifest)
-            except MTCError:
-                continue
-            hosts = [h for h, steps in inv.damaged.items() if step in steps]
-            for h, res in self._dispatch.peer_pull(step, {h: [] for h in hosts}, manifest).items():
-                if res.error:
-                    log.warning("step %d: could not give host %s its manifest back: %s", step, h, res.error)
-                else:
-                    log.warning("step %d: host %s had a damaged copy of its manifest; gave it back", step, h)
-                    repaired = True
-        return repaired
 
     def backup_listing(self) -> dict:
         """The backups and ``restore.version``; empty, with a warning, while the store is unreachable.
@@ -350,10 +328,8 @@ class Restorer:
 
         A replaced node lacks its own shards; after an elastic resize any host may lack saved
         shards its target shards overlap. Planned per host, and counted per host: a blob two
-        hosts need is two transfers. None when the inventories did not see the step. Without
-        ``pull`` (a reader: the head reads each blob from a host that holds it), only blobs no
-        host holds are fetched, from a backup.
-        """
+        hosts need is two transfers. None when the inventories did not see the step. Without ``pull``
+        (a reader, which reads each blob where it is), only blobs no host holds are fetched."""
         view = inv.views.get(step) if backup_name is None else None
         if backup_name is None and view is None:
             return None
@@ -377,17 +353,14 @@ class Restorer:
         return plan
 
     def _give_manifest(self, step: int, manifest: fmt.StepManifest, hosts: set[str]) -> None:
-        """A reader reads blobs from any host that holds them, which may hold only a commit record of
-        the step and fetch the manifest from its keepers; those of a stopped job may be gone: the
-        head gives it (an empty pull with the manifest). A host that cannot take it is read from
-        another holder."""
-        hosts = {h for h in hosts if (step, manifest.digest, h) not in self._given}
-        for h, res in self._dispatch.peer_pull(step, {h: [] for h in sorted(hosts)}, manifest).items():
-            if res.error:
-                log.warning("step %d: could not give host %s the manifest: %s", step, h, res.error)
+        """A reader reads from any holder, which may hold only a commit record and fetch the manifest
+        from keepers that are gone with a stopped job: the head gives it (a refusal: other holders)."""
+        todo = {h for h in hosts if (step, manifest.digest, h) not in self._given}
+        for h, error in manifest_gift.give(self._dispatch, step, manifest, todo).items():
+            if error:
+                log.warning("step %d: could not give host %s the manifest: %s", step, h, error)
             else:
                 self._given.add((step, manifest.digest, h))
-
     def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: RestorePlan, fallback: str | None,
                       pulled: _Pulled, backups: list[str]) -> None:
         """Hosts that lack blobs they need pull them from peers that hold them, verified.
@@ -503,10 +476,10 @@ class Restorer:
         # A replaced host commits the step again once it holds its blobs; its peer pull, which does that,
         # failed, and a backup of another step is not this step's manifest: an empty pull with the
         # manifest commits it, so its load finds the step and it keeps the blobs.
-        for h, res in self._dispatch.peer_pull(step, {h: [] for h in sorted(hosts)}, manifest).items():
-            if res.error:
+        for h, error in manifest_gift.give(self._dispatch, step, manifest, hosts).items():
+            if error:
                 raise MTCError(f"restore of step {step}: host {h} holds the blobs it lacked but could not commit "
-                               f"the step: {res.error}; retry the restore")
+                               f"the step: {error}; retry the restore")
 
     def _no_good_copy(self, step: int, manifest: fmt.StepManifest,
                       failed: dict[tuple[str, str], list[str]]) -> CorruptBlobError:

@@ -1,4 +1,4 @@
-"""The job token and the control plane's handshake (docs/architecture.md, "What must never happen").
+"""The job token and the control plane's handshake (docs/architecture.md, "Who may talk to a sidecar").
 
 Every sidecar and the head of one job share one secret, the job token (``MTC_PEER_TOKEN`` or
 ``peer_token``; a Kubernetes Secret in production, never on disk or a command line). The

@@ -1,4 +1,4 @@
-"""Ramdisk size per host, by the MaxText guide's rule of thumb (README, "Tiers and modes").
+"""Ramdisk size per host, by the MaxText guide's rule of thumb (README, "The ramdisk").
 
 A full checkpoint (weights and optimizer state) is about ``parameters x 12`` bytes; each
 host of a slice holds ``1 / hosts`` of it; the ramdisk holds two steps (the one being

@@ -1,4 +1,4 @@
-"""The sidecar service as a ``colocated_python`` class (docs/architecture.md, "The seam", mode 1).
+"""The sidecar service as a ``colocated_python`` class (docs/architecture.md, "The seam": colocated mode).
 
 The head wraps ``ColocatedSidecar`` with ``jax.experimental.colocated_python.colocated_python_class``.
 On Pathways each method runs in the sidecar process of every worker host, with only that

@@ -17,7 +17,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from mtc.shared.errors import ConfigError, MTCError
@@ -81,11 +80,10 @@ def run(args: Any) -> int:
 
     from mtc.head.cluster import ClusterDispatcher
     from mtc.head.manager import CheckpointManager
-    from mtc.head.tools.sources import TempDaemons, folder_hosts
-    from mtc.shared import protocol
+    from mtc.head.tools.sources import folder_hosts, open_hosts
     from mtc.shared.config import MTCConfig
 
-    temp = scratch = manager = None
+    hosts = scratch = manager = None
     try:
         if args.cluster_spec and args.local_checkpoint_directory:
             raise ConfigError("give --cluster-spec (a running local cluster) or --local-checkpoint-directory "
@@ -97,24 +95,18 @@ def run(args: Any) -> int:
         if bool(args.base_output_directory) != bool(args.run_name):
             raise ConfigError("--base-output-directory and --run-name go together: the backups are at "
                               "<base_output_directory>/<run_name>/mtc")
-        token = ""
-        if args.cluster_spec:
-            spec_path = Path(args.cluster_spec)
-        else:
-            if args.local_checkpoint_directory:
-                hosts = folder_hosts(args.local_checkpoint_directory)
-            else:
-                scratch = args.scratch or Path(tempfile.mkdtemp(prefix="mtc-export-"))
-                (scratch / "mtc").mkdir(parents=True, exist_ok=True)
-                hosts = [("h0", scratch, 0)]
-            temp = TempDaemons(hosts)
-            spec_path, token = temp.spec_path, temp.token
-        spec = protocol.ClusterSpec.read(spec_path)  # validated: a clear error for a wrong file
-        config = MTCConfig(local_checkpoint_directory=str(spec_path.parent), cluster_spec=str(spec_path),
+        rows: list = []
+        if args.local_checkpoint_directory:
+            rows = folder_hosts(args.local_checkpoint_directory)
+        elif not args.cluster_spec:
+            scratch = args.scratch or Path(tempfile.mkdtemp(prefix="mtc-export-"))
+            (scratch / "mtc").mkdir(parents=True, exist_ok=True)
+            rows = [("h0", scratch, 0)]
+        hosts = open_hosts(args.cluster_spec, rows)
+        config = MTCConfig(local_checkpoint_directory=str(hosts.spec_path.parent), cluster_spec=str(hosts.spec_path),
                            base_output_directory=args.base_output_directory, run_name=args.run_name,
-                           peer_token=token, prefetch_on_start=False)
-        # Device ids only map the hosts' shards here; every array is restored onto one local device.
-        devices = [SimpleNamespace(id=i) for i in range(sum(h.devices for h in spec.hosts))]
+                           peer_token=hosts.token, prefetch_on_start=False)
+        devices = hosts.devices  # device ids only map the hosts' shards; arrays go onto one local device
         manager = CheckpointManager(config, dispatcher=ClusterDispatcher(config, devices=devices),
                                     read_only=bool(args.cluster_spec))
         update, stop = _progress(args.json)
@@ -129,8 +121,8 @@ def run(args: Any) -> int:
     finally:
         if manager is not None:
             manager.close()
-        if temp is not None:
-            temp.close()
+        if hosts is not None:
+            hosts.close()
         if scratch is not None and args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
     if args.json:

@@ -11,6 +11,7 @@ those no other folder is. ``ID=DIR`` names it where that cannot tell.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 from mtc.shared import format as fmt
@@ -132,3 +134,33 @@ class TempDaemons:
             except subprocess.TimeoutExpired:
                 p.kill()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class Hosts:
+    """The hosts a tool talks to: their cluster spec, the job token to use ('' for this environment's
+    MTC_PEER_TOKEN), device ids that only map shards to hosts, and the temporary daemons (if any)."""
+
+    spec_path: Path
+    token: str
+    spec: protocol.ClusterSpec
+    devices: list
+    temp: TempDaemons | None = None
+
+    def close(self) -> None:
+        if self.temp is not None:
+            self.temp.close()
+
+
+def open_hosts(cluster_spec: str | None = None, rows: Sequence[tuple[str, Path, int]] = ()) -> Hosts:
+    """A running local cluster (its spec), or a temporary daemon on each of ``rows`` (``folder_hosts``)."""
+    temp = TempDaemons(rows) if not cluster_spec else None
+    spec_path = Path(cluster_spec) if cluster_spec else temp.spec_path
+    try:
+        spec = protocol.ClusterSpec.read(spec_path)  # validated: a clear error for a wrong file
+    except BaseException:
+        if temp is not None:
+            temp.close()
+        raise
+    devices = [SimpleNamespace(id=i) for i in range(sum(h.devices for h in spec.hosts))]
+    return Hosts(spec_path, temp.token if temp is not None else "", spec, devices, temp)

@@ -12,8 +12,6 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from mtc.shared import backup_layout
@@ -187,31 +185,21 @@ def run(args: Any) -> int:
     """``mtc status`` (see cli.py for the options). Exit 0; 1 when a host did not answer (what it
     holds is not known: the answer may be wrong); 2 on bad input."""
     from mtc.head.cluster import ClusterDispatcher
-    from mtc.shared import protocol
+    from mtc.head.tools.sources import folder_hosts, open_hosts
 
-    temp = None
+    hosts = None
     try:
         if bool(args.cluster_spec) == bool(args.local_checkpoint_directory):
             raise ConfigError("give the job's --cluster-spec (a running local cluster) or its "
                               "--local-checkpoint-directory (ramdisk folders of a stopped job; several allowed)")
-        if args.local_checkpoint_directory:
-            from mtc.head.tools.sources import TempDaemons, folder_hosts
-
-            hosts = folder_hosts(args.local_checkpoint_directory)
-            temp = TempDaemons(hosts)
-            spec_path = temp.spec_path
-            token = temp.token
-        else:
-            spec_path = Path(args.cluster_spec)
-            token = ""  # the job's own: MTC_PEER_TOKEN in this environment
-        protocol.ClusterSpec.read(spec_path)  # validated: a clear error for a wrong file
-        spec = json.loads(Path(spec_path).read_text())
-        config = MTCConfig(local_checkpoint_directory=str(hosts[0][1] if temp is not None else spec_path.parent),
-                           cluster_spec=str(spec_path), base_output_directory=args.base_output_directory or "",
+        rows = folder_hosts(args.local_checkpoint_directory or [])
+        hosts = open_hosts(args.cluster_spec, rows)
+        spec = json.loads(hosts.spec_path.read_text())
+        config = MTCConfig(local_checkpoint_directory=str(rows[0][1] if rows else hosts.spec_path.parent),
+                           cluster_spec=str(hosts.spec_path), base_output_directory=args.base_output_directory or "",
                            run_name=args.run_name or "", replication_factor=args.replication_factor,
-                           peer_token=token)
-        # Device ids only name hosts here: status moves no array.
-        devices = [SimpleNamespace(id=i) for i in range(sum(h["devices"] for h in spec["hosts"]))]
+                           peer_token=hosts.token)
+        devices = hosts.devices  # device ids only name hosts here: status moves no array
         dispatch = ClusterDispatcher(config, devices=devices)
         try:
             st = collect(dispatch, spec, config, verify=args.verify)
@@ -221,8 +209,8 @@ def run(args: Any) -> int:
         print(f"mtc status: error: {e}", file=sys.stderr)
         return 2
     finally:
-        if temp is not None:
-            temp.close()
+        if hosts is not None:
+            hosts.close()
     if args.json:
         print(st.to_json())
     else:

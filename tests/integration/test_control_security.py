@@ -1,4 +1,4 @@
-"""The control plane against a local attacker (loopback only), with real daemons (docs/architecture.md, "What must never happen").
+"""The control plane against a local attacker (loopback only), with real daemons (docs/architecture.md, "Who may talk to a sidecar").
 
 Nobody but the job's head can read, change or stall a checkpoint: every control operation is
 refused without the job token and changes nothing; floods of memory-pinning frames, idle

@@ -1,4 +1,4 @@
-"""The house rule: mtc.head and mtc.sidecar never import each other (docs/architecture.md, "Where to look")."""
+"""The house rule: mtc.head and mtc.sidecar never import each other (docs/architecture.md, "Processes")."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def test_demo_keep_says_where_and_how_to_look(tmp_path):
 
 
 def test_demo_timeline_draws_recoveries_narrow():
-    from mtc.head.tools.demo import _squeeze
+    from mtc.head.tools.demo_plot import _squeeze
 
     x = _squeeze([(10.0, 40.0, 4, ["ram"]), (50.0, 52.0, 8, ["peer"])], 1.0)
     assert x(5.0) == 5.0 and x(40.0) == 11.0 and x(45.0) == 16.0 and x(52.0) == 22.0 and x(60.0) == 30.0
