@@ -1,0 +1,431 @@
+"""Step manifests (``mtc/3``, and ``mtc/2`` / ``mtc/1`` still read): ``ShardRecord``, ``ArrayRecord``,
+``StepManifest``, ``encode_step`` (a manifest from its arrays and the hosts' parts) and
+``check_step_bytes`` (the cheap checks of a keeper), with the parsers behind ``StepManifest.from_json``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Iterable
+
+import numpy as np
+
+from mtc.shared import shardings as shardings_lib
+from mtc.shared.errors import ManifestError
+from mtc.shared.format_base import (Box, _box_from_doc, _canonical, _digest, _expect, _load, box_shape, box_str,
+                                    dtype_from_name)
+from mtc.shared.format_host import HostManifest, HostShard
+from mtc.shared.hashing import HASH_NAME, blob_name, is_blob_name
+
+# mtc/3: a header line and one line per host part (see mtc.shared.format). Its "digest" is SHA-256 over the
+# header's canonical JSON, which holds each part's xxh3-128 and length, so it covers every byte.
+# mtc/2 (one document, "digest" over the rest) and mtc/1 (no digest) are still read.
+FORMAT = "mtc/3"
+_FORMAT_V2 = "mtc/2"
+_FORMAT_V1 = "mtc/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+    """One saved shard: its box in the global array, its blob and the devices that held it."""
+
+    box: Box
+    blob: str
+    nbytes: int
+    devices: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRecord:
+    """One leaf of the saved tree.
+
+    kind: ``"jax"`` (a jax.Array, sharded), ``"numpy"`` (a host numpy array, saved as one
+    blob) or ``"scalar"`` (a Python scalar, kept in the manifest as ``value``).
+    """
+
+    key: str
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+    sharding: dict | None = None
+    shards: tuple[ShardRecord, ...] = ()
+    value: Any = None
+    # A typed PRNG key array (``jax.random.key``): the blobs hold its key data (``dtype`` and
+    # ``shape`` are those of ``jax.random.key_data``, whose last dimensions are ``prng_key_shape``),
+    # and restore wraps them again with the impl named here ("threefry2x32", "rbg", "unsafe_rbg").
+    prng_impl: str | None = None
+    prng_key_shape: tuple[int, ...] = ()
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The shape the user sees: without the key data dimensions of a PRNG key array."""
+        return self.shape[: len(self.shape) - len(self.prng_key_shape)] if self.prng_impl else self.shape
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.np_dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class StepManifest:
+    """The commit of one step: every array, its shards and their blobs.
+
+    ``parts`` names the host parts it was assembled from, as (host, xxh3-128 of the part's
+    bytes), when it was read from (or built as) an ``mtc/3`` document.
+    """
+
+    step: int
+    arrays: tuple[ArrayRecord, ...]
+    tree: Any
+    created: float = 0.0
+    topology: dict = dataclasses.field(default_factory=dict)
+    fingerprint: dict = dataclasses.field(default_factory=dict)
+    parts: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+    part_blobs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # host -> its part's blobs
+
+    def blob_sizes(self) -> dict[str, int]:
+        out = {}
+        for a in self.arrays:
+            for s in a.shards:
+                out[s.blob] = s.nbytes
+        return out
+
+    def blob_names(self) -> set[str]:
+        return set(self.blob_sizes())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.blob_sizes().values())
+
+    @functools.cached_property
+    def _encoded(self) -> tuple[bytes, str]:
+        # One part with every shard: how a manifest made in memory (not by a save) is written.
+        rows = []
+        for i, a in enumerate(self.arrays):
+            rows.extend(HostShard(i, s.box, s.blob, s.nbytes) for s in a.shards)
+        part = HostManifest(self.step, "*", tuple(rows)).to_json()
+        listed = {i: [(s.box, s.devices) for s in a.shards] for i, a in enumerate(self.arrays)
+                  if a.kind == "jax" and not _devices_derivable(a)}
+        return encode_step(step=self.step, arrays=self.arrays, tree=self.tree, created=self.created,
+                           topology=self.topology, fingerprint=self.fingerprint, parts=[("*", part)],
+                           listed_boxes=listed)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 of the header (which holds a hash of every part): what every reader checks,
+        and what the hosts' copies of one step are compared by."""
+        return self._encoded[1]
+
+    def to_json(self) -> bytes:
+        """The document (for one read from bytes: exactly those bytes)."""
+        if self.local_part is not None:
+            raise ManifestError(f"step {self.step}: a host's local view of the manifest (the part of "
+                                f"{self.local_part} only) is never written or sent; read the whole manifest")
+        return self._encoded[0]
+
+    @property
+    def local_part(self) -> str | None:
+        """The host whose part alone this holds (``local_view``), or None for a whole manifest."""
+        return self.__dict__.get("_local_part")
+
+    @classmethod
+    def local_view(cls, header: bytes, host: str, part: bytes, *, source: str = "manifest") -> "StepManifest":
+        """A host's view of an ``mtc/3`` manifest from its header line and the host's own part:
+        every array, with only the shards of that part. The header is checked against its
+        digest and the part against its hash in the header, so the view's ``digest`` is the
+        whole manifest's; coverage is not checked (the other parts are not here). Enough to read
+        the host's own shards (a restore onto the same topology) without the other parts, which
+        grow with hosts x shards; never written or sent (``to_json`` refuses)."""
+        header = bytes(header)
+        _expect(b"\n" not in header, source, "a header is one line")
+        doc = _load(header, source)
+        _expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+        m = _parse_v3(doc, b"", source, only=(host, bytes(part)))
+        m.__dict__["_local_part"] = host
+        return m
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, source: str = "manifest") -> "StepManifest":
+        if isinstance(data, str):
+            data = data.encode()
+        data = bytes(data)
+        first, _, rest = data.partition(b"\n")
+        doc = _load(first, source)
+        if doc.get("format") == FORMAT:
+            m = _parse_v3(doc, rest, source)
+        else:
+            m = _parse_v2(_load(data, source), source)
+        # Read bytes are written back as they are: their digest is the one the hosts compare.
+        if "digest" in m.__dict__:  # (an mtc/1 document has none: it is written anew as mtc/3)
+            m.__dict__["_encoded"] = (data, m.digest)
+        return m
+
+
+def _devices_derivable(a: ArrayRecord) -> bool:
+    """Whether the devices of every shard of ``a`` follow from its sharding description."""
+    derived = shardings_lib.described_device_boxes(a.sharding, a.shape)
+    if derived is None:
+        return False
+    by_box: dict[Box, list[int]] = {}
+    for dev, box in derived.items():
+        by_box.setdefault(box, []).append(dev)
+    return all(tuple(sorted(s.devices)) == tuple(sorted(by_box.get(s.box, ()))) or not s.devices for s in a.shards)
+
+
+def encode_step(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created: float, topology: dict,
+                fingerprint: dict, parts: Iterable[tuple[str, bytes]],
+                listed_boxes: dict[int, list[tuple[Box, Iterable[int]]]] | None = None) -> tuple[bytes, str]:
+    """An ``mtc/3`` step manifest from its arrays (their shards are not read) and host parts.
+
+    ``parts`` are (host, host manifest bytes as the host wrote them); they are hashed and
+    appended, never parsed, so this costs O(arrays + hosts) plus one pass over the bytes.
+    ``listed_boxes`` (array index -> [(box, devices)]) is for arrays whose devices cannot be
+    derived from their sharding. Returns (bytes, digest).
+    """
+    table: list[dict] = []
+    index: dict[bytes, int] = {}
+    by_id: dict[int, int] = {}  # the same description object (one sharding, many arrays): not re-encoded
+    docs = []
+    for i, a in enumerate(arrays):
+        doc: dict[str, Any] = {"key": a.key, "kind": a.kind}
+        if a.kind == "scalar":
+            doc["value"] = a.value
+        else:
+            doc.update(dtype=a.dtype, shape=list(a.shape))
+            if a.sharding is not None:
+                j = by_id.get(id(a.sharding))
+                if j is None:
+                    k = _canonical(a.sharding)
+                    if k not in index:
+                        index[k] = len(table)
+                        table.append(a.sharding)
+                    j = by_id[id(a.sharding)] = index[k]
+                doc["sharding"] = j
+            if listed_boxes and i in listed_boxes:
+                doc["boxes"] = [[[list(b) for b in box], sorted(int(d) for d in devs)] for box, devs in listed_boxes[i]]
+            if a.prng_impl:
+                doc.update(prng_impl=a.prng_impl, prng_key_shape=list(a.prng_key_shape))
+        docs.append(doc)
+    raw = []
+    metas = []
+    for host, data in parts:
+        data = bytes(data)
+        if b"\n" in data:
+            raise ManifestError(f"the part of host {host} contains a newline; parts are single-line JSON")
+        raw.append(data)
+        metas.append({"host": host, "digest": blob_name(data), "bytes": len(data)})
+    header = {"format": FORMAT, "hash": HASH_NAME, "step": step, "created": created, "fingerprint": fingerprint,
+              "topology": topology, "tree": tree, "shardings": table, "arrays": docs, "parts": metas}
+    digest = _digest(header)
+    header["digest"] = digest
+    return b"\n".join([_canonical(header), *raw]), digest
+
+
+def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str, dict[str, str]]:
+    """The cheap checks of an mtc/3 manifest: its header's digest and every part's hash and
+    length; returns (step, digest, host -> part digest). What a keeper checks before it commits
+    (one pass of hashing, no per-shard work); the full checks (coverage, equal replicas, every
+    row) run when the manifest is read (``StepManifest.from_json``)."""
+    data = bytes(data)
+    first, _, rest = data.partition(b"\n")
+    doc = _load(first, source)
+    _expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    digest = doc.pop("digest", None)
+    _expect(isinstance(digest, str) and digest == _digest(doc), source,
+            "its header does not match its digest (changed after it was written); not using it")
+    step, metas = doc.get("step"), doc.get("parts")
+    _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
+            f"step {step!r} is not a non-negative integer")
+    _expect(isinstance(metas, list) and all(isinstance(m, dict) and isinstance(m.get("host"), str) for m in metas),
+            source, "'parts' is missing or malformed")
+    lines = rest.split(b"\n") if rest else []
+    _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+    out = {}
+    for meta, line in zip(metas, lines):
+        _expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), source,
+                f"the part of host {meta['host']} does not match its hash in the header (changed after it was written)")
+        out[meta["host"]] = meta["digest"]
+    return step, digest, out
+
+
+def _parse_v2(doc: dict, source: str) -> StepManifest:
+    digest = doc.pop("digest", None)
+    _expect(doc.get("format") in (_FORMAT_V2, _FORMAT_V1), source,
+            f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by another mtc version?)")
+    _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
+    step = doc.get("step")
+    _expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
+    arrays = doc.get("arrays")
+    _expect(isinstance(arrays, list), source, "'arrays' is missing or not a list")
+    records = tuple(_array_from_doc(a, f"{source}: arrays[{i}]") for i, a in enumerate(arrays))
+    keys = [r.key for r in records]
+    _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+    # Last, so that a malformed document gets its precise error. mtc/1 had no digest (read only).
+    if digest is not None or doc["format"] == _FORMAT_V2:
+        _expect(isinstance(digest, str) and digest == _digest(doc), source,
+                "its content does not match its digest (changed after it was written); not using it")
+    m = StepManifest(step=step, arrays=records, tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
+                     topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}))
+    if digest is not None:
+        m.__dict__["digest"] = digest
+    return m
+
+
+def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | None = None) -> StepManifest:
+    digest = doc.pop("digest", None)
+    _expect(isinstance(digest, str) and digest == _digest(doc), source,
+            "its header does not match its digest (changed after it was written); not using it")
+    _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
+    step = doc.get("step")
+    _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
+            f"step {step!r} is not a non-negative integer")
+    table = doc.get("shardings")
+    _expect(isinstance(table, list), source, "'shardings' is missing or not a list")
+    for i, desc in enumerate(table):
+        shardings_lib.check_desc(desc, f"{source}: shardings[{i}]")
+    docs, metas = doc.get("arrays"), doc.get("parts")
+    _expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
+    _expect(isinstance(metas, list), source, "'parts' is missing or not a list")
+    if only is None:
+        lines = rest.split(b"\n") if rest else []
+        _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+        pairs = list(zip(metas, lines))
+    else:  # one host's local view: its part only (see StepManifest.local_view)
+        pairs = [(meta, only[1]) for meta in metas if isinstance(meta, dict) and meta.get("host") == only[0]]
+        _expect(len(pairs) == 1, source, f"its header lists {len(pairs)} parts of host {only[0]}, not one")
+    # The header's arrays, then their shards from every part (equal boxes from several hosts are
+    # replicas: one record, and they must name the same blob).
+    heads = [_array_head(a, table, f"{source}: arrays[{i}]") for i, a in enumerate(docs)]
+    found: list[dict[Box, tuple[str, int, str]]] = [{} for _ in heads]
+    parts = []
+    part_blobs: dict[str, set[str]] = {}
+    for j, (meta, line) in enumerate(pairs):
+        where = f"{source}: part {j}"
+        _expect(isinstance(meta, dict) and isinstance(meta.get("host"), str), where, "its header entry is malformed")
+        host = meta["host"]
+        _expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), where,
+                f"the part of host {host} does not match its hash in the header (changed after it was written)")
+        part = HostManifest.from_json(line, source=f"{where} (host {host})")
+        _expect(part.step == step and part.host == host, where,
+                f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
+        for s in part.shards:
+            _expect(s.array < len(heads) and heads[s.array][0].kind != "scalar", where,
+                    f"shard of array #{s.array}, which is not an array of this step")
+            prev = found[s.array].setdefault(s.box, (s.blob, s.nbytes, host))
+            _expect(prev[:2] == (s.blob, s.nbytes), where,
+                    f"array {heads[s.array][0].key!r} shard {box_str(s.box)} has different contents on hosts "
+                    f"{prev[2]} and {host} ({prev[0]} != {s.blob}); replicas must be identical")
+        parts.append((host, meta["digest"]))
+        part_blobs[host] = part.blob_names()
+    records = []
+    for (rec, owners), shards in zip(heads, found):
+        if rec.kind == "scalar":
+            records.append(rec)
+            continue
+        where = f"{source}: array {rec.key!r}"
+        itemsize = rec.np_dtype.itemsize
+        shape, ndim = rec.shape, len(rec.shape)
+        out = []
+        for box in sorted(shards):
+            blob, nbytes, _ = shards[box]
+            if len(box) != ndim or any(b > n for (_, b), n in zip(box, shape)):
+                _expect(False, where, f"box {box_str(box)} does not fit shape {list(shape)}")
+            want = math.prod(b - a for a, b in box) * itemsize
+            if nbytes != want:
+                _expect(False, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
+            out.append(ShardRecord(box, blob, nbytes, owners.get(box, ())))
+        _expect(only is not None or _covers(list(rec.shape), shards), where, "its shards do not cover the whole array")
+        records.append(dataclasses.replace(rec, shards=tuple(out)))
+    keys = [r.key for r in records]
+    _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+    m = StepManifest(step=step, arrays=tuple(records), tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
+                     topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}),
+                     parts=tuple(parts), part_blobs={h: frozenset(b) for h, b in part_blobs.items()})
+    m.__dict__["digest"] = digest
+    return m
+
+
+def _array_head(doc: Any, table: list, where: str) -> tuple[ArrayRecord, dict[Box, tuple[int, ...]]]:
+    """An mtc/3 header entry: the record without shards, and box -> devices that held it."""
+    _expect(isinstance(doc, dict), where, "not an object")
+    idx = doc.get("sharding")
+    sharding = None
+    if idx is not None:
+        _expect(isinstance(idx, int) and 0 <= idx < len(table), where, f"sharding {idx!r} is not an index of 'shardings'")
+        sharding = table[idx]
+    shallow = {k: v for k, v in doc.items() if k not in ("sharding", "boxes")}
+    rec = _array_from_doc({**shallow, "sharding": sharding, "shards": None} if doc.get("kind") != "scalar" else doc,
+                          where, require_cover=False)
+    owners: dict[Box, list[int]] = {}
+    if rec.kind != "jax":
+        return rec, {}
+    listed = doc.get("boxes")
+    if listed is not None:
+        _expect(isinstance(listed, list), where, "'boxes' is not a list")
+        for row in listed:
+            _expect(isinstance(row, list) and len(row) == 2 and isinstance(row[1], list)
+                    and all(isinstance(d, int) for d in row[1]), where, "'boxes' rows are [box, [device ids]]")
+            owners[_box_from_doc(row[0], where)] = sorted(row[1])
+    else:
+        derived = shardings_lib.described_device_boxes(sharding, rec.shape)
+        for dev, box in (derived or {}).items():
+            owners.setdefault(box, []).append(dev)
+    return rec, {b: tuple(sorted(ds)) for b, ds in owners.items()}
+
+
+def _array_from_doc(doc: Any, where: str, *, require_cover: bool = True) -> ArrayRecord:
+    _expect(isinstance(doc, dict), where, "not an object")
+    key, kind = doc.get("key"), doc.get("kind")
+    _expect(isinstance(key, str), where, "key is not a string")
+    where = f"{where} ({key})"
+    _expect(kind in ("jax", "numpy", "scalar"), where, f"kind {kind!r} is not jax, numpy or scalar")
+    if kind == "scalar":
+        value = doc.get("value")
+        _expect(isinstance(value, dict) and "type" in value, where, "scalar value is not tagged")
+        return ArrayRecord(key=key, kind=kind, value=value)
+    dtype = doc.get("dtype")
+    _expect(isinstance(dtype, str), where, "dtype is missing")
+    dt = dtype_from_name(dtype)
+    shape = doc.get("shape")
+    _expect(isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape), where,
+            f"shape {shape!r} is not a list of non-negative integers")
+    shards = []
+    for i, s in enumerate(doc.get("shards") or []):
+        sw = f"{where}: shards[{i}]"
+        _expect(isinstance(s, dict), sw, "not an object")
+        box = _box_from_doc(s.get("box"), sw)
+        _expect(len(box) == len(shape) and all(b <= n for (_, b), n in zip(box, shape)), sw,
+                f"box {box} does not fit shape {shape}")
+        _expect(is_blob_name(s.get("blob")), sw, f"blob name {s.get('blob')!r} is malformed")
+        nbytes = s.get("nbytes")
+        want = int(np.prod(box_shape(box), dtype=np.int64)) * dt.itemsize
+        _expect(nbytes == want, sw, f"nbytes {nbytes!r} does not match box {box_str(box)} of {dtype} ({want})")
+        devices = tuple(s.get("devices") or ())
+        shards.append(ShardRecord(box, s["blob"], nbytes, devices))
+    if require_cover:
+        _expect(_covers(shape, [s.box for s in shards]), where, "shards do not cover the whole array")
+    impl, key_shape = doc.get("prng_impl"), doc.get("prng_key_shape", [])
+    if impl is not None:
+        _expect(isinstance(impl, str) and impl, where, f"prng_impl {impl!r} is not a PRNG impl name")
+        _expect(kind == "jax", where, "a PRNG key array must be of kind jax")
+        _expect(isinstance(key_shape, list) and all(isinstance(n, int) and n > 0 for n in key_shape)
+                and len(key_shape) <= len(shape) and shape[len(shape) - len(key_shape):] == key_shape, where,
+                f"prng_key_shape {key_shape!r} is not the trailing part of shape {shape}")
+        _expect(dtype == "uint32", where, f"PRNG key data has dtype {dtype}, expected uint32")
+    return ArrayRecord(key=key, kind=kind, dtype=dtype, shape=tuple(shape),
+                       sharding=doc.get("sharding"), shards=tuple(shards),
+                       prng_impl=impl, prng_key_shape=tuple(key_shape) if impl else ())
+
+
+def _covers(shape: list[int], boxes: Iterable[Box]) -> bool:
+    total = math.prod(shape)
+    if total == 0:
+        return True
+    covered = sum(math.prod(b - a for a, b in box) for box in set(boxes))
+    # Boxes of a jax sharding tile the array without overlap, so their volumes add up.
+    return covered == total
