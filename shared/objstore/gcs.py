@@ -10,40 +10,34 @@ resumable session driven here, chunk by chunk: after a failure the session is as
 much it holds and the upload goes on from there. A session that the server finalized early
 or with wrong bytes (fake-gcs-server finalizes on a status query) is detected by size and
 crc32c, that generation is deleted, and the upload starts again.
+
+This module holds the store (``GCSStore``); clients and the transient/fatal split are in
+``gcs_client``, the resumable upload in ``gcs_upload``.
 """
 
 from __future__ import annotations
 
 import copy
-
-import base64
 import io
 import logging
 import os
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import TypeVar
 
 try:
-    import google_crc32c
     import requests
-    import urllib3
     from google.api_core import exceptions as gexc
-    from google.auth import exceptions as gauth_exc
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
-    from google.cloud.storage.exceptions import DataCorruption
 except ImportError as e:  # pragma: no cover - exercised by a test that hides the package
     raise ImportError(
         f"the gs:// backup store needs google-cloud-storage ({e}); install it with: pip install 'mtc[gcs]'"
     ) from e
 
-import http.client
-
 from mtc.shared.errors import ConfigError
+from mtc.shared.objstore.gcs_client import EMULATOR_ENV, _Redo, is_transient, make_client
+from mtc.shared.objstore.gcs_upload import _CONTENT_TYPE, _crc_b64, _ResumableUpload
 from mtc.shared.objstore.retry import Backoff, retry_call
 from mtc.shared.objstore.store import (
     DEFAULT_DEADLINE_S,
@@ -60,71 +54,11 @@ from mtc.shared.objstore.store import (
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 RESUMABLE_THRESHOLD = 8 << 20  # above this, resumable uploads (GCS's own multipart limit)
 CHUNK_SIZE = 32 << 20  # resumable chunk; a multiple of 256 KiB
 _CHUNK_GRANULE = 256 << 10
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_TRANSIENT_TYPES = (
-    ConnectionError,  # builtin: refused, reset, aborted, broken pipe
-    TimeoutError,
-    http.client.HTTPException,  # IncompleteRead, RemoteDisconnected, BadStatusLine
-    requests.ConnectionError,
-    requests.Timeout,
-    requests.exceptions.ChunkedEncodingError,
-    urllib3.exceptions.ProtocolError,
-    urllib3.exceptions.TimeoutError,
-    urllib3.exceptions.NewConnectionError,
-    gauth_exc.TransportError,
-    DataCorruption,  # bytes damaged in flight: sending or fetching them again may work
-)
-_CONTENT_TYPE = "application/octet-stream"
 
-
-class _Redo(Exception):
-    """Internal: the server holds something we must not keep (a truncated or corrupt
-    finalized object, a lost session); start the object again. Retried like a transient."""
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying `exc` may succeed (network trouble, throttling, server errors)."""
-    if isinstance(exc, _Redo):
-        return True
-    if isinstance(exc, gexc.GoogleAPICallError):
-        return exc.code in _TRANSIENT_STATUS
-    return isinstance(exc, _TRANSIENT_TYPES)
-
-
-def make_client(endpoint: str | None = None) -> storage.Client:
-    """A storage client. `endpoint` (or STORAGE_EMULATOR_HOST, as host:port or a URL) means
-    an emulator: anonymous credentials and project "test". Otherwise default credentials."""
-    source = "endpoint"
-    if endpoint is None:
-        endpoint, source = os.environ.get(EMULATOR_ENV) or None, EMULATOR_ENV
-    if endpoint is None:
-        try:
-            return storage.Client()
-        except gauth_exc.DefaultCredentialsError as e:
-            raise FatalStoreError(
-                f"no Google Cloud credentials for the gs:// backup store ({e}); run with a service "
-                f"account (GOOGLE_APPLICATION_CREDENTIALS or workload identity), or set {EMULATOR_ENV} "
-                "to use an emulator"
-            ) from e
-    url = endpoint if "://" in endpoint else f"http://{endpoint}"
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port_ok = parts.port is not None or parts.scheme == "https"
-    except ValueError:
-        port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.path not in ("", "/"):
-        raise ConfigError(
-            f"{source}={endpoint!r} is not an emulator address; use host:port or http://host:port"
-        )
-    return storage.Client(
-        project="test",
-        credentials=AnonymousCredentials(),
-        client_options={"api_endpoint": url.rstrip("/")},
-    )
+__all__ = ["CHUNK_SIZE", "EMULATOR_ENV", "RESUMABLE_THRESHOLD", "GCSStore", "is_transient", "make_client"]
 
 
 class GCSStore(ObjectStore):
@@ -179,8 +113,6 @@ class GCSStore(ObjectStore):
         self._guard: Callable[[], None] | None = None  # see with_guard
 
     # -- plumbing -----------------------------------------------------------------------
-
-
     def with_deadline(self, seconds: float) -> "GCSStore":
         if seconds < 0:
             raise ConfigError(f"deadline {seconds} must be >= 0 seconds")
@@ -419,121 +351,6 @@ class GCSStore(ObjectStore):
         self._http.close()
         if self._own_client:
             self._client.close()
-
-
-class _ResumableUpload:
-    """One resumable upload of a local file, driven chunk by chunk (the JSON API protocol:
-    PUT Content-Range chunks, 308 + Range while incomplete, 200/201 with metadata at the
-    end, `bytes */size` to ask where a session stands)."""
-
-    def __init__(self, store: GCSStore, name: str, full: str, path: str, size: int, if_absent: bool):
-        self.s, self.name, self.full, self.path, self.size, self.if_absent = store, name, full, path, size, if_absent
-        self.session: str | None = None
-        self.offset = 0  # bytes the server confirmed
-        self.high_water = 0  # most bytes any session confirmed: the progress that resets the deadline
-        self.in_doubt = False  # a request failed: the server's offset is unknown
-        # crc32c of the file's first `crc_end` bytes, extended as chunks are first read.
-        self.crc = google_crc32c.Checksum()
-        self.crc_end = 0
-
-    def run(self) -> bool:
-        # Progress is the high-water mark, so that uploads started again from zero (a lost
-        # session, an early finalize) do not count as progress until they get further.
-        return self.s._call("upload", self.name, self._attempt, progress=lambda: self.high_water)
-
-    def _attempt(self) -> bool:
-        if self.session is None:
-            if not self._start():
-                return False
-        elif self.in_doubt:
-            done = self._query()
-            if done is not None:
-                return done
-        with open(self.path, "rb") as f:
-            while True:
-                f.seek(self.offset)
-                data = f.read(min(self.s.chunk_size, self.size - self.offset))
-                if len(data) != min(self.s.chunk_size, self.size - self.offset):
-                    raise OSError(f"{self.path} changed size during the upload to {self.s.url}{self.name}")
-                end = self.offset + len(data)
-                if end > self.crc_end:
-                    skip = self.crc_end - self.offset  # > 0 only when resending after a resume
-                    self.crc.update(data[skip:] if skip else data)
-                    self.crc_end = end
-                headers = {"Content-Range": f"bytes {self.offset}-{end - 1}/{self.size}"}
-                if end == self.size:
-                    headers["X-Goog-Hash"] = f"crc32c={self._crc()}"
-                self.in_doubt = True
-                r = self.s._http.put(self.session, data=data, headers=headers, timeout=self.s.timeout)
-                done = self._answer(r)
-                if done is not None:
-                    return done
-
-    def _start(self) -> bool:
-        """Open a session; False when a create-only upload finds the object there."""
-        blob = self.s._bucket.blob(self.full)
-        try:
-            self.session = blob.create_resumable_upload_session(
-                content_type=_CONTENT_TYPE,
-                size=self.size,
-                if_generation_match=0 if self.if_absent else None,
-                checksum=None,
-                retry=None,
-                timeout=self.s.timeout,
-            )
-        except gexc.PreconditionFailed:
-            return False
-        self.offset, self.in_doubt = 0, False
-        return True
-
-    def _query(self) -> bool | None:
-        r = self.s._http.put(
-            self.session, data=b"", headers={"Content-Range": f"bytes */{self.size}"}, timeout=self.s.timeout
-        )
-        return self._answer(r)
-
-    def _answer(self, r: requests.Response) -> bool | None:
-        """Act on a response: None to go on from self.offset, True/False when finished."""
-        if r.status_code == 308:
-            m = re.fullmatch(r"bytes=0-(\d+)", r.headers.get("Range", ""))
-            self.offset = int(m.group(1)) + 1 if m else 0
-            self.high_water = max(self.high_water, self.offset)
-            self.in_doubt = False
-            return None
-        if r.status_code in (200, 201):
-            try:
-                meta = r.json()
-            except ValueError:
-                raise FatalStoreError(
-                    f"upload {self.s.url}{self.name}: the server finished the upload without object "
-                    f"metadata ({r.text[:200]!r}); cannot verify what it stored"
-                ) from None
-            self.in_doubt = False
-            # A server that finalized early (fake-gcs-server on a status query) holds fewer
-            # bytes than we have read: the size check alone catches it.
-            crc = self._crc() if self.crc_end == self.size else None
-            try:
-                self.s._check_landed(
-                    self.full, meta.get("generation"), meta.get("size"), meta.get("crc32c"), self.size, crc
-                )
-            except _Redo:
-                self.session, self.offset = None, 0
-                raise
-            return True
-        if r.status_code == 412:
-            return False
-        if r.status_code in (404, 410):
-            # The session is gone (expired, or finalized and forgotten): start again.
-            self.session, self.offset = None, 0
-            raise _Redo(f"resumable session lost ({r.status_code})")
-        raise gexc.from_http_response(r)
-
-    def _crc(self) -> str:
-        return base64.b64encode(self.crc.digest()).decode()
-
-
-def _crc_b64(data: bytes) -> str:
-    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
 
 
 def _brief(e: BaseException) -> str:
