@@ -160,7 +160,12 @@ class ColocatedDispatcher(Dispatcher):
                 plans.append((leaf, self._plan_shards(leaf, wants)))
         bufs = self._host_buffers(wants)
         try:
-            self._staging.copy_all([(buf, src) for buf, (*_, src) in zip(bufs, wants)])
+            fills = [self._zone.filler(buf) for buf in bufs] if self._zone is not None else None
+            declined = self._staging.copy_all([(buf, src) for buf, (*_, src) in zip(bufs, wants)], fills)
+            for j in declined:  # no room to land it after all: staged here, the sidecar writes it
+                key, shape, dtype, src = wants[j]
+                bufs[j] = self._staging.buffer(key, shape, dtype)
+                np.copyto(bufs[j], src.reshape(shape))
         except BaseException:
             if self._zone is not None:
                 self._zone.release()

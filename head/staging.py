@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,11 +43,21 @@ class HostStaging:
             buf = self._buffers[key] = aligned_empty(tuple(shape), dtype)
         return buf
 
-    def copy_all(self, copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """np.copyto(dst, src) for each pair, split in chunks over the staging threads."""
+    def copy_all(self, copies: list[tuple[np.ndarray, np.ndarray]],
+                 fills: list[Callable[[np.ndarray], bool] | None] | None = None) -> list[int]:
+        """np.copyto(dst, src) for each pair, split in chunks over the staging threads.
+
+        Where ``fills[i]`` is given, copy ``i`` is done by ``fills[i](src)`` instead (a cold
+        landing, written with ``write()`` on one thread, largest first); returns the indices of
+        the fills that declined (no room): their ``dst`` was not written.
+        """
+        fills = fills if fills is not None else [None] * len(copies)
+        whole = sorted((i for i, f in enumerate(fills) if f is not None), key=lambda i: -copies[i][1].nbytes)
         jobs = []
-        total = 0
-        for dst, src in copies:
+        total = sum(copies[i][1].nbytes for i in whole)
+        for (dst, src), fill in zip(copies, fills):
+            if fill is not None:
+                continue
             if not (dst.size and dst.flags.c_contiguous and src.flags.c_contiguous and dst.nbytes == src.nbytes
                     and dst.dtype == src.dtype):
                 jobs.append((dst, src))
@@ -56,12 +66,24 @@ class HostStaging:
             for a in range(0, d.size, _COPY_CHUNK):
                 jobs.append((d[a:a + _COPY_CHUNK], s[a:a + _COPY_CHUNK]))
             total += d.size
+        declined: list[int] = []
+
+        def fill(i: int) -> None:
+            if not fills[i](np.ascontiguousarray(copies[i][1])):
+                declined.append(i)
+
         if self._pool is None or total < 2 * _COPY_CHUNK:
+            for i in whole:
+                fill(i)
             for dst, src in jobs:
                 np.copyto(dst, src)
-            return
-        for _ in self._pool.map(lambda j: np.copyto(j[0], j[1]), jobs):
-            pass
+        else:
+            # The fills first (each a whole file), then the chunks, which even out the threads.
+            futures = [self._pool.submit(fill, i) for i in whole]
+            futures += [self._pool.submit(np.copyto, dst, src) for dst, src in jobs]
+            for f in futures:
+                f.result()
+        return sorted(declined)
 
     def end(self) -> None:
         for key in set(self._buffers) - self._live:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -28,6 +28,13 @@ class LandingZone(Protocol):
         caller must stage in its own memory (small shards, or a ramdisk without room for every
         shard as a new blob). Reserving again releases what the previous call reserved and the
         sidecar did not write."""
+
+    def filler(self, buffer: np.ndarray) -> Callable[[np.ndarray], bool] | None:
+        """For a buffer of the last ``reserve`` that must not be copied into (a cold landing: a
+        new file, whose pages a copy through the map would fault in one by one), the function that
+        fills it from a source of the same bytes with ``write()``: True when done, False when the
+        ramdisk had no room (the caller then stages that shard in its own memory). None for a
+        buffer to copy into."""
 
     def release(self) -> None:
         """Give back what the last ``reserve`` handed out and was not written (a failed stage)."""

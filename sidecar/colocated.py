@@ -33,6 +33,7 @@ from mtc.shared import landing, shardings
 from mtc.shared import errors as mtc_errors
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.sidecar.peer import resolve_token
+from mtc.sidecar.ram.landing import is_no_space
 from mtc.sidecar.replication import parse_peers, parse_pulls, parse_shares
 from mtc.shared.buffers import aligned_empty
 from mtc.sidecar.service import SidecarService
@@ -127,19 +128,40 @@ class _Zone:
     def __init__(self, service: SidecarService):
         self._service = service
         self._batch = None
+        self._cold: dict = {}  # the cold landings of the batch, by buffer address
         self._lock = threading.Lock()
 
     def reserve(self, sizes):
         with self._lock:
             self._release_locked()
-            self._batch = self._service.land(sizes)
+            self._batch = self._service.land(sizes, cold_ok=True)
+            self._cold = {x.address: x for x in self._batch.landings if x is not None and x.cold}
             return self._batch.buffers
+
+    def filler(self, buffer):
+        landing = self._cold.get(buffer.ctypes.data) if buffer.size else None
+        if landing is None or landing.size != buffer.nbytes:
+            return None
+
+        def fill(src) -> bool:
+            try:
+                landing.fill(src)
+            except OSError as e:
+                if not is_no_space(e):
+                    raise
+                log.info("ramdisk %s: no room to land a %d-byte shard (%s); staging it in memory",
+                         self._service.store.root, landing.size, e)
+                return False
+            return True
+
+        return fill
 
     def release(self) -> None:
         with self._lock:
             self._release_locked()
 
     def _release_locked(self) -> None:
+        self._cold = {}
         if self._batch is not None:
             self._batch.close()
             self._batch = None

@@ -151,11 +151,12 @@ class SidecarService:
 
     # --- save: phase 1 -----------------------------------------------------------------
 
-    def land(self, sizes: Sequence[int]):
+    def land(self, sizes: Sequence[int], *, cold_ok: bool = False):
         """Mapped temp blob files for the shards of the next ``write_shards``, one per size
-        (``RamStore.land``: None for a size not landed). The bytes written into them are not
-        copied again: ``write_shards`` hashes and publishes them where they are."""
-        return self.store.land(sizes)
+        (``RamStore.land``: None for a size not landed; with ``cold_ok``, some cold: filled with
+        ``Landing.fill``). The bytes written into them are not copied again: ``write_shards``
+        hashes (unless the fill did) and publishes them where they are."""
+        return self.store.land(sizes, cold_ok=cold_ok)
 
     def write_shards(self, step: int, shards: Sequence[tuple[int, fmt.Box, np.ndarray]], *,
                      part: int = 0) -> fmt.HostManifest:
@@ -188,7 +189,8 @@ class SidecarService:
                 self._start_part(step, part)
             crash_point("before_blobs")
             return self._hash_and_write(step, unique, landed, t0, part)
-        names = dict(zip(unique, self._io.map(blob_name, unique.values())))
+        names = dict(zip(unique, self._io.map(
+            lambda k: landed[k].name if landed[k] is not None and landed[k].name else blob_name(unique[k]), unique)))
         sizes = {names[k]: len(buf) for k, buf in unique.items() if landed[k] is None}
         missing = {n: size for n, size in sizes.items() if not self.store.has_blob(n)}
         with self._lock:
@@ -233,7 +235,9 @@ class SidecarService:
         lock = threading.Lock()
         with contextlib.ExitStack() as pins:
             def one(buf: memoryview, land) -> tuple[str, int]:
-                name = blob_name(buf)  # of a landing: its mapped pages, hashed where they lie
+                # A filled cold landing was hashed as it was written; a landing filled through its
+                # map is hashed where it lies.
+                name = land.name if land is not None and land.name else blob_name(buf)
                 with lock:
                     first = name not in claimed
                     if first:

@@ -142,11 +142,14 @@ class BlobFiles:
                 os.unlink(tmp)
         return True
 
-    def land(self, size: int) -> Landing:
+    def land(self, size: int, *, cold_ok: bool = False) -> Landing:
         """A temp file of ``size`` bytes, mapped for writing (``mtc.sidecar.ram.landing``).
 
         A pool file of that size when there is one (its pages, and usually its map, exist), else
-        a new file whose space is allocated now: an OSError (ENOSPC) here, never a SIGBUS later.
+        a new file. With ``cold_ok``, a file without a warm map (a new one, or a pool file never
+        mapped) is mapped lazily and handed out cold: the writer fills it with ``Landing.fill``.
+        Otherwise its space is allocated and its map populated now: an OSError (ENOSPC) here,
+        never a SIGBUS later.
         """
         tmp = temp_name(self.directory)
         taken = self.pool.take(size)
@@ -162,17 +165,22 @@ class BlobFiles:
         try:
             try:
                 st = os.fstat(fd)
-                if st.st_size != size or st.st_blocks * 512 < size:
+                cold = cold_ok and not self.maps.is_warm(st)
+                if cold:
+                    if st.st_size != size:
+                        os.ftruncate(fd, size)  # sparse: the fill's pwrite allocates (within_size: _presize)
+                        st = os.fstat(fd)
+                elif st.st_size != size or st.st_blocks * 512 < size:
                     os.posix_fallocate(fd, 0, size)  # sets the size too (huge=within_size pages: _presize)
                     st = os.fstat(fd)
-                m = self.maps.get(fd, st, tmp)
+                m = self.maps.get(fd, st, tmp, populate=not cold)
             finally:
                 os.close(fd)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        return Landing(tmp, size, np.frombuffer(m, np.uint8), st)
+        return Landing(tmp, size, np.frombuffer(m, np.uint8), st, cold=cold)
 
     def publish_landed(self, landing: Landing, name: str) -> bool:
         """Publish a filled landing as blob ``name`` (its hash: the caller hashed the buffer).

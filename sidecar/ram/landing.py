@@ -15,16 +15,27 @@ tables in place. A map follows its file's path through those renames; ``MapCache
 by garbage collection, before any free-space figure is read) drops the map of a file that was
 unlinked, so that a deleted file's pages are never held.
 
+A map is only cheap once its page tables exist: a copy into a new file's map, or into a file
+whose map was never filled in, takes a fault per 4 KiB page from user space (on a VM about
+2 us each, 4-20x the cost of ``write()`` of the same bytes, which allocates the pages inside the
+kernel). So such a landing is *cold*: its writer fills it with :meth:`Landing.fill` (``pwrite``
+from the source, hashing each chunk as it goes), not through its map, and the map is made
+without populating it. Once published, the file's map is filled in later, in the background
+(``MapWarmer``: ``MADV_POPULATE_WRITE``, or a ``MAP_POPULATE`` remap where the kernel lacks it), so
+that when the file comes back from the pool its landing is warm and the save is one memcpy.
+
 Safety: a landing is only ever a pool file (never read or mapped by a restore: see
 ``FreePool.recycle``) or a new file; its space is taken before the first byte (fallocate for a
-new file: a write through a map past a full tmpfs would be SIGBUS, not ENOSPC). Landings are
-temp files until published; ``LandingBatch.close`` removes those a failed save did not publish.
+new warm file; a cold landing is filled with ``pwrite``, which gets ENOSPC: a write through a map
+past a full tmpfs would be SIGBUS). Landings are temp files until published;
+``LandingBatch.close`` removes those a failed save did not publish.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -32,6 +43,11 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from mtc.shared.buffers import byte_view
+from mtc.shared.hashing import new_hasher
+
+log = logging.getLogger(__name__)
 
 # Shards smaller than this are not landed: for them a map costs more syscalls than it saves
 # copying (the caller copies them into a reused buffer and the store writes them).
@@ -41,6 +57,10 @@ LANDING_MIN = 64 << 10
 # by default); past it a landing's map goes when the arrays using it do.
 MAX_KEPT_MAPS = 16384
 
+# A cold landing is written in chunks of this size: large enough that syscalls vanish, small
+# enough that each is still in cache when it is written after being hashed.
+FILL_CHUNK = 8 << 20
+
 Key = tuple[int, int]
 
 
@@ -49,17 +69,19 @@ def _key(st: os.stat_result) -> Key:
 
 
 class MapCache:
-    """Shared, writable maps of blob files by (st_dev, st_ino), each with the path its file has now.
+    """Shared, writable maps of blob files by (st_dev, st_ino), each with the path its file has now
+    and whether its page tables are filled in (warm).
 
-    ``get`` returns the map of a file (creating it, populated, on a miss); ``moved`` follows a
-    rename; ``sweep`` drops the maps whose file is gone from its path.
+    ``get`` returns the map of a file (creating it on a miss: populated, or lazily with
+    ``populate=False``); ``moved`` follows a rename; ``sweep`` drops the maps whose file is gone
+    from its path; ``warm`` fills in a lazy map's page tables.
     """
 
     def __init__(self):
-        self._maps: dict[Key, tuple[mmap.mmap, Path]] = {}
+        self._maps: dict[Key, tuple[mmap.mmap, Path, bool]] = {}
         self._lock = threading.Lock()
 
-    def get(self, fd: int, st: os.stat_result, path: Path) -> mmap.mmap:
+    def get(self, fd: int, st: os.stat_result, path: Path, *, populate: bool = True) -> mmap.mmap:
         key = _key(st)
         with self._lock:
             hit = self._maps.get(key)
@@ -67,11 +89,42 @@ class MapCache:
             self.moved(st, path)
             return hit[0]
         # MAP_POPULATE: every page table entry in one call instead of a fault per page.
-        m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        m = mmap.mmap(fd, st.st_size, flags=flags)
         with self._lock:
             if len(self._maps) < MAX_KEPT_MAPS or key in self._maps:
-                self._maps[key] = (m, Path(path))
+                self._maps[key] = (m, Path(path), populate)
         return m
+
+    def is_warm(self, st: os.stat_result) -> bool:
+        """Whether the file of ``st`` has a kept map with its page tables in place."""
+        with self._lock:
+            hit = self._maps.get(_key(st))
+        return hit is not None and hit[2] and len(hit[0]) == st.st_size
+
+    def warm(self, key: Key) -> bool:
+        """Fill in the page tables of the kept map of ``key`` (a no-op when it is warm or gone);
+        whether a map was warmed. Its file's pages must exist (a published blob's do)."""
+        for _ in range(3):  # the fallback opens the file by its path: follow a rename under it
+            with self._lock:
+                hit = self._maps.get(key)
+            if hit is None or hit[2]:
+                return False
+            m, path, _ = hit
+            warm = _populate(m, path, key)
+            if warm is not None:
+                break
+            with self._lock:
+                now = self._maps.get(key)
+            if now is None or now[1] == path:
+                return False
+        else:
+            return False
+        with self._lock:
+            now = self._maps.get(key)
+            if now is not None and now[0] is m:
+                self._maps[key] = (warm, now[1], True)
+        return True
 
     def moved(self, st: os.stat_result, path: Path) -> None:
         """The file of ``st`` is now at ``path`` (no-op when it has no map)."""
@@ -79,7 +132,7 @@ class MapCache:
         with self._lock:
             hit = self._maps.get(key)
             if hit is not None:
-                self._maps[key] = (hit[0], Path(path))
+                self._maps[key] = (hit[0], Path(path), hit[2])
 
     def forget(self, st: os.stat_result) -> None:
         with self._lock:
@@ -94,7 +147,7 @@ class MapCache:
         with self._lock:
             items = list(self._maps.items())
         dead = []
-        for key, (_, path) in items:
+        for key, (_, path, _) in items:
             try:
                 alive = _key(os.stat(path)) == key
             except FileNotFoundError:
@@ -110,18 +163,125 @@ class MapCache:
         return len(self._maps)
 
 
+# MADV_POPULATE_WRITE (Linux 5.14): page tables filled in, writable, without touching the bytes.
+# Python 3.11's mmap module does not name it.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_madvise_ok = True  # until the kernel refuses it once
+
+
+def _populate(m: mmap.mmap, path: Path, key: Key) -> mmap.mmap | None:
+    """Fill in the page tables of map ``m`` of the file at ``path``: the warm map (``m``, or a new
+    map of the file where the kernel refuses MADV_POPULATE_WRITE: logged once), or None when it
+    cannot be done (the map was closed, the file is gone or changed)."""
+    global _madvise_ok
+    if _madvise_ok:
+        try:
+            m.madvise(MADV_POPULATE_WRITE)
+            return m
+        except ValueError:  # closed
+            return None
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                return None  # EFAULT/ENOMEM: not possible now; it stays lazy
+            _madvise_ok = False
+            log.info("this kernel refuses MADV_POPULATE_WRITE (%s); ramdisk maps are warmed with a "
+                     "MAP_POPULATE remap instead", e.strerror or e)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if _key(st) != key or st.st_size != len(m):
+            return None
+        return mmap.mmap(fd, len(m), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+class MapWarmer:
+    """Fills in the page tables of lazily made maps in the background, one at a time, on one
+    thread at the lowest CPU priority, so that training and the saves' own copies go first."""
+
+    def __init__(self, maps: MapCache):
+        self._maps = maps
+        self._queue: list[Key] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+        self.warmed = 0  # maps warmed, in total (for tests)
+
+    def submit(self, st: os.stat_result) -> None:
+        with self._cond:
+            self._queue.append(_key(st))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="mtc-map-warmer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._busy = False
+                    self._cond.notify_all()
+                    if not self._cond.wait(timeout=30):
+                        self._thread = None
+                        return
+                key = self._queue.pop(0)
+                self._busy = True
+            if self._maps.warm(key):
+                self.warmed += 1
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted map is warmed (tests, benchmarks); whether it finished."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+
 class Landing:
-    """One mapped temp blob file of ``size`` bytes; ``buffer`` is the uint8 view to fill."""
+    """One mapped temp blob file of ``size`` bytes; ``buffer`` is the uint8 view to fill.
 
-    __slots__ = ("tmp", "size", "buffer", "st", "done")
+    A cold landing (``cold``) is filled with :meth:`fill`, not through ``buffer``; ``name`` is
+    then the hash of what was written."""
 
-    def __init__(self, tmp: Path, size: int, buffer: np.ndarray, st: os.stat_result):
-        self.tmp, self.size, self.buffer, self.st = tmp, size, buffer, st
+    __slots__ = ("tmp", "size", "buffer", "st", "done", "cold", "name")
+
+    def __init__(self, tmp: Path, size: int, buffer: np.ndarray, st: os.stat_result, cold: bool = False):
+        self.tmp, self.size, self.buffer, self.st, self.cold = tmp, size, buffer, st, cold
         self.done = False
+        self.name: str | None = None
 
     @property
     def address(self) -> int:
         return self.buffer.ctypes.data
+
+    def fill(self, src) -> None:
+        """Write ``src`` (``size`` bytes) into the file with ``pwrite``, hashing each chunk as it
+        goes (still in cache), so ``name`` is known without another pass. The kernel allocates
+        the pages: no fault per page from user space. OSError (ENOSPC) when the ramdisk is full."""
+        mv = byte_view(src)
+        if mv.nbytes != self.size:
+            raise ValueError(f"landing {self.tmp} holds {self.size} bytes, the source has {mv.nbytes}")
+        hasher = new_hasher()
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            off = 0
+            while off < self.size:
+                chunk = mv[off:off + FILL_CHUNK]
+                hasher.update(chunk)
+                n = len(chunk)
+                done = 0
+                while done < n:
+                    done += os.pwrite(fd, chunk[done:], off + done)
+                off += n
+        finally:
+            os.close(fd)
+        self.name = hasher.hexdigest()
 
 
 class LandingBatch:

@@ -20,7 +20,7 @@ from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, Manifest
 from mtc.sidecar.ram.blobs import BlobFiles
 from mtc.sidecar.ram.common import (TMP_PREFIX, check_name, check_step, format_bytes, free_bytes, no_space,
                                     page_rounder)
-from mtc.sidecar.ram.landing import LANDING_MIN, Landing, LandingBatch, MapCache, discard, is_no_space
+from mtc.sidecar.ram.landing import LANDING_MIN, Landing, LandingBatch, MapCache, MapWarmer, discard, is_no_space
 from mtc.sidecar.ram.pool import POOL_MIN, FreePool
 from mtc.sidecar.ram.steps import BlobsOf, StepCatalog, parse_step
 
@@ -50,12 +50,14 @@ class RamStore:
         round_ = page_rounder(self.root)
         self._round = round_
         self._maps = MapCache()
+        self.warmer = MapWarmer(self._maps)
         self._pool = FreePool(self.root / "blobs", enabled=free_pool, round=round_, maps=self._maps)
         self._blobs = BlobFiles(self.root / "blobs", pool=self._pool, round=round_, no_space=self._no_space,
                                 maps=self._maps)
         self._landings: dict[int, Landing] = {}  # by buffer address: the landings not yet published
         self._landing_lock = threading.Lock()
         self.landed_bytes = 0  # bytes published from landings, in total (one copy per save: for tests, status)
+        self.filled_bytes = 0  # of which from cold landings, written with Landing.fill
         self._catalog = StepCatalog(self.root, blobs_of=blobs_of, no_space=self._no_space)
         self._remove_leftovers()
         self.mount = ramdisk.describe(self.root)  # None where unknown (no /proc)
@@ -188,8 +190,13 @@ class RamStore:
 
     # --- landings (one copy per save: mtc.sidecar.ram.landing) ----------------------------
 
-    def land(self, sizes: Iterable[int]) -> LandingBatch:
+    def land(self, sizes: Iterable[int], *, cold_ok: bool = False) -> LandingBatch:
         """Mapped temp blob files to fill in place, one per size (None: not landed, see below).
+
+        With ``cold_ok`` the writer can fill a landing with ``Landing.fill`` (``pwrite``): a
+        landing whose map is not warm is then handed out cold (``Landing.cold``) and must be
+        filled that way; without it, every landing is allocated and mapped now, to be written
+        through its buffer (a socket's ``recv_into``).
 
         Sizes under ``LANDING_MIN`` are not landed. When the others do not all fit as new blobs
         now (free space plus pool files of their sizes), none is: the caller then stages in its
@@ -204,7 +211,7 @@ class RamStore:
         out: list[Landing | None] = []
         try:
             for n in sizes:
-                out.append(self._blobs.land(n) if n >= LANDING_MIN else None)
+                out.append(self._blobs.land(n, cold_ok=cold_ok) if n >= LANDING_MIN else None)
         except BaseException as e:
             for x in out:
                 if x is not None:
@@ -243,6 +250,9 @@ class RamStore:
         if added:
             with self._landing_lock:
                 self.landed_bytes += landing.size
+                self.filled_bytes += landing.size if landing.name is not None else 0
+            if landing.cold:  # its map comes back from the pool warm, later (mtc.sidecar.ram.landing)
+                self.warmer.submit(landing.st)
         return added
 
     def _drop_landings(self, landings: list[Landing]) -> None:
