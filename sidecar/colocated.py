@@ -143,9 +143,11 @@ class _Zone:
         if landing is None or landing.size != buffer.nbytes:
             return None
 
+        hashed = not self._service.store.huge_pages  # see Landing.fill
+
         def fill(src) -> bool:
             try:
-                landing.fill(src)
+                landing.fill(src, hash=hashed)
             except OSError as e:
                 if not is_no_space(e):
                     raise

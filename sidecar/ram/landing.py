@@ -40,6 +40,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -168,17 +169,26 @@ class MapCache:
 # Python 3.11's mmap module does not name it.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _madvise_ok = True  # until the kernel refuses it once
+WARM_CHUNK = 4 << 20  # populated per call: ~2 ms of page tables at 4 KiB pages
+WARM_DELAY = 0.25  # seconds the warmer waits after a submission, so that a save's own phases go first
 _libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL
 
 
 def _madvise(m: mmap.mmap, advice: int) -> None:
-    """madvise(2) over the whole of ``m``, without the GIL (``mmap.madvise`` holds it for the
-    whole call: 0.2 s per GiB here, which would stall every Python thread of the process)."""
+    """madvise(2) over the whole of ``m``, in ``WARM_CHUNK`` pieces, without the GIL.
+
+    ``mmap.madvise`` holds the GIL for the whole call (0.2 s per GiB here: every Python thread
+    of the process would stall). And populating holds the process's mmap lock: in pieces, an
+    allocation or a map made meanwhile (by training, or by the next save) waits for one piece,
+    not for the file."""
     view = np.frombuffer(m, np.uint8)  # ValueError when the map is closed
     try:
-        if _libc.madvise(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(view.nbytes), ctypes.c_int(advice)):
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        base, size = view.ctypes.data, view.nbytes
+        for off in range(0, size, WARM_CHUNK):
+            n = min(WARM_CHUNK, size - off)
+            if _libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), ctypes.c_int(advice)):
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
     finally:
         del view
 
@@ -225,11 +235,13 @@ class MapWarmer:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False
+        self._last = 0.0  # when the last map was submitted (monotonic)
         self.warmed = 0  # maps warmed, in total (for tests)
 
     def submit(self, st: os.stat_result) -> None:
         with self._cond:
             self._queue.append(_key(st))
+            self._last = time.monotonic()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="mtc-map-warmer", daemon=True)
                 self._thread.start()
@@ -248,6 +260,9 @@ class MapWarmer:
                         return
                 key = self._queue.pop(0)
                 self._busy = True
+                wait = self._last + WARM_DELAY - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
             if self._maps.warm(key):
                 self.warmed += 1
 
@@ -261,33 +276,38 @@ class Landing:
     """One mapped temp blob file of ``size`` bytes; ``buffer`` is the uint8 view to fill.
 
     A cold landing (``cold``) is filled with :meth:`fill`, not through ``buffer``; ``name`` is
-    then the hash of what was written."""
+    then the hash of what was written (when the fill hashed)."""
 
-    __slots__ = ("tmp", "size", "buffer", "st", "done", "cold", "name")
+    __slots__ = ("tmp", "size", "buffer", "st", "done", "cold", "filled", "name")
 
     def __init__(self, tmp: Path, size: int, buffer: np.ndarray, st: os.stat_result, cold: bool = False):
         self.tmp, self.size, self.buffer, self.st, self.cold = tmp, size, buffer, st, cold
-        self.done = False
+        self.done = self.filled = False
         self.name: str | None = None
 
     @property
     def address(self) -> int:
         return self.buffer.ctypes.data
 
-    def fill(self, src) -> None:
-        """Write ``src`` (``size`` bytes) into the file with ``pwrite``, hashing each chunk as it
-        goes (still in cache), so ``name`` is known without another pass. The kernel allocates
-        the pages: no fault per page from user space. OSError (ENOSPC) when the ramdisk is full."""
+    def fill(self, src, *, hash: bool = True) -> None:
+        """Write ``src`` (``size`` bytes) into the file with ``pwrite``; the kernel allocates the
+        pages: no fault per page from user space. OSError (ENOSPC) when the ramdisk is full.
+
+        With ``hash``, each chunk is hashed as it goes (still in cache), so ``name`` is known
+        without another pass: for 4 KiB pages, where hashing the file later through its map would
+        fault its pages in one by one. On 2 MiB pages that costs a fault per 2 MiB, and leaving
+        the hash to the publisher (off the path the caller waits on) is cheaper."""
         mv = byte_view(src)
         if mv.nbytes != self.size:
             raise ValueError(f"landing {self.tmp} holds {self.size} bytes, the source has {mv.nbytes}")
-        hasher = new_hasher()
+        hasher = new_hasher() if hash else None
         fd = os.open(self.tmp, os.O_WRONLY | os.O_CLOEXEC)
         try:
             off = 0
             while off < self.size:
                 chunk = mv[off:off + FILL_CHUNK]
-                hasher.update(chunk)
+                if hasher is not None:
+                    hasher.update(chunk)
                 n = len(chunk)
                 done = 0
                 while done < n:
@@ -295,7 +315,8 @@ class Landing:
                 off += n
         finally:
             os.close(fd)
-        self.name = hasher.hexdigest()
+        self.filled = True
+        self.name = hasher.hexdigest() if hasher is not None else None
 
 
 class LandingBatch:

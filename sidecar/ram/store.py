@@ -250,7 +250,7 @@ class RamStore:
         if added:
             with self._landing_lock:
                 self.landed_bytes += landing.size
-                self.filled_bytes += landing.size if landing.name is not None else 0
+                self.filled_bytes += landing.size if landing.filled else 0
             if landing.cold:  # its map comes back from the pool warm, later (mtc.sidecar.ram.landing)
                 self.warmer.submit(landing.st)
         return added

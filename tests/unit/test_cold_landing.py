@@ -136,7 +136,9 @@ def test_a_fill_that_runs_out_of_room_is_declined_and_leaves_nothing(tmpfs16):
 
 
 @pytest.mark.unit
-def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(ramdisk):
+@pytest.mark.parametrize("pages", ["ramdisk", "huge_tmpfs"])  # 4 KiB pages: hashed as filled; 2 MiB: after
+def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(pages, request):
+    ramdisk = request.getfixturevalue(pages)
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -167,3 +169,4 @@ def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(ramdisk
         assert filled[0] == (hosts[0].nbytes, hosts[0].nbytes)  # cold: every shard written with write()
         assert filled[5] == (0, hosts[0].nbytes)  # warm: every shard copied into a kept map
         assert names[5] == names[0]
+        assert store.huge_pages == (pages == "huge_tmpfs")
