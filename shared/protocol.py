@@ -85,6 +85,17 @@ class Digesting:
     hasher: Any
 
 
+class Sink:
+    """A payload its receiver streams somewhere itself (an allocator may return one in place of a
+    buffer): ``receive(read, n)`` takes the ``n`` bytes through ``read(view) -> bytes read``
+    (0 at end of stream) and returns how many it got; the frame then carries ``buffer``."""
+
+    buffer: Buffer
+
+    def receive(self, read: Callable[[memoryview], int], n: int) -> int:
+        raise NotImplementedError
+
+
 def aligned_buffer(nbytes: int) -> np.ndarray:
     """An uninitialised uint8 array of ``nbytes`` whose data is 64-byte aligned.
 
@@ -207,7 +218,7 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
 
     ``alloc(header, sizes)`` returns one writable buffer of exactly each size to receive the
     payloads into (default: fresh 64-byte aligned uint8 arrays), or a ``Digesting`` around one
-    (it comes back as given, its hasher fed); it may raise ``ProtocolError`` to refuse sizes
+    (it comes back as given, its hasher fed), or a ``Sink`` (its ``buffer`` comes back); it may raise ``ProtocolError`` to refuse sizes
     it does not expect. Raises ``ProtocolError`` for a malformed, oversized or truncated frame
     (the connection is unusable afterwards).
     """
@@ -219,6 +230,13 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     if len(buffers) != len(sizes):
         raise ProtocolError(f"allocator gave {len(buffers)} buffers for {len(sizes)} payloads")
     for i, (buf, n) in enumerate(zip(buffers, sizes)):
+        if isinstance(buf, Sink):
+            got = buf.receive(sock.recv_into, n)
+            if got < n:
+                raise ProtocolError(f"connection closed after {got} of {n} bytes of payload {i} "
+                                    "(peer killed or restarted?)")
+            buffers[i] = buf.buffer
+            continue
         hasher = buf.hasher if isinstance(buf, Digesting) else None
         view = byte_view(buf.buffer if hasher is not None else buf)
         if view.nbytes != n or view.readonly:

@@ -67,6 +67,7 @@ from mtc.shared import auth, protocol
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
+from mtc.sidecar.ram.landing import LandingSink
 from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.replication import parse_peers, parse_pulls, parse_shares
 from mtc.sidecar.jobs import MAX_WAIT_S
@@ -214,9 +215,11 @@ class SidecarDaemon(ThreadedTCPServer):
         shard is copied once on this host; anything else into fresh buffers."""
         if header.get("op") != "write" or not sizes:
             return [protocol.aligned_buffer(n) for n in sizes]
-        batch = self.service.land(sizes)
+        # A new file on 4 KiB pages is received with pwrite (LandingSink), not through its map.
+        batch = self.service.land(sizes, cold_ok=not self.service.store.huge_pages)
         batches.append(batch)
-        return [protocol.aligned_buffer(n) if b is None else b for b, n in zip(batch.buffers, sizes)]
+        return [protocol.aligned_buffer(n) if x is None else LandingSink(x) if x.cold else x.buffer
+                for x, n in zip(batch.landings, sizes)]
 
     def _serve_request(self, req: Request) -> Reply:
         """Answer one request (or refuse it while shutting down)."""

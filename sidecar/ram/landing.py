@@ -46,8 +46,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from mtc.shared.buffers import byte_view
+from mtc.shared.buffers import aligned_empty, byte_view
 from mtc.shared.hashing import new_hasher
+from mtc.shared.protocol import Sink
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +318,78 @@ class Landing:
             os.close(fd)
         self.filled = True
         self.name = hasher.hexdigest() if hasher is not None else None
+
+
+_local = threading.local()
+
+
+def _chunk_buffer() -> memoryview:
+    """This thread's receive chunk, reused (a fresh one per payload would cost its page faults)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(FILL_CHUNK))
+    return buf
+
+
+class LandingSink(Sink):
+    """A cold landing as a payload a socket streams into (``mtc.shared.protocol.Sink``): each
+    chunk is received into this thread's reused buffer, hashed there and written with
+    ``pwrite``, so the kernel allocates the file's pages (no fault per page through the map)."""
+
+    def __init__(self, landing: Landing):
+        self.landing = landing
+        self.buffer = landing.buffer
+
+    def receive(self, read, n: int) -> int:
+        x = self.landing
+        if n != x.size:
+            raise ValueError(f"landing {x.tmp} holds {x.size} bytes, the payload has {n}")
+        chunk = _chunk_buffer()
+        hasher = new_hasher()
+        fd = os.open(x.tmp, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            got = 0
+            while got < n:
+                k = read(chunk[:min(len(chunk), n - got)])
+                if k == 0:
+                    return got
+                part = chunk[:k]
+                hasher.update(part)  # still in cache: it just arrived
+                try:
+                    done = 0
+                    while done < k:
+                        done += os.pwrite(fd, part[done:], got + done)
+                except OSError as e:
+                    if not is_no_space(e):
+                        raise
+                    return self._spill(fd, read, got, part, n, e)
+                got += k
+        finally:
+            os.close(fd)
+        x.filled = True
+        x.name = hasher.hexdigest()
+        return got
+
+    def _spill(self, fd: int, read, got: int, part: memoryview, n: int, err: OSError) -> int:
+        """The ramdisk filled up under the receive (another writer took the room): the payload
+        goes on into memory instead, what was written already read back, so the connection stays
+        usable and the request is served as if it had not landed (the store's own space check
+        then decides). The landing's file is removed when its batch closes."""
+        log.info("ramdisk full while receiving into %s (%s); receiving the rest into memory", self.landing.tmp, err)
+        buf = aligned_empty((n,), np.uint8)
+        mv = memoryview(buf)
+        done = 0
+        while done < got:
+            done += os.preadv(fd, [mv[done:got]], done)
+        mv[got:got + len(part)] = part
+        got += len(part)
+        while got < n:
+            k = read(mv[got:n])
+            if k == 0:
+                break
+            got += k
+        self.buffer = buf
+        return got
 
 
 class LandingBatch:

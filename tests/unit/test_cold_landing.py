@@ -170,3 +170,75 @@ def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(pages, 
         assert filled[5] == (0, hosts[0].nbytes)  # warm: every shard copied into a kept map
         assert names[5] == names[0]
         assert store.huge_pages == (pages == "huge_tmpfs")
+
+
+# --- cluster mode: a daemon receives a write into cold landings ------------------------------
+
+
+@pytest.mark.integration
+def test_a_daemon_receives_a_fresh_ramdisks_first_saves_with_write_then_into_warm_maps(ramdisk, monkeypatch):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from mtc.head import CheckpointManager, MTCConfig
+    from mtc.shared import protocol
+    from mtc.sidecar.daemon import SidecarDaemon
+
+    token = "cold-landing-test-token"
+    monkeypatch.setenv("MTC_PEER_TOKEN", token)
+    svc = SidecarService(ramdisk / "host" / "mtc", host_id="s0-h0", max_to_keep=1)
+    daemon = SidecarDaemon(svc, token)
+    daemon.start()
+    try:
+        devices = jax.devices()
+        spec = ramdisk / "cluster.json"
+        protocol.ClusterSpec((protocol.HostSpec("s0-h0", 0, daemon.address, len(devices)),)).write(spec)
+        sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d", None))
+        hosts = [np.random.default_rng(80 + s).random((64 * len(devices), 1024), np.float32) for s in range(4)]
+        target = {"w": jax.ShapeDtypeStruct(hosts[0].shape, hosts[0].dtype, sharding=sharding)}
+        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk / "head"), cluster_spec=str(spec),
+                        local_checkpoint_period=1, local_max_to_keep=1)
+        moved = []
+        with CheckpointManager(cfg) as mgr:
+            for step, host in enumerate(hosts):
+                before = (svc.store.filled_bytes, svc.store.landed_bytes)
+                mgr.save(step, {"w": jax.device_put(host, sharding)}, force=True)
+                mgr.wait_until_finished()
+                assert svc.store.warmer.drain(timeout=30)
+                moved.append((svc.store.filled_bytes - before[0], svc.store.landed_bytes - before[1]))
+                assert np.asarray(mgr.restore(step, target=target)["w"]).tobytes() == host.tobytes()
+        n = hosts[0].nbytes
+        assert moved[0] == (n, n) and moved[1] == (n, n)  # new files: received with pwrite
+        assert moved[3] == (0, n)  # step 1's files, back from the pool with warm maps: received in place
+    finally:
+        daemon.close()
+
+
+@pytest.mark.integration
+def test_a_receive_that_finds_the_ramdisk_full_goes_on_into_memory(tmpfs16):
+    import socket
+    import threading
+
+    from mtc.sidecar.ram.landing import LandingSink
+
+    store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
+    data = rand(6 * MiB, 90)
+    a, b = socket.socketpair()
+    try:
+        with store.land([data.nbytes], cold_ok=True) as batch:
+            (x,) = batch.landings
+            assert x.cold
+            with open(tmpfs16 / "hog", "wb") as f:  # the room goes to another writer first
+                f.write(b"\0" * (11 * MiB))
+            sender = threading.Thread(target=lambda: (a.sendall(data), a.sendall(b"next")))
+            sender.start()
+            sink = LandingSink(x)
+            assert sink.receive(b.recv_into, data.nbytes) == data.nbytes
+            sender.join()
+            assert sink.buffer is not x.buffer and not x.filled  # spilled: not the landing any more
+            assert bytes(sink.buffer) == data.tobytes()
+            assert b.recv(16) == b"next"  # the connection is still in step
+        assert temps(store) == []
+    finally:
+        a.close()
+        b.close()
