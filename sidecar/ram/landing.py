@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -105,16 +105,17 @@ class MapCache:
             hit = self._maps.get(_key(st))
         return hit is not None and hit[2] and len(hit[0]) == st.st_size
 
-    def warm(self, key: Key) -> bool:
+    def warm(self, key: Key, between: Callable[[], None] | None = None) -> bool:
         """Fill in the page tables of the kept map of ``key`` (a no-op when it is warm or gone);
-        whether a map was warmed. Its file's pages must exist (a published blob's do)."""
+        whether a map was warmed. Its file's pages must exist (a published blob's do).
+        ``between()`` runs before each piece (the warmer holds off there while a save lands)."""
         for _ in range(3):  # the fallback opens the file by its path: follow a rename under it
             with self._lock:
                 hit = self._maps.get(key)
             if hit is None or hit[2]:
                 return False
             m, path, _ = hit
-            warm = _populate(m, path, key)
+            warm = _populate(m, path, key, between)
             if warm is not None:
                 break
             with self._lock:
@@ -175,7 +176,7 @@ WARM_DELAY = 0.25  # seconds the warmer waits after a submission, so that a save
 _libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL
 
 
-def _madvise(m: mmap.mmap, advice: int) -> None:
+def _madvise(m: mmap.mmap, advice: int, between: Callable[[], None] | None = None) -> None:
     """madvise(2) over the whole of ``m``, in ``WARM_CHUNK`` pieces, without the GIL.
 
     ``mmap.madvise`` holds the GIL for the whole call (0.2 s per GiB here: every Python thread
@@ -186,6 +187,8 @@ def _madvise(m: mmap.mmap, advice: int) -> None:
     try:
         base, size = view.ctypes.data, view.nbytes
         for off in range(0, size, WARM_CHUNK):
+            if between is not None:
+                between()
             n = min(WARM_CHUNK, size - off)
             if _libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), ctypes.c_int(advice)):
                 err = ctypes.get_errno()
@@ -194,14 +197,14 @@ def _madvise(m: mmap.mmap, advice: int) -> None:
         del view
 
 
-def _populate(m: mmap.mmap, path: Path, key: Key) -> mmap.mmap | None:
+def _populate(m: mmap.mmap, path: Path, key: Key, between=None) -> mmap.mmap | None:
     """Fill in the page tables of map ``m`` of the file at ``path``: the warm map (``m``, or a new
     map of the file where the kernel refuses MADV_POPULATE_WRITE: logged once), or None when it
     cannot be done (the map was closed, the file is gone or changed)."""
     global _madvise_ok
     if _madvise_ok:
         try:
-            _madvise(m, MADV_POPULATE_WRITE)
+            _madvise(m, MADV_POPULATE_WRITE, between)
             return m
         except ValueError:  # closed
             return None
@@ -228,10 +231,12 @@ def _populate(m: mmap.mmap, path: Path, key: Key) -> mmap.mmap | None:
 
 class MapWarmer:
     """Fills in the page tables of lazily made maps in the background, one at a time, on one
-    thread at the lowest CPU priority, so that training and the saves' own copies go first."""
+    thread at the lowest CPU priority, so that training and the saves' own copies go first; it
+    holds off while ``paused()`` (a save is landing), checked between pieces."""
 
-    def __init__(self, maps: MapCache):
+    def __init__(self, maps: MapCache, paused: Callable[[], bool] = lambda: False):
         self._maps = maps
+        self._paused = paused  # true while a save is landing: the warmer waits between pieces
         self._queue: list[Key] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -264,8 +269,12 @@ class MapWarmer:
                 wait = self._last + WARM_DELAY - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            if self._maps.warm(key):
+            if self._maps.warm(key, self._hold):
                 self.warmed += 1
+
+    def _hold(self) -> None:
+        while self._paused():
+            time.sleep(0.005)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted map is warmed (tests, benchmarks); whether it finished."""

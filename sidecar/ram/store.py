@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -50,7 +51,8 @@ class RamStore:
         round_ = page_rounder(self.root)
         self._round = round_
         self._maps = MapCache()
-        self.warmer = MapWarmer(self._maps)
+        self._landing_since = self._landing_done = 0.0  # monotonic: last landing handed out, last published
+        self.warmer = MapWarmer(self._maps, self._landing_now)
         self._pool = FreePool(self.root / "blobs", enabled=free_pool, round=round_, maps=self._maps)
         self._blobs = BlobFiles(self.root / "blobs", pool=self._pool, round=round_, no_space=self._no_space,
                                 maps=self._maps)
@@ -228,7 +230,14 @@ class RamStore:
             for x in out:
                 if x is not None:
                     self._landings[x.address] = x
+            self._landing_since = time.monotonic()
         return LandingBatch(out, self._drop_landings)
+
+    def _landing_now(self) -> bool:
+        """Whether a save is landing: landings were handed out after the last one was published
+        (for at most a minute: a save of nothing but duplicates publishes none)."""
+        since = self._landing_since
+        return since > self._landing_done and time.monotonic() - since < 60.0
 
     def landed(self, data) -> Landing | None:
         """The unpublished landing whose buffer ``data`` (an ndarray) is exactly, else None."""
@@ -246,6 +255,7 @@ class RamStore:
         with self._landing_lock:
             if landing.done or self._landings.pop(landing.address, None) is not landing:
                 raise ValueError(f"landing {landing.tmp} was already published or discarded")
+            self._landing_done = time.monotonic()
         added = self._blobs.publish_landed(landing, name)
         if added:
             with self._landing_lock:
@@ -257,6 +267,7 @@ class RamStore:
 
     def _drop_landings(self, landings: list[Landing]) -> None:
         with self._landing_lock:
+            self._landing_done = time.monotonic()
             for x in landings:
                 if self._landings.get(x.address) is x:
                     del self._landings[x.address]

@@ -82,6 +82,19 @@ def test_cold_landings_are_filled_then_come_back_from_the_pool_warm(tmp_path):
 
 
 @pytest.mark.unit
+def test_the_warmer_holds_off_while_a_save_is_landing(tmp_path):
+    store = RamStore(tmp_path / "mtc", max_to_keep=2)
+    fill_step(store, 1, [rand(256 * KiB, 20)])
+    with store.land([256 * KiB], cold_ok=True) as batch:  # the next save is landing
+        (x,) = batch.landings
+        x.fill(rand(256 * KiB, 21))
+        assert not store.warmer.drain(timeout=1.0)  # step 1's map waits for it
+        assert store.warmer.warmed == 0
+        store.publish_landed(x, x.name)
+    assert store.warmer.drain(timeout=30) and store.warmer.warmed == 2
+
+
+@pytest.mark.unit
 def test_a_kernel_that_refuses_populate_write_gets_the_fallback_logged_once(tmp_path, monkeypatch, caplog):
     # An advice value no kernel knows: madvise answers EINVAL, as a kernel before 5.14 does for
     # MADV_POPULATE_WRITE. The maps are then warmed by a MAP_POPULATE remap.
