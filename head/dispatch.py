@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
 from typing import Any, Mapping
 
 from mtc.shared import errors
@@ -94,6 +95,8 @@ class HostInventory:
     steps: tuple[StepHolding, ...] = ()
     error: str | None = None
     damaged: tuple[int, ...] = ()  # steps committed here whose manifest copy fails its checks
+    # (step, why, seconds ago): steps whose last peer pull on this host failed (a full ramdisk, ...)
+    pull_failures: tuple[tuple[int, str, float], ...] = ()
 
     @classmethod
     def unreachable(cls, host: str, cause: str) -> "HostInventory":
@@ -126,7 +129,13 @@ class HostInventory:
         damaged = doc.get("damaged", [])
         if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
             raise errors.ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")
-        return cls(host=host, steps=tuple(steps), damaged=tuple(damaged))
+        notes = doc.get("pull_failures", [])
+        if not (isinstance(notes, list) and all(isinstance(n, dict) and type(n.get("step")) is int
+                                                and isinstance(n.get("error"), str)
+                                                and isinstance(n.get("age_s"), (int, float)) for n in notes)):
+            raise errors.ProtocolError(f"host {host}: inventory 'pull_failures' is not a list of {{step, error, age_s}}")
+        return cls(host=host, steps=tuple(steps), damaged=tuple(damaged),
+                   pull_failures=tuple((n["step"], n["error"], float(n["age_s"])) for n in notes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +304,20 @@ class Dispatcher(abc.ABC):
 
 _ERRORS = {name: getattr(mod, name) for mod in (errors, objstore_errors) for name in dir(mod)
            if isinstance(getattr(mod, name), type) and issubclass(getattr(mod, name), errors.MTCError)}
+
+
+def make_dispatcher(config: Any) -> Dispatcher:
+    """The transport ``config`` asks for: cluster mode with a cluster spec (``MTC_CLUSTER_SPEC``
+    says so without touching the training script), colocated Python otherwise."""
+    if not config.cluster_spec and os.environ.get("MTC_CLUSTER_SPEC"):
+        config = config.replace(cluster_spec=os.environ["MTC_CLUSTER_SPEC"])
+    if config.cluster_spec:
+        from mtc.head.cluster import ClusterDispatcher
+
+        return ClusterDispatcher(config)
+    from mtc.head.colocated import ColocatedDispatcher
+
+    return ColocatedDispatcher(config)
 
 
 def raise_remote(host: str, name: str, message: str) -> None:

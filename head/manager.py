@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
@@ -25,11 +24,11 @@ import numpy as np
 
 from mtc.head import head_claim
 from mtc.head.backup_runner import BackupRunner
-from mtc.head.dispatch import Dispatcher
+from mtc.head.dispatch import Dispatcher, make_dispatcher
 from mtc.head.elastic import as_host_lost, host_lost_as_elastic
 from mtc.head.preemption import PreemptionNotice
 from mtc.head.replication import ReplicationStrategy, summarize
-from mtc.head.replication_loop import Replicator
+from mtc.head.replication_loop import REPLICATION_WAIT_S, Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restore_plan import uncommit_lone
 from mtc.head.restorer import Restorer
@@ -83,7 +82,7 @@ class CheckpointManager:
                 "local_checkpoint_directory is empty: set it to the ramdisk path "
                 "(e.g. local_checkpoint_directory=/tmp/mtc_checkpoints)")
         self._config = config
-        self._dispatch = dispatcher or _make_dispatcher(config)
+        self._dispatch = dispatcher or make_dispatcher(config)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-save")
         self._pending: Future | None = None
         self._pending_step: int | None = None
@@ -316,19 +315,28 @@ class CheckpointManager:
         """Whether the background replication of a step is running now."""
         return self._replicator.running
 
-    def wait_for_replication(self) -> ReplicationReport | None:
-        """Block until the replication of the newest saved step is done; returns its report."""
-        return self._replicator.wait()
+    def wait_for_replication(self, timeout: float | None = REPLICATION_WAIT_S) -> ReplicationReport | None:
+        """Wait until the replication of the newest saved step is done, at most ``timeout`` seconds
+        (default 60; None: no limit); its report (None: nothing to replicate).
+
+        When the time runs out first (a host whose ramdisk cannot take its copies, a host down), the
+        report has ``in_progress`` set, and its ``error`` and ``short_of_copies`` name the step and the
+        hosts short of copies and why (a full ramdisk: the room it lacks). Replication goes on in the
+        background meanwhile (``step_status()``); wait again, or look later.
+        """
+        return self._replicator.wait_for(timeout)
 
     def step_status(self) -> list[StepStatus]:
-        """Every committed step, ascending: restorable? replicated? fewest copies of a blob?"""
+        """Every committed step, ascending: restorable? replicated? fewest copies of a blob? Is its
+        replication still running (retrying), and which hosts lack copies, why?"""
         inv = self._restorer.inventory()
         topology = self._replicator.topology()
         out = []
         for step, view in sorted(inv.views.items()):
             facts = summarize(view, self._strategy, topology)
             out.append(StepStatus(step=step, restorable=facts["restorable"] and not inv.unreachable,
-                                  replicated=facts["replicated"], min_copies=facts["min_copies"], hosts=view.hosts))
+                                  replicated=facts["replicated"], min_copies=facts["min_copies"], hosts=view.hosts,
+                                  **self._replicator.status_of(step)))
         return out
 
     # --- backup --------------------------------------------------------------------------
@@ -486,15 +494,3 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _make_dispatcher(config: MTCConfig) -> Dispatcher:
-    if not config.cluster_spec and os.environ.get("MTC_CLUSTER_SPEC"):
-        # The launcher's way to say "cluster mode" without touching the training script.
-        config = config.replace(cluster_spec=os.environ["MTC_CLUSTER_SPEC"])
-    if config.cluster_spec:
-        from mtc.head.cluster import ClusterDispatcher
-
-        return ClusterDispatcher(config)
-    from mtc.head.colocated import ColocatedDispatcher
-
-    return ColocatedDispatcher(config)

@@ -4,6 +4,8 @@ step to ``replication_factor`` copies on distinct slices, retrying while hosts a
 The plan of each attempt is a value (``mtc.head.replication.ReplicationStrategy``); this class
 runs attempts in the background, with backoff, until the copies exist, a newer step is saved,
 the manager closes, or its patience runs out. It never raises: training must not fail for it.
+Nor does waiting for it block for long: ``wait_for`` comes back after its timeout with what the
+last attempt found (the hosts short of copies and why: a full ramdisk says the room it lacks).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mtc.head.dispatch import Dispatcher
+from mtc.head.dispatch import PullResult
 from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.reports import ReplicationReport
 from mtc.head.save import CommittedStep
@@ -26,6 +29,10 @@ log = logging.getLogger("mtc.head.manager")  # one log for the manager's backgro
 # How long replication of a step keeps retrying while a host it needs is down or a pull failed.
 _REPLICATION_PATIENCE_S = 1800.0
 _REPLICATION_RETRY_S = (0.05, 2.0)  # first and longest wait between attempts
+# How long ``wait_for_replication()`` waits by default before it reports the replication as in progress:
+# long enough for the copies of a healthy step, short enough that a host that cannot take its copies
+# (its ramdisk full) does not hold up the caller for the half hour replication keeps trying.
+REPLICATION_WAIT_S = 60.0
 
 
 class Replicator:
@@ -41,6 +48,8 @@ class Replicator:
         self._pending: Future | None = None
         self._newest: int | None = None  # the newest step given to replication
         self.last_report: ReplicationReport | None = None
+        # The running replication, after each attempt: step, attempts, start, hosts short and why, stats.
+        self._progress: dict | None = None
 
     @property
     def running(self) -> bool:
@@ -53,6 +62,35 @@ class Replicator:
         if pending is not None:
             pending.result(timeout=timeout)
         return self.last_report
+
+    def wait_for(self, timeout: float | None) -> ReplicationReport | None:
+        """``wait``, but when ``timeout`` runs out first: a report with ``in_progress`` for the newest
+        step, whose ``error`` names the steps and hosts short of copies and why; it goes on meanwhile."""
+        try:
+            return self.wait(timeout)
+        except TimeoutError:
+            pass
+        p, newest = self._progress, self._newest
+        if p is None or newest is None:  # between two attempts' bookkeeping: nothing known yet
+            return ReplicationReport(step=newest if newest is not None else -1, in_progress=True, error=(
+                f"replication of step {newest} is not done after {timeout:g} s; it goes on in the background"))
+        steps = f"step {p['step']}" + (f" (step {newest} waits behind it)" if newest != p["step"] else "")
+        hosts = "; ".join(f"host {h}: {why}" for h, why in sorted(p["short"].items())) or p["error"] or "no attempt ended yet"
+        error = (f"replication of {steps} is not done after {timeout:g} s (attempt {p['attempts']}): {hosts}; "
+                 "it keeps trying in the background (step_status(), `mtc status`) until the copies are made, a newer "
+                 f"step is saved, the manager closes or {_REPLICATION_PATIENCE_S / 60:g} min pass")
+        return ReplicationReport(step=p["step"], attempts=p["attempts"], error=error, in_progress=True,
+                                 short_of_copies=dict(p["short"]), seconds=time.perf_counter() - p["t0"],
+                                 **p["stats"])
+
+    def status_of(self, step: int) -> dict:
+        """``StepStatus`` fields for ``step``: whether its replication runs now, and who lacks copies and why."""
+        p, last = self._progress, self.last_report
+        if p is not None and p["step"] == step and self.running:
+            return {"replicating": True, "short_of_copies": dict(p["short"])}
+        if last is not None and last.step == step and not last.replicated:
+            return {"replicating": False, "short_of_copies": dict(last.short_of_copies)}
+        return {"replicating": False, "short_of_copies": {}}
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -86,13 +124,16 @@ class Replicator:
         names: list[str] = []
         attempts, delay, error = 0, _REPLICATION_RETRY_S[0], None
         complete = replicated = False
+        short: dict[str, str] = {}  # host -> why it lacks copies of the step, from the last attempt
+        self._progress = {"step": step, "attempts": 0, "t0": t0, "short": {}, "error": None, "stats": stats}
         deadline = time.monotonic() + _REPLICATION_PATIENCE_S
         while True:
             attempts += 1
+            short = {}
             try:
                 outcome = None
                 if by_shares:
-                    outcome = self._replicate_shares(committed, stats, first=attempts == 1)
+                    outcome = self._replicate_shares(committed, stats, short, first=attempts == 1)
                     by_shares = outcome is not None
                 if outcome is None:
                     if manifest is None:
@@ -104,7 +145,7 @@ class Replicator:
                                 step=step, attempts=attempts, error=f"{type(e).__name__}: {e}",
                                 seconds=time.perf_counter() - t0, **stats))
                         names = sorted(manifest.blob_names())
-                    outcome = self._replicate_once(manifest, names, stats, first=attempts == 1)
+                    outcome = self._replicate_once(manifest, names, stats, short, first=attempts == 1)
                 complete, replicated = outcome
                 error = None
             except StepNotFoundError as e:  # pruned or aborted meanwhile: nothing left to do
@@ -115,6 +156,8 @@ class Replicator:
                 if isinstance(e, RuntimeError) and "after shutdown" in str(e):  # the process is exiting
                     break
                 log.warning("replication of step %d, attempt %d: %s", step, attempts, error)
+            self._progress = {"step": step, "attempts": attempts, "t0": t0, "short": short, "error": error,
+                              "stats": stats}
             if complete:
                 break
             if self._newest > step or self._closing.is_set() or time.monotonic() > deadline:
@@ -124,12 +167,15 @@ class Replicator:
                 break
             self._closing.wait(delay)
             delay = min(delay * 2, _REPLICATION_RETRY_S[1])
+        if short and not replicated:
+            error = f"{error}; " + "; ".join(f"host {h}: {why}" for h, why in sorted(short.items()))
         return self._finish(ReplicationReport(step=step, complete=complete, replicated=replicated,
                                               attempts=attempts, error=error, seconds=time.perf_counter() - t0,
-                                              **stats))
+                                              short_of_copies={} if replicated else short, **stats))
 
     def _finish(self, report: ReplicationReport) -> ReplicationReport:
         self.last_report = report
+        self._progress = None
         log.info("- replicate step %d; duration=%.3fs; moved=%d bytes in %d blobs (%d planned); complete=%s "
                  "replicated=%s attempts=%d", report.step, report.seconds, report.moved_bytes, report.moved_blobs,
                  report.planned_blobs, report.complete, report.replicated, report.attempts)
@@ -138,19 +184,22 @@ class Replicator:
     def topology(self) -> dict[str, int]:
         return {h: self._dispatch.slice_of(h) for h in self._dispatch.hosts()}
 
-    def _replicate_shares(self, committed: CommittedStep, stats: dict, *, first: bool) -> tuple[bool, bool] | None:
+    def _replicate_shares(self, committed: CommittedStep, stats: dict, short: dict[str, str], *,
+                          first: bool) -> tuple[bool, bool] | None:
         """One attempt by shares: (nothing left to retry, every blob has its copies), or None when
         the shares cannot tell or place the copies (then the manifest plans, blob by blob).
 
         O(hosts) on the head: the inventories say which hosts hold which share whole (their own,
         a twin's, or a copy they keep); each share short of copies is pulled whole by a host of a
-        domain that lacks it, which lists the blobs from its own copy of the manifest."""
+        domain that lacks it, which lists the blobs from its own copy of the manifest. ``short``
+        gets the hosts that could not make their copies, and why."""
         step, digest, hosts = committed.step, committed.digest, committed.hosts
         inv = self._dispatch.peer_inventories()
         topology = self.topology()
         if covered_by_shares(inv, step, digest, hosts, self._strategy, topology):
             return True, True
         down = {h for h, i in inv.items() if i.error}
+        short.update({h: f"could not be asked ({inv[h].error})" for h in down})
         targets = {h for h, i in inv.items() if not i.error
                    and any(s.step == step and s.manifest == digest for s in i.steps)}
         plan = plan_shares(inv, step, digest, hosts, self._strategy, topology, targets=targets)
@@ -162,6 +211,7 @@ class Replicator:
         failed = repaired = 0
         given_up = False
         for dst, res in self._dispatch.peer_pull(step, {}, shares=plan).items():
+            _note_short(short, dst, res)
             if res.error:  # e.g. it could not get the manifest from a keeper to list the share
                 given_up = True
                 log.warning("replication of step %d: %s could not pull its shares (%s); planning per blob",
@@ -185,12 +235,13 @@ class Replicator:
             return False, False
         return None  # the shares' copies were made and still not enough: the per-blob plan decides
 
-    def _replicate_once(self, manifest: fmt.StepManifest, names: list[str], stats: dict, *,
+    def _replicate_once(self, manifest: fmt.StepManifest, names: list[str], stats: dict, short: dict[str, str], *,
                         first: bool) -> tuple[bool, bool]:
-        """One attempt: (nothing left to retry, every blob has its copies)."""
+        """One attempt: (nothing left to retry, every blob has its copies); ``short`` as in ``_replicate_shares``."""
         step = manifest.step
         inv = self._dispatch.peer_inventories()
         down = {h for h, i in inv.items() if i.error}
+        short.update({h: f"could not be asked ({inv[h].error})" for h in down})
         view = step_views(inv, lambda s, d: manifest if (s, d) == (step, manifest.digest) else None).get(step)
         holders = view.by_name(names) if view is not None else None
         if holders is None:
@@ -208,6 +259,7 @@ class Replicator:
                 others = sorted(holders[t.blob] - {t.src, t.dst} - down)
                 pulls.setdefault(t.dst, []).append((t.blob, t.nbytes, [t.src, *others]))
             for dst, res in self._dispatch.peer_pull(step, pulls).items():
+                _note_short(short, dst, res)
                 if res.error:
                     failed += len(pulls[dst])
                     continue
@@ -233,3 +285,13 @@ class Replicator:
         if repaired:  # holders dropped corrupt copies: they hold less than the inventory said; look again
             return False, False
         return failed == 0 and not (short and down), not short
+
+
+def _note_short(short: dict[str, str], host: str, res: PullResult) -> None:
+    """Why ``host`` did not make all of its copies, if it did not (``res``: its pull's answer)."""
+    if res.error:
+        short[host] = res.error
+    elif res.failed:
+        (blob, causes), more = res.failed[0], len(res.failed) - 1
+        short[host] = (f"no holder gave it blob {blob}" + (f" and {more} more" if more else "") + ": "
+                       + "; ".join(f"{h}: {c}" for h, c in causes))

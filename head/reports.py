@@ -70,6 +70,10 @@ class ReplicationReport:
     attempts: int = 0
     error: str | None = None
     seconds: float = 0.0
+    # From a wait that ran out of time (``wait_for_replication(timeout=...)``): the replication goes on
+    # in the background, and ``error`` says which steps and hosts are short of copies and why.
+    in_progress: bool = False
+    short_of_copies: dict = dataclasses.field(default_factory=dict)  # host -> why it lacks copies (last attempt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,8 @@ class StepStatus:
     replicated: bool  # every blob on >= replication_factor slices (hosts with one slice)
     min_copies: int  # fewest slices (hosts) holding any one blob of the step
     hosts: tuple = ()  # hosts with the step committed
+    replicating: bool = False  # this head's replication of the step is running (retrying) in the background
+    short_of_copies: dict = dataclasses.field(default_factory=dict)  # host -> why it lacks copies (last attempt)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,13 +10,20 @@ reported blob by blob, with the cause at each holder.
 Blobs are pinned while the pull runs, so a concurrent garbage collection does not take them
 before a step references them (the caller makes one reference them: the step is committed
 here already for replication, or adopted after a restore pull).
+
+A pull of a step that failed (a full ramdisk, blobs no holder could give) is remembered per step
+until a later pull of that step succeeds, and reported in the inventory (``pull_notes``): the
+head retries in the background, and ``mtc status``, another process, can tell why a step still
+lacks its copies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
@@ -30,11 +37,42 @@ from mtc.shared.errors import (
 )
 from mtc.shared.hashing import is_blob_name
 from mtc.sidecar.peer import BadCopyError, PeerClient
-from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram import RamStore, format_bytes
+from mtc.sidecar.ram.common import free_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pull", "held_bits", "parse_peers", "parse_pulls", "parse_shares", "pull_blobs"]
+__all__ = ["Pull", "held_bits", "parse_peers", "parse_pulls", "parse_shares", "pull_blobs", "pull_notes"]
+
+# store -> {step: (why its last pull failed, time.monotonic() then)}; a store of a closed service goes with it.
+_NOTES: "weakref.WeakKeyDictionary[RamStore, dict[int, tuple[str, float]]]" = weakref.WeakKeyDictionary()
+_NOTES_LOCK = threading.Lock()
+_NOTES_KEPT = 8  # steps with a note, per store (the newest failures)
+
+
+def pull_notes(store: RamStore) -> dict:
+    """The inventory's field for the steps whose last pull on this host failed, and why:
+    ``{"pull_failures": [{"step", "error", "age_s"}, ...]}``, or {} when there are none."""
+    now = time.monotonic()
+    with _NOTES_LOCK:
+        notes = sorted(_NOTES.get(store, {}).items())
+    if not notes:
+        return {}
+    return {"pull_failures": [{"step": s, "error": why, "age_s": round(now - t, 1)} for s, (why, t) in notes]}
+
+
+def _note(store: RamStore, step: int | None, why: str | None) -> None:
+    """Remember (``why``) or forget (None) that the last pull of ``step`` here failed."""
+    if step is None:
+        return
+    with _NOTES_LOCK:
+        notes = _NOTES.setdefault(store, {})
+        if why is None:
+            notes.pop(step, None)
+            return
+        notes[step] = (why, time.monotonic())
+        for s in sorted(notes)[:-_NOTES_KEPT]:
+            del notes[s]
 
 
 def held_bits(step_blobs: set[str], have: set[str]) -> dict:
@@ -113,8 +151,12 @@ def parse_peers(doc: Any) -> dict[str, str]:
 
 def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mapping[str, str], *,
                host_id: str = "host", streams_per_holder: int = 2, threads: int = 8,
-               timeout_s: float = 60.0) -> dict:
+               timeout_s: float = 60.0, step: int | None = None) -> dict:
     """Fetch every blob of ``pulls`` that ``store`` lacks from its holders; verified.
+
+    A ramdisk that cannot take them all raises InsufficientSpaceError naming what is still to come,
+    what is free and what it lacks. With ``step``, a failure is
+    remembered for the inventory (``pull_notes``) until a pull of that step succeeds.
 
     Runs in rounds: in round k each missing blob is asked of its k-th holder, so the load
     spreads as the plan spread it. Each holder's blobs go over ``streams_per_holder``
@@ -140,35 +182,16 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
     tried: dict[str, list[tuple[str, str]]] = {b: [] for b in todo}
     bad: list[list[str]] = []
     scrubbed: list[list[str]] = []  # [blob, holder]: corrupt copies their holders removed
-    pulled = pulled_bytes = 0
-    with store.pin(todo):
-        pending = list(todo)
-        rnd = 0
-        while pending:
-            by_src: dict[str, list[Pull]] = {}
-            for b in pending:
-                by_src.setdefault(todo[b].sources[rnd], []).append(todo[b])
-            lanes = [(src, lane) for src, ps in by_src.items() for lane in _split(ps, streams_per_holder)]
-            failed_now: list[str] = []
-            workers = max(1, min(threads, len(lanes)))
-            with ThreadPoolExecutor(workers, thread_name_prefix="mtc-peer-pull") as pool:
-                futures = [(src, pool.submit(_pull_from, store, token, src, peers.get(src), lane, timeout_s))
-                           for src, lane in lanes]
-                for src, fut in futures:
-                    n, nbytes, failures = fut.result()
-                    pulled += n
-                    pulled_bytes += nbytes
-                    for blob, cause, corrupt, removed in failures:
-                        tried[blob].append((src, cause))
-                        if corrupt:
-                            bad.append([blob, src, cause])
-                        if removed:
-                            scrubbed.append([blob, src])
-                        failed_now.append(blob)
-            rnd += 1
-            pending = [b for b in failed_now if rnd < len(todo[b].sources)]
+    try:
+        with store.pin(todo):
+            pulled, pulled_bytes = _rounds(store, token, todo, peers, tried, bad, scrubbed, streams_per_holder,
+                                           threads, timeout_s)
+    except InsufficientSpaceError as e:
+        raise _no_room(store, host_id, step, todo, e) from e
     failed = [[b, [list(t) for t in tried[b]]] for b in todo if tried[b] and len(tried[b]) >= len(todo[b].sources)
               and not store.has_blob(b)]
+    _note(store, step, (f"{len(failed)} blob(s) no holder could give, e.g. {failed[0][0]}: "
+                        + "; ".join(f"{h}: {c}" for h, c in failed[0][1])) if failed else None)
     out = {"host": host_id, "pulled": pulled, "pulled_bytes": pulled_bytes, "already": already,
            "failed": failed, "bad_copies": bad, "removed_bad_copies": scrubbed, "seconds": time.perf_counter() - t0}
     log.info("- peer pull; host=%s; duration=%.3fs; %d blobs, %d bytes @ %.2f GB/s; %d held already, %d failed, "
@@ -178,6 +201,55 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
         log.warning("host %s: no good copy of blob %s from any peer: %s", host_id, blob,
                     "; ".join(f"{h}: {c}" for h, c in causes))
     return out
+
+
+def _rounds(store: RamStore, token: str, todo: dict[str, Pull], peers: Mapping[str, str],
+            tried: dict[str, list[tuple[str, str]]], bad: list, scrubbed: list, streams_per_holder: int,
+            threads: int, timeout_s: float) -> tuple[int, int]:
+    """The rounds of ``pull_blobs`` (see there): (blobs, bytes) pulled; ``tried``, ``bad`` and
+    ``scrubbed`` are filled in."""
+    pulled = pulled_bytes = 0
+    pending = list(todo)
+    rnd = 0
+    while pending:
+        by_src: dict[str, list[Pull]] = {}
+        for b in pending:
+            by_src.setdefault(todo[b].sources[rnd], []).append(todo[b])
+        lanes = [(src, lane) for src, ps in by_src.items() for lane in _split(ps, streams_per_holder)]
+        failed_now: list[str] = []
+        workers = max(1, min(threads, len(lanes)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="mtc-peer-pull") as pool:
+            futures = [(src, pool.submit(_pull_from, store, token, src, peers.get(src), lane, timeout_s))
+                       for src, lane in lanes]
+            for src, fut in futures:
+                n, nbytes, failures = fut.result()
+                pulled += n
+                pulled_bytes += nbytes
+                for blob, cause, corrupt, removed in failures:
+                    tried[blob].append((src, cause))
+                    if corrupt:
+                        bad.append([blob, src, cause])
+                    if removed:
+                        scrubbed.append([blob, src])
+                    failed_now.append(blob)
+        rnd += 1
+        pending = [b for b in failed_now if rnd < len(todo[b].sources)]
+    return pulled, pulled_bytes
+
+
+def _no_room(store: RamStore, host_id: str, step: int | None, todo: dict[str, Pull],
+             e: InsufficientSpaceError) -> InsufficientSpaceError:
+    """The error for pulls this host's ramdisk cannot take: what is still to come, what is free,
+    what it lacks (the head reports it as the reason the step is short of copies); remembered."""
+    left = [p.size for b, p in todo.items() if not store.has_blob(b)]
+    need, free = sum(left), free_bytes(store.root)
+    what = f"step {step}" if step is not None else "a step"
+    why = (f"ramdisk {store.root} is full: {len(left)} blob(s) of {what} ({format_bytes(need)}) still to come, "
+           f"{format_bytes(free)} free, it lacks {format_bytes(max(need - free, 1))}")
+    _note(store, step, why)
+    return InsufficientSpaceError(
+        f"host {host_id}: {why}. Free room on it, or size the ramdisks for the peer copies too "
+        "(`mtc size --peer-copies 1`)")
 
 
 def _split(pulls: list[Pull], n: int) -> list[list[Pull]]:

@@ -29,7 +29,7 @@ from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.peer import PeerClient, PeerServer
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.reads import BoxReader
-from mtc.sidecar.replication import Pull, held_bits, pull_blobs
+from mtc.sidecar.replication import Pull, held_bits, pull_blobs, pull_notes
 
 log = logging.getLogger(__name__)
 
@@ -536,7 +536,7 @@ class SidecarService:
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
         damaged += [s for s in self.store.unreadable_steps(listed=True) if s not in damaged]
-        return {"host": self.host_id, "steps": out, "damaged": sorted(damaged)}
+        return {"host": self.host_id, "steps": out, "damaged": sorted(damaged), **pull_notes(self.store)}
 
     def _shares_held(self, m: fmt.StepManifest, have: set[str]) -> list[str]:
         """The digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own
@@ -700,7 +700,7 @@ class SidecarService:
             # only a record fetches it first (if it cannot, ``manifest_json`` below, or a later try).
             with contextlib.suppress(ManifestError, StepNotFoundError):
                 self.manifest(step)
-        out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id)
+        out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id, step=step)
         out["asked_bytes"] = sum({p.blob: p.size for p in pulls}.values())
         out["adopted"] = False
         if manifest_json is not None and not out["failed"] and not self._has_readable(step):

@@ -29,6 +29,7 @@ class StepRow:
     backups: list[str]  # backups of this step
     restorable: bool
     why_not: str = ""  # what is missing, when not restorable
+    replication: str = ""  # when not replicated: hosts whose last pull of the step failed, and why
 
 
 @dataclass
@@ -109,8 +110,9 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                                                 if len(missing) > 1 else f"blob {first} on no host (no good copy)")
                                                + (" and in no backup" if not backups else "")]))
         restorable = (whole_copies and not unreachable) or bool(backups)
-        rows.append(StepRow(step, sorted(v.hosts), sorted(v.whole), min(copies) if copies else 0,
-                            bool(copies) and min(copies) >= factor, backups, restorable, why))
+        replicated = bool(copies) and min(copies) >= factor
+        rows.append(StepRow(step, sorted(v.hosts), sorted(v.whole), min(copies) if copies else 0, replicated,
+                            backups, restorable, why, "" if replicated else _pull_failures(inv, step)))
     rv = listing.get("restore_version")
     if rv:
         pinned = backup_layout.parse_backup_name(rv)
@@ -140,6 +142,14 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                   backups=listing["backups"], restore_version=rv, choice=choice, reason=reason, notes=notes)
 
 
+def _pull_failures(inv: dict, step: int) -> str:
+    """Why a step lacks its copies, as the hosts tell it: their last failed pull of it (a full ramdisk
+    says what it lacks); a running head's replication retries until the copies are made."""
+    notes = [f"{h} could not take its copies {age:.0f} s ago: {why}" for h, i in sorted(inv.items())
+             for s, why, age in i.pull_failures if s == step]
+    return "; ".join(notes) + ("; the head's replication retries while it runs" if notes else "")
+
+
 def _blob_names(dispatch: Any, step: int) -> list[str]:
     try:
         return sorted(dispatch.manifest(step).blob_names())
@@ -157,7 +167,8 @@ def render(st: Status, console: Any) -> None:
         table.add_row(str(r.step), ", ".join(r.hosts) or "-",
                       f"yes ({r.min_copies} copies)" if r.replicated else f"no ({r.min_copies})",
                       ", ".join(r.backups) or "-", "yes" if r.restorable else "no",
-                      ("<- restore" if r.step == st.choice else "") + (f" {r.why_not}" if r.why_not else ""))
+                      ("<- restore" if r.step == st.choice else "") + (f" {r.why_not}" if r.why_not else "")
+                      + (f" not replicated: {r.replication}" if r.replication else ""))
     console.print(table)
     console.print(f"backup root: {st.backup_root or 'none configured'}; restore.version: "
                   f"{st.restore_version or 'not set'}")
@@ -174,7 +185,8 @@ def render_plain(st: Status) -> None:
         print(f"{r.step}  {', '.join(r.hosts) or '-'}  "
               f"{f'yes ({r.min_copies} copies)' if r.replicated else f'no ({r.min_copies})'}  "
               f"{', '.join(r.backups) or '-'}  {'yes' if r.restorable else 'no'}"
-              + ("  <- restore" if r.step == st.choice else "") + (f"  {r.why_not}" if r.why_not else ""))
+              + ("  <- restore" if r.step == st.choice else "") + (f"  {r.why_not}" if r.why_not else "")
+              + (f"  not replicated: {r.replication}" if r.replication else ""))
     print(f"backup root: {st.backup_root or 'none configured'}; restore.version: {st.restore_version or 'not set'}")
     print(f"restore would choose: {st.reason}")
     for n in st.notes:

@@ -226,3 +226,12 @@ def test_a_peer_pull_answer_is_parsed_into_a_value_and_garbage_is_refused():
     for bad in (None, {"failed": [1]}, {"pulled": "x"}, {"bad_copies": [["a"]]}):
         with pytest.raises(ProtocolError, match="host h: malformed peer pull answer"):
             PullResult.from_wire("h", bad)
+
+
+def test_an_inventory_says_which_pulls_of_a_step_failed_and_garbage_is_refused():
+    doc = {"steps": [], "pull_failures": [{"step": 3, "error": "ramdisk full: it lacks 1.00 MiB", "age_s": 2.5}]}
+    assert HostInventory.from_wire("a", doc).pull_failures == ((3, "ramdisk full: it lacks 1.00 MiB", 2.5),)
+    assert HostInventory.from_wire("a", {"steps": []}).pull_failures == ()  # none (or an older sidecar)
+    for bad in ({}, [{"step": "3", "error": "x", "age_s": 1}], [{"step": 3, "age_s": 1}], [[3, "x", 1]]):
+        with pytest.raises(ProtocolError, match="host a: inventory 'pull_failures'"):
+            HostInventory.from_wire("a", {"steps": [], "pull_failures": bad})
