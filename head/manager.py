@@ -36,7 +36,7 @@ from mtc.head.save import CommittedStep, build_step, flatten
 from mtc.shared import format as fmt
 from mtc.shared import version
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import ConfigError, FencedError, MTCError, SaveError, cause_in_chain
+from mtc.shared.errors import BackupListingError, ConfigError, FencedError, MTCError, SaveError, cause_in_chain
 
 if TYPE_CHECKING:
     from mtc.head.export import ExportReport
@@ -443,8 +443,9 @@ class CheckpointManager:
         try:
             self._check_versions()
             report = self._restorer.prefetch(self._closing.is_set)
-        except Exception as e:  # nothing to restore, a resized job, a host down: restore handles it
-            log.info("start-up pull skipped: %s: %s", type(e).__name__, e)
+        except Exception as e:  # nothing to restore, a resized job, a host down: restore handles it (or says why)
+            (log.warning if isinstance(e, BackupListingError) else log.info)("start-up pull skipped: %s: %s",
+                                                                              type(e).__name__, e)
             return None
         if report is not None:
             self.last_prefetch_report = report

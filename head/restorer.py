@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import threading
 import time
 from typing import Any, Callable
 
 from mtc.head import manifest_gift
+from mtc.head.backup_listing import BackupLister
 from mtc.head.dispatch import Dispatcher, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, RestoreReport
@@ -28,7 +28,6 @@ from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import CorruptBlobError, HostUnreachableError, MTCError, StepNotFoundError
-from mtc.shared.objstore.store import TransientStoreError
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +75,7 @@ class Restorer:
         self._config = config
         self._strategy = strategy
         self._replicate = replicate
-        self._store_down = False  # the last backup listing could not reach the store
-        # One listing at a time: the start-up pull and the first latest_step() list at once; in cluster
-        # mode the second waits for the first on the host's connection anyway, and must then see that
-        # the first found the store down rather than wait out the whole deadline again.
-        self._listing_lock = threading.Lock()
+        self._lister = BackupLister(dispatch, config)
         self._manifests: dict[str, fmt.StepManifest] = {}  # digest -> manifest (see _remember)
         self.read_only = False  # a reader's (mtc export of a running job): never changes the hosts
         self._given: set[tuple[int, str, str]] = set()  # (step, manifest digest, host) a reader gave it to
@@ -106,25 +101,10 @@ class Restorer:
         return inv
 
     def backup_listing(self) -> dict:
-        """The backups and ``restore.version``; empty, with a warning, while the store is unreachable.
-
-        Asked with a short retry deadline: a job that restarts during a bucket outage must come
-        back from its ramdisks and peers, not wait out (or die of) the store's upload deadline.
-        A bucket that answers with a refusal (missing, no permission) is still an error.
-        """
-        if not self._config.base_output_directory:
-            return {"backups": [], "restore_version": None}
-        with self._listing_lock:
-            deadline = LISTING_RETRY_DEADLINE_S if self._store_down else LISTING_DEADLINE_S
-            try:
-                listing = self._dispatch.backup_listing(deadline_s=deadline)
-            except (TransientStoreError, HostUnreachableError) as e:
-                self._store_down = True
-                log.warning("backup root %s could not be listed within %.0f s (%s); going on with the steps on "
-                            "the hosts (restore.version, if any, is not read)", self._config.backup_root, deadline, e)
-                return {"backups": [], "restore_version": None, "unreachable": str(e)}
-            self._store_down = False
-            return listing
+        """The backups and ``restore.version``; while the store is unreachable, none, marked
+        ``"unreachable"``: a step on the hosts may be chosen without them, never "no backup" where the
+        answer depends on them (``BackupLister``)."""
+        return self._lister.listing(LISTING_DEADLINE_S, LISTING_RETRY_DEADLINE_S)
 
     def all_steps(self, repair: bool = True) -> list[int]:
         """Restorable steps, ascending; with ``repair`` (a head that took the hosts: the repair
@@ -134,6 +114,10 @@ class Restorer:
         if listing["restore_version"]:
             return [self.pinned_backup(listing)[1]]
         inv = self._inventory_repaired(listing) if repair else self.inventory(listing)
+        if not inv.restorable and "unreachable" in listing:  # nothing on the hosts: the backups decide
+            self._lister.required(listing, LISTING_DEADLINE_S, "any step", _hosts_note(inv))
+            if listing["restore_version"]:
+                return [self.pinned_backup(listing)[1]]
         steps = set(inv.restorable) | {b["step"] for b in listing["backups"]}
         whole = self._completed_by_backups(inv, listing, newer_than=max(steps, default=-1), only=None)
         return sorted(steps | ({whole} if whole is not None else set()))
@@ -171,6 +155,11 @@ class Restorer:
             if whole is not None:
                 cluster = sorted(set(cluster) | {whole})
                 steps = sorted(set(steps) | {whole})
+        if "unreachable" in listing and (step not in steps if step is not None else not steps):
+            # Not on the hosts, and the listing failed: "not found" is not known; ask it again, or say so.
+            self._lister.required(listing, LISTING_DEADLINE_S, "any step" if step is None else f"step {step}",
+                                  _hosts_note(inv))
+            return self.choose_step(step, listing)
         # While a host cannot be asked, "not found" may only mean "on the host that is gone".
         lost = (HostUnreachableError("; ".join(f"{h}: {e}" for h, e in sorted(inv.unreachable.items())))
                 if inv.unreachable else None)
@@ -493,6 +482,11 @@ class Restorer:
             f"step {step}: array {key!r} shard {fmt.box_str(box)} (blob {blob}) has no good copy for host {host}; "
             f"tiers tried: ram (not on {host}), peer ({'; '.join(causes)}), backup ({backup}){more}. "
             "Restore an older step (all_steps()) or a backup")
+
+
+def _hosts_note(inv: Inventory) -> str:
+    """``inv.note()`` without the backup root's part (the error about the listing says that)."""
+    return dataclasses.replace(inv, backup_unreachable=None).note()
 
 
 def _names(listing: dict) -> list[str]:

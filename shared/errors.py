@@ -45,6 +45,16 @@ class InsufficientSpaceError(MTCError, OSError):
     """The ramdisk cannot hold the step; nothing was written."""
 
 
+class BackupListingError(MTCError):
+    """The backup root could not be listed (the store failed, or did not answer in time), where the
+    answer depended on it: which backups exist is not known, which is not the same as "none"."""
+
+    def __init__(self, message: str, *, root: str | None = None, cause: str | None = None):
+        super().__init__(message)
+        self.root = root
+        self.cause = cause
+
+
 class VersionMismatchError(MTCError):
     """Head and sidecar run different versions of something that must match."""
 

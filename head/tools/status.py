@@ -43,6 +43,7 @@ class Status:
     choice: int | None
     reason: str
     notes: list[str] = field(default_factory=list)
+    backup_error: str | None = None  # why the backup root could not be listed (then its backups are not known)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -71,11 +72,12 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     views = step_views(inv, manifest)
     listing = {"backups": [], "restore_version": None}
     notes: list[str] = []
+    backup_error = None
     if config.base_output_directory:
         try:
             listing = dispatch.backup_listing(deadline_s=10)
-        except MTCError as e:
-            notes.append(f"the backup root could not be listed: {e}")
+        except MTCError as e:  # not "no backups": which backups exist is not known
+            backup_error = f"{type(e).__name__}: {e}"
     in_backup: dict[int, list[str]] = {}
     for b in listing["backups"]:
         in_backup.setdefault(b["step"], []).append(b["name"])
@@ -134,12 +136,16 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
             skipped = [f"step {x.step}: {x.why_not}" for x in rows if x.step > choice]
             reason = f"step {choice}, the newest whose every blob has a copy, {where}" + (
                 f" (newer: {'; '.join(skipped)})" if skipped else "")
+    if backup_error:
+        reason += (f"; the backup root {config.backup_root} could not be listed ({backup_error}): its backups are "
+                   "not known, and a step only they hold is not counted")
     if unreachable:
         notes.append("hosts that did not answer (no step is confirmed on them): "
                      + "; ".join(f"{h} ({e})" for h, e in sorted(unreachable.items())))
     return Status(hosts=sorted(inv), unreachable=unreachable, steps=rows,
                   backup_root=config.backup_root if config.base_output_directory else None,
-                  backups=listing["backups"], restore_version=rv, choice=choice, reason=reason, notes=notes)
+                  backups=listing["backups"], restore_version=rv, choice=choice, reason=reason, notes=notes,
+                  backup_error=backup_error)
 
 
 def _pull_failures(inv: dict, step: int) -> str:
@@ -171,7 +177,7 @@ def render(st: Status, console: Any) -> None:
                       + (f" not replicated: {r.replication}" if r.replication else ""))
     console.print(table)
     console.print(f"backup root: {st.backup_root or 'none configured'}; restore.version: "
-                  f"{st.restore_version or 'not set'}")
+                  f"{'not known' if st.backup_error else st.restore_version or 'not set'}")
     console.print(f"restore would choose: {st.reason}")
     for n in st.notes:
         console.print(f"note: {n}")
@@ -187,15 +193,16 @@ def render_plain(st: Status) -> None:
               f"{', '.join(r.backups) or '-'}  {'yes' if r.restorable else 'no'}"
               + ("  <- restore" if r.step == st.choice else "") + (f"  {r.why_not}" if r.why_not else "")
               + (f"  not replicated: {r.replication}" if r.replication else ""))
-    print(f"backup root: {st.backup_root or 'none configured'}; restore.version: {st.restore_version or 'not set'}")
+    print(f"backup root: {st.backup_root or 'none configured'}; restore.version: "
+          f"{'not known' if st.backup_error else st.restore_version or 'not set'}")
     print(f"restore would choose: {st.reason}")
     for n in st.notes:
         print(f"note: {n}")
 
 
 def run(args: Any) -> int:
-    """``mtc status`` (see cli.py for the options). Exit 0; 1 when a host did not answer (what it
-    holds is not known: the answer may be wrong); 2 on bad input."""
+    """``mtc status`` (see cli.py for the options). Exit 0; 1 when a host did not answer or the backup
+    root could not be listed (what they hold is not known: the answer may be wrong); 2 on bad input."""
     from mtc.head.cluster import ClusterDispatcher
     from mtc.head.tools.sources import folder_hosts, open_hosts
 
@@ -232,8 +239,10 @@ def run(args: Any) -> int:
             render_plain(st)
         else:
             render(st, Console(width=max(100, os.get_terminal_size(1).columns if sys.stdout.isatty() else 120)))
+    if st.backup_error:
+        print(f"mtc status: the backup root {st.backup_root} could not be listed ({st.backup_error}); its backups "
+              "are not counted", file=sys.stderr)
     if st.unreachable:
         print(f"mtc status: {len(st.unreachable)} of {len(st.hosts)} hosts did not answer; what they hold is not "
               "counted", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if st.unreachable or st.backup_error else 0

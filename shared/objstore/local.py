@@ -19,6 +19,7 @@ from mtc.shared.objstore.store import (
     FatalStoreError,
     ObjectNotFoundError,
     ObjectStore,
+    TransientStoreError,
     validate_name,
     validate_prefix,
 )
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".mtc-tmp-"
 _COPY_CHUNK = 64 << 20
+# A listing that failed with these may succeed later (out of file descriptors or memory, busy).
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EBUSY, errno.EINTR,
+                               errno.ETIMEDOUT})
 
 
 class LocalStore(ObjectStore):
@@ -147,7 +151,16 @@ class LocalStore(ObjectStore):
         base = prefix.rpartition("/")[0]
         top = self.root / base if base else self.root
         out = []
-        for dirpath, dirnames, filenames in os.walk(top):
+
+        def failed(e: OSError) -> None:
+            # os.walk skips a directory it cannot read: a listing would come back short, or empty, and
+            # read as "no such objects" (no backups). Only a directory that is not there is empty.
+            if isinstance(e, FileNotFoundError):
+                return
+            kind = TransientStoreError if e.errno in _TRANSIENT_ERRNOS else FatalStoreError
+            raise kind(f"cannot list {prefix!r} in {self.url}: {e}") from e
+
+        for dirpath, dirnames, filenames in os.walk(top, onerror=failed):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel = os.path.relpath(dirpath, self.root)
             rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"

@@ -177,6 +177,39 @@ def test_local_store_leaves_no_temp_files_and_hides_strays(tmp_path):
     assert store.list("blobs/") == ["blobs/a", "blobs/b"]
 
 
+
+def test_a_local_listing_that_cannot_read_its_directory_is_an_error_not_an_empty_listing(tmp_path):
+    """os.walk skips what it cannot read: a listing of backups/ came back empty, and read as "no backups"."""
+    import subprocess
+    import sys
+
+    from mtc.shared.objstore.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    assert store.list("backups/") == []  # no backups yet: nothing there, no error
+    store.put_bytes("backups/b1.json", b"{}")
+    assert store.list("backups/") == ["backups/b1.json"]
+    # backups/ is there but is not a directory that can be read: refused, naming the store.
+    other = LocalStore(tmp_path / "other")
+    (tmp_path / "other" / "backups").write_bytes(b"not a directory")
+    with pytest.raises(FatalStoreError, match=r"cannot list 'backups/' in file://.*other/: .*Not a directory"):
+        other.list("backups/")
+    # Out of file descriptors (a daemon under load): a transient error, not an empty listing.
+    code = (
+        "import os, resource, sys\n"
+        "from mtc.shared.objstore.local import LocalStore\n"
+        "from mtc.shared.objstore.store import TransientStoreError\n"
+        f"store = LocalStore({str(tmp_path / 'store')!r})\n"
+        "n = len(os.listdir('/proc/self/fd'))\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n - 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "try:\n"
+        "    print(store.list('backups/'))\n"
+        "except TransientStoreError as e:\n"
+        "    print('transient:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("transient: cannot list 'backups/'") and "Too many open files" in out.stdout, out
+
+
 # -- dispatch by URL --------------------------------------------------------------------
 
 
