@@ -168,7 +168,7 @@ class Replicator:
             self._closing.wait(delay)
             delay = min(delay * 2, _REPLICATION_RETRY_S[1])
         if short and not replicated:
-            error = f"{error}; " + "; ".join(f"host {h}: {why}" for h, why in sorted(short.items()))
+            error = "; ".join(filter(None, [error, *(f"host {h}: {why}" for h, why in sorted(short.items()))]))
         return self._finish(ReplicationReport(step=step, complete=complete, replicated=replicated,
                                               attempts=attempts, error=error, seconds=time.perf_counter() - t0,
                                               short_of_copies={} if replicated else short, **stats))
