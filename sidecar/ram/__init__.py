@@ -2,7 +2,8 @@
 
 A small package behind one facade, ``RamStore`` (``store``): ``blobs`` (blob files: write,
 publish, read verified, map), ``pool`` (the free pool), ``landing`` (mapped temp blob files that
-a save's copy lands in: one copy per save), ``steps`` (pending host manifests and commits),
+a save's copy lands in: one copy per save), ``landings`` (the store's open landings), ``space``
+(what fits, retention, garbage collection), ``steps`` (pending host manifests and commits),
 ``readers`` (which files this process reads or maps), ``common`` (names, limits).
 
 Layout under ``root`` (= ``<local_checkpoint_directory>/mtc``)::

@@ -1,4 +1,8 @@
-"""``RamStore``: the facade over one host's blob files, free pool and step catalog."""
+"""``RamStore``: the facade over one host's blob files, free pool, step catalog and landings.
+
+Its space accounting, retention and garbage collection are in ``mtc.sidecar.ram.space``; the
+landings it handed out, in ``mtc.sidecar.ram.landings``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import os
 import shutil
 import stat
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -17,12 +20,13 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import ramdisk
-from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, ManifestError, MTCError
+from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, MTCError
 from mtc.sidecar.ram.blobs import BlobFiles
-from mtc.sidecar.ram.common import (TMP_PREFIX, check_name, check_step, format_bytes, free_bytes, no_space,
-                                    page_rounder)
-from mtc.sidecar.ram.landing import LANDING_MIN, Landing, LandingBatch, MapCache, MapWarmer, discard, is_no_space
-from mtc.sidecar.ram.pool import POOL_MIN, FreePool
+from mtc.sidecar.ram.common import TMP_PREFIX, check_name, check_step, no_space, page_rounder
+from mtc.sidecar.ram.landing import Landing, LandingBatch, MapCache, MapWarmer
+from mtc.sidecar.ram.landings import Landings
+from mtc.sidecar.ram.pool import FreePool
+from mtc.sidecar.ram.space import StoreSpace
 from mtc.sidecar.ram.steps import BlobsOf, StepCatalog, parse_step
 
 log = logging.getLogger(__name__)
@@ -30,7 +34,7 @@ log = logging.getLogger(__name__)
 _LAYOUT = ("blobs", "pending", "steps")
 
 
-class RamStore:
+class RamStore(StoreSpace):
     """One host's blob store and committed steps under ``root`` (see ``mtc.sidecar.ram``).
 
     ``max_to_keep`` is the number of committed steps kept (``local_max_to_keep``).
@@ -51,15 +55,10 @@ class RamStore:
         round_ = page_rounder(self.root)
         self._round = round_
         self._maps = MapCache()
-        self._landing_since = self._landing_done = 0.0  # monotonic: last landing handed out, last published
-        self.warmer = MapWarmer(self._maps, self._landing_now)
         self._pool = FreePool(self.root / "blobs", enabled=free_pool, round=round_, maps=self._maps)
         self._blobs = BlobFiles(self.root / "blobs", pool=self._pool, round=round_, no_space=self._no_space,
                                 maps=self._maps)
-        self._landings: dict[int, Landing] = {}  # by buffer address: the landings not yet published
-        self._landing_lock = threading.Lock()
-        self.landed_bytes = 0  # bytes published from landings, in total (one copy per save: for tests, status)
-        self.filled_bytes = 0  # of which from cold landings, written with Landing.fill
+        self._landings = Landings(self.root, self._blobs, self._maps, self.fits)
         self._catalog = StepCatalog(self.root, blobs_of=blobs_of, no_space=self._no_space)
         self._remove_leftovers()
         self.mount = ramdisk.describe(self.root)  # None where unknown (no /proc)
@@ -190,7 +189,21 @@ class RamStore:
         """
         return self._blobs.write(data, name=name)
 
-    # --- landings (one copy per save: mtc.sidecar.ram.landing) ----------------------------
+    # --- landings (one copy per save: mtc.sidecar.ram.landing, kept by mtc.sidecar.ram.landings) --
+
+    @property
+    def warmer(self) -> MapWarmer:
+        return self._landings.warmer
+
+    @property
+    def landed_bytes(self) -> int:
+        """Bytes published from landings, in total (one copy per save: for tests, status)."""
+        return self._landings.landed_bytes
+
+    @property
+    def filled_bytes(self) -> int:
+        """Of ``landed_bytes``, those from cold landings, written with ``Landing.fill``."""
+        return self._landings.filled_bytes
 
     def land(self, sizes: Iterable[int], *, cold_ok: bool = False) -> LandingBatch:
         """Mapped temp blob files to fill in place, one per size (None: not landed, see below).
@@ -206,82 +219,24 @@ class RamStore:
         space (the space check before any byte is written). Fill each buffer, then publish it
         with :meth:`publish_landed`; close the batch to remove what was not published.
         """
-        sizes = [int(n) for n in sizes]
-        big = [n for n in sizes if n >= LANDING_MIN]
-        if not big or not self.fits(big):
-            return LandingBatch([None] * len(sizes))
-        out: list[Landing | None] = []
-        try:
-            for n in sizes:
-                out.append(self._blobs.land(n, cold_ok=cold_ok) if n >= LANDING_MIN else None)
-        except BaseException as e:
-            for x in out:
-                if x is not None:
-                    self._maps.forget(x.st)
-            discard([x for x in out if x is not None])
-            if not isinstance(e, OSError):
-                raise
-            # No room after all (another writer took it), or no map (vm.max_map_count): the
-            # shards are staged in memory and written instead; the save goes on.
-            (log.info if is_no_space(e) else log.warning)(
-                "ramdisk %s: cannot land %d shards (%s); staging them in memory", self.root, len(big), e)
-            return LandingBatch([None] * len(sizes))
-        with self._landing_lock:
-            for x in out:
-                if x is not None:
-                    self._landings[x.address] = x
-            self._landing_since = time.monotonic()
-        return LandingBatch(out, self._drop_landings)
-
-    def _landing_now(self) -> bool:
-        """Whether a save is landing: landings were handed out after the last one was published
-        (for at most a minute: a save of nothing but duplicates publishes none)."""
-        since = self._landing_since
-        return since > self._landing_done and time.monotonic() - since < 60.0
+        return self._landings.land(sizes, cold_ok=cold_ok)
 
     def landed(self, data) -> Landing | None:
         """The unpublished landing whose buffer ``data`` (an ndarray) is exactly, else None."""
-        if not isinstance(data, np.ndarray) or not data.flags.c_contiguous:
-            return None
-        with self._landing_lock:
-            x = self._landings.get(data.ctypes.data) if data.size else None
-        return x if x is not None and x.size == data.nbytes and not x.done else None
+        return self._landings.landed(data)
 
     def publish_landed(self, landing: Landing, name: str) -> bool:
         """Publish a filled landing as blob ``name``, its hash; False when the blob was there already.
 
         Like ``write_blob``, a writer that may race a commit pins ``name`` first.
         """
-        with self._landing_lock:
-            if landing.done or self._landings.pop(landing.address, None) is not landing:
-                raise ValueError(f"landing {landing.tmp} was already published or discarded")
-            self._landing_done = time.monotonic()
-        added = self._blobs.publish_landed(landing, name)
-        if added:
-            with self._landing_lock:
-                self.landed_bytes += landing.size
-                self.filled_bytes += landing.size if landing.filled else 0
-            if landing.cold:  # its map comes back from the pool warm, later (mtc.sidecar.ram.landing)
-                self.warmer.submit(landing.st)
-        return added
-
-    def _drop_landings(self, landings: list[Landing]) -> None:
-        with self._landing_lock:
-            self._landing_done = time.monotonic()
-            for x in landings:
-                if self._landings.get(x.address) is x:
-                    del self._landings[x.address]
-        for x in landings:
-            self._maps.forget(x.st)
-        discard(landings)
+        return self._landings.publish(landing, name)
 
     def close(self) -> None:
         """Remove every unpublished landing and let go of the kept maps (the service is closing).
 
         A map still used by an array (a staged save) lives until that array goes."""
-        with self._landing_lock:
-            landings = list(self._landings.values())
-        self._drop_landings(landings)
+        self._landings.drop_all()
         self._maps.clear()
 
     def read_blob_into(self, name: str, out) -> None:
@@ -363,73 +318,6 @@ class RamStore:
     def put_blob_file(self, name: str, src_path: str | os.PathLike) -> bool:
         """Copy the file ``src_path`` in as blob ``name``, verified; returns whether it was added."""
         return self._blobs.put_file(name, src_path)
-
-    # --- space -------------------------------------------------------------------------
-
-    def fits(self, sizes: Iterable[int]) -> bool:
-        """Whether new blobs of ``sizes`` bytes fit now, all of them, without freeing anything.
-
-        Free-pool files of those sizes count: they are overwritten in place.
-        """
-        sizes = [int(n) for n in sizes]
-        return sum(self._round(n) for n in sizes) - self._pool.reuse(sizes) <= free_bytes(self.root)
-
-    def check_space(self, needed_bytes: int, *, step: int, sizes: Iterable[int] | None = None) -> None:
-        """Make sure ``needed_bytes`` fit before any byte of ``step`` is written.
-
-        If they do not fit, frees what policy allows (the free pool, the oldest committed
-        steps beyond ``max_to_keep - 1``, which the commit would remove anyway, then their
-        blobs), but only when that is enough; otherwise nothing is deleted and
-        InsufficientSpaceError says what is needed, what is free and how to fix it. The newest
-        step is never removed. ``sizes`` (the byte sizes of the blobs to be written) lets
-        collected files of those sizes stay in the free pool, to be overwritten in place,
-        instead of being freed and allocated again.
-        """
-        needed = int(needed_bytes)
-        if needed < 0:
-            raise ValueError(f"needed_bytes must be >= 0, got {needed_bytes!r}")
-        step = check_step(step)
-        sizes = [int(n) for n in sizes] if sizes is not None else []
-        with self._lock:
-            free = free_bytes(self.root)
-            if needed - self._pool.reuse(sizes) <= free:
-                return
-            steps = self.committed_steps()
-            keep = max(1, self.max_to_keep - 1)
-            drop = steps[:-keep] if len(steps) > keep else []
-            kept = steps[len(drop):]
-            live_pending = self._catalog.live_pending(kept)
-            try:
-                live = self._catalog.live_blobs(kept, live_pending, self._pins)
-            except ManifestError as e:
-                log.error("ramdisk %s: cannot free space safely: %s", self.root, e)
-                live = None
-            reclaim = self._pool.stats()[1]
-            if live is not None:
-                reclaim += self._blobs.allocated(self.list_blobs() - live)
-            if free + reclaim < needed:
-                raise self._space_error(step, needed, free, reclaim)
-            for s in drop:
-                log.info("ramdisk %s: removing step %d early to make room for step %d "
-                         "(local_max_to_keep=%d)", self.root, s, step, self.max_to_keep)
-                self._catalog.remove(s)
-            self._catalog.remove_stale_pending(live_pending)
-            # Pool files (old and newly collected) that blobs of this step will overwrite stay;
-            # the others are freed. Either way the space counts: reused or free.
-            want = Counter(n for n in sizes if n >= POOL_MIN)
-            self._pool.drain(want)
-            self._gc_locked(frozenset(), want=want)
-            free = free_bytes(self.root)
-            if needed - self._pool.reuse(sizes) > free:
-                raise self._space_error(step, needed, free, 0)
-
-    def _space_error(self, step: int, needed: int, free: int, reclaim: int) -> InsufficientSpaceError:
-        return InsufficientSpaceError(
-            f"step {step} does not fit in the ramdisk {self.root}: it needs {format_bytes(needed)} "
-            f"({needed} bytes), {format_bytes(free)} ({free} bytes) are free, and removing the old steps "
-            f"that local_max_to_keep={self.max_to_keep} allows would free only {format_bytes(reclaim)} more. "
-            f"Nothing of step {step} was written. Make the ramdisk larger: see "
-            f"`mtc size --params ... --hosts ...`, or lower local_max_to_keep")
 
     # --- steps -------------------------------------------------------------------------
 
@@ -552,112 +440,6 @@ class RamStore:
             self._gc_locked(frozenset())
             return existed
 
-    def prune(self) -> None:
-        """Keep the newest ``max_to_keep`` steps, drop stale pending manifests, then gc()."""
-        with self._lock:
-            _, dropped, collected = self._prune_locked()
-        for s in dropped:
-            log.info("ramdisk %s: removed step %d (local_max_to_keep=%d)", self.root, s, self.max_to_keep)
-        if collected:
-            log.info("ramdisk %s: %s", self.root, collected.lstrip("; "))
-
-    def _prune_locked(self) -> tuple[list[int], list[int], str]:
-        """``prune`` under the lock, from one listing of steps/ and pending/: (steps kept, steps
-        removed, what garbage collection removed, as words for a log line: "" for nothing)."""
-        steps = self.committed_steps()
-        drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
-        dirs = self._catalog.pending_dirs()
-        for s in drop:
-            self._catalog.remove(s, pending=dirs.pop(s, None) is not None)
-        kept = steps[len(drop):]
-        self._catalog.remove_stale_pending(self._catalog.live_pending(kept, dirs), dirs)
-        collected = []
-        self._gc_locked(frozenset(), recycle=True, steps=kept, pending=dirs, report=collected)
-        return kept, drop, collected[0] if collected else ""
-
-    # --- garbage -----------------------------------------------------------------------
-
-    def gc(self, extra_live: Iterable[str] = frozenset()) -> int:
-        """Delete blobs that no committed step, pending manifest, pin or ``extra_live`` uses.
-
-        Returns the number of bytes freed. If a manifest cannot be parsed, nothing is deleted
-        (an error is logged): deleting blindly could destroy a good step.
-        """
-        with self._lock:
-            return self._gc_locked(frozenset(extra_live))
-
-    def _gc_locked(self, extra_live: frozenset, *, recycle: bool = False, want: Counter | None = None,
-                   steps: list[int] | None = None, pending: dict | None = None, report: list | None = None) -> int:
-        """Collect unused blobs; returns their bytes.
-
-        With ``recycle``, collected files go to the free pool up to the bytes of the newest
-        step; with ``want`` ({size: count}, decremented), up to that many files of each size.
-        The rest are unlinked. ``steps`` and ``pending`` are the committed steps and the
-        ``pending_dirs`` as the caller listed them under this lock (else they are listed here).
-        With ``report``, what was removed is appended to it as words instead of logged.
-        """
-        steps = self.committed_steps() if steps is None else steps
-        dirs = self._catalog.pending_dirs() if pending is None else pending
-        try:
-            live = self._catalog.live_blobs(steps, sorted(dirs), self._pins, dirs)
-        except ManifestError as e:
-            log.error("ramdisk %s: garbage collection skipped, a manifest is unreadable: %s", self.root, e)
-            return 0
-        live |= extra_live
-        garbage = self.list_blobs() - live
-        cap = None  # the pool's bound: worked out for the first file big enough to be pooled
-        freed = count = pooled = 0
-        directory = str(self._blobs.directory)
-        for name in garbage:
-            path = f"{directory}/{name}"
-            try:
-                st = os.stat(path)
-                if want is not None and want[st.st_size] > 0 and self._pool.recycle(path, st, None):
-                    want[st.st_size] -= 1
-                    pooled += 1
-                elif recycle and self.free_pool and st.st_size >= POOL_MIN:
-                    if cap is None:
-                        cap = self._pool_cap(steps)
-                    if self._pool.recycle(path, st, cap):
-                        pooled += 1
-                    else:
-                        os.unlink(path)
-                else:
-                    os.unlink(path)
-            except FileNotFoundError:
-                continue
-            freed += st.st_size
-            count += 1
-        self._maps.sweep()  # maps of files unlinked here (or by anyone) would hold their pages
-        if count:
-            words = (f"garbage collection removed {count} blob{'s' if count != 1 else ''}, {format_bytes(freed)} "
-                     f"({pooled} kept in the free pool)")
-            if report is not None:
-                report.append("; " + words)
-            else:
-                log.info("ramdisk %s: %s", self.root, words)
-        return freed
-
-    def _pool_cap(self, steps: list[int]) -> int:
-        """The free pool's bound: the most bytes of blobs any kept step holds here.
-
-        Not only the newest step's: when a step commits, the copies this host keeps for its
-        peers (replication) have not arrived yet, while an older kept step holds them; the next
-        step's copies are received into those pool files (overwriting pages, not allocating).
-        """
-        best = 0
-        for step in steps:
-            try:
-                names = self._catalog.blobs_in(self._catalog.path(step))
-            except (OSError, ManifestError):
-                continue
-            total = 0
-            for name in names:
-                with contextlib.suppress(FileNotFoundError):
-                    total += self._round((self._blobs.directory / name).stat().st_size)
-            best = max(best, total)
-        return best
-
     def wipe(self) -> None:
         """Remove everything under root (a replaced node), leaving an empty store."""
         with self._lock:
@@ -669,29 +451,3 @@ class RamStore:
                 else:
                     p.unlink()
             self._make_dirs()
-
-    def usage(self) -> dict:
-        """Bytes and counts: blob_bytes, blob_count, free_bytes, total_bytes, committed/pending steps.
-
-        ``free_pool_bytes``/``free_pool_count``: collected files kept for reuse, which
-        ``check_space`` frees when a step needs their space; ``reclaimable_bytes`` is
-        ``free_bytes`` plus the pool.
-        """
-        blob_bytes = count = 0
-        for name in self.list_blobs():
-            with contextlib.suppress(FileNotFoundError):
-                blob_bytes += (self._blobs.directory / name).stat().st_size
-                count += 1
-        st = os.statvfs(self.root)
-        pool_count, pool_bytes = self._pool.stats()
-        return {
-            "blob_bytes": blob_bytes,
-            "blob_count": count,
-            "free_bytes": st.f_bavail * st.f_frsize,
-            "free_pool_bytes": pool_bytes,
-            "free_pool_count": pool_count,
-            "reclaimable_bytes": st.f_bavail * st.f_frsize + pool_bytes,
-            "total_bytes": st.f_blocks * st.f_frsize,
-            "committed_steps": self.committed_steps(),
-            "pending_steps": self.pending_steps(),
-        }

@@ -1,0 +1,116 @@
+"""``Landings``: a store's ledger of the landings it handed out and has not yet published.
+
+``landing`` is the mechanism (mapped temp blob files, the kept maps, the warmer); this is the
+bookkeeping ``RamStore`` keeps over it: which landings are open (by buffer address, so that
+``write_shards`` recognises a buffer), publishing and dropping them, the bytes published and
+whether a save is landing now (the warmer holds off meanwhile). It has its own lock and state,
+so it lives apart from the store's metadata (steps, pool, garbage collection).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from mtc.sidecar.ram.blobs import BlobFiles
+from mtc.sidecar.ram.landing import LANDING_MIN, Landing, LandingBatch, MapCache, MapWarmer, discard, is_no_space
+
+log = logging.getLogger(__name__)
+
+
+class Landings:
+    """The open landings of one store (see ``RamStore.land``).
+
+    ``fits(sizes)`` says whether new blobs of those sizes fit now (``RamStore.fits``).
+    """
+
+    def __init__(self, root: Path, blobs: BlobFiles, maps: MapCache, fits: Callable[[list[int]], bool]):
+        self.root = root
+        self._blobs = blobs
+        self._maps = maps
+        self._fits = fits
+        self._since = self._done = 0.0  # monotonic: last landing handed out, last published
+        self.warmer = MapWarmer(maps, self.now)
+        self._open: dict[int, Landing] = {}  # by buffer address: the landings not yet published
+        self._lock = threading.Lock()
+        self.landed_bytes = 0  # bytes published from landings, in total (one copy per save: for tests, status)
+        self.filled_bytes = 0  # of which from cold landings, written with Landing.fill
+
+    def land(self, sizes: Iterable[int], *, cold_ok: bool = False) -> LandingBatch:
+        """``RamStore.land``."""
+        sizes = [int(n) for n in sizes]
+        big = [n for n in sizes if n >= LANDING_MIN]
+        if not big or not self._fits(big):
+            return LandingBatch([None] * len(sizes))
+        out: list[Landing | None] = []
+        try:
+            for n in sizes:
+                out.append(self._blobs.land(n, cold_ok=cold_ok) if n >= LANDING_MIN else None)
+        except BaseException as e:
+            for x in out:
+                if x is not None:
+                    self._maps.forget(x.st)
+            discard([x for x in out if x is not None])
+            if not isinstance(e, OSError):
+                raise
+            # No room after all (another writer took it), or no map (vm.max_map_count): the
+            # shards are staged in memory and written instead; the save goes on.
+            (log.info if is_no_space(e) else log.warning)(
+                "ramdisk %s: cannot land %d shards (%s); staging them in memory", self.root, len(big), e)
+            return LandingBatch([None] * len(sizes))
+        with self._lock:
+            for x in out:
+                if x is not None:
+                    self._open[x.address] = x
+            self._since = time.monotonic()
+        return LandingBatch(out, self._drop)
+
+    def now(self) -> bool:
+        """Whether a save is landing: landings were handed out after the last one was published
+        (for at most a minute: a save of nothing but duplicates publishes none)."""
+        since = self._since
+        return since > self._done and time.monotonic() - since < 60.0
+
+    def landed(self, data) -> Landing | None:
+        """``RamStore.landed``."""
+        if not isinstance(data, np.ndarray) or not data.flags.c_contiguous:
+            return None
+        with self._lock:
+            x = self._open.get(data.ctypes.data) if data.size else None
+        return x if x is not None and x.size == data.nbytes and not x.done else None
+
+    def publish(self, landing: Landing, name: str) -> bool:
+        """``RamStore.publish_landed``."""
+        with self._lock:
+            if landing.done or self._open.pop(landing.address, None) is not landing:
+                raise ValueError(f"landing {landing.tmp} was already published or discarded")
+            self._done = time.monotonic()
+        added = self._blobs.publish_landed(landing, name)
+        if added:
+            with self._lock:
+                self.landed_bytes += landing.size
+                self.filled_bytes += landing.size if landing.filled else 0
+            if landing.cold:  # its map comes back from the pool warm, later (mtc.sidecar.ram.landing)
+                self.warmer.submit(landing.st)
+        return added
+
+    def _drop(self, landings: list[Landing]) -> None:
+        with self._lock:
+            self._done = time.monotonic()
+            for x in landings:
+                if self._open.get(x.address) is x:
+                    del self._open[x.address]
+        for x in landings:
+            self._maps.forget(x.st)
+        discard(landings)
+
+    def drop_all(self) -> None:
+        """Remove every unpublished landing (the store is closing)."""
+        with self._lock:
+            landings = list(self._open.values())
+        self._drop(landings)

@@ -1,0 +1,229 @@
+"""``StoreSpace``: the room in a ``RamStore``: what fits, making room, retention, garbage collection.
+
+A mixin of ``RamStore`` (``mtc.sidecar.ram.store``), apart because it is the one part that
+decides what goes: it works over the store's catalog, free pool, blob files and pins, under
+the store's lock, and holds no state of its own. It uses the store's ``root``,
+``max_to_keep``, ``_lock``, ``_pins``, ``_catalog``, ``_pool``, ``_blobs``, ``_maps`` and
+``_round``, and its ``committed_steps``, ``pending_steps`` and ``list_blobs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import Counter
+from typing import Iterable
+
+from mtc.shared.errors import InsufficientSpaceError, ManifestError
+from mtc.sidecar.ram.common import check_step, format_bytes, free_bytes
+from mtc.sidecar.ram.pool import POOL_MIN
+
+log = logging.getLogger(__name__)
+
+
+class StoreSpace:
+    """Space accounting, retention and garbage collection of ``RamStore`` (a mixin)."""
+
+    # --- space -------------------------------------------------------------------------
+
+    def fits(self, sizes: Iterable[int]) -> bool:
+        """Whether new blobs of ``sizes`` bytes fit now, all of them, without freeing anything.
+
+        Free-pool files of those sizes count: they are overwritten in place.
+        """
+        sizes = [int(n) for n in sizes]
+        return sum(self._round(n) for n in sizes) - self._pool.reuse(sizes) <= free_bytes(self.root)
+
+    def check_space(self, needed_bytes: int, *, step: int, sizes: Iterable[int] | None = None) -> None:
+        """Make sure ``needed_bytes`` fit before any byte of ``step`` is written.
+
+        If they do not fit, frees what policy allows (the free pool, the oldest committed
+        steps beyond ``max_to_keep - 1``, which the commit would remove anyway, then their
+        blobs), but only when that is enough; otherwise nothing is deleted and
+        InsufficientSpaceError says what is needed, what is free and how to fix it. The newest
+        step is never removed. ``sizes`` (the byte sizes of the blobs to be written) lets
+        collected files of those sizes stay in the free pool, to be overwritten in place,
+        instead of being freed and allocated again.
+        """
+        needed = int(needed_bytes)
+        if needed < 0:
+            raise ValueError(f"needed_bytes must be >= 0, got {needed_bytes!r}")
+        step = check_step(step)
+        sizes = [int(n) for n in sizes] if sizes is not None else []
+        with self._lock:
+            free = free_bytes(self.root)
+            if needed - self._pool.reuse(sizes) <= free:
+                return
+            steps = self.committed_steps()
+            keep = max(1, self.max_to_keep - 1)
+            drop = steps[:-keep] if len(steps) > keep else []
+            kept = steps[len(drop):]
+            live_pending = self._catalog.live_pending(kept)
+            try:
+                live = self._catalog.live_blobs(kept, live_pending, self._pins)
+            except ManifestError as e:
+                log.error("ramdisk %s: cannot free space safely: %s", self.root, e)
+                live = None
+            reclaim = self._pool.stats()[1]
+            if live is not None:
+                reclaim += self._blobs.allocated(self.list_blobs() - live)
+            if free + reclaim < needed:
+                raise self._space_error(step, needed, free, reclaim)
+            for s in drop:
+                log.info("ramdisk %s: removing step %d early to make room for step %d "
+                         "(local_max_to_keep=%d)", self.root, s, step, self.max_to_keep)
+                self._catalog.remove(s)
+            self._catalog.remove_stale_pending(live_pending)
+            # Pool files (old and newly collected) that blobs of this step will overwrite stay;
+            # the others are freed. Either way the space counts: reused or free.
+            want = Counter(n for n in sizes if n >= POOL_MIN)
+            self._pool.drain(want)
+            self._gc_locked(frozenset(), want=want)
+            free = free_bytes(self.root)
+            if needed - self._pool.reuse(sizes) > free:
+                raise self._space_error(step, needed, free, 0)
+
+    def _space_error(self, step: int, needed: int, free: int, reclaim: int) -> InsufficientSpaceError:
+        return InsufficientSpaceError(
+            f"step {step} does not fit in the ramdisk {self.root}: it needs {format_bytes(needed)} "
+            f"({needed} bytes), {format_bytes(free)} ({free} bytes) are free, and removing the old steps "
+            f"that local_max_to_keep={self.max_to_keep} allows would free only {format_bytes(reclaim)} more. "
+            f"Nothing of step {step} was written. Make the ramdisk larger: see "
+            f"`mtc size --params ... --hosts ...`, or lower local_max_to_keep")
+
+    # --- retention -----------------------------------------------------------------------
+
+    def prune(self) -> None:
+        """Keep the newest ``max_to_keep`` steps, drop stale pending manifests, then gc()."""
+        with self._lock:
+            _, dropped, collected = self._prune_locked()
+        for s in dropped:
+            log.info("ramdisk %s: removed step %d (local_max_to_keep=%d)", self.root, s, self.max_to_keep)
+        if collected:
+            log.info("ramdisk %s: %s", self.root, collected.lstrip("; "))
+
+    def _prune_locked(self) -> tuple[list[int], list[int], str]:
+        """``prune`` under the lock, from one listing of steps/ and pending/: (steps kept, steps
+        removed, what garbage collection removed, as words for a log line: "" for nothing)."""
+        steps = self.committed_steps()
+        drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
+        dirs = self._catalog.pending_dirs()
+        for s in drop:
+            self._catalog.remove(s, pending=dirs.pop(s, None) is not None)
+        kept = steps[len(drop):]
+        self._catalog.remove_stale_pending(self._catalog.live_pending(kept, dirs), dirs)
+        collected = []
+        self._gc_locked(frozenset(), recycle=True, steps=kept, pending=dirs, report=collected)
+        return kept, drop, collected[0] if collected else ""
+
+    # --- garbage -----------------------------------------------------------------------
+
+    def gc(self, extra_live: Iterable[str] = frozenset()) -> int:
+        """Delete blobs that no committed step, pending manifest, pin or ``extra_live`` uses.
+
+        Returns the number of bytes freed. If a manifest cannot be parsed, nothing is deleted
+        (an error is logged): deleting blindly could destroy a good step.
+        """
+        with self._lock:
+            return self._gc_locked(frozenset(extra_live))
+
+    def _gc_locked(self, extra_live: frozenset, *, recycle: bool = False, want: Counter | None = None,
+                   steps: list[int] | None = None, pending: dict | None = None, report: list | None = None) -> int:
+        """Collect unused blobs; returns their bytes.
+
+        With ``recycle``, collected files go to the free pool up to the bytes of the newest
+        step; with ``want`` ({size: count}, decremented), up to that many files of each size.
+        The rest are unlinked. ``steps`` and ``pending`` are the committed steps and the
+        ``pending_dirs`` as the caller listed them under this lock (else they are listed here).
+        With ``report``, what was removed is appended to it as words instead of logged.
+        """
+        steps = self.committed_steps() if steps is None else steps
+        dirs = self._catalog.pending_dirs() if pending is None else pending
+        try:
+            live = self._catalog.live_blobs(steps, sorted(dirs), self._pins, dirs)
+        except ManifestError as e:
+            log.error("ramdisk %s: garbage collection skipped, a manifest is unreadable: %s", self.root, e)
+            return 0
+        live |= extra_live
+        garbage = self.list_blobs() - live
+        cap = None  # the pool's bound: worked out for the first file big enough to be pooled
+        freed = count = pooled = 0
+        directory = str(self._blobs.directory)
+        for name in garbage:
+            path = f"{directory}/{name}"
+            try:
+                st = os.stat(path)
+                if want is not None and want[st.st_size] > 0 and self._pool.recycle(path, st, None):
+                    want[st.st_size] -= 1
+                    pooled += 1
+                elif recycle and self.free_pool and st.st_size >= POOL_MIN:
+                    if cap is None:
+                        cap = self._pool_cap(steps)
+                    if self._pool.recycle(path, st, cap):
+                        pooled += 1
+                    else:
+                        os.unlink(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue
+            freed += st.st_size
+            count += 1
+        self._maps.sweep()  # maps of files unlinked here (or by anyone) would hold their pages
+        if count:
+            words = (f"garbage collection removed {count} blob{'s' if count != 1 else ''}, {format_bytes(freed)} "
+                     f"({pooled} kept in the free pool)")
+            if report is not None:
+                report.append("; " + words)
+            else:
+                log.info("ramdisk %s: %s", self.root, words)
+        return freed
+
+    def _pool_cap(self, steps: list[int]) -> int:
+        """The free pool's bound: the most bytes of blobs any kept step holds here.
+
+        Not only the newest step's: when a step commits, the copies this host keeps for its
+        peers (replication) have not arrived yet, while an older kept step holds them; the next
+        step's copies are received into those pool files (overwriting pages, not allocating).
+        """
+        best = 0
+        for step in steps:
+            try:
+                names = self._catalog.blobs_in(self._catalog.path(step))
+            except (OSError, ManifestError):
+                continue
+            total = 0
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += self._round((self._blobs.directory / name).stat().st_size)
+            best = max(best, total)
+        return best
+
+    # --- usage ---------------------------------------------------------------------------
+
+    def usage(self) -> dict:
+        """Bytes and counts: blob_bytes, blob_count, free_bytes, total_bytes, committed/pending steps.
+
+        ``free_pool_bytes``/``free_pool_count``: collected files kept for reuse, which
+        ``check_space`` frees when a step needs their space; ``reclaimable_bytes`` is
+        ``free_bytes`` plus the pool.
+        """
+        blob_bytes = count = 0
+        for name in self.list_blobs():
+            with contextlib.suppress(FileNotFoundError):
+                blob_bytes += (self._blobs.directory / name).stat().st_size
+                count += 1
+        st = os.statvfs(self.root)
+        pool_count, pool_bytes = self._pool.stats()
+        return {
+            "blob_bytes": blob_bytes,
+            "blob_count": count,
+            "free_bytes": st.f_bavail * st.f_frsize,
+            "free_pool_bytes": pool_bytes,
+            "free_pool_count": pool_count,
+            "reclaimable_bytes": st.f_bavail * st.f_frsize + pool_bytes,
+            "total_bytes": st.f_blocks * st.f_frsize,
+            "committed_steps": self.committed_steps(),
+            "pending_steps": self.pending_steps(),
+        }
