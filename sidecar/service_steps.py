@@ -1,0 +1,229 @@
+"""``ServiceSteps``: the committed steps of one host as its sidecar knows them: manifests,
+commit records, local views, the inventory and verification.
+
+A mixin of ``SidecarService`` (``mtc.sidecar.service``), apart because it is the read side of
+the step catalog: where a step file holds only a commit record, the manifest (or just its
+header, for a restore onto the same topology) is fetched from a keeper and checked against the
+digest; what this sidecar committed repairs a step file damaged under it. It uses the service's
+``host_id``, ``store``, ``_peer_token`` and per-step caches (``_manifests``, ``_committed``,
+``_records``, ``_views``, ``_share_digests``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Sequence
+
+from mtc.shared import format as fmt
+from mtc.shared import protocol
+from mtc.shared.errors import ManifestError, MTCError, StepNotFoundError
+from mtc.sidecar.peer import PeerClient
+from mtc.sidecar.replication import held_bits, pull_notes
+
+log = logging.getLogger(__name__)
+
+
+class ServiceSteps:
+    """The committed steps' manifests, records and views, inventory and verify of ``SidecarService``
+    (a mixin)."""
+
+    # --- inventory ---------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        return self.store.committed_steps()
+
+    def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
+        """The whole manifest of committed ``step`` (fetched from a keeper first if need be;
+        with ``here_only``, StepNotFoundError instead when this host committed only a record)."""
+        if here_only and step not in self._manifests and self._record(step) is not None:
+            raise StepNotFoundError(f"host {self.host_id} keeps only a record of step {step}, not its manifest")
+        return self.manifest(step).to_json()
+
+    def _has_readable(self, step: int) -> bool:
+        """Whether ``step`` is committed here with a manifest that passes its checks."""
+        try:
+            self.manifest(step)
+            return True
+        except (ManifestError, StepNotFoundError):
+            self._manifests.pop(step, None)
+            return False
+
+    def manifest(self, step: int) -> fmt.StepManifest:
+        """The whole manifest of committed ``step``. Where this host committed only a record
+        (``fmt.CommitRecord``), it is fetched from a keeper, checked against the digest, and
+        replaces the record (ManifestError if no keeper could give it)."""
+        m = self._manifests.get(step)
+        if m is None:
+            data = self.store.read_step(step)
+            try:
+                rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} commit record")
+                if rec is not None:
+                    data = self._fetch_manifest(rec)
+                m = fmt.StepManifest.from_json(data, source=f"{self.host_id} step {step}")
+            except ManifestError:
+                # Changed under this live sidecar (bit rot, a stray write): it committed the step
+                # itself, so it rewrites the file from the bytes it committed.
+                good = self._committed.get(step)
+                if good is None or good == data or not self.store.rewrite_step(step, good):
+                    raise
+                log.warning("host %s: the file of step %d failed its checks; rewrote it from what this sidecar "
+                            "committed", self.host_id, step)
+                return self.manifest(step)
+            if rec is not None:
+                self.store.upgrade_step(step, data, rec.digest)
+            self._manifests[step] = m
+        return m
+
+    def _record(self, step: int) -> fmt.CommitRecord | None:
+        """The commit record of ``step`` here, if that is what this host committed (else None)."""
+        return self._read_record(step)[0]
+
+    def _read_record(self, step: int) -> tuple[fmt.CommitRecord | None, frozenset | None]:
+        """(the commit record of ``step`` here or None, the blob names of its part). The file is
+        read each time (a damaged one must show); bytes read as before are not parsed again."""
+        try:
+            data = self.store.read_step(step)
+        except (ManifestError, StepNotFoundError, OSError):
+            return None, None
+        hit = self._records.get(step)
+        if hit is not None and hit[0] == data:
+            return hit[1], hit[2]
+        try:
+            rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} record")
+            own = None if rec is None else frozenset(rec.host_manifest().blob_names())
+        except (ManifestError, OSError):
+            return None, None
+        self._records[step] = (data, rec, own)
+        return rec, own
+
+    def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False) -> bytes:
+        what = "the header of its manifest" if header_only else "its manifest"
+        causes = []
+        for host, address in rec.keepers:
+            if host == self.host_id or not self._peer_token:
+                causes.append(f"{host}: {'this host' if host == self.host_id else 'no peer token here'}")
+                continue
+            try:
+                with PeerClient(address, self._peer_token, peer=host, timeout_s=60.0) as client:
+                    data = client.manifest(rec.step, rec.digest, header_only=header_only)
+                log.info("host %s: fetched %s (step %d) from keeper %s", self.host_id, what, rec.step, host)
+                return data
+            except (MTCError, OSError) as e:
+                causes.append(f"{host}: {e}")
+        raise ManifestError(f"host {self.host_id}: step {rec.step} is committed here as a record, and no keeper "
+                            f"could give {what} ({'; '.join(causes)}); the head gives it back at restore")
+
+    def _view_for(self, step: int, rows: Sequence[tuple]) -> fmt.StepManifest:
+        """The manifest to read ``rows`` (key, box, ...) of ``step`` by.
+
+        Where this host keeps the whole manifest, that one. Where it committed a record and every
+        row is exactly one of its own shards (a restore onto the same topology), its local view:
+        the header fetched from a keeper (one line: arrays and shardings) with its own part, both
+        checked against the digest it committed; the other hosts' parts, which grow with hosts x
+        shards, are not fetched. Any other read (a resharded restore) fetches the whole manifest.
+        """
+        if step in self._manifests:
+            return self._manifests[step]
+        rec = self._record(step)
+        if rec is None:
+            return self.manifest(step)
+        held = self._views.get(step)
+        if held is None or held[0].digest != rec.digest:
+            try:
+                view = fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True), self.host_id, rec.part,
+                                                   source=f"{self.host_id} step {step} local view")
+            except ManifestError as e:
+                log.info("host %s: step %d: no local view (%s); reading by the whole manifest", self.host_id, step, e)
+                return self.manifest(step)
+            if view.step != step or view.digest != rec.digest:
+                return self.manifest(step)
+            boxes = {a.key: {s.box for s in a.shards} for a in view.arrays if a.shards}
+            shapes = {a.key: a.shape for a in view.arrays}
+            held = self._views[step] = (view, boxes, shapes)
+        view, boxes, shapes = held
+        for key, box, *_ in rows:
+            if key not in shapes:
+                return self.manifest(step)
+            want = tuple((0, n) for n in shapes[key]) if box is None else tuple(tuple(b) for b in box)
+            if want not in boxes.get(key, ()):
+                return self.manifest(step)
+        return view
+
+    def inventory(self, devices: Sequence[int] | None = None) -> dict:
+        """What this host holds: committed steps, and for each which of its blobs are here.
+
+        ``blobs``/``local_blobs`` count this host's own share of the step: the shards of
+        ``devices`` (the head's device ids of this host) when given, else every blob of the
+        step (one host holding every device); ``own`` is the digest of that share's sorted blob
+        names (hosts with equal shares, data-parallel twins, have equal ones). The held bits
+        cover every blob of the step (of the own share, for a host that committed a record).
+        """
+        mine = set(devices) if devices is not None else None
+        have = self.store.list_blobs()
+        out, damaged = [], []
+        committed = self.store.committed_steps()
+        kept = set(self._manifests) | set(self._committed)
+        for s in sorted(kept - set(committed)):  # a step file no longer JSON is rewritten
+            # (A commit on another thread may prune the step meanwhile: then there is nothing to repair.)
+            m = self._manifests.get(s)
+            data = self._committed.get(s) if m is None else None
+            with contextlib.suppress(ManifestError, OSError):
+                if m is not None:
+                    data = m.to_json()
+                if data is not None and self.store.repair_step(s, data):
+                    committed = self.store.committed_steps()
+        for s in set(self._committed) - set(committed):  # pruned or aborted (or not repairable)
+            self._committed.pop(s, None)
+        for s in (set(self._records) | set(self._views)) - set(committed):
+            self._records.pop(s, None)
+            self._views.pop(s, None)
+        for s in committed:
+            rec, own = (None, None) if s in self._manifests else self._read_record(s)
+            if rec is not None:
+                # Committed here as a record: this host's own part is all it holds of the step,
+                # and all it reports (the head maps it with the manifest): no fetch for an inventory.
+                out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": rec.digest,
+                            "part": True, "own": protocol.blob_list_digest(sorted(own)), **held_bits(own, have)})
+                continue
+            try:
+                m = self.manifest(s)
+            except (ManifestError, StepNotFoundError) as e:
+                log.warning("host %s: step %d manifest unreadable: %s", self.host_id, s, e)
+                damaged.append(s)  # its blobs may be fine: the head can give the manifest back (peer_pull)
+                continue
+            if mine is None:
+                own = m.blob_names()
+            else:  # shards with no device record (older manifests) count for every host
+                own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
+            # Its share: the part it wrote (mtc/3), else the shards of its devices.
+            share = m.part_blobs.get(self.host_id, own)
+            out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": m.digest,
+                        "own": protocol.blob_list_digest(sorted(share)), "copies": self._shares_held(m, have),
+                        **held_bits(m.blob_names(), have)})
+        # A step file that is no longer JSON hides its step; this host committed it, so it is
+        # damaged, not gone: the head gives the manifest the others agree on back.
+        damaged += [s for s in self.store.unreadable_steps(listed=True) if s not in damaged]
+        return {"host": self.host_id, "steps": out, "damaged": sorted(damaged), **pull_notes(self.store)}
+
+    def _shares_held(self, m: fmt.StepManifest, have: set[str]) -> list[str]:
+        """The digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own
+        and the copies it keeps for others, as the head's replication counts them
+        (``covered_by_shares``)."""
+        key = (m.step, m.digest)
+        digests = self._share_digests.get(key)
+        if digests is None:
+            digests = {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()}
+            # Rebuilt, not changed in place: inventories may run on several threads at once.
+            kept = {k: v for k, v in list(self._share_digests.items()) if k[0] in self._manifests}
+            kept[key] = digests
+            self._share_digests = kept
+        return sorted({d for h, d in digests.items() if m.part_blobs[h] <= have})
+
+    def verify(self, step: int) -> dict:
+        """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}."""
+        names = sorted(self.manifest(step).blob_names() & self.store.list_blobs())
+        bad = [n for n in names if not self.store.verify_blob(n)]
+        if bad:
+            log.warning("host %s: step %d: %d blobs fail their hash: %s", self.host_id, step, len(bad), bad[:3])
+        return {"host": self.host_id, "checked": len(names), "bad": bad}
