@@ -25,9 +25,13 @@ killed host, brings the bucket back), and then checks the invariants:
 
 The seed is printed; ``--seed N`` replays the same schedule (each trial draws its parameters from its
 own generator, seeded by the run seed and the trial number, so outcomes do not shift later trials).
-The first violated invariant stops the run and prints the schedule up to it. At the end, a table per
-fault class: injected, survived, restores checked, wrong restores, lost committed steps, and the
-median and worst time from the fault to the first verified restore after it.
+The first violated invariant stops the run and prints the schedule up to it. An injection that fails
+(the soak's own fault: a filler file that cannot be created on a full ramdisk, a process already gone,
+an ``ip`` command refused) stops nothing: it is that trial's outcome, counted in the table and named in
+the notes; the soak puts back what the fault may have left half done and checks the invariants as
+after any trial. At the end, a table per fault class: injected, injections that failed, survived,
+restores checked, wrong restores, lost committed steps, and the median and worst time from the fault
+to the first verified restore after it.
 """
 
 from __future__ import annotations
@@ -329,6 +333,7 @@ def flip(data: bytes, r: random.Random) -> tuple[bytes, int]:
 @dataclasses.dataclass
 class ClassStats:
     injected: int = 0
+    inject_failed: int = 0  # trials whose injection raised (recorded, the cluster healed, then checked)
     survived: int = 0
     restores: int = 0
     wrong: int = 0
@@ -781,7 +786,7 @@ class Soak:
             for _ in range(r.randint(0, 1)):
                 self._clean_save("a save between faults")
             t_fault = time.perf_counter()
-            FAULTS[cls.split(":")[0]](self, r, cls, detail)
+            failed = self._inject(cls, r, detail)
             self.check(cls, t_fault)
             while self.repairs:  # the fault ends: the soak puts back the bytes it corrupted
                 self.repairs.pop()()
@@ -793,7 +798,8 @@ class Soak:
             self.schedule[-1] = f"{line} {detail}"
             raise Violation(f"{line} {detail}: the head died unexpectedly: {e}") from None
         st = self.stats[cls]
-        st.injected += 1
+        if failed is None:
+            st.injected += 1
         st.survived += 1
         self.schedule[-1] = f"{line} {detail}"
         rep = self.last_restore
@@ -802,13 +808,58 @@ class Soak:
                  f"in {st.recover_s[-1]:.1f} s [{time.perf_counter() - t_start:.1f} s]")
         self.trial += 1
 
+    def _inject(self, cls: str, r: random.Random, d: dict) -> str | None:
+        """Inject the fault of ``cls``; None, or why the injection failed.
+
+        A broken invariant (``Violation``) or a head that died still ends the run. Any other exception
+        comes from the soak's own injecting (ENOSPC creating a filler on a ramdisk that is already full,
+        a process already gone, an ``ip`` or mount command refused): it is recorded as this trial's
+        outcome (the table's "injection failed", the notes, the schedule), what the fault may have left
+        half done is put back, and the trial goes on to its checks."""
+        try:
+            FAULTS[cls.split(":")[0]](self, r, cls, d)
+            return None
+        except (Violation, HeadDied):
+            raise
+        except Exception as e:  # noqa: BLE001 - the harness survives its injections
+            why = f"{type(e).__name__}: {e}"
+            d["injection_failed"] = why
+            self.stats[cls].inject_failed += 1
+            self._note(f"{cls}: the injection failed ({why})")
+            self.out(f"  {cls}: the injection failed, recorded ({why}); healing, then the checks")
+            self._heal()
+            return why
+
+    def _heal(self) -> None:
+        """After a failed injection: bring back what a fault may have left down (hosts, the bucket, a
+        link, a filler file, the head, the hosts the head drives), as its own cleanup would have. A step
+        that fails is noted; the checks that follow judge the cluster as it is."""
+        steps: list[tuple[str, Callable[[], None]]] = []
+        for h in self.cluster.hosts:
+            steps.append((f"remove the filler on {h}", lambda h=h: (self.cluster.ramdisk(h) / "filler").unlink(
+                missing_ok=True)))
+            if self.net is not None:
+                steps.append((f"bring {h}'s link up", lambda h=h: self.net.heal(h)))
+            steps.append((f"restart {h}", lambda h=h: None if self.cluster.is_running(h) else self.cluster.restart(h)))
+        if self.server is not None and not self.backup.up:
+            steps.append(("restart the bucket", lambda: (self.server.start(), setattr(self.backup, "up", True))))
+        for what, fn in steps:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - noted; the checks judge what is left
+                self._note(f"heal after a failed injection: could not {what} ({type(e).__name__}: {e})")
+        if self.head is None:
+            self._new_head(self.cluster.hosts)
+        elif sorted(self.live) != sorted(self.cluster.hosts):
+            self._open(self.cluster.hosts)
+
     def summary_rows(self) -> list[list[str]]:
         rows = []
         for c in FAULT_CLASSES:
             s = self.stats[c]
             t = s.recover_s
-            rows.append([c, str(s.injected), str(s.survived), str(s.restores), str(s.wrong), str(s.lost),
-                         f"{statistics.median(t):.1f}" if t else "-", f"{max(t):.1f}" if t else "-"])
+            rows.append([c, str(s.injected), str(s.inject_failed), str(s.survived), str(s.restores), str(s.wrong),
+                         str(s.lost), f"{statistics.median(t):.1f}" if t else "-", f"{max(t):.1f}" if t else "-"])
         return rows
 
 
@@ -1109,12 +1160,11 @@ def fault_ramdisk_full(s: Soak, r: random.Random, cls: str, d: dict) -> None:
     filler = ramdisk / "filler"
     d.update(host=victim, left_kib=leave >> 10)
     try:
-        with open(filler, "wb") as f:
+        with open(filler, "wb", buffering=0) as f:  # unbuffered: the write that meets ENOSPC ends the fill
             chunk = b"\0" * (1 << 20)
             while fill > 0:
-                n = min(fill, len(chunk))
                 try:
-                    f.write(chunk[:n])
+                    n = f.write(chunk[:min(fill, len(chunk))])
                 except OSError:
                     break
                 fill -= n
@@ -1244,8 +1294,8 @@ FAULTS: dict[str, Callable] = {
     "net_cut": fault_net_cut,
 }
 
-HEADER = ["fault class", "injected", "survived", "restores checked", "wrong restores", "lost committed steps",
-          "median recover s", "worst recover s"]
+HEADER = ["fault class", "injected", "injection failed", "survived", "restores checked", "wrong restores",
+          "lost committed steps", "median recover s", "worst recover s"]
 
 
 def format_table(rows: list[list[str]]) -> str:

@@ -20,10 +20,10 @@ RUNS = [(11, (2, 2), "gcs", 24), (12, (1, 4), "local", 22)]
 def test_soak_short(seed, topology, backend, trials, monkeypatch, capsys):
     monkeypatch.setenv("MTC_SOAK_LISTING_DEADLINE_S", "3")
     run = soak.run_soak(seed, trials=trials, trials_per_segment=trials, segments=[(topology, backend)])
-    drawn = {c for c, st in run.stats.items() if st.injected}
+    drawn = {c for c, st in run.stats.items() if st.injected or st.inject_failed}
     can = run.could_draw  # every class, less the bucket's with a directory, ramdisk_full/net_cut without root
     assert can >= set(soak.FAULT_CLASSES) - soak.GCS_ONLY - {"ramdisk_full", "net_cut"}
     assert drawn == can, f"classes not drawn: {sorted(can - drawn)}"
     for c, st in run.stats.items():
-        assert st.survived == st.injected and st.wrong == 0 and st.lost == 0, (c, st)
+        assert st.survived == st.injected + st.inject_failed and st.wrong == 0 and st.lost == 0, (c, st)
     assert sum(st.restores for st in run.stats.values()) >= trials
