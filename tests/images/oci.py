@@ -14,7 +14,7 @@ storage and in ``$MTC_CACHE`` (default ``~/.cache/mtc``), keyed on what it was b
 - the images are tagged under ``localhost/mtc-test-<hash of the lock and the mtc source>``,
   and podman's layer cache makes a rebuild of unchanged inputs a cache hit at every step.
 
-podman needs two settings on this machine (FACTS: crun cannot set RLIMIT_NOFILE here): a
+podman needs two settings on this machine (crun cannot set RLIMIT_NOFILE on it): a
 containers.conf with ``default_ulimits = []`` and the ``runc`` runtime, given to every podman
 command through ``CONTAINERS_CONF``.
 """

@@ -4,7 +4,7 @@ tiers tried, and no corrupt byte reaches it.
 Found by the soak (tests/chaos/soak.py, flip_backup_blob): with the step's only copy in the backup
 corrupt, several hosts' fetches failed and the head raised a bare ``MTCError("fetch of backup ... failed
 on 2 hosts: ...")`` that named blobs and hosts but not the array or the tiers, unlike a corrupt only copy
-on the peers (DESIGN: "with no good copy left, the error names the array, the shard and the tiers tried").
+on the peers (with no good copy left, the error names the array, the shard and the tiers tried).
 """
 
 from __future__ import annotations
