@@ -6,6 +6,7 @@ Under the backup root ``<base_output_directory>/<run_name>/mtc/``::
     blobs/<hash>                      content-addressed blobs, shared by every backup
     backups/<UTC time>-step-<step>.json   one backup: its step manifest, written last, create-only
     restore.version                   optional: the name of the one backup restore must use
+    finalizing/<gen>.<name>.<host>.*  a finalize in progress (sidecar/backup/fence.py); none when idle
 
 Backups are ordered by step, newest first, and only among backups of one step by the time in
 their names: the time is for people, and a host whose clock ran ahead (or behind) changes no
@@ -21,6 +22,7 @@ from mtc.shared.errors import ConfigError
 
 BLOBS = "blobs/"
 BACKUPS = "backups/"
+FINALIZING = "finalizing/"
 RESTORE_VERSION = "restore.version"
 _NAME_RE = re.compile(r"(\d{8}T\d{6}Z)-step-(\d{12})")
 

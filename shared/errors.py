@@ -88,5 +88,10 @@ class FencedError(MTCError):
         self.current = current
 
 
+class BackupSupersededError(MTCError):
+    """A newer finalize of the backup tier started while this one ran (one its head gave up on, still
+    running on its host): this one stopped before its next bucket operation (``sidecar/backup/fence.py``)."""
+
+
 class InjectedFaultError(MTCError):
     """A failure injected at a named fault point (``MTC_FAIL_AT``), for tests."""

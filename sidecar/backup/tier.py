@@ -3,7 +3,8 @@
 The head decides when a backup is due and which host uploads which blob (each unique blob
 once, spread over its holders); each sidecar uploads from its committed ramdisk copy. A
 backup becomes visible only when its manifest object is written, last and create-only, after
-every blob it names is in the store.
+every blob it names is in the store. Finalizes run one at a time per backup root (``fence.py``):
+one the head gave up on stops before the next one reads or writes anything.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, open_store
+from mtc.sidecar.backup.fence import FinalizeFence, sweep_dead
 from mtc.sidecar.faults import crash_point
+from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.ram import RamStore
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,12 @@ class BackupTier:
         self._host = host_id
         self._store = store or open_store(url)
         self._threads = max(1, threads)
+        self._swept = False  # this host's finalize markers from an earlier process removed (fence.py)
+
+    def _sweep(self) -> None:
+        if not self._swept:
+            sweep_dead(self._store, self._host)
+            self._swept = True
 
     # --- save side -----------------------------------------------------------------------
 
@@ -48,6 +57,7 @@ class BackupTier:
                     f"host {self._host}: cannot back up {len(missing)} blob(s) it no longer holds "
                     f"({missing[0]}, ...); the step was pruned from the ramdisk")
 
+            self._sweep()  # every host uploads before a finalize: a daemon that restarted clears its markers
             # One listing instead of a HEAD per blob: incremental backups skip most blobs.
             present = {o[len(layout.BLOBS):] for o in self._store.list(layout.BLOBS)}
 
@@ -69,28 +79,56 @@ class BackupTier:
         return out
 
     def finalize(self, name: str, manifest_json: bytes, max_to_keep: int,
-                 guard: Callable[[], None] | None = None) -> dict:
+                 guard: Callable[[], None] | None = None, generation: int | None = None) -> dict:
         """Make backup ``name`` visible (its manifest, create-only), then apply retention.
 
         ``guard`` (the sidecar's lease check for the head that asked) runs before every store
         operation and every retry of one, and raises once that head was fenced off: a finalize
         can outlive its head (killed while the bucket was unreachable, this call retrying), and
         left to go on it would write and prune beside the next head's backups, whose manifests
-        its retention never listed (it would delete their blobs)."""
+        its retention never listed (it would delete their blobs). The same holds for a finalize
+        its own head gave up on: it waits for older finalizes and stops once a newer one starts
+        (``fence.py``; ``generation`` orders them, by default the lease's)."""
         manifest = fmt.StepManifest.from_json(manifest_json, source=f"backup {name} manifest")
         if layout.parse_backup_name(name) != manifest.step:
             raise ManifestError(f"backup name {name} does not match the manifest's step {manifest.step}")
-        store = self._store if guard is None else self._store.with_guard(guard)
-        present = {o[len(layout.BLOBS):] for o in store.list(layout.BLOBS)}
-        missing = sorted(manifest.blob_names() - present)
-        if missing:
-            raise CorruptBlobError(f"backup {name}: {len(missing)} blob(s) missing from {self.url} "
-                                   f"({missing[0]}, ...); the backup is not made visible")
-        created = store.put_bytes(layout.manifest_object(name), manifest_json, if_absent=True)
-        deleted = self._retain(store, max_to_keep)
+        leased = self._store if guard is None else self._store.with_guard(guard)
+        if guard is not None:
+            guard()  # a fenced-off head announces nothing
+        if generation is None:
+            generation = (HeadLease(self._ram.root).current() or {}).get("generation")
+        fence = FinalizeFence(leased, self._store, name, self._host, generation)
+        fence.announce()
+        try:
+            self._sweep()
+            fence.wait_turn()
+
+            def both() -> None:
+                if guard is not None:
+                    guard()
+                fence.check()
+
+            store = self._store.with_guard(both)
+            present = {o[len(layout.BLOBS):] for o in store.list(layout.BLOBS)}
+            missing = sorted(manifest.blob_names() - present)
+            if missing:
+                raise CorruptBlobError(f"backup {name}: {len(missing)} blob(s) missing from {self.url} "
+                                       f"({missing[0]}, ...); the backup is not made visible")
+            created = store.put_bytes(layout.manifest_object(name), manifest_json, if_absent=True)
+            if not created and store.get_bytes(layout.manifest_object(name)) != manifest_json:
+                raise ManifestError(f"backup {name} is already in {self.url} with another manifest; a backup "
+                                    "name is written once: back up again (a new name) to store this one")
+            deleted = self._retain(store, max_to_keep)
+        finally:
+            fence.release()
         return {"name": name, "created": created, "deleted_backups": deleted}
 
     def _retain(self, store: ObjectStore, max_to_keep: int) -> list[str]:
+        if not layout.names_from_listing(store.list(layout.BACKUPS))[max_to_keep:]:
+            return []
+        # The blobs are listed before the backups that say which are live: a blob uploaded after
+        # this listing (for a backup not visible yet) is never deleted by this retention.
+        blobs = store.list(layout.BLOBS)
         names = layout.names_from_listing(store.list(layout.BACKUPS))
         old = names[max_to_keep:]
         if not old:
@@ -102,7 +140,7 @@ class BackupTier:
         for n in names[:max_to_keep]:
             live |= fmt.StepManifest.from_json(store.get_bytes(layout.manifest_object(n)),
                                                source=f"backup {n}").blob_names()
-        for obj in store.list(layout.BLOBS):
+        for obj in blobs:
             if obj[len(layout.BLOBS):] not in live:
                 store.delete(obj)
         return old
