@@ -1318,7 +1318,7 @@ def print_rich_table(rows: list[list[str]], title: str) -> None:
         t.add_column(h, justify="left" if i == 0 else "right")
     for r in rows:
         t.add_row(*r)
-    Console(width=160).print(t)
+    Console(width=180).print(t)  # the class names whole beside the 9 columns
 
 
 def run_soak(seed: int, *, minutes: float | None = None, trials: int | None = None, trials_per_segment: int = 24,
