@@ -49,7 +49,6 @@ from mtc.shared.errors import (
     MTCError,
     ProtocolError,
     SaveError,
-    StepNotFoundError,
 )
 
 log = logging.getLogger(__name__)
@@ -310,39 +309,14 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
             results[h] = HostInventory.unreachable(h, cause(e))
         return {h: results[h] for h in self._hosts}
 
-    def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
-        """The manifest of ``step`` (with ``digest``, when given): asked first of the hosts that
-        keep it, then of those that keep a record of it (which fetch it from a keeper)."""
-        causes: list[str] = []
-        records: list[str] = []
-        for h in self._hosts:
-            m = self._manifest_from(h, step, digest, True, causes, records)
-            if m is not None:
-                return m
-        for h in records:
-            m = self._manifest_from(h, step, digest, False, causes, [])
-            if m is not None:
-                return m
-        raise StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
-
-    def _manifest_from(self, h: str, step: int, digest: str | None, here_only: bool, causes: list[str],
-                       records: list[str]) -> fmt.StepManifest | None:
+    def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
         try:
-            reply = self._call(h, "manifest", {"step": step, "here_only": here_only})
-            if len(reply.payloads) != 1:
-                causes.append(f"{h}: no manifest payload")
-                return None
-            m = fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"step {step} manifest on {h}")
-        except (RemoteFailure, HostUnreachableError, ManifestError) as e:
-            if here_only and isinstance(e, RemoteFailure) and "keeps only a record" in e.message:
-                records.append(h)
-            else:
-                causes.append(f"{h}: {cause(e)}")
-            return None
-        if digest is not None and m.digest != digest:
-            causes.append(f"{h}: its copy differs from the one the other hosts agree on")
-            return None
-        return m
+            reply = self._call(host, "manifest", {"step": step, "here_only": here_only})
+        except RemoteFailure as e:
+            e.reraise()
+        if len(reply.payloads) != 1:
+            raise ProtocolError(f"host {host}: no manifest payload")
+        return bytes(reply.payloads[0])
 
     # --- restore ---------------------------------------------------------------------------
 

@@ -19,14 +19,14 @@ import jax
 import numpy as np
 
 from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
-from mtc.head.save import choose_keepers, plan_commit
+from mtc.head.save import plan_commit
 from mtc.head.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import ManifestError, MTCError, StepNotFoundError
+from mtc.shared.errors import ManifestError, MTCError
 
 log = logging.getLogger(__name__)
 
@@ -268,36 +268,10 @@ class ColocatedDispatcher(Dispatcher):
     def inventories(self) -> dict[str, HostInventory]:
         return {h: HostInventory.from_wire(h, inv) for h, inv in self._control("inventory")}
 
-    def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
-        """The manifest of ``step`` (with ``digest``, when given), from one host at a time: first
-        those that keep it (the keepers this step had, if the hosts are the same), then those that
-        keep a record of it (which fetch it from a keeper). One host's answer is one manifest, so
-        the head never receives a copy per host."""
-        row_hosts = self._hosts_of_rows()
-        hosts = sorted(set(row_hosts))
-        likely = choose_keepers(hosts, self.slice_of, step, self._keepers)
-        order = likely + [h for h in hosts if h not in likely]
-        causes: list[str] = []
-        records: list[str] = []  # hosts that keep a record: asked again, to fetch it from a keeper
-        for here_only in (True, False):
-            for h in (order if here_only else records):
-                try:
-                    ((host, text),) = self._control("manifest", rows=[row_hosts.index(h)], step=step,
-                                                    here_only=here_only)
-                    m = fmt.StepManifest.from_json(text, source=f"step {step} manifest on {host}")
-                except StepNotFoundError as e:
-                    if here_only and "keeps only a record" in str(e):
-                        records.append(h)
-                    else:
-                        causes.append(f"{h}: {e}")
-                    continue
-                except (ManifestError, MTCError) as e:
-                    causes.append(f"{h}: {e}")
-                    continue
-                if digest is None or m.digest == digest:
-                    return m
-                causes.append(f"{h}: its copy differs from the one the other hosts agree on")
-        raise StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
+    def _manifest_from(self, host: str, step: int, here_only: bool) -> str:
+        ((_, text),) = self._control("manifest", rows=[self._hosts_of_rows().index(host)], step=step,
+                                     here_only=here_only)
+        return text
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
              manifest: str | None = None) -> list[Any]:

@@ -187,6 +187,7 @@ class Dispatcher(abc.ABC):
     """
 
     generation: int | None = None
+    _keepers: int = 2  # the hosts that keep each whole step manifest (``choose_keepers``)
 
     @abc.abstractmethod
     def hosts(self) -> list[str]:
@@ -229,10 +230,42 @@ class Dispatcher(abc.ABC):
     def inventories(self) -> dict[str, HostInventory]:
         """host id -> what it holds; an unreachable host has an ``error`` and no steps."""
 
-    @abc.abstractmethod
     def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
         """The committed step manifest of ``step`` from a host that holds it (with ``digest``: a
-        copy with that digest; a host whose copy differs is passed over)."""
+        copy with that digest; a host whose copy differs is passed over), from one host at a time:
+        first those that keep it (the keepers this step had, if the hosts are the same), then the
+        others; those that keep only a record of it (``RecordOnlyError``) are asked again last,
+        to fetch it from a keeper. One host's answer is one manifest, so the head never receives
+        a copy per host."""
+        from mtc.head.save import choose_keepers  # save.py imports this module
+
+        hosts = sorted(self.hosts())
+        likely = choose_keepers(hosts, self.slice_of, step, self._keepers)
+        causes: list[str] = []
+        records: list[str] = []
+        for here_only, order in ((True, likely + [h for h in hosts if h not in likely]), (False, records)):
+            for h in order:
+                try:
+                    m = fmt.StepManifest.from_json(self._manifest_from(h, step, here_only),
+                                                   source=f"step {step} manifest on {h}")
+                except errors.RecordOnlyError as e:
+                    if here_only:
+                        records.append(h)
+                    else:
+                        causes.append(f"{h}: {e}")
+                    continue
+                except (errors.MTCError, OSError) as e:  # HostUnreachableError, ManifestError, ...
+                    causes.append(f"{h}: {e}")
+                    continue
+                if digest is None or m.digest == digest:
+                    return m
+                causes.append(f"{h}: its copy differs from the one the other hosts agree on")
+        raise errors.StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
+
+    @abc.abstractmethod
+    def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes | str:
+        """Host ``host``'s step manifest of ``step`` (its text); with ``here_only``, RecordOnlyError
+        where the host keeps only a record of it. The errors are the sidecar's, typed."""
 
     @abc.abstractmethod
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,

@@ -33,6 +33,11 @@ class StepNotFoundError(MTCError, ValueError):
     """The requested step is not committed anywhere mtc can see."""
 
 
+class RecordOnlyError(StepNotFoundError):
+    """This host committed only a record of the step (``fmt.CommitRecord``), not its manifest: the
+    manifest is asked of it again, to fetch from a keeper, only after the keepers were asked."""
+
+
 class TargetMismatchError(MTCError, ValueError):
     """A restore target does not match the saved tree (structure, shape or dtype)."""
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from mtc.shared import format as fmt
 from mtc.shared import protocol
-from mtc.shared.errors import ManifestError, MTCError, StepNotFoundError
+from mtc.shared.errors import ManifestError, MTCError, RecordOnlyError, StepNotFoundError
 from mtc.sidecar.peer import PeerClient
 from mtc.sidecar.replication import held_bits, pull_notes
 
@@ -35,9 +35,9 @@ class ServiceSteps:
 
     def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
         """The whole manifest of committed ``step`` (fetched from a keeper first if need be;
-        with ``here_only``, StepNotFoundError instead when this host committed only a record)."""
+        with ``here_only``, RecordOnlyError instead when this host committed only a record)."""
         if here_only and step not in self._manifests and self._record(step) is not None:
-            raise StepNotFoundError(f"host {self.host_id} keeps only a record of step {step}, not its manifest")
+            raise RecordOnlyError(f"host {self.host_id} keeps only a record of step {step}, not its manifest")
         return self.manifest(step).to_json()
 
     def _has_readable(self, step: int) -> bool:
