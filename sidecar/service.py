@@ -210,7 +210,8 @@ class SidecarService(ServiceSave, ServiceSteps):
         fenced off meanwhile neither makes a backup visible nor prunes beside the next head."""
         what = f"backup_finalize of {name} on host {self.host_id}"
         return self._backup_tier().finalize(name, manifest_json, max_to_keep,
-                                            guard=lambda: self.lease.check(generation, what))
+                                            guard=lambda: self.lease.check(generation, what),
+                                            generation=generation)
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
         return self._backup_tier().listing(deadline_s)
