@@ -6,12 +6,12 @@ gets only the shards of its own devices, and every fan-out (phase 1, phase 2, in
 restore reads) runs on all hosts in parallel.
 
 Failures: a save in which any host fails phase 1 or phase 2 raises ``SaveError`` whose
-``.hosts`` names each failed host and why. The step is then aborted on every host the head
-can reach, and remembered for the others: when the head next connects to such a host
-(after its restart), the abort is sent before anything else. So a failed step is never left
-committed, where it would count towards ``local_max_to_keep`` and could push the last good
-step out. A host that cannot be reached is reported in ``inventories()`` with no steps and
-an ``"error"``, so ``latest_step()`` confirms nothing while it is down.
+``.hosts`` names each failed host and why. The manager then aborts the step (``abort``, once):
+at once on every host the head can reach, and remembered for the others: when the head next
+connects to such a host (after its restart), the abort is sent before anything else. So a
+failed step is never left committed, where it would count towards ``local_max_to_keep`` and
+could push the last good step out. A host that cannot be reached is reported in
+``inventories()`` with no steps and an ``"error"``, so ``latest_step()`` confirms nothing while it is down.
 
 Connections are kept open and re-made on failure (re-reading the spec, since a restarted
 daemon may listen on a new port). Every new connection checks the host id and the version
@@ -112,6 +112,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         self.peer_addresses: dict[str, str] = {}  # host -> peer service address, from fingerprints
         self._aborts: dict[str, set[int]] = {}
         self._aborts_lock = threading.Lock()
+        self._unreached: dict[int, set[str]] = {}  # step -> hosts its failed save could not reach
         workers = max(1, min(64, len(self._hosts)))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster")
         # The backup tier fans out on its own threads too: a stuck upload holds none of the saves'.
@@ -206,7 +207,6 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
             except Exception as e:  # a bad answer fails this host, like any other failure
                 failures[h] = e
         if failures:
-            self._abort(step, failures)
             raise self._save_error(step, "phase 1 (writing shards)", failures)
         info = {h: {"written_bytes": r.get("written_bytes", 0), "blobs": r.get("blobs", 0),
                     "write_s": r.get("seconds", 0.0), "devices": list(self.topology.host(h).devices)}
@@ -223,12 +223,22 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
                                             lambda h: [manifest] if h in keep else [])
         results = {h: r.result for h, r in replies.items()}
         if failures:
-            self._abort(step, failures)
             raise self._save_error(step, "phase 2 (commit)", failures)
         return results
 
     def abort(self, step: int) -> None:
-        self._abort(step, {})
+        """Forget ``step`` everywhere: now on the hosts that answer, on reconnect on the others
+        (those the failed save could not reach are not asked now: their abort waits for them)."""
+        with self._aborts_lock:
+            away = self._unreached.pop(step, set())
+        for h in away:
+            self.add_aborts(h, [step])
+            self._hosts[h].close()  # so that the next call reconnects and aborts first
+        _, failures = self._call_each("abort", [h for h in self._hosts if h not in away], {"step": step})
+        for h, e in failures.items():
+            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, cause(e))
+            self.add_aborts(h, [step])
+            self._hosts[h].close()
 
     def verify(self, step: int) -> dict[str, dict]:
         """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
@@ -255,22 +265,13 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
                 e.reraise()
             raise e
 
-    def _abort(self, step: int, failed: dict[str, BaseException]) -> None:
-        """Forget ``step`` everywhere: now on the hosts that answered, later on the others."""
-        for h in failed:
-            self.add_aborts(h, [step])
-        others = [h for h in self._hosts if h not in failed]
-        _, failures = self._call_each("abort", others, {"step": step})
-        for h, e in failures.items():
-            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, cause(e))
-            self.add_aborts(h, [step])
-            self._hosts[h].close()  # so that the next call reconnects and aborts first
-
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
+        with self._aborts_lock:  # for abort(), which the manager calls next
+            self._unreached[step] = {h for h, e in failures.items() if isinstance(e, HostUnreachableError)}
         hosts = {h: cause(e) for h, e in sorted(failures.items())}
         lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
         err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self._hosts)} hosts "
-                        f"({lines}); step {step} is not committed and was aborted on the other hosts; "
+                        f"({lines}); step {step} is not committed and is aborted on every host; "
                         "earlier steps are unaffected, and the next save retries the failed hosts",
                         step=step, hosts=hosts)
         # The cause that matters: a newer head took the hosts (fencing); else an unreachable host
