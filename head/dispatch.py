@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from mtc.shared import errors
 from mtc.shared import format as fmt
@@ -237,7 +237,6 @@ class Dispatcher(abc.ABC):
         others; those that keep only a record of it (``RecordOnlyError``) are asked again last,
         to fetch it from a keeper. One host's answer is one manifest, so the head never receives
         a copy per host."""
-        from mtc.head.save import choose_keepers  # save.py imports this module
 
         hosts = sorted(self.hosts())
         likely = choose_keepers(hosts, self.slice_of, step, self._keepers)
@@ -359,3 +358,24 @@ def raise_remote(host: str, name: str, message: str) -> None:
     if cls is errors.SaveError:
         raise errors.SaveError(message, hosts={host: message})
     raise cls(message if host in message else f"host {host}: {message}")
+
+
+def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:
+    """The hosts that keep the whole manifest of ``step``: ``count`` of them, on distinct slices
+    while there are slices left, starting at a host that moves with the step so that the
+    keeping (and the fetches of the other hosts) spreads over all hosts."""
+    if not hosts:
+        return []
+    order = sorted(hosts)
+    start = step % len(order)
+    order = order[start:] + order[:start]
+    out: list[str] = []
+    seen: set[int] = set()
+    for h in order:  # one per slice first
+        if len(out) < count and slice_of(h) not in seen:
+            out.append(h)
+            seen.add(slice_of(h))
+    for h in order:  # then any
+        if len(out) < count and h not in out:
+            out.append(h)
+    return out

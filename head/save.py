@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from mtc.head import tree as tree_lib
-from mtc.head.dispatch import Leaf, WriteResult
+from mtc.head.dispatch import Leaf, WriteResult, choose_keepers  # noqa: F401 (choose_keepers: imported from here too)
 from mtc.head.restore_plan import is_prng_key, prng_key_shape
 from mtc.shared import format as fmt
 from mtc.shared import shardings, version
@@ -158,24 +158,3 @@ def plan_commit(hosts: list[str], slice_of: Callable[[str], int], step: int, cou
     if len(set(keepers)) >= len(set(hosts)) or any(h not in peers for h in keepers):
         return set(hosts), []
     return set(keepers), [[h, peers[h]] for h in keepers]
-
-
-def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:
-    """The hosts that keep the whole manifest of ``step``: ``count`` of them, on distinct slices
-    while there are slices left, starting at a host that moves with the step so that the
-    keeping (and the fetches of the other hosts) spreads over all hosts."""
-    if not hosts:
-        return []
-    order = sorted(hosts)
-    start = step % len(order)
-    order = order[start:] + order[:start]
-    out: list[str] = []
-    seen: set[int] = set()
-    for h in order:  # one per slice first
-        if len(out) < count and slice_of(h) not in seen:
-            out.append(h)
-            seen.add(slice_of(h))
-    for h in order:  # then any
-        if len(out) < count and h not in out:
-            out.append(h)
-    return out
