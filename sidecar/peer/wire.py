@@ -7,7 +7,6 @@ import logging
 import mmap
 import os
 import socket
-import threading
 from typing import Any
 
 from mtc.shared.errors import (
@@ -17,6 +16,7 @@ from mtc.shared.errors import (
 )
 from mtc.shared.hashing import new_hasher
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram.landing import thread_buffer
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +36,6 @@ class BadCopyError(CorruptBlobError):
 
 
 # --- receiving a payload into the ramdisk ------------------------------------------------------
-
-_local = threading.local()
-
-
-def _recv_buffer() -> memoryview:
-    """This thread's receive buffer, reused: a fresh one per blob would cost its page faults."""
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(_RECV_CHUNK))
-    return buf
 
 
 def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -> bool:
@@ -93,7 +83,7 @@ def _cut_short(got: int, nbytes: int, name: str) -> ProtocolError:
 
 def _receive_written(sock: socket.socket, fd: int, nbytes: int, hasher: Any, name: str) -> None:
     """recv into this thread's buffer, hash it, write it: for ramdisks with 4 KiB pages."""
-    buf = _recv_buffer()
+    buf = thread_buffer(_RECV_CHUNK)
     got = 0
     while got < nbytes:
         k = sock.recv_into(buf, min(len(buf), nbytes - got))

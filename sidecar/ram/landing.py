@@ -332,11 +332,15 @@ class Landing:
 _local = threading.local()
 
 
-def _chunk_buffer() -> memoryview:
-    """This thread's receive chunk, reused (a fresh one per payload would cost its page faults)."""
-    buf = getattr(_local, "buf", None)
+def thread_buffer(size: int) -> memoryview:
+    """This thread's receive buffer of ``size`` bytes, reused: a fresh one per payload would cost
+    its page faults (the peer receive and ``LandingSink`` take theirs here)."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(size)
     if buf is None:
-        buf = _local.buf = memoryview(bytearray(FILL_CHUNK))
+        buf = bufs[size] = memoryview(bytearray(size))
     return buf
 
 
@@ -353,7 +357,7 @@ class LandingSink(Sink):
         x = self.landing
         if n != x.size:
             raise ValueError(f"landing {x.tmp} holds {x.size} bytes, the payload has {n}")
-        chunk = _chunk_buffer()
+        chunk = thread_buffer(FILL_CHUNK)
         hasher = new_hasher()
         fd = os.open(x.tmp, os.O_RDWR | os.O_CLOEXEC)
         try:
