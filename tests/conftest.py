@@ -27,6 +27,35 @@ def ramdisk():
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture
+def inprocess_daemon(ramdisk, monkeypatch):
+    """A sidecar daemon in this process (real sockets, driven by the real head) whose service the
+    test can reach, and a one-host cluster spec for it: ``make(max_to_keep) -> (service, spec)``.
+    The daemons made are closed afterwards."""
+    import jax
+
+    from mtc.shared import protocol
+    from mtc.sidecar.daemon import SidecarDaemon
+    from mtc.sidecar.service import SidecarService
+
+    token = "inprocess-daemon-test-token"
+    monkeypatch.setenv("MTC_PEER_TOKEN", token)
+    daemons = []
+
+    def make(max_to_keep: int = 2):
+        svc = SidecarService(ramdisk / "host" / "mtc", host_id="s0-h0", max_to_keep=max_to_keep)
+        daemon = SidecarDaemon(svc, token)
+        daemon.start()
+        daemons.append(daemon)
+        spec = ramdisk / "cluster.json"
+        protocol.ClusterSpec((protocol.HostSpec("s0-h0", 0, daemon.address, len(jax.devices())),)).write(spec)
+        return svc, spec
+
+    yield make
+    for daemon in daemons:
+        daemon.close()
+
+
 def _mount_tmpfs(mnt, options: str, what: str):
     """Mount a real tmpfs at ``mnt`` for a fixture to yield, unmount after; skips the test without root."""
     mnt.mkdir()

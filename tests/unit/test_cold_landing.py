@@ -189,42 +189,31 @@ def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(pages, 
 
 
 @pytest.mark.integration
-def test_a_daemon_receives_a_fresh_ramdisks_first_saves_with_write_then_into_warm_maps(ramdisk, monkeypatch):
+def test_a_daemon_receives_a_fresh_ramdisks_first_saves_with_write_then_into_warm_maps(ramdisk, inprocess_daemon):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from mtc.head import CheckpointManager, MTCConfig
-    from mtc.shared import protocol
-    from mtc.sidecar.daemon import SidecarDaemon
 
-    token = "cold-landing-test-token"
-    monkeypatch.setenv("MTC_PEER_TOKEN", token)
-    svc = SidecarService(ramdisk / "host" / "mtc", host_id="s0-h0", max_to_keep=1)
-    daemon = SidecarDaemon(svc, token)
-    daemon.start()
-    try:
-        devices = jax.devices()
-        spec = ramdisk / "cluster.json"
-        protocol.ClusterSpec((protocol.HostSpec("s0-h0", 0, daemon.address, len(devices)),)).write(spec)
-        sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d", None))
-        hosts = [np.random.default_rng(80 + s).random((64 * len(devices), 1024), np.float32) for s in range(4)]
-        target = {"w": jax.ShapeDtypeStruct(hosts[0].shape, hosts[0].dtype, sharding=sharding)}
-        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk / "head"), cluster_spec=str(spec),
-                        local_checkpoint_period=1, local_max_to_keep=1)
-        moved = []
-        with CheckpointManager(cfg) as mgr:
-            for step, host in enumerate(hosts):
-                before = (svc.store.filled_bytes, svc.store.landed_bytes)
-                mgr.save(step, {"w": jax.device_put(host, sharding)}, force=True)
-                mgr.wait_until_finished()
-                assert svc.store.warmer.drain(timeout=30)
-                moved.append((svc.store.filled_bytes - before[0], svc.store.landed_bytes - before[1]))
-                assert np.asarray(mgr.restore(step, target=target)["w"]).tobytes() == host.tobytes()
-        n = hosts[0].nbytes
-        assert moved[0] == (n, n) and moved[1] == (n, n)  # new files: received with pwrite
-        assert moved[3] == (0, n)  # step 1's files, back from the pool with warm maps: received in place
-    finally:
-        daemon.close()
+    svc, spec = inprocess_daemon(max_to_keep=1)
+    devices = jax.devices()
+    sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d", None))
+    hosts = [np.random.default_rng(80 + s).random((64 * len(devices), 1024), np.float32) for s in range(4)]
+    target = {"w": jax.ShapeDtypeStruct(hosts[0].shape, hosts[0].dtype, sharding=sharding)}
+    cfg = MTCConfig(local_checkpoint_directory=str(ramdisk / "head"), cluster_spec=str(spec),
+                    local_checkpoint_period=1, local_max_to_keep=1)
+    moved = []
+    with CheckpointManager(cfg) as mgr:
+        for step, host in enumerate(hosts):
+            before = (svc.store.filled_bytes, svc.store.landed_bytes)
+            mgr.save(step, {"w": jax.device_put(host, sharding)}, force=True)
+            mgr.wait_until_finished()
+            assert svc.store.warmer.drain(timeout=30)
+            moved.append((svc.store.filled_bytes - before[0], svc.store.landed_bytes - before[1]))
+            assert np.asarray(mgr.restore(step, target=target)["w"]).tobytes() == host.tobytes()
+    n = hosts[0].nbytes
+    assert moved[0] == (n, n) and moved[1] == (n, n)  # new files: received with pwrite
+    assert moved[3] == (0, n)  # step 1's files, back from the pool with warm maps: received in place
 
 
 @pytest.mark.integration

@@ -241,49 +241,38 @@ def test_a_colocated_save_lands_its_shards_and_donation_after_save_is_safe(ramdi
 
 
 @pytest.mark.integration
-def test_a_daemon_receives_a_write_into_landings_and_a_refused_one_leaves_nothing(ramdisk, monkeypatch):
+def test_a_daemon_receives_a_write_into_landings_and_a_refused_one_leaves_nothing(ramdisk, inprocess_daemon):
     # An in-process daemon (real sockets, the real head): its store is in reach, so the test
     # can see the shards published from where the socket put them.
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from mtc.head import CheckpointManager, MTCConfig
-    from mtc.shared import protocol
     from mtc.shared.errors import FencedError
-    from mtc.sidecar.daemon import SidecarDaemon
 
-    token = "landing-test-token"
-    monkeypatch.setenv("MTC_PEER_TOKEN", token)
-    svc = SidecarService(ramdisk / "host" / "mtc", host_id="s0-h0", max_to_keep=2)
-    daemon = SidecarDaemon(svc, token)
-    daemon.start()
-    try:
-        devices = jax.devices()
-        spec = ramdisk / "cluster.json"
-        protocol.ClusterSpec((protocol.HostSpec("s0-h0", 0, daemon.address, len(devices)),)).write(spec)
-        sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d", None))
-        host = np.random.default_rng(70).random((64 * len(devices), 1024), np.float32)
-        target = {"w": jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)}
-        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk / "head"), cluster_spec=str(spec),
-                        local_checkpoint_period=1, local_max_to_keep=2)
-        with CheckpointManager(cfg) as mgr:
-            mgr.save(1, {"w": jax.device_put(host, sharding)}, force=True)
-            mgr.wait_until_finished()
-            assert svc.store.landed_bytes == host.nbytes  # received in place, not copied again
-            assert np.asarray(mgr.restore(1, target=target)["w"]).tobytes() == host.tobytes()
-            # A newer head takes the host; the old one's next write is received, refused, and
-            # the landings it filled are removed.
-            with CheckpointManager(cfg) as newer:
-                newer.save(2, {"w": jax.device_put(host + 1, sharding)}, force=True)
-                newer.wait_until_finished()
-                landed = svc.store.landed_bytes
-                mgr.save(3, {"w": jax.device_put(host + 2, sharding)}, force=True)
-                with pytest.raises(FencedError):  # the news that matters: another head drives the host
-                    mgr.wait_until_finished()
-                assert svc.store.landed_bytes == landed
-                assert [p for p in svc.store.root.joinpath("blobs").iterdir()
-                        if p.name.startswith(".tmp-") and not p.name.startswith(ram.FREE_PREFIX)] == []
-                assert svc.steps() == [1, 2]
-    finally:
-        daemon.close()
+    svc, spec = inprocess_daemon(max_to_keep=2)
+    devices = jax.devices()
+    sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d", None))
+    host = np.random.default_rng(70).random((64 * len(devices), 1024), np.float32)
+    target = {"w": jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)}
+    cfg = MTCConfig(local_checkpoint_directory=str(ramdisk / "head"), cluster_spec=str(spec),
+                    local_checkpoint_period=1, local_max_to_keep=2)
+    with CheckpointManager(cfg) as mgr:
+        mgr.save(1, {"w": jax.device_put(host, sharding)}, force=True)
+        mgr.wait_until_finished()
+        assert svc.store.landed_bytes == host.nbytes  # received in place, not copied again
+        assert np.asarray(mgr.restore(1, target=target)["w"]).tobytes() == host.tobytes()
+        # A newer head takes the host; the old one's next write is received, refused, and
+        # the landings it filled are removed.
+        with CheckpointManager(cfg) as newer:
+            newer.save(2, {"w": jax.device_put(host + 1, sharding)}, force=True)
+            newer.wait_until_finished()
+            landed = svc.store.landed_bytes
+            mgr.save(3, {"w": jax.device_put(host + 2, sharding)}, force=True)
+            with pytest.raises(FencedError):  # the news that matters: another head drives the host
+                mgr.wait_until_finished()
+            assert svc.store.landed_bytes == landed
+            assert [p for p in svc.store.root.joinpath("blobs").iterdir()
+                    if p.name.startswith(".tmp-") and not p.name.startswith(ram.FREE_PREFIX)] == []
+            assert svc.steps() == [1, 2]
 
