@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from mtc.head.backup_plan import assign_uploads, backup_due
 from mtc.head.dispatch import Dispatcher
@@ -32,6 +33,7 @@ class BackupRunner:
         self._skipped = 0
         self._last: tuple[int, float] | None = None  # (step, monotonic time) of the last started
         self.last_report: BackupReport | None = None
+        self.listeners: list[Callable[[BackupReport], None]] = []  # each backup's report, once it ended (metrics)
 
     def maybe_start(self, committed: CommittedStep) -> None:
         """Start the backup of a committed step in the background if it is due."""
@@ -70,6 +72,8 @@ class BackupRunner:
                                   seconds=time.perf_counter() - t0)
             log.error("backup of step %d failed (the next due backup retries): %s", step, e)
         self.last_report = report
+        for listener in self.listeners:
+            listener(report)
         return report
 
     @property

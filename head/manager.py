@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mtc.head import head_claim
+from mtc.head import head_claim, metrics
 from mtc.head.backup_runner import BackupRunner
 from mtc.head.dispatch import Dispatcher, make_dispatcher
 from mtc.head.elastic import as_host_lost, host_lost_as_elastic
@@ -103,6 +103,7 @@ class CheckpointManager:
         self._replicator = Replicator(self._dispatch, config, self._strategy, self._closing)
         self._backups = BackupRunner(self._dispatch, config)
         self._restorer = Restorer(self._dispatch, config, self._strategy, self._replicator.submit)
+        self._metrics = metrics.attach(config, self._replicator, self._backups)  # Prometheus (metrics_port)
         # A reader (read_only) never takes the hosts: a running job's head keeps them; it restores
         # what the hosts hold and the backups, and cannot save.
         self._read_only = self._restorer.read_only = bool(read_only)
@@ -146,7 +147,7 @@ class CheckpointManager:
         answering raises ``HostLostError``, a ``jax.errors.JaxRuntimeError`` that elastic
         training retries on.
         """
-        with host_lost_as_elastic():
+        with host_lost_as_elastic(), self._metrics.errors("save"):
             return self._save(step, state, force)
 
     @property
@@ -226,7 +227,7 @@ class CheckpointManager:
                 waited_for_previous_s=waited, blocked_s=blocked, stage_s=stage_s,
                 phase1_s=t2 - t1, phase2_s=t3 - t2, total_s=t3 - t0,
             )
-            self.last_save_report = report
+            self.last_save_report = self._metrics.saved(report)
             log.info("- save step %d; duration=%.3fs; size=%d bytes @ %.2f GB/s", step, report.total_s,
                      report.bytes_total, report.bytes_total / max(report.total_s, 1e-9) / 1e9)
             return report
@@ -242,7 +243,7 @@ class CheckpointManager:
             if committed is None and fenced is None:
                 self._abort(step)
             with self._lock:
-                self._errors.append(e)
+                self._errors.append(self._metrics.error(e))
             log.error("save of step %d failed: %s", step, e)
             raise e
 
@@ -412,7 +413,7 @@ class CheckpointManager:
         with a collection of key prefixes, only the saved leaves under them must all be in ``target``.
         A host that stops answering raises ``HostLostError`` (see ``save``).
         """
-        with host_lost_as_elastic():
+        with host_lost_as_elastic(), self._metrics.errors("restore"):
             return self._restore(step, target, partial, pull)
 
     def _restore(self, step: int | None, target: Any, partial: Any, pull: bool = True) -> Any:
@@ -420,7 +421,8 @@ class CheckpointManager:
         prefetched = self._await_prefetch()
         self._wait_previous()
         self._check_versions()
-        result, self.last_restore_report = self._restorer.restore(step, target, partial, prefetched, pull)
+        result, self.last_restore_report = self._metrics.restored(
+            *self._restorer.restore(step, target, partial, prefetched, pull))
         return uncommit_lone(target, result) if pull and target is not None else result
 
     def manifest(self, step: int | None = None) -> fmt.StepManifest:

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from mtc.head.dispatch import Dispatcher
 from mtc.head.dispatch import PullResult
@@ -50,6 +51,7 @@ class Replicator:
         self.last_report: ReplicationReport | None = None
         # The running replication, after each attempt: step, attempts, start, hosts short and why, stats.
         self._progress: dict | None = None
+        self.listeners: list[Callable[[ReplicationReport], None]] = []  # each ended replication's report (metrics)
 
     @property
     def running(self) -> bool:
@@ -176,6 +178,11 @@ class Replicator:
     def _finish(self, report: ReplicationReport) -> ReplicationReport:
         self.last_report = report
         self._progress = None
+        for listener in self.listeners:
+            try:
+                listener(report)
+            except Exception as e:  # a listener never stops the replication loop
+                log.warning("replication report listener failed: %s", e)
         log.info("- replicate step %d; duration=%.3fs; moved=%d bytes in %d blobs (%d planned); complete=%s "
                  "replicated=%s attempts=%d", report.step, report.seconds, report.moved_bytes, report.moved_blobs,
                  report.planned_blobs, report.complete, report.replicated, report.attempts)

@@ -83,6 +83,8 @@ class MTCConfig:
     - ``prefetch_on_start``: creating the manager starts pulling, in the background, what the
       hosts lack of the newest restorable step (from peers, else the backup), so that
       ``restore`` finds it local (default true).
+    - ``metrics_port``: serve Prometheus metrics at ``/metrics`` on this port of the head
+      (``MTC_METRICS_PORT``; 0: no metrics).
     """
 
     enable_checkpointing: bool = True
@@ -102,6 +104,7 @@ class MTCConfig:
     cluster_spec: str = ""
     max_save_wait_s: float | None = None
     prefetch_on_start: bool = True
+    metrics_port: int = 0
 
     # ------------------------------------------------------------------ construction
 
@@ -185,6 +188,9 @@ class MTCConfig:
         if not 0 <= self.peer_port <= 65535:
             p.append(f"peer_port={self.peer_port} is out of range; use 1..65535, or 0 to pick "
                      "a free port")
+        if not 0 <= self.metrics_port <= 65535:
+            p.append(f"metrics_port={self.metrics_port} is out of range; use 1..65535, or 0 for no "
+                     "metrics")
         if self.colocated_python_checkpointing and self.cluster_spec:
             p.append("colocated_python_checkpointing=True and cluster_spec are both set; "
                      "they select different modes: clear cluster_spec for colocated Python, "
@@ -355,7 +361,7 @@ def _kind_of(annotation: str) -> _Kind:
 _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields(MTCConfig)}
 # mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
 _MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "replication_factor", "peer_port", "peer_token",
-            "cluster_spec", "max_save_wait_s", "prefetch_on_start")
+            "cluster_spec", "max_save_wait_s", "prefetch_on_start", "metrics_port")
 
 
 def _type_ok(base: type, value: Any) -> bool:

@@ -1,0 +1,186 @@
+"""Prometheus metrics of the head, scraped from the real HTTP endpoint while real sidecar daemons save,
+one is killed with SIGKILL, a wiped host restores from its peers and a wiped cluster from the backup.
+
+Each scrape is parsed with prometheus_client's own text parser; values are compared with the
+manager's reports (bytes by tier, bit for bit what ``last_restore_report`` says) and with each other
+(counts grow by one per save, the recovery points move as the tiers get new steps).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import assert_trees_bitwise_equal, random_array
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.head import metrics
+from mtc.shared.errors import SaveError
+
+pytestmark = pytest.mark.integration
+
+
+def state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    return {"w": jax.device_put(random_array(rng, (64, 48), np.float32), NamedSharding(mesh, P("data", "model"))),
+            "v": jax.device_put(random_array(rng, (32, 48), np.float32), NamedSharding(mesh, P(None, "model"))),
+            "step": seed}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape() -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    port = metrics.served_port()
+    assert port, "the head serves no /metrics"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def val(scr: dict, name: str, **labels) -> float | None:
+    return scr.get((name, tuple(sorted(labels.items()))))
+
+
+def saves_counted(scr: dict) -> dict[str, float]:
+    return {ph: val(scr, "mtc_save_duration_seconds_count", phase=ph) for ph in ("blocked", "write", "commit", "total")}
+
+
+def restore_bytes(scr: dict) -> dict[str, float]:
+    return {t: val(scr, "mtc_restore_bytes_total", tier=t) for t in ("ram", "peer", "backup")}
+
+
+def config(cluster, ramdisk, port: int) -> MTCConfig:
+    return MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
+                     local_checkpoint_period=1, prefetch_on_start=False, metrics_port=port,
+                     base_output_directory=str(ramdisk / "bucket"), run_name="run",
+                     multi_tier_checkpointing_backup_interval_steps=1)
+
+
+def test_metrics_follow_saves_a_kill_and_restores_from_peers_and_backup(local_cluster, ramdisk):
+    port = metrics.served_port() or free_port()  # one server per process: a second port would not be served
+    states = {s: state(s) for s in (1, 2, 3, 4)}
+    with CheckpointManager(config(local_cluster, ramdisk, port)) as m:
+        first = scrape()
+        assert val(first, "mtc_backups_running") == 0
+        prev_rp = None
+        for s in (1, 2):
+            before = scrape()
+            t_call = time.time()
+            m.save(s, states[s])
+            m.wait_until_finished()
+            after = scrape()
+            t_after = time.time()
+            # One more observation of each save phase per save.
+            assert {ph: n - saves_counted(before)[ph] for ph, n in saves_counted(after).items()} == dict.fromkeys(
+                ("blocked", "write", "commit", "total"), 1.0)
+            assert val(after, "mtc_saves_total") - val(before, "mtc_saves_total") == 1
+            assert (val(after, "mtc_save_bytes_total", kind="state") - val(before, "mtc_save_bytes_total", kind="state")
+                    == m.last_save_report.bytes_total)
+            # The RAM tier holds the state save() took at t_call: its age is measured from then.
+            rp = val(after, "mtc_recovery_point_seconds", tier="ram")
+            assert m.last_save_report.total_s <= rp <= t_after - t_call
+            if prev_rp is not None:
+                assert rp < val(before, "mtc_recovery_point_seconds", tier="ram")  # it dropped at the commit
+            # A callback gauge: it grows between scrapes.
+            assert val(scrape(), "mtc_recovery_point_seconds", tier="ram") > rp
+            rep = m.wait_for_replication()
+            assert rep.replicated and rep.step == s
+            assert m.wait_for_backup().error is None
+            done = scrape()
+            assert val(done, "mtc_replication_lag_seconds") == 0
+            assert val(done, "mtc_save_duration_seconds_count", phase="replication") > val(
+                before, "mtc_save_duration_seconds_count", phase="replication")
+            assert val(done, "mtc_replication_copies_total") - val(before, "mtc_replication_copies_total") >= rep.moved_blobs
+            assert val(done, "mtc_backups_total", outcome="ok") - (val(before, "mtc_backups_total", outcome="ok") or 0) == 1
+            for tier in ("peer", "backup"):  # both hold step s now: the same age as RAM's
+                assert val(done, "mtc_recovery_point_seconds", tier=tier) <= time.time() - t_call
+            prev_rp = rp
+
+        # kill -9 of a sidecar daemon during the next save: the save fails, nothing reaches any tier.
+        local_cluster.kill("s0-h1")
+        before = scrape()
+        assert m.save(3, states[3])
+        with pytest.raises(SaveError):
+            m.wait_until_finished()
+        after = scrape()
+        assert saves_counted(after) == saves_counted(before)
+        assert val(after, "mtc_errors_total", op="save", type="SaveError") - (
+            val(before, "mtc_errors_total", op="save", type="SaveError") or 0) == 1
+        for tier in ("ram", "peer", "backup"):  # no newer step anywhere: every tier's age only grows
+            assert val(after, "mtc_recovery_point_seconds", tier=tier) > val(before, "mtc_recovery_point_seconds", tier=tier)
+        local_cluster.restart("s0-h1")
+        m.save(4, states[4])
+        m.wait_until_finished()
+        assert m.wait_for_replication().replicated
+        m.wait_for_backup()
+
+        # A wiped host restores from its peers: the bytes by tier are the report's.
+        local_cluster.wipe("s1-h0")
+        local_cluster.restart("s1-h0")
+        before = scrape()
+        assert_trees_bitwise_equal(states[4], m.restore())
+        rep = m.last_restore_report
+        after = scrape()
+        assert rep.bytes_by_tier["peer"] > 0 and rep.bytes_by_tier["backup"] == 0
+        assert {t: after_n - restore_bytes(before)[t] for t, after_n in restore_bytes(after).items()} == rep.bytes_by_tier
+        assert val(after, "mtc_restores_total", source="cluster") - (val(before, "mtc_restores_total", source="cluster")
+                                                                     or 0) == 1
+        assert val(after, "mtc_restore_duration_seconds_count", phase="total") - val(
+            before, "mtc_restore_duration_seconds_count", phase="total") == 1
+
+    # Every ramdisk lost: a new head (the same process, the same endpoint) restores from the backup.
+    for h in local_cluster.hosts:
+        local_cluster.wipe(h)
+        local_cluster.restart(h)
+    with CheckpointManager(config(local_cluster, ramdisk, port)) as m:
+        before = scrape()
+        assert_trees_bitwise_equal(states[4], m.restore())
+        rep = m.last_restore_report
+        after = scrape()
+    assert rep.source != "cluster" and rep.bytes_by_tier["backup"] > 0 and rep.bytes_by_tier["peer"] == 0
+    assert {t: n - restore_bytes(before)[t] for t, n in restore_bytes(after).items()} == rep.bytes_by_tier
+    assert val(after, "mtc_restores_total", source="backup") - (val(before, "mtc_restores_total", source="backup") or 0) == 1
+
+
+def test_save_records_orbax_jax_monitoring_events(ramdisk):
+    """The save's blocking, commit and total durations go to jax.monitoring under Orbax's names, metrics on or off."""
+    seen: list[tuple[str, float]] = []
+
+    def listener(event: str, duration: float, **kw) -> None:
+        seen.append((event, duration))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with CheckpointManager(local_checkpoint_directory=str(ramdisk), colocated_python_checkpointing=True,
+                               local_checkpoint_period=1, prefetch_on_start=False) as m:
+            m.save(1, state(1))
+            m.wait_until_finished()
+            report = m.last_save_report
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    got = dict(seen)
+    assert got["/jax/checkpoint/write/async/blocking_duration_secs"] == report.blocked_s
+    assert got["/jax/checkpoint/write/async/commit_duration_sec"] == report.phase2_s
+    assert got["/jax/checkpoint/write/async/total_duration_secs"] == report.total_s
+
+
+def test_a_bad_metrics_port_is_refused_by_name():
+    with pytest.raises(Exception, match="metrics_port=70000 is out of range"):
+        MTCConfig(local_checkpoint_directory="/tmp/x", metrics_port=70000)
+    env = {"MTC_METRICS_PORT": "9400"}
+    assert MTCConfig.from_flags(["local_checkpoint_directory=/tmp/x"], environ=env).metrics_port == 9400
