@@ -94,6 +94,10 @@ class _Instruments:
             self.restore.labels(phase)
         for tier in TIERS:
             self.restore_bytes.labels(tier)
+        for counter, values in ((self.save_bytes, ("state", "written")), (self.restores, ("cluster", "backup")),
+                                (self.replications, ("replicated", "incomplete")), (self.backups, ("ok", "error"))):
+            for v in values:
+                counter.labels(v)
         self.trackers: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
         r.register(_Live(self))
 
