@@ -22,7 +22,8 @@ from mtc.shared.hashing import check_blob_name
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.tcpserver import ThreadedTCPServer
-from mtc.sidecar.peer.wire import HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, receive_blob, send_blob_file
+from mtc.sidecar.peer.wire import (HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, StalledTransferError, YieldedCopyError,
+                                  receive_blob, send_blob_file)
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,15 @@ class PeerServer(ThreadedTCPServer):
     sidecars use to reach it (default: the bound host, or this machine's address when bound to
     all interfaces). Each connection has its own thread (``mtc.sidecar.tcpserver``); at most
     ``max_connections`` are open at once, and one whose peer sends nothing for ``idle_timeout_s``
-    is closed. Usable as a context manager.
+    is closed. A ``put`` whose bytes stop arriving for ``receive_timeout_s`` is dropped: its
+    partial copy is removed (its room is free again), one line is logged with the peer and the
+    blob, and the connection is closed; the sender retries later. Usable as a context manager.
     """
 
     def __init__(self, store: RamStore, token: str, *, host_id: str = "host",
                  listen: tuple[str, int] = ("127.0.0.1", 0), advertise: str | None = None,
                  max_blob_bytes: int = MAX_BLOB_BYTES, max_connections: int = 64,
-                 idle_timeout_s: float = 120.0):
+                 idle_timeout_s: float = 120.0, receive_timeout_s: float = 30.0):
         if not token:
             raise ConfigError(f"the peer service of host {host_id} needs a token: set peer_token or {ENV_TOKEN} "
                               "(the same secret on every sidecar of the job)")
@@ -61,11 +64,15 @@ class PeerServer(ThreadedTCPServer):
         self._token = token.encode()
         self._advertise = advertise
         self._max_blob = int(max_blob_bytes)
+        if not receive_timeout_s > 0:
+            raise ConfigError(f"receive_timeout_s of the peer service of host {host_id} must be > 0 seconds, "
+                              f"got {receive_timeout_s!r}")
+        self._receive_timeout = float(receive_timeout_s)
         self._stats_lock = threading.Lock()
         # Counters, for tests and benchmarks: what this server sent, received and refused.
         self.stats = {"sent_blobs": 0, "sent_bytes": 0, "received_blobs": 0, "received_bytes": 0,
                       "have_requests": 0, "verify_requests": 0, "removed_corrupt": 0, "refused": 0,
-                      "sent_manifests": 0}
+                      "sent_manifests": 0, "stalled_puts": 0, "yielded_puts": 0}
 
     def start(self) -> str:
         """Bind, listen and start accepting; returns the advertised address ``host:port``."""
@@ -126,6 +133,11 @@ class PeerServer(ThreadedTCPServer):
             if req.op != "put" and header["payloads"]:
                 raise _Refused(f"peer op {req.op!r} takes no payload")
             return handler(self, conn, req, header["payloads"])
+        except StalledTransferError as e:  # its bytes stopped coming: dropped, logged once, closed
+            self._count(stalled_puts=1)
+            log.warning("host %s: dropped a put from %s: %s", self.host_id, peer, e)
+            self._reply(conn, Reply(rid, error=RemoteError("HostUnreachableError", f"host {self.host_id}: {e}")))
+            return False
         except MTCError as e:  # refused (a bad token, name or frame), or failed: either way, close
             self._count(refused=1)
             log.warning("host %s: refused a peer request from %s and closed the connection: %s",
@@ -199,15 +211,20 @@ class PeerServer(ThreadedTCPServer):
         name = self._blob_arg(req)
         if len(sizes) != 1:
             raise _Refused(f"'put' of blob {name} needs exactly one payload, got {len(sizes)}")
+        conn.settimeout(self._receive_timeout)  # no byte for this long: the transfer is dropped
         try:
             added = receive_blob(conn, self.store, name, sizes[0])
         except CorruptBlobError as e:  # every byte was read: the connection is still good
             log.warning("host %s: %s", self.host_id, e)
             return self._reply(conn, Reply(req.id, error=RemoteError("CorruptBlobError", f"host {self.host_id}: {e}")))
         except InsufficientSpaceError as e:
-            log.error("host %s: %s", self.host_id, e)
+            yielded = isinstance(e, YieldedCopyError)
+            self._count(**({"yielded_puts": 1} if yielded else {}))
+            (log.warning if yielded else log.error)("host %s: %s", self.host_id, e)
             self._reply(conn, Reply(req.id, error=RemoteError("InsufficientSpaceError", str(e))))
             return False  # the rest of the payload is unread
+        finally:
+            conn.settimeout(self._idle_timeout)
         self._count(received_blobs=1, received_bytes=sizes[0])
         return self._reply(conn, Reply(req.id, {"blob": name, "added": added}))
 

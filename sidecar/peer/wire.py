@@ -35,6 +35,14 @@ class BadCopyError(CorruptBlobError):
     """A peer's copy of a blob arrived whole but does not hash to its name (or has the wrong size)."""
 
 
+class YieldedCopyError(InsufficientSpaceError):
+    """An incoming copy was dropped because a local save needed the room it held; the sender retries later."""
+
+
+class StalledTransferError(ProtocolError):
+    """A blob's bytes stopped arriving for longer than the receive deadline; its partial copy was removed."""
+
+
 # --- receiving a payload into the ramdisk ------------------------------------------------------
 
 
@@ -48,41 +56,63 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
     added (False: it was there already). CorruptBlobError (temp file removed) when the bytes do
     not hash to ``name``: every byte was read, so the connection stays usable. A transport error
     leaves the connection unusable; the temp file is removed either way.
+
+    Local saves come first: a new temp file takes room only as the bytes arrive, and the copy
+    is registered with the store (``RamStore.receiving``), which drops it (shuts its socket
+    down) when a local save is short of the room it holds; that raises YieldedCopyError (an
+    InsufficientSpaceError), and the sender retries later. StalledTransferError (temp file
+    removed) when no byte arrives within the socket's timeout.
     """
     if not store.fits([nbytes]):  # checked before a byte is reserved or read, as a save checks its own
         raise InsufficientSpaceError(
             f"ramdisk {store.root} has no room for blob {name} ({nbytes} bytes) from a peer; nothing was "
             "reserved. Size the ramdisk for the peer copies too: see `mtc size`")
-    fd, tmp = store.open_temp_blob(nbytes)  # reuses a recycled file of that size if there is one
-    hasher = new_hasher()
-    try:
+    progress = [0]  # bytes received so far, for the messages
+    with store.receiving(name, lambda: sock.shutdown(socket.SHUT_RDWR)) as arrival:
+        fd, tmp = store.open_temp_blob(nbytes)  # reuses a recycled file of that size if there is one
+        arrival.path = tmp
+        hasher = new_hasher()
         try:
-            if store.huge_pages and nbytes >= _MAP_MIN:
-                _receive_mapped(sock, fd, nbytes, hasher, name)
-            else:
-                _receive_written(sock, fd, nbytes, hasher, name)
-        finally:
-            os.close(fd)
-    except BaseException as e:
-        store.discard_temp_blob(tmp)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpaceError(
-                f"ramdisk {store.root} is full while receiving blob {name} ({nbytes} bytes) from a peer; the "
-                "partial copy was removed. Size the ramdisk for the peer copies too: see `mtc size`") from e
-        raise
-    actual = hasher.hexdigest()
-    if actual != name:
-        store.discard_temp_blob(tmp)
-        raise CorruptBlobError(f"received copy of blob {name} is corrupt: its bytes hash to {actual}; discarded")
-    return store.finalize_temp_blob(tmp, name, verify=False)  # verified above, as the bytes arrived
+            try:
+                if store.huge_pages and nbytes >= _MAP_MIN:
+                    _receive_mapped(sock, fd, nbytes, hasher, name, progress)
+                else:
+                    _receive_written(sock, fd, nbytes, hasher, name, progress)
+            finally:
+                os.close(fd)
+        except BaseException as e:
+            store.discard_temp_blob(tmp)
+            if arrival.yielded:
+                raise YieldedCopyError(
+                    f"ramdisk {store.root}: dropped the incoming copy of blob {name} after {progress[0]} of "
+                    f"{nbytes} bytes, because a local save needed its room (local saves come first); the "
+                    "partial copy was removed. The sender retries later") from e
+            if isinstance(e, TimeoutError):
+                raise StalledTransferError(
+                    f"blob {name}: no byte arrived for {sock.gettimeout()} s after {progress[0]} of {nbytes} "
+                    "bytes; dropped the transfer and removed the partial copy, its room is free again. The "
+                    "sender retries later") from e
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    f"ramdisk {store.root} is full while receiving blob {name} ({nbytes} bytes) from a peer; the "
+                    "partial copy was removed. Size the ramdisk for the peer copies too: see `mtc size`") from e
+            raise
+        actual = hasher.hexdigest()
+        if actual != name:
+            store.discard_temp_blob(tmp)
+            raise CorruptBlobError(f"received copy of blob {name} is corrupt: its bytes hash to {actual}; discarded")
+        return store.finalize_temp_blob(tmp, name, verify=False)  # verified above, as the bytes arrived
 
 
 def _cut_short(got: int, nbytes: int, name: str) -> ProtocolError:
     return ProtocolError(f"connection closed after {got} of {nbytes} bytes of blob {name} (peer killed or restarted?)")
 
 
-def _receive_written(sock: socket.socket, fd: int, nbytes: int, hasher: Any, name: str) -> None:
-    """recv into this thread's buffer, hash it, write it: for ramdisks with 4 KiB pages."""
+def _receive_written(sock: socket.socket, fd: int, nbytes: int, hasher: Any, name: str, progress: list) -> None:
+    """recv into this thread's buffer, hash it, write it: for ramdisks with 4 KiB pages.
+
+    A new temp file is sparse (``RamStore.open_temp_blob``): the writes allocate its pages as
+    the bytes arrive."""
     buf = thread_buffer(_RECV_CHUNK)
     got = 0
     while got < nbytes:
@@ -95,26 +125,35 @@ def _receive_written(sock: socket.socket, fd: int, nbytes: int, hasher: Any, nam
         while out < k:
             out += os.write(fd, chunk[out:])
         got += k
+        progress[0] = got
 
 
-def _receive_mapped(sock: socket.socket, fd: int, nbytes: int, hasher: Any, name: str) -> None:
+def _receive_mapped(sock: socket.socket, fd: int, nbytes: int, hasher: Any, name: str, progress: list) -> None:
     """recv straight into a map of the temp file, hashing each MiB as it lands: one copy, not two.
 
     With 2 MiB pages a map costs a fault per 2 MiB, and it saves the copy out of a user buffer
     (1 GiB, 2 streams, mapped sender: 0.84-0.89x of a memory-to-memory socket copy against
     0.68-0.80x with recv + write). With 4 KiB pages the faults make it ~4x slower than write(),
-    so that path stays. The pages are allocated first: a full ramdisk then fails here with
-    ENOSPC, where writing a sparse map would kill the process with SIGBUS.
+    so that path stays. Each chunk's pages are allocated just before it is received into: a full
+    ramdisk then fails here with ENOSPC, where writing a sparse map would kill the process with
+    SIGBUS, and a copy whose bytes have not arrived holds no room a local save could use.
     """
-    os.posix_fallocate(fd, 0, nbytes)
+    if os.fstat(fd).st_size != nbytes:
+        os.ftruncate(fd, nbytes)  # sparse: the map needs the size, the chunks allocate the pages
+    reserved = nbytes if os.fstat(fd).st_blocks * 512 >= nbytes else 0  # a recycled file: all there
     with mmap.mmap(fd, nbytes) as m, memoryview(m) as view:
         got = hashed = 0
         while got < nbytes:
-            with view[got:min(got + _RECV_CHUNK, nbytes)] as part:
+            end = min(got + _RECV_CHUNK, nbytes)
+            if end > reserved:
+                os.posix_fallocate(fd, reserved, end - reserved)
+                reserved = end
+            with view[got:end] as part:
                 k = sock.recv_into(part)
             if k == 0:
                 raise _cut_short(got, nbytes, name)
             got += k
+            progress[0] = got
             while got - hashed >= _HASH_CHUNK or (got == nbytes and hashed < got):
                 end = min(hashed + _HASH_CHUNK, got)
                 with view[hashed:end] as part:

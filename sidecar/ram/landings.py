@@ -5,15 +5,20 @@ bookkeeping ``RamStore`` keeps over it: which landings are open (by buffer addre
 ``write_shards`` recognises a buffer), publishing and dropping them, the bytes published and
 whether a save is landing now (the warmer holds off meanwhile). It has its own lock and state,
 so it lives apart from the store's metadata (steps, pool, garbage collection).
+
+``Arrivals`` is the same kind of ledger for the peer copies being received now: each with a
+way to drop it, so that a local save short of room can take back what they hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -114,3 +119,65 @@ class Landings:
         with self._lock:
             landings = list(self._open.values())
         self._drop(landings)
+
+
+class Arrival:
+    """One peer copy being received: its blob, its temp file (once open), and whether a local save
+    took its room back (``yielded``)."""
+
+    def __init__(self, name: str, drop: Callable[[], None]):
+        self.name = name
+        self.path: Path | None = None  # set by the receiver once the temp file is open
+        self.yielded = False
+        self._drop = drop
+
+    def held(self) -> int:
+        """Bytes the filesystem holds for its temp file now."""
+        try:
+            return os.stat(self.path).st_blocks * 512 if self.path is not None else 0
+        except FileNotFoundError:
+            return 0
+
+    def drop(self) -> None:
+        self.yielded = True  # before the drop: the receiver reads it once its socket fails
+        with contextlib.suppress(OSError):
+            self._drop()
+
+
+class Arrivals:
+    """The peer copies a store is receiving now (``RamStore.receiving``); ``yield_all`` drops them."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._open: set[Arrival] = set()
+
+    @contextlib.contextmanager
+    def receiving(self, name: str, drop: Callable[[], None]) -> Iterator[Arrival]:
+        """Register a copy of blob ``name`` for as long as the context is open; ``drop()`` makes its
+        receive fail soon (it shuts its socket down). Close the context only after the temp file
+        is published or removed: ``yield_all`` waits for that."""
+        arrival = Arrival(name, drop)
+        with self._cond:
+            self._open.add(arrival)
+        try:
+            yield arrival
+        finally:
+            with self._cond:
+                self._open.discard(arrival)
+                self._cond.notify_all()
+
+    def held(self) -> int:
+        """Bytes the copies being received hold now."""
+        with self._cond:
+            arrivals = list(self._open)
+        return sum(a.held() for a in arrivals)
+
+    def yield_all(self, timeout: float) -> list[str]:
+        """Drop every copy being received and wait (``timeout`` seconds at most) until their temp
+        files are gone; returns their blob names."""
+        with self._cond:
+            dropped = list(self._open)
+            for a in dropped:  # under the lock: a copy still registered, so its socket is still its own
+                a.drop()
+            self._cond.wait_for(lambda: not any(a in self._open for a in dropped), timeout)
+        return [a.name for a in dropped]

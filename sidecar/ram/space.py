@@ -3,8 +3,13 @@
 A mixin of ``RamStore`` (``mtc.sidecar.ram.store``), apart because it is the one part that
 decides what goes: it works over the store's catalog, free pool, blob files and pins, under
 the store's lock, and holds no state of its own. It uses the store's ``root``,
-``max_to_keep``, ``_lock``, ``_pins``, ``_catalog``, ``_pool``, ``_blobs``, ``_maps`` and
-``_round``, and its ``committed_steps``, ``pending_steps`` and ``list_blobs``.
+``max_to_keep``, ``_lock``, ``_pins``, ``_catalog``, ``_pool``, ``_blobs``, ``_maps``,
+``_arrivals`` and ``_round``, and its ``committed_steps``, ``pending_steps`` and ``list_blobs``.
+
+Local saves come before incoming peer copies. A copy being received takes room only as its
+bytes arrive (``mtc.sidecar.peer.wire``), and when a save is short of room even after what
+retention allows, every copy being received is dropped (``receiving``): the save goes on, and
+the senders retry later, as replication does anyway.
 """
 
 from __future__ import annotations
@@ -13,13 +18,16 @@ import contextlib
 import logging
 import os
 from collections import Counter
-from typing import Iterable
+from typing import Callable, ContextManager, Iterable
 
 from mtc.shared.errors import InsufficientSpaceError, ManifestError
 from mtc.sidecar.ram.common import check_step, format_bytes, free_bytes
 from mtc.sidecar.ram.pool import POOL_MIN
 
 log = logging.getLogger(__name__)
+
+# How long a save that takes back the room of incoming peer copies waits for their temp files to go.
+_YIELD_WAIT_S = 5.0
 
 
 class StoreSpace:
@@ -68,6 +76,12 @@ class StoreSpace:
             reclaim = self._pool.stats()[1]
             if live is not None:
                 reclaim += self._blobs.allocated(self.list_blobs() - live)
+            if free + reclaim < needed <= free + reclaim + self._arrivals.held():
+                names = self._arrivals.yield_all(_YIELD_WAIT_S)
+                free = free_bytes(self.root)
+                log.warning("ramdisk %s: dropped %d incoming peer cop%s (%s) to make room for step %d: local "
+                            "saves come first; the senders retry later", self.root, len(names),
+                            "y" if len(names) == 1 else "ies", ", ".join(n[:12] for n in names), step)
             if free + reclaim < needed:
                 raise self._space_error(step, needed, free, reclaim)
             for s in drop:
@@ -83,6 +97,15 @@ class StoreSpace:
             free = free_bytes(self.root)
             if needed - self._pool.reuse(sizes) > free:
                 raise self._space_error(step, needed, free, 0)
+
+    def receiving(self, name: str, drop: Callable[[], None]) -> ContextManager:
+        """Register a peer copy of blob ``name`` being received, for as long as the context is open.
+
+        ``drop()`` makes the receive fail soon (it shuts the transfer's socket down); a save that
+        is short of room calls it (``check_space``), and the context's value (an ``Arrival``) then
+        says ``yielded``. Close the context only after the temp file is published or removed.
+        """
+        return self._arrivals.receiving(name, drop)
 
     def _space_error(self, step: int, needed: int, free: int, reclaim: int) -> InsufficientSpaceError:
         return InsufficientSpaceError(

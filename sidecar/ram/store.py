@@ -24,7 +24,7 @@ from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, MTCError
 from mtc.sidecar.ram.blobs import BlobFiles
 from mtc.sidecar.ram.common import TMP_PREFIX, check_name, check_step, no_space, page_rounder
 from mtc.sidecar.ram.landing import Landing, LandingBatch, MapCache, MapWarmer
-from mtc.sidecar.ram.landings import Landings
+from mtc.sidecar.ram.landings import Arrivals, Landings
 from mtc.sidecar.ram.pool import FreePool
 from mtc.sidecar.ram.space import StoreSpace
 from mtc.sidecar.ram.steps import BlobsOf, StepCatalog, parse_step
@@ -59,6 +59,7 @@ class RamStore(StoreSpace):
         self._blobs = BlobFiles(self.root / "blobs", pool=self._pool, round=round_, no_space=self._no_space,
                                 maps=self._maps)
         self._landings = Landings(self.root, self._blobs, self._maps, self.fits)
+        self._arrivals = Arrivals()  # peer copies being received: they yield to local saves (space)
         self._catalog = StepCatalog(self.root, blobs_of=blobs_of, no_space=self._no_space)
         self._remove_leftovers()
         self.mount = ramdisk.describe(self.root)  # None where unknown (no /proc)
