@@ -184,3 +184,77 @@ def test_a_bad_metrics_port_is_refused_by_name():
         MTCConfig(local_checkpoint_directory="/tmp/x", metrics_port=70000)
     env = {"MTC_METRICS_PORT": "9400"}
     assert MTCConfig.from_flags(["local_checkpoint_directory=/tmp/x"], environ=env).metrics_port == 9400
+
+
+def scrape_at(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_sidecar_metrics_of_a_real_daemon(inprocess_daemon, ramdisk):
+    """A sidecar's /metrics: its ramdisk, steps and lease as the head's saves leave them, and the bytes
+    its peer service sends to and receives from a real peer client."""
+    import logging
+    import os
+
+    from mtc.sidecar.metrics import serve_metrics
+    from mtc.sidecar.peer import PeerClient
+    from mtc.sidecar.ram.store import RamStore
+
+    svc, spec = inprocess_daemon()
+    token = os.environ["MTC_PEER_TOKEN"]
+    svc.start_peer_service(("127.0.0.1", 0), token)
+    server = serve_metrics(0, svc, addr="127.0.0.1")
+    try:
+        h = {"host": "s0-h0"}
+        empty = scrape_at(server.port)
+        assert val(empty, "mtc_sidecar_ramdisk_used_bytes", **h) == 0
+        assert val(empty, "mtc_sidecar_committed_steps", **h) == 0
+        assert val(empty, "mtc_sidecar_newest_step", **h) is None
+        with CheckpointManager(local_checkpoint_directory=str(ramdisk / "host"), cluster_spec=str(spec),
+                               local_checkpoint_period=1, prefetch_on_start=False) as m:
+            for s in (1, 2):
+                m.save(s, state(s))
+                m.wait_until_finished()
+            got = scrape_at(server.port)
+            assert val(got, "mtc_sidecar_lease_generation", **h) == svc.lease.current()["generation"]
+        names = sorted(svc.store.list_blobs())
+        on_disk = sum(svc.store.blob_path(n).stat().st_size for n in names)
+        assert val(got, "mtc_sidecar_ramdisk_used_bytes", **h) == on_disk > 0
+        st = os.statvfs(svc.store.root)
+        assert 0 < val(got, "mtc_sidecar_ramdisk_free_bytes", **h) <= val(got, "mtc_sidecar_ramdisk_total_bytes", **h)
+        assert val(got, "mtc_sidecar_ramdisk_total_bytes", **h) == st.f_blocks * st.f_frsize
+        assert val(got, "mtc_sidecar_committed_steps", **h) == 2 and val(got, "mtc_sidecar_newest_step", **h) == 2
+        assert val(got, "mtc_sidecar_jobs_running", **h) == 0
+
+        # A peer pulls every blob (out), then pushes one back after the host lost it (in).
+        other = RamStore(ramdisk / "other" / "mtc")
+        with PeerClient(svc.peer_address, token) as c:
+            pulled = sum(c.get(other, n) for n in names)
+            lost = names[0]
+            svc.store.blob_path(lost).unlink()
+            assert c.put(other, lost)
+        after = scrape_at(server.port)
+        into = {"host": "s0-h0", "direction": "in"}
+        assert val(after, "mtc_sidecar_peer_bytes_total", **into) - val(got, "mtc_sidecar_peer_bytes_total", **into) == (
+            other.blob_size(lost))
+        assert svc.store.blob_path(lost).stat().st_size == other.blob_size(lost)
+        assert pulled == on_disk
+        out = {"host": "s0-h0", "direction": "out"}
+        assert val(after, "mtc_sidecar_peer_bytes_total", **out) - val(got, "mtc_sidecar_peer_bytes_total", **out) == pulled
+        assert val(after, "mtc_sidecar_peer_blobs_total", **out) - val(got, "mtc_sidecar_peer_blobs_total", **out) == len(names)
+        with pytest.raises(Exception):
+            PeerClient(svc.peer_address, "x" * 64).have(names[:1])
+        assert val(scrape_at(server.port), "mtc_sidecar_peer_refused_total", **h) == val(
+            after, "mtc_sidecar_peer_refused_total", **h) + 1
+        # Error records of mtc's loggers are counted by logger.
+        logging.getLogger("mtc.sidecar.service").error("a test error record")
+        errs = scrape_at(server.port)
+        assert val(errs, "mtc_sidecar_errors_total", host="s0-h0", logger="mtc.sidecar.service") >= 1
+        other.close()
+    finally:
+        server.close()
+    with pytest.raises(OSError):
+        scrape_at(server.port)

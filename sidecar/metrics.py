@@ -1,0 +1,134 @@
+"""Prometheus metrics of one sidecar daemon (cluster mode): its ramdisk, peer traffic, jobs and errors.
+
+``serve_metrics(port, service)`` serves ``/metrics`` for a ``SidecarService`` (a private registry, read
+at each scrape), labelled with the service's host id:
+
+- ``mtc_sidecar_ramdisk_used_bytes`` (mtc's blobs), ``mtc_sidecar_ramdisk_free_bytes`` (what the
+  filesystem has left), ``mtc_sidecar_ramdisk_total_bytes``, ``mtc_sidecar_ramdisk_pool_bytes``
+  (collected files kept for reuse, freed when a step needs their room);
+- ``mtc_sidecar_committed_steps``, ``mtc_sidecar_newest_step`` (absent while none is committed);
+- ``mtc_sidecar_peer_bytes_total{direction}``: bytes its peer service sent to peers pulling from it
+  (``out``) and received from peers pushing to it (``in``); ``mtc_sidecar_peer_blobs_total{direction}``,
+  ``mtc_sidecar_peer_refused_total`` (connections without the job token);
+- ``mtc_sidecar_jobs_running``: its long operations running now (backup uploads and fetches, peer pulls);
+- ``mtc_sidecar_lease_generation``: the generation of the head that holds this host (it rises when a new
+  head takes the hosts: ``changes()`` over it counts fencings);
+- ``mtc_sidecar_errors_total{logger}``: error records its ``mtc`` loggers wrote since the server started.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterator
+
+from mtc.shared.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class MetricsServer:
+    """A running ``/metrics`` server of one sidecar; ``close()`` stops it."""
+
+    def __init__(self, server: Any, thread: threading.Thread, errors: "_ErrorCounter"):
+        self._server, self._thread, self._errors = server, thread, errors
+
+    @property
+    def port(self) -> int:
+        return self._server.server_port
+
+    def close(self) -> None:
+        """Stop serving and stop counting errors. Safe to call twice."""
+        if self._errors is not None:
+            logging.getLogger("mtc").removeHandler(self._errors)
+            self._errors = None
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=10)
+
+
+def serve_metrics(port: int, service: Any, addr: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``service``'s metrics at ``http://addr:port/metrics`` (port 0: any free port, see
+    ``MetricsServer.port``) from a thread of this process, until ``close()``."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    if not 0 <= int(port) <= 65535:
+        raise ConfigError(f"--metrics-port {port} is out of range; use 1..65535 (0: any free port)")
+    errors = _ErrorCounter()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SidecarCollector(service, errors))
+    try:
+        server, thread = start_http_server(int(port), addr=addr, registry=registry)
+    except OSError as e:
+        raise ConfigError(f"host {service.host_id}: cannot serve metrics on {addr}:{port}: {e}; give --metrics-port "
+                          "a free port") from e
+    logging.getLogger("mtc").addHandler(errors)
+    log.info("host %s: metrics on :%d/metrics", service.host_id, server.server_port)
+    return MetricsServer(server, thread, errors)
+
+
+class _ErrorCounter(logging.Handler):
+    """Counts the error records of the ``mtc`` loggers, by logger name."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.counts: dict[str, int] = {}
+        self._count_lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._count_lock:
+            self.counts[record.name] = self.counts.get(record.name, 0) + 1
+
+
+class _SidecarCollector:
+    def __init__(self, service: Any, errors: _ErrorCounter):
+        self._service = service
+        self._errors = errors
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        svc = self._service
+        host = [svc.host_id]
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["host"])
+            if value is not None:
+                g.add_metric(host, value)
+            return g
+
+        usage = svc.store.usage()
+        yield gauge("mtc_sidecar_ramdisk_used_bytes", "Bytes of mtc's blobs on this host's ramdisk", usage["blob_bytes"])
+        yield gauge("mtc_sidecar_ramdisk_free_bytes", "Bytes free on this host's ramdisk", usage["free_bytes"])
+        yield gauge("mtc_sidecar_ramdisk_total_bytes", "Size of this host's ramdisk", usage["total_bytes"])
+        yield gauge("mtc_sidecar_ramdisk_pool_bytes", "Collected files kept for reuse", usage["free_pool_bytes"])
+        steps = usage["committed_steps"]
+        yield gauge("mtc_sidecar_committed_steps", "Steps committed on this host", len(steps))
+        yield gauge("mtc_sidecar_newest_step", "Newest step committed on this host", max(steps) if steps else None)
+        yield gauge("mtc_sidecar_jobs_running", "Long operations running (backup uploads and fetches, peer pulls)",
+                    svc.jobs.running())
+        lease = svc.lease.current()
+        yield gauge("mtc_sidecar_lease_generation", "Generation of the head holding this host",
+                    lease["generation"] if lease else None)
+        # The peer service's own counters (its server counts every blob it sends and receives).
+        peer = getattr(svc, "_peer", None)
+        stats = dict(peer.stats) if peer is not None else {}
+        nbytes = CounterMetricFamily("mtc_sidecar_peer_bytes", "Blob bytes this host's peer service sent and "
+                                     "received", labels=["host", "direction"])
+        blobs = CounterMetricFamily("mtc_sidecar_peer_blobs", "Blobs this host's peer service sent and received",
+                                    labels=["host", "direction"])
+        for direction, key in (("out", "sent"), ("in", "received")):
+            nbytes.add_metric([*host, direction], stats.get(f"{key}_bytes", 0))
+            blobs.add_metric([*host, direction], stats.get(f"{key}_blobs", 0))
+        yield nbytes
+        yield blobs
+        refused = CounterMetricFamily("mtc_sidecar_peer_refused", "Peer connections refused", labels=["host"])
+        refused.add_metric(host, stats.get("refused", 0))
+        yield refused
+        errs = CounterMetricFamily("mtc_sidecar_errors", "Error records of mtc's loggers on this host",
+                                   labels=["host", "logger"])
+        with self._errors._count_lock:
+            counts = dict(self._errors.counts)
+        for name, n in sorted(counts.items()):
+            errs.add_metric([*host, name], n)
+        yield errs
