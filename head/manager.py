@@ -32,7 +32,7 @@ from mtc.head.replication_loop import REPLICATION_WAIT_S, Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restore_plan import uncommit_lone
 from mtc.head.restorer import Restorer
-from mtc.head.save import CommittedStep, build_step, flatten
+from mtc.head.save import CommittedStep, TwinMismatchError, build_step, flatten
 from mtc.shared import format as fmt
 from mtc.shared import version
 from mtc.shared.config import MTCConfig
@@ -183,7 +183,7 @@ class CheckpointManager:
         if step in self._known_steps:
             raise ValueError(f"step {step} is already committed; save a new step number "
                              "(or restore it: checkpoints are immutable)")
-        leaves, tree_doc = flatten(state)
+        leaves, tree_doc = flatten(state, self._config)  # with twin_check_hash, a hash pass over unwritten replicas
         t_stage = time.perf_counter()
         staged = self._dispatch.stage(leaves)
         stage_s = time.perf_counter() - t_stage
@@ -210,7 +210,7 @@ class CheckpointManager:
             t1 = time.perf_counter()
             result = self._dispatch.write(step, staged)
             t2 = time.perf_counter()
-            data, digest = build_step(step, leaves, tree_doc, result, self._dispatch.slice_of)
+            data, digest = build_step(step, leaves, tree_doc, result, self._dispatch, self._config.twin_check)
             committed = self._dispatch.commit(step, data, digest)
             if self._known_steps is not None:
                 self._known_steps.add(step)
@@ -220,13 +220,8 @@ class CheckpointManager:
             done = CommittedStep(step, data, digest=digest, hosts=tuple(committed))
             self._replicator.submit(done)
             self._backups.maybe_start(done)
-            written = sum(h.get("written_bytes", 0) for h in committed.values())
-            report = SaveReport(
-                step=step, bytes_total=sum(leaf.nbytes for leaf in leaves), bytes_written=written,
-                blobs_total=sum(h.get("blobs", 0) for h in committed.values()), hosts=len(committed),
-                waited_for_previous_s=waited, blocked_s=blocked, stage_s=stage_s,
-                phase1_s=t2 - t1, phase2_s=t3 - t2, total_s=t3 - t0,
-            )
+            report = SaveReport.of_commit(step, leaves, committed, waited_for_previous_s=waited, blocked_s=blocked,
+                                          stage_s=stage_s, phase1_s=t2 - t1, phase2_s=t3 - t2, total_s=t3 - t0)
             self.last_save_report = self._metrics.saved(report)
             log.info("- save step %d; duration=%.3fs; size=%d bytes @ %.2f GB/s", step, report.total_s,
                      report.bytes_total, report.bytes_total / max(report.total_s, 1e-9) / 1e9)
@@ -242,6 +237,9 @@ class CheckpointManager:
                 e = e2
             if committed is None and fenced is None:
                 self._abort(step)
+            if isinstance(e, TwinMismatchError) and e.report is not None:  # twin_check=warn: skipped, not failed
+                self.last_save_report = e.report
+                return e.report
             with self._lock:
                 self._errors.append(self._metrics.error(e))
             log.error("save of step %d failed: %s", step, e)

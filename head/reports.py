@@ -12,6 +12,9 @@ class SaveReport:
     ``bytes_total`` is the state's size (every array once); ``bytes_written`` what the hosts
     wrote (less than their shares when blobs were unchanged); ``blobs_total`` the blobs the
     hosts hold for the step, each host's counted (data-parallel twins count once per host).
+    ``twin_mismatches``: boxes whose data-parallel replicas held different bytes
+    (``mtc.head.twin_check.TwinMismatch``, each naming the array, the box and the hosts and devices
+    of every copy); such a step is not committed (``committed`` false, ``twin_check=warn``).
     """
 
     step: int
@@ -25,6 +28,16 @@ class SaveReport:
     phase1_s: float = 0.0
     phase2_s: float = 0.0
     total_s: float = 0.0
+    committed: bool = True
+    twin_mismatches: tuple = ()
+
+    @classmethod
+    def of_commit(cls, step: int, leaves: list, committed: dict, **times: float) -> "SaveReport":
+        """The report of a committed save: sizes from the leaves, counts from the hosts' commit
+        answers (host -> {"written_bytes", "blobs"}), and the phases' ``times``."""
+        return cls(step=step, bytes_total=sum(leaf.nbytes for leaf in leaves),
+                   bytes_written=sum(h.get("written_bytes", 0) for h in committed.values()),
+                   blobs_total=sum(h.get("blobs", 0) for h in committed.values()), hosts=len(committed), **times)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,12 +2,13 @@
 
 ``flatten`` validates a pytree and turns it into ``Leaf`` values (a typed PRNG key array is
 stored as its key data, its impl named); ``build_step`` turns phase 1's answers into the
-step manifest that phase 2 commits. The manager runs them; neither touches a
-sidecar.
+step manifest that phase 2 commits, once the hosts' copies of every replicated box are found
+equal (``mtc.head.twin_check``). The manager runs them; neither touches a sidecar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable
@@ -18,6 +19,7 @@ import numpy as np
 from mtc.head import tree as tree_lib
 from mtc.head.dispatch import Leaf, WriteResult, choose_keepers  # noqa: F401 (choose_keepers: imported from here too)
 from mtc.head.restore_plan import is_prng_key, prng_key_shape
+from mtc.head.twin_check import TwinMismatchError, check as check_twins, hash_replicas  # noqa: F401 (the manager imports the error from here)
 from mtc.shared import format as fmt
 from mtc.shared import shardings, version
 from mtc.shared.errors import TargetMismatchError
@@ -45,13 +47,24 @@ def scalar_doc(v: Any) -> dict:
     return {"type": "str", "v": v}
 
 
-def flatten(state: Any) -> tuple[list[Leaf], Any]:
-    """(the leaves of ``state``, its tree document for the manifest)."""
+@dataclasses.dataclass
+class SavedLeaf(Leaf):
+    """A leaf being saved, with the names of its replicas that no host writes (``twin_check_hash``)."""
+
+    replica_blobs: dict = dataclasses.field(default_factory=dict)  # box -> {device id: blob name}
+
+
+def flatten(state: Any, config: Any = None) -> tuple[list[Leaf], Any]:
+    """(the leaves of ``state``, its tree document for the manifest).
+
+    With ``config.twin_check_hash`` (and the twin check on), the replicas no host writes are
+    hashed now, while the caller waits: once ``save`` returns, the training step may overwrite them.
+    """
     keys, values, _ = tree_lib.flatten(state)
     leaves = []
     for i, (key, value) in enumerate(zip(keys, values)):
         kind = classify(key, value)
-        leaf = Leaf(index=i, key=key, kind=kind, value=value)
+        leaf = SavedLeaf(index=i, key=key, kind=kind, value=value)
         if kind == "jax":
             if is_prng_key(value):
                 # The format stores a key array as its key data and names the impl.
@@ -70,12 +83,19 @@ def flatten(state: Any) -> tuple[list[Leaf], Any]:
             leaf.dtype = fmt.dtype_name(value.dtype)
             leaf.shape = tuple(value.shape)
         leaves.append(leaf)
+    if config is not None and config.twin_check != "off" and config.twin_check_hash:
+        for index, boxes in hash_replicas(leaves).items():
+            leaves[index].replica_blobs = boxes
     return leaves, tree_lib.encode(state)
 
 
 def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult,
-               slice_of: Any = None) -> tuple[bytes, str]:
+               dispatch: Any = None, twin_check: str = "off") -> tuple[bytes, str]:
     """The step manifest (bytes, digest) from the leaves and phase 1's host parts.
+
+    First the twin check (``twin_check``: "warn", "fail" or "off"): where the hosts' parts (or the
+    hash pass of ``flatten``) name more than one blob for one box, ``TwinMismatchError`` (the step
+    must not be committed). ``dispatch`` says which host holds each device and is in which slice.
 
     The head's work here grows with arrays and hosts, not shards: the parts are hashed and
     appended as the hosts wrote them; which devices held each shard follows from the named
@@ -83,6 +103,11 @@ def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult
     sharding description (an unusual sharding) lists them. The hosts that keep the whole
     manifest check, before they commit, that the parts cover every array (``fmt.StepManifest``).
     """
+    slice_of = dispatch.slice_of if dispatch is not None else None
+    if twin_check != "off":
+        hashed = {leaf.index: leaf.replica_blobs for leaf in leaves if getattr(leaf, "replica_blobs", None)}
+        check_twins(step, twin_check, leaves, result.parts, hashed,
+                    dispatch.host_of_device if dispatch is not None else str)
     records = []
     listed: dict[int, list] = {}
     derived: dict[tuple, bool] = {}

@@ -40,6 +40,9 @@ ENV_PREFIX = "MTC_"
 ENV_TOKEN = "MTC_PEER_TOKEN"
 MIN_TOKEN_CHARS = 16
 
+# What a save does when data-parallel replicas disagree (``twin_check``).
+TWIN_CHECK_MODES = ("warn", "fail", "off")
+
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
 _NONE = frozenset({"none", ""})
@@ -85,6 +88,14 @@ class MTCConfig:
       ``restore`` finds it local (default true).
     - ``metrics_port``: serve Prometheus metrics at ``/metrics`` on this port of the head
       (``MTC_METRICS_PORT``; 0: no metrics).
+    - ``twin_check``: what a save does when data-parallel replicas of one box of an array hold
+      different bytes (silent data corruption on some host): ``warn`` (default: log it, report it
+      in ``last_save_report.twin_mismatches``, do not commit that step; training goes on),
+      ``fail`` (the save fails with an error naming the array, box and hosts; nothing is
+      committed) or ``off``. Across hosts it compares the blob names the hosts return anyway.
+    - ``twin_check_hash``: also hash the replicas no host writes (replicas on one host; in
+      cluster mode, the copies the head does not send) while ``save`` blocks: one hash pass over
+      them (default false).
     """
 
     enable_checkpointing: bool = True
@@ -105,6 +116,8 @@ class MTCConfig:
     max_save_wait_s: float | None = None
     prefetch_on_start: bool = True
     metrics_port: int = 0
+    twin_check: str = "warn"
+    twin_check_hash: bool = False
 
     # ------------------------------------------------------------------ construction
 
@@ -116,6 +129,7 @@ class MTCConfig:
                      "multi_tier_checkpointing_backup_interval_steps"):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, None)
+        object.__setattr__(self, "twin_check", self.twin_check.strip().lower())
         problems = self._problems()
         if problems:
             raise ConfigError("invalid mtc config:\n  - " + "\n  - ".join(problems))
@@ -195,6 +209,9 @@ class MTCConfig:
             p.append("colocated_python_checkpointing=True and cluster_spec are both set; "
                      "they select different modes: clear cluster_spec for colocated Python, "
                      "or set colocated_python_checkpointing=False for cluster mode")
+        if self.twin_check not in TWIN_CHECK_MODES:
+            p.append(f"twin_check={self.twin_check!r} is not one of {', '.join(TWIN_CHECK_MODES)}; use warn "
+                     "(log and skip a step whose replicas disagree), fail (the save fails) or off")
         w = self.max_save_wait_s
         if w is not None and (math.isnan(w) or math.isinf(w) or w < 0):
             p.append(f"max_save_wait_s={w} must be a finite number of seconds >= 0, or None "
@@ -361,7 +378,8 @@ def _kind_of(annotation: str) -> _Kind:
 _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields(MTCConfig)}
 # mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
 _MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "replication_factor", "peer_port", "peer_token",
-            "cluster_spec", "max_save_wait_s", "prefetch_on_start", "metrics_port")
+            "cluster_spec", "max_save_wait_s", "prefetch_on_start", "metrics_port",
+            "twin_check", "twin_check_hash")
 
 
 def _type_ok(base: type, value: Any) -> bool:

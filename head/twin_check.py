@@ -1,0 +1,193 @@
+"""The twin check: data-parallel replicas of one box of an array must hold the same bytes.
+
+Blobs are named by the hash of their bytes, so the hosts that hold replicas of one box (the same
+box of the same array under a replicated or partially replicated sharding, or the host copies of
+a numpy leaf) must name the same blob. Phase 1's answers already carry every host's names, so
+across hosts the check reads no bytes: ``compare`` groups the names of the hosts' parts by
+(array, box). Two names for one box is silent data corruption on some host (a flipped bit in one
+replica), named at save time with the array, the box, and the hosts and devices of each copy.
+
+Replicas that no host writes (several on one host: its sidecar writes one; in cluster mode the
+head sends one copy of each box to every host that holds it) are compared only with
+``twin_check_hash``: ``hash_replicas`` hashes them while ``save`` blocks (once it returns the
+training step may overwrite them), one pass over their bytes.
+
+A step whose replicas disagree is never committed: it is not one state, and readers refuse a step
+manifest whose hosts name different blobs for one box. ``twin_check=warn`` logs it, reports it
+(``SaveReport.twin_mismatches``, ``committed=False``) and training goes on with the newest good
+step kept; ``fail`` also fails the save (``TwinMismatchError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from mtc.head.reports import SaveReport
+from mtc.shared import format as fmt
+from mtc.shared.buffers import byte_view
+from mtc.shared.errors import SaveError
+from mtc.shared.hashing import blob_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwinCopy:
+    """One content of a box: its blob name, the hosts whose copy it is, and those copies' devices
+    (none for a numpy leaf; without ``twin_check_hash``, every device of the host holding the box)."""
+
+    blob: str
+    hosts: tuple[str, ...]
+    devices: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        devices = f" (devices {', '.join(map(str, self.devices))})" if self.devices else ""
+        return f"{self.blob} on {', '.join(self.hosts)}{devices}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TwinMismatch:
+    """Replicas of one box of one array that hold different bytes: the copies, most held first."""
+
+    array: str  # the leaf's path in the state
+    box: fmt.Box  # ((start, stop), ...) per dimension
+    copies: tuple[TwinCopy, ...]
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(sorted({h for c in self.copies for h in c.hosts}))
+
+    def __str__(self) -> str:
+        return f"array {self.array!r} box {fmt.box_str(self.box)}: " + " != ".join(map(str, self.copies))
+
+
+class TwinMismatchError(SaveError):
+    """Data-parallel replicas of a box hold different bytes: the step was not committed.
+
+    ``mismatches``: every box found (``TwinMismatch``); ``report``: under ``twin_check=warn``, the
+    save's report (the save is skipped, not failed); None under ``fail``.
+    """
+
+    def __init__(self, message: str, *, step: int, mismatches: Iterable[TwinMismatch],
+                 report: SaveReport | None = None):
+        self.mismatches = tuple(mismatches)
+        hosts: dict[str, str] = {}
+        for m in self.mismatches:
+            for h in m.hosts:
+                hosts.setdefault(h, str(m))
+        super().__init__(message, step=step, hosts=hosts)
+        self.report = report
+
+
+def hash_replicas(leaves: Iterable[Any]) -> dict[int, dict[fmt.Box, dict[int, str]]]:
+    """The hash pass of ``twin_check_hash``: leaf index -> box -> {device id: blob name} for every
+    replica of a box held by several devices, but the first (the copy that is written, whose name
+    its host reports)."""
+    out: dict[int, dict[fmt.Box, dict[int, str]]] = {}
+    for leaf in leaves:
+        if leaf.kind != "jax":
+            continue
+        seen: set[fmt.Box] = set()
+        counts: dict[fmt.Box, int] = {}
+        for box in leaf.device_boxes.values():
+            counts[box] = counts.get(box, 0) + 1
+        for shard in leaf.value.addressable_shards:
+            box = leaf.device_boxes[shard.device.id]
+            if counts[box] < 2:
+                continue
+            if box not in seen:
+                seen.add(box)
+                continue
+            data = np.ascontiguousarray(np.asarray(shard.data))
+            out.setdefault(leaf.index, {}).setdefault(box, {})[int(shard.device.id)] = blob_name(byte_view(data))
+    return out
+
+
+def _reported(parts: list[tuple[str, bytes]]) -> dict[tuple[int, fmt.Box], dict[str, str]]:
+    """(array index, box) -> {host: blob} from the hosts' parts (their phase 1 answers)."""
+    out: dict[tuple[int, fmt.Box], dict[str, str]] = {}
+    for host, data in parts:
+        part = fmt.HostManifest.from_json(data, source=f"host {host}'s answer to phase 1")
+        for s in part.shards:
+            out.setdefault((s.array, s.box), {})[host] = s.blob
+    return out
+
+
+def _mismatch(leaf: Any, box: fmt.Box, by_host: dict[str, str], hashed: dict[int, str],
+              host_of: Callable[[int], str]) -> TwinMismatch | None:
+    """The copies of one box, when they are not all one blob."""
+    if len(set(by_host.values()) | set(hashed.values())) < 2:
+        return None
+    hosts: dict[str, set[str]] = {}
+    devices: dict[str, set[int]] = {}
+    for h, blob in by_host.items():
+        hosts.setdefault(blob, set()).add(h)
+    for dev, b in getattr(leaf, "device_boxes", {}).items():
+        if b != box:
+            continue
+        h = host_of(dev)
+        blob = hashed.get(dev, by_host.get(h))  # a copy not hashed is the one its host wrote
+        if blob is None:
+            continue
+        hosts.setdefault(blob, set()).add(h)
+        devices.setdefault(blob, set()).add(int(dev))
+    copies = [TwinCopy(b, tuple(sorted(hs)), tuple(sorted(devices.get(b, ())))) for b, hs in hosts.items()]
+    copies.sort(key=lambda c: (-max(len(c.devices), len(c.hosts)), c.blob))
+    return TwinMismatch(leaf.key, box, tuple(copies))
+
+
+def compare(leaves: list[Any], parts: list[tuple[str, bytes]], hashed: dict[int, dict[fmt.Box, dict[int, str]]],
+            host_of: Callable[[int], str]) -> list[TwinMismatch]:
+    """Every box whose replicas name more than one blob: the hosts' names from their parts
+    (``parts``: (host, its phase 1 answer)), and the names of the hash pass (``hashed``)."""
+    if len(parts) < 2 and not hashed:
+        return []  # one host and no hash pass: one copy of every box was written, nothing to compare
+    reported = _reported(parts)
+    by_index = {leaf.index: leaf for leaf in leaves}
+    found = []
+    host_cache: dict[int, str] = {}
+
+    def cached_host(dev: int) -> str:
+        h = host_cache.get(dev)
+        if h is None:
+            h = host_cache[dev] = host_of(dev)
+        return h
+
+    for (index, box), by_host in reported.items():
+        extra = hashed.get(index, {}).get(box, {})
+        if len(by_host) < 2 and not extra:
+            continue
+        leaf = by_index.get(index)
+        if leaf is None:
+            continue  # a part naming an array the state does not have: the keepers refuse it
+        m = _mismatch(leaf, box, by_host, extra, cached_host)
+        if m is not None:
+            found.append(m)
+    found.sort(key=lambda m: (m.array, m.box))
+    return found
+
+
+def check(step: int, mode: str, leaves: list[Any], parts: list[tuple[str, bytes]],
+          hashed: dict[int, dict[fmt.Box, dict[int, str]]], host_of: Callable[[int], str]) -> None:
+    """Raise ``TwinMismatchError`` (after a warning under ``warn``) when replicas disagree."""
+    if mode == "off":
+        return
+    found = compare(leaves, parts, hashed, host_of)
+    if not found:
+        return
+    shown = "; ".join(map(str, found[:5])) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+    hosts = sorted({h for m in found for h in m.hosts})
+    message = (f"data-parallel replicas disagree in {len(found)} box(es), silent data corruption on some host "
+               f"({', '.join(hosts)}): {shown}. Step {step} is not committed. A copy that fewer devices hold points at "
+               "the suspect host; take it out of the job and go on from the last good step")
+    if mode == "warn":
+        log.warning("save of step %d skipped: %s (twin_check=warn: training goes on; twin_check=fail makes the save "
+                    "fail)", step, message)
+        report = SaveReport(step=step, bytes_total=sum(leaf.nbytes for leaf in leaves), hosts=len(parts),
+                            committed=False, twin_mismatches=tuple(found))
+        raise TwinMismatchError(f"save of step {step} skipped: {message}", step=step, mismatches=found, report=report)
+    raise TwinMismatchError(f"save of step {step} failed: {message} (twin_check=fail)", step=step, mismatches=found)
