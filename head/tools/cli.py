@@ -251,6 +251,9 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     peer = r.add_argument_group("peer tier")
     peer.add_argument("--peer-port", type=int, default=DEFAULT_PEER_PORT,
                       help=f"port of the sidecars' peer service on each host (default {DEFAULT_PEER_PORT})")
+    r.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve the head's Prometheus metrics on this port (MTC_METRICS_PORT) and render a PodMonitoring "
+                        "for GKE's managed Prometheus (default 0: neither)")
     token = peer.add_mutually_exclusive_group()
     token.add_argument("--peer-token-secret", default="", metavar="NAME",
                        help="use this existing Secret (key 'token'); no Secret is rendered")

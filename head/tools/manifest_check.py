@@ -44,6 +44,7 @@ from mtc.head.tools.manifests import (CSI_DRIVER, DAEMON_IMAGE_NAME, HEAD_IMAGE_
 
 K8S_VERSION = "1.32"  # GKE's multi-tier checkpointing needs 1.32.3 or later
 SCHEMA_FILE = "jobset-v1alpha2.schema.json.gz"
+PODMONITORING_SCHEMA_FILE = "podmonitoring-v1.schema.json.gz"
 _MTC_IMAGES = (HEAD_IMAGE_NAME, SIDECAR_IMAGE_NAME, DAEMON_IMAGE_NAME)
 
 
@@ -88,6 +89,16 @@ def jobset_validator():
     import jsonschema
 
     return jsonschema.Draft7Validator(strict(jobset_schema()))
+
+
+@functools.lru_cache(maxsize=1)
+def podmonitoring_validator():
+    """A strict jsonschema validator of PodMonitoring (``monitoring.googleapis.com/v1``) documents: the
+    fields of the CRD that mtc renders or a user is likely to add, with their types."""
+    import jsonschema
+
+    data = resources.files("mtc.head.tools").joinpath("schemas", PODMONITORING_SCHEMA_FILE).read_bytes()
+    return jsonschema.Draft7Validator(strict(json.loads(gzip.decompress(data))))
 
 
 def _path(parts) -> str:
@@ -202,6 +213,10 @@ def check_documents(docs: list, *, params: float | None = None, peer_token_secre
             errors = sorted(jobset_validator().iter_errors(doc), key=lambda e: list(map(str, e.path)))
             r.problems += [f"{name}: {_path(e.path)}: {e.message} (JobSet CRD schema)" for e in errors]
             jobsets.append(doc)
+            continue
+        if doc["kind"] == "PodMonitoring" and doc["apiVersion"] == "monitoring.googleapis.com/v1":
+            errors = sorted(podmonitoring_validator().iter_errors(doc), key=lambda e: list(map(str, e.path)))
+            r.problems += [f"{name}: {_path(e.path)}: {e.message} (PodMonitoring schema)" for e in errors]
             continue
         try:
             problem = _kubernetes_problem(doc, kubernetes_version)

@@ -12,6 +12,7 @@ from typing import Any
 from mtc.shared.errors import ConfigError
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+PODMONITORING_API = "monitoring.googleapis.com/v1"  # GKE managed Prometheus scrapes what one selects
 CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
 PATHWAYS_REGISTRY = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways"
 TOKEN_KEY = "token"
@@ -96,6 +97,7 @@ class ManifestOptions:
     max_restarts: int = 4
     mtc_launcher: bool = False  # run MaxText's pre-training through python3 -m mtc.head.maxtext
     preemption_grace_s: float = 25.0  # SIGTERM to exit: the launcher's budget to save the step reached
+    metrics_port: int = 0  # the head's /metrics (MTC_METRICS_PORT) and a PodMonitoring to scrape it; 0: neither
 
 
 MAXTEXT_TRAIN_MODULE = "maxtext.trainers.pre_train.train"

@@ -43,6 +43,11 @@ def plan(options: ManifestOptions) -> Plan:
     if o.peer_port in _RESERVED_PORTS:
         raise ConfigError(f"--peer-port={o.peer_port} is the {_RESERVED_PORTS[o.peer_port]}'s port "
                           f"on the same host network; pick another, e.g. {DEFAULT_PEER_PORT}")
+    if o.metrics_port and (not 1 <= o.metrics_port <= 65535 or o.metrics_port in _RESERVED_PORTS
+                           or o.metrics_port == o.peer_port):
+        taken = _RESERVED_PORTS.get(o.metrics_port) or ("peer service" if o.metrics_port == o.peer_port else "")
+        raise ConfigError(f"--metrics-port={o.metrics_port} " + (f"is the {taken}'s port on the same host network"
+                          if taken else "is out of range") + "; pick another in 1..65535, e.g. 9431 (0: no metrics)")
     if o.max_restarts < 0:
         raise ConfigError(f"--max-restarts={o.max_restarts} must be >= 0")
     size_limit = _size_limit(o, hosts)

@@ -10,7 +10,7 @@ from typing import Any
 from mtc.shared.config import ENV_TOKEN
 
 from mtc.head.tools.manifest_options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, HEAD_JOB, JOBSET_API, PATHWAYS_REGISTRY,
-                                             PROXY_PORT, RAMDISK_VOLUME, RM_PORT, SIDECAR_CONTAINER, TOKEN_KEY,
+                                             PODMONITORING_API, PROXY_PORT, RAMDISK_VOLUME, RM_PORT, SIDECAR_CONTAINER, TOKEN_KEY,
                                              WORKER_JOB, WORKER_PORT, Plan, _chips, launcher_command)
 
 
@@ -40,6 +40,22 @@ def jobset(p: Plan) -> dict:
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [HEAD_JOB]},
             "coordinator": {"replicatedJob": HEAD_JOB, "jobIndex": 0, "podIndex": 0},
             "replicatedJobs": [head_job(p), worker_job(p)],
+        },
+    }
+
+
+def pod_monitoring(p: Plan) -> dict:
+    """The PodMonitoring that has GKE's managed Prometheus scrape the head's ``/metrics`` (the port named
+    ``metrics`` of its main container; ``--metrics-port``). Managed collection ignores scrape annotations."""
+    return {
+        "apiVersion": PODMONITORING_API,
+        "kind": "PodMonitoring",
+        "metadata": _metadata(p, f"{p.options.name}-mtc-metrics"),
+        "spec": {
+            "selector": {"matchLabels": {"jobset.sigs.k8s.io/jobset-name": p.options.name,
+                                         "jobset.sigs.k8s.io/replicatedjob-name": HEAD_JOB}},
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "30s"}],
+            "targetLabels": {"metadata": ["pod", "container", "node"]},
         },
     }
 
@@ -175,7 +191,7 @@ def _proxy(p: Plan) -> dict:
 
 
 def _main(p: Plan) -> dict:
-    return {
+    main = {
         "name": "main",
         "image": p.head_image,
         "command": ["/bin/bash", "-c", head_command(p)],
@@ -189,6 +205,10 @@ def _main(p: Plan) -> dict:
             {"name": "MTC_PREEMPTION_GRACE_S", "value": f"{p.options.preemption_grace_s:g}"},
         ],
     }
+    if p.options.metrics_port:  # scraped through the PodMonitoring (pod_monitoring)
+        main["env"].append({"name": "MTC_METRICS_PORT", "value": str(p.options.metrics_port)})
+        main["ports"] = [{"name": "metrics", "containerPort": p.options.metrics_port}]
+    return main
 
 
 def _worker(p: Plan) -> dict:

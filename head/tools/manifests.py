@@ -42,8 +42,8 @@ from mtc.head.tools.manifest_options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, 
                                              RM_PORT, SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME, TOKEN_KEY, WORKER_JOB,
                                              WORKER_PORT, Machine, ManifestOptions, Plan, launcher_command)
 from mtc.head.tools.manifest_plan import parse_quantity, plan
-from mtc.head.tools.manifest_render import (head_command, head_job, jobset, ramdisk_volume, secret, termination_grace,
-                                            worker_job)
+from mtc.head.tools.manifest_render import (head_command, head_job, jobset, pod_monitoring, ramdisk_volume, secret,
+                                            termination_grace, worker_job)
 
 __all__ = [
     "COLOCATED_PYTHON_PORT", "CSI_DRIVER", "DAEMON_IMAGE_NAME", "DEFAULT_PEER_PORT", "ENV_TOKEN", "HEAD_IMAGE_NAME",
@@ -51,7 +51,7 @@ __all__ = [
     "PATHWAYS_REGISTRY", "PROXY_PORT", "RAMDISK_VOLUME", "RM_PORT", "SIDECAR_CONTAINER", "SIDECAR_IMAGE_NAME",
     "TOKEN_KEY", "WORKER_JOB", "WORKER_PORT", "Machine", "ManifestOptions", "Plan", "built_versions", "head_command",
     "head_job", "image_mismatches", "image_tag", "image_versions", "jobset", "launcher_command", "parse_quantity",
-    "plan", "ramdisk_volume", "render_documents", "secret", "termination_grace", "to_yaml", "with_peer_token",
+    "plan", "pod_monitoring", "ramdisk_volume", "render_documents", "secret", "termination_grace", "to_yaml", "with_peer_token",
     "worker_job",
 ]
 
@@ -78,6 +78,8 @@ def render_documents(options: ManifestOptions) -> list[dict]:
                               "with_peer_token() generate one")
         docs.append(secret(p))
     docs.append(jobset(p))
+    if options.metrics_port:
+        docs.append(pod_monitoring(p))
     return docs
 
 
