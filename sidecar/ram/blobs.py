@@ -275,7 +275,7 @@ class BlobFiles:
                 if size == 0:
                     return np.empty(0, np.uint8)
                 m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                readers.hold_while_mapped(m, key)  # released when it is unmapped
+                readers.hold_while_mapped(m, key, fd, path)  # released when it is unmapped
         except FileNotFoundError:
             raise CorruptBlobError(f"blob {name} is missing from the ramdisk ({path})") from None
         actual = blob_name(m)

@@ -111,7 +111,8 @@ class FreePool:
         """Move the collected blob file ``path`` into the pool; False if it must be unlinked.
 
         Refused when the file is small, has other links, would take the pool over ``cap``
-        bytes, or is read or mapped by this process right now.
+        bytes, or is read by this process or mapped by any process right now (a restored array
+        may be a map of it: ``readers``).
         """
         size = st.st_size
         if not self.enabled or size < POOL_MIN or st.st_nlink != 1:
@@ -122,11 +123,8 @@ class FreePool:
                 return False
             dst = temp_name(self.directory, "free-")
             with readers.registry as held:
-                if (st.st_dev, st.st_ino) in held:
-                    return False
-                try:
-                    os.rename(path, dst)
-                except FileNotFoundError:
+                key = (st.st_dev, st.st_ino)
+                if key in held or not readers.rename_unless_mapped(path, dst, key):
                     return False
             self._files.setdefault(size, []).append(dst)
             self._bytes += alloc

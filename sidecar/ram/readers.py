@@ -1,12 +1,20 @@
-"""Blob files that this process is reading or has mapped, by (st_dev, st_ino), across all stores.
+"""Blob files that are read or mapped, so that no collection recycles them under a reader.
 
-Two stores of one root in a process share it. Garbage collection never recycles such a file
-into the free pool (it unlinks it instead), so a restored array that maps a blob never changes.
+In this process: a registry by (st_dev, st_ino), across all stores (two stores of one root in a
+process share it). Across processes: a mapping also holds a shared ``flock`` on its file for
+as long as it lives, and ``rename_unless_mapped`` (the only way a blob file enters the free
+pool) takes the exclusive lock first. A restored array on a CPU backend is a private map of
+its blob (``RamStore.map_blob``): a file recycled and overwritten in place would change the
+array's bytes, whichever process recycled it. Garbage collection unlinks such a file instead;
+its pages go when the last array using them does.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
+import fcntl
+import os
 import threading
 import weakref
 from collections import Counter
@@ -53,10 +61,63 @@ def release(key: Key) -> None:
         _decrement(key)
 
 
-def hold_while_mapped(mapping, key: Key) -> None:
-    """Keep ``key`` registered for as long as ``mapping`` (an mmap) lives."""
+def _unmap(key: Key, lock_fd: int | None) -> None:
+    _unmapped.append(key)
+    if lock_fd is not None:
+        os.close(lock_fd)  # the last descriptor of the locked open file: the shared lock goes
+
+
+def hold_while_mapped(mapping, key: Key, fd: int | None = None, path: str | os.PathLike | None = None) -> None:
+    """Keep ``key`` registered for as long as ``mapping`` (an mmap of the file open as ``fd``) lives.
+
+    With ``fd``, the file is also locked shared (``flock``) on a duplicate of ``fd`` that is
+    closed with the mapping, which keeps garbage collection in other processes from recycling
+    it (``rename_unless_mapped``); the lock dies with this process. Then ``path`` (where the
+    file was opened) must still name it once locked: OSError otherwise, also when no descriptor
+    is left or the file is being recycled right now; the caller reads the blob instead."""
+    lock_fd = None
+    if fd is not None:
+        lock_fd = os.dup(fd)  # OSError (EMFILE) when out of descriptors
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # EWOULDBLOCK: being recycled now
+            if path is not None:
+                try:
+                    st = os.stat(path)
+                    moved = (st.st_dev, st.st_ino) != key
+                except FileNotFoundError:
+                    moved = True
+                if moved:  # recycled or removed before the lock was taken
+                    raise OSError(errno.ESTALE, "the blob file was collected while it was being mapped", str(path))
+        except BaseException:
+            os.close(lock_fd)
+            raise
     acquire(key)
-    weakref.finalize(mapping, _unmapped.append, key)
+    weakref.finalize(mapping, _unmap, key, lock_fd)
+
+
+def rename_unless_mapped(path: str | os.PathLike, dst: str | os.PathLike, key: Key) -> bool:
+    """Rename the file ``key`` at ``path`` to ``dst`` unless a process maps it (or it is gone,
+    or ``path`` names another file now); whether it was renamed. Call it holding ``registry``
+    (which answers for this process's readers)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != key:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # mapped by some process: the caller unlinks it instead
+            return False
+        try:
+            os.rename(path, dst)  # under the lock: a mapper that locks after this sees the name gone
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def in_use() -> set[Key]:
