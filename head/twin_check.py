@@ -21,6 +21,7 @@ step kept; ``fail`` also fails the save (``TwinMismatchError``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any, Callable, Iterable
 
@@ -29,7 +30,7 @@ import numpy as np
 from mtc.head.reports import SaveReport
 from mtc.shared import format as fmt
 from mtc.shared.buffers import byte_view
-from mtc.shared.errors import SaveError
+from mtc.shared.errors import ManifestError, SaveError
 from mtc.shared.hashing import blob_name
 
 log = logging.getLogger(__name__)
@@ -107,19 +108,44 @@ def hash_replicas(leaves: Iterable[Any]) -> dict[int, dict[fmt.Box, dict[int, st
     return out
 
 
-def _reported(parts: list[tuple[str, bytes]]) -> dict[tuple[int, fmt.Box], dict[str, str]]:
-    """(array index, box) -> {host: blob} from the hosts' parts (their phase 1 answers)."""
-    out: dict[tuple[int, fmt.Box], dict[str, str]] = {}
+def _rows(parts: list[tuple[str, bytes]]) -> list[tuple[tuple[str, ...], list]]:
+    """(hosts, their shard rows [array, box, blob, nbytes]) from the hosts' answers to phase 1.
+
+    Hosts whose shard lists are the same bytes (data-parallel twins: host h of every slice, when
+    their copies agree) are parsed once, so a job with many slices parses about one slice's rows.
+    Parsed lightly: the names are only compared here; a keeper checks every row before it commits.
+    """
+    groups: dict[bytes, list[tuple[str, bytes]]] = {}
     for host, data in parts:
-        part = fmt.HostManifest.from_json(data, source=f"host {host}'s answer to phase 1")
-        for s in part.shards:
-            out.setdefault((s.array, s.box), {})[host] = s.blob
+        data = bytes(data)
+        at = data.find(b'"shards":')
+        groups.setdefault(data[at:] if at >= 0 else data, []).append((host, data))
+    out = []
+    for members in groups.values():
+        host, data = members[0]
+        try:
+            doc = json.loads(data)
+            rows = doc["shards"] if doc.get("host") == host else None
+        except (ValueError, TypeError, AttributeError, KeyError):
+            rows = None
+        if not isinstance(rows, list):
+            raise ManifestError(f"host {host}'s answer to phase 1 is not its host manifest ({data[:100]!r})")
+        out.append((tuple(h for h, _ in members), rows))
     return out
+
+
+def _key(host: str, row: Any) -> tuple[int, fmt.Box]:
+    try:
+        array, box, _, _ = row
+        return array, tuple(map(tuple, box))
+    except (TypeError, ValueError):
+        raise ManifestError(f"host {host}'s answer to phase 1 has a malformed shard row {row!r:.100}") from None
 
 
 def _mismatch(leaf: Any, box: fmt.Box, by_host: dict[str, str], hashed: dict[int, str],
               host_of: Callable[[int], str]) -> TwinMismatch | None:
-    """The copies of one box, when they are not all one blob."""
+    """The copies of one box, when they are not all one blob: each with the hosts that wrote it and
+    the devices that hold it (a device not hashed holds the copy its host wrote)."""
     if len(set(by_host.values()) | set(hashed.values())) < 2:
         return None
     hosts: dict[str, set[str]] = {}
@@ -130,7 +156,7 @@ def _mismatch(leaf: Any, box: fmt.Box, by_host: dict[str, str], hashed: dict[int
         if b != box:
             continue
         h = host_of(dev)
-        blob = hashed.get(dev, by_host.get(h))  # a copy not hashed is the one its host wrote
+        blob = hashed.get(dev, by_host.get(h))
         if blob is None:
             continue
         hosts.setdefault(blob, set()).add(h)
@@ -143,28 +169,53 @@ def _mismatch(leaf: Any, box: fmt.Box, by_host: dict[str, str], hashed: dict[int
 def compare(leaves: list[Any], parts: list[tuple[str, bytes]], hashed: dict[int, dict[fmt.Box, dict[int, str]]],
             host_of: Callable[[int], str]) -> list[TwinMismatch]:
     """Every box whose replicas name more than one blob: the hosts' names from their parts
-    (``parts``: (host, its phase 1 answer)), and the names of the hash pass (``hashed``)."""
+    (``parts``: (host, its phase 1 answer)), and the names of the hash pass (``hashed``).
+
+    One dictionary look-up per shard row; the hosts and devices of each copy are gathered only
+    for the boxes that disagree.
+    """
     if len(parts) < 2 and not hashed:
         return []  # one host and no hash pass: one copy of every box was written, nothing to compare
-    reported = _reported(parts)
+    rows = _rows(parts)
+    first: dict[tuple[int, fmt.Box], str] = {}
+    bad: set[tuple[int, fmt.Box]] = set()
+    for hosts, shards in rows:
+        try:
+            for array, box, blob, _ in shards:
+                key = (array, tuple(map(tuple, box)))
+                if first.setdefault(key, blob) != blob:
+                    bad.add(key)
+        except (TypeError, ValueError):  # a row that is not [array, box, blob, nbytes]
+            for row in shards:
+                _key(hosts[0], row)
+            raise
+    for index, boxes in hashed.items():
+        for box, names in boxes.items():
+            written = first.get((index, box))
+            if any(name != written for name in names.values()):
+                bad.add((index, box))
+    if not bad:
+        return []
+    by_key: dict[tuple[int, fmt.Box], dict[str, str]] = {k: {} for k in bad}
+    for hosts, shards in rows:
+        for row in shards:
+            key = _key(hosts[0], row)
+            if key in by_key:
+                by_key[key].update((h, str(row[2])) for h in hosts)
     by_index = {leaf.index: leaf for leaf in leaves}
+    host_of_device: dict[int, str] = {}
+
+    def host_of_cached(dev: int) -> str:
+        if dev not in host_of_device:
+            host_of_device[dev] = host_of(dev)
+        return host_of_device[dev]
+
     found = []
-    host_cache: dict[int, str] = {}
-
-    def cached_host(dev: int) -> str:
-        h = host_cache.get(dev)
-        if h is None:
-            h = host_cache[dev] = host_of(dev)
-        return h
-
-    for (index, box), by_host in reported.items():
-        extra = hashed.get(index, {}).get(box, {})
-        if len(by_host) < 2 and not extra:
-            continue
+    for (index, box), by_host in by_key.items():
         leaf = by_index.get(index)
         if leaf is None:
             continue  # a part naming an array the state does not have: the keepers refuse it
-        m = _mismatch(leaf, box, by_host, extra, cached_host)
+        m = _mismatch(leaf, box, by_host, hashed.get(index, {}).get(box, {}), host_of_cached)
         if m is not None:
             found.append(m)
     found.sort(key=lambda m: (m.array, m.box))
