@@ -105,7 +105,9 @@ class ClusterLoader:
                 out.append(lay)
                 continue
             dev_box, bufs = lay
-            # 64-byte aligned host buffers: device_put is zero-copy on a CPU backend.
+            # 64-byte aligned host buffers: device_put is zero-copy on a CPU backend. The arrays
+            # then hold the buffers (JAX keeps a reference), which are fresh for every restore
+            # and never written once the reads are done: nothing reuses or frees them under an array.
             arrays = [jax.device_put(bufs[b], d, may_alias=True) for d, b in dev_box.items()]
             out.append(jax.make_array_from_single_device_arrays(tuple(r.record.shape), r.sharding, arrays))
         return out

@@ -1,7 +1,10 @@
 """Restore reads on a sidecar: a box of an array assembled from this host's verified blobs.
 
-A saved shard that is exactly the box comes back as a private mapping of its blob (no copy);
-anything else is read, or cut out of mapped shards, into one buffer. Used by ``SidecarService``
+A saved shard that is exactly the box comes back as a private mapping of its blob (no copy;
+on a CPU backend the restored array is that map): the file stays locked for as long as the map
+lives, so that no process's garbage collection recycles it and writes other bytes into it
+(``mtc.sidecar.ram.readers``). Anything else is read, or cut out of mapped shards, into one
+fresh buffer. Used by ``SidecarService``
 for both transports. Every byte is hashed before it counts: here, or, for a box the daemon
 sends as a ``BlobStream`` (a map of its blob's file, straight to the socket), by the head as it
 arrives.
