@@ -4,10 +4,9 @@ A saved shard that is exactly the box comes back as a private mapping of its blo
 on a CPU backend the restored array is that map): the file stays locked for as long as the map
 lives, so that no process's garbage collection recycles it and writes other bytes into it
 (``mtc.sidecar.ram.readers``). Anything else is read, or cut out of mapped shards, into one
-fresh buffer. Used by ``SidecarService``
-for both transports. Every byte is hashed before it counts: here, or, for a box the daemon
-sends as a ``BlobStream`` (a map of its blob's file, straight to the socket), by the head as it
-arrives.
+fresh buffer. Used by ``SidecarService`` for both transports. Every byte is hashed before it
+counts: here, or, for a box the daemon sends as a ``BlobStream`` (a map of its blob's file,
+straight to the socket), by the head as it arrives.
 """
 
 from __future__ import annotations
