@@ -258,3 +258,39 @@ def test_sidecar_metrics_of_a_real_daemon(inprocess_daemon, ramdisk):
         server.close()
     with pytest.raises(OSError):
         scrape_at(server.port)
+
+
+def test_a_fencing_is_counted_once_and_its_errors_by_type(local_cluster):
+    """A second head takes the hosts: the first head's refused saves count as FencedError, the fencing once."""
+    from mtc.shared.errors import FencedError
+
+    port = metrics.served_port() or free_port()
+    cfg = MTCConfig(local_checkpoint_directory=str(local_cluster.root), cluster_spec=str(local_cluster.spec_path),
+                    local_checkpoint_period=1, prefetch_on_start=False, metrics_port=port)
+    first = CheckpointManager(cfg)
+    second = None
+    try:
+        first.save(1, state(1))
+        first.wait_until_finished()
+        before = scrape()
+        second = CheckpointManager(cfg)
+        assert_trees_bitwise_equal(state(1), second.restore(1))  # the second head takes the hosts
+        first.save(2, state(2))
+        with pytest.raises(FencedError):
+            first.wait_until_finished()
+        with pytest.raises(FencedError):  # refused at once from now on
+            first.save(3, state(3))
+        after = scrape()
+    finally:
+        for m in (first, second):
+            if m is not None:
+                try:
+                    m.close()
+                except FencedError:
+                    pass
+    assert val(after, "mtc_fencing_events_total") - val(before, "mtc_fencing_events_total") == 1
+
+    def fenced(scr, op):
+        return val(scr, "mtc_errors_total", op=op, type="FencedError") or 0
+    assert fenced(after, "save") - fenced(before, "save") == 2  # the background save, then save() itself
+    assert saves_counted(after)["commit"] - saves_counted(before)["commit"] == 0  # the fenced save committed nothing
