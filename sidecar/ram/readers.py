@@ -15,6 +15,7 @@ import collections
 import errno
 import fcntl
 import os
+import resource
 import threading
 import weakref
 from collections import Counter
@@ -27,6 +28,15 @@ _lock = threading.Lock()
 _unmapped: collections.deque = collections.deque()
 
 Key = tuple[int, int]
+
+# Descriptors that hold a map's lock (one per live map). At most half the process's descriptor
+# limit: past it a blob is read instead of mapped, so that sockets and files still open.
+_lock_fds: set[int] = set()
+
+
+def max_locked_maps() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return (1 << 20) if soft == resource.RLIM_INFINITY else soft // 2
 
 
 def _decrement(key: Key) -> None:
@@ -64,6 +74,7 @@ def release(key: Key) -> None:
 def _unmap(key: Key, lock_fd: int | None) -> None:
     _unmapped.append(key)
     if lock_fd is not None:
+        _lock_fds.discard(lock_fd)
         os.close(lock_fd)  # the last descriptor of the locked open file: the shared lock goes
 
 
@@ -74,10 +85,16 @@ def hold_while_mapped(mapping, key: Key, fd: int | None = None, path: str | os.P
     closed with the mapping, which keeps garbage collection in other processes from recycling
     it (``rename_unless_mapped``); the lock dies with this process. Then ``path`` (where the
     file was opened) must still name it once locked: OSError otherwise, also when no descriptor
-    is left or the file is being recycled right now; the caller reads the blob instead."""
+    is left (``max_locked_maps``) or the file is being recycled right now; the caller reads the
+    blob instead."""
     lock_fd = None
     if fd is not None:
-        lock_fd = os.dup(fd)  # OSError (EMFILE) when out of descriptors
+        with registry:  # the count and the reservation at once
+            if len(_lock_fds) >= max_locked_maps():
+                raise OSError(errno.EMFILE, f"{len(_lock_fds)} blob maps are open, half the descriptor limit "
+                                            "(ulimit -n); reading the blob instead")
+            lock_fd = os.dup(fd)  # OSError (EMFILE) when out of descriptors
+            _lock_fds.add(lock_fd)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # EWOULDBLOCK: being recycled now
             if path is not None:
@@ -89,6 +106,7 @@ def hold_while_mapped(mapping, key: Key, fd: int | None = None, path: str | os.P
                 if moved:  # recycled or removed before the lock was taken
                     raise OSError(errno.ESTALE, "the blob file was collected while it was being mapped", str(path))
         except BaseException:
+            _lock_fds.discard(lock_fd)
             os.close(lock_fd)
             raise
     acquire(key)

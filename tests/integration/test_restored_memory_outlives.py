@@ -239,6 +239,26 @@ def test_colocated_restore_outlives_saves_of_another_process(ramdisk):
     check_colocated(ramdisk, other_process=True)
 
 
+def test_past_the_descriptor_budget_blobs_are_read_instead_of_mapped(ramdisk, monkeypatch):
+    """Each map holds a descriptor (its lock): past the budget the restore reads, and the arrays
+    outlive the later saves as well."""
+    from mtc.sidecar.ram import readers
+
+    gc.collect()
+    before = len(readers._lock_fds)  # maps of earlier tests' arrays still alive, if any
+    monkeypatch.setattr(readers, "max_locked_maps", lambda: before + 4)
+    out, expect, step1 = restore_and_drop(lambda: colocated_manager(ramdisk), ramdisk)
+    where = backing(out)
+    mapped = {a for rows in where.values() for a, p in rows if p.startswith(str(ramdisk))}
+    assert 1 <= len(mapped) <= 4, where
+    assert sum(p in ("", "[heap]") for rows in where.values() for _, p in rows) > 8, where
+    assert len(readers._lock_fds) - before == len(mapped)
+    with colocated_manager(ramdisk) as m:
+        prune(m, 2, 1 + PRUNE_STEPS)
+    assert_step_collected(ramdisk, step1)
+    assert_same(out, expect)
+
+
 def test_cluster_restore_outlives_its_dispatcher_and_later_saves(local_cluster):
     check_cluster(local_cluster)
 
