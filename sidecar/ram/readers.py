@@ -119,7 +119,7 @@ def rename_unless_mapped(path: str | os.PathLike, dst: str | os.PathLike, key: K
     (which answers for this process's readers)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except OSError:  # gone, or not ours to open (so not ours to lock): the caller unlinks it
         return False
     try:
         st = os.fstat(fd)
