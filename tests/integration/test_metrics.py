@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.head import metrics
-from mtc.shared.errors import SaveError
+from mtc.shared.errors import ConfigError, SaveError
 
 pytestmark = pytest.mark.integration
 
@@ -180,7 +180,7 @@ def test_save_records_orbax_jax_monitoring_events(ramdisk):
 
 
 def test_a_bad_metrics_port_is_refused_by_name():
-    with pytest.raises(Exception, match="metrics_port=70000 is out of range"):
+    with pytest.raises(ConfigError, match="metrics_port=70000 is out of range"):
         MTCConfig(local_checkpoint_directory="/tmp/x", metrics_port=70000)
     env = {"MTC_METRICS_PORT": "9400"}
     assert MTCConfig.from_flags(["local_checkpoint_directory=/tmp/x"], environ=env).metrics_port == 9400
@@ -245,7 +245,7 @@ def test_sidecar_metrics_of_a_real_daemon(inprocess_daemon, ramdisk):
         out = {"host": "s0-h0", "direction": "out"}
         assert val(after, "mtc_sidecar_peer_bytes_total", **out) - val(got, "mtc_sidecar_peer_bytes_total", **out) == pulled
         assert val(after, "mtc_sidecar_peer_blobs_total", **out) - val(got, "mtc_sidecar_peer_blobs_total", **out) == len(names)
-        with pytest.raises(Exception):
+        with pytest.raises(ConfigError, match="MTC_PEER_TOKEN"):  # the wrong job token: refused
             PeerClient(svc.peer_address, "x" * 64).have(names[:1])
         assert val(scrape_at(server.port), "mtc_sidecar_peer_refused_total", **h) == val(
             after, "mtc_sidecar_peer_refused_total", **h) + 1
@@ -294,3 +294,19 @@ def test_a_fencing_is_counted_once_and_its_errors_by_type(local_cluster):
         return val(scr, "mtc_errors_total", op=op, type="FencedError") or 0
     assert fenced(after, "save") - fenced(before, "save") == 2  # the background save, then save() itself
     assert saves_counted(after)["commit"] - saves_counted(before)["commit"] == 0  # the fenced save committed nothing
+
+
+def test_sidecar_metrics_on_a_taken_port_say_which_and_the_fix(ramdisk):
+    from mtc.sidecar.metrics import serve_metrics
+    from mtc.sidecar.service import SidecarService
+
+    svc = SidecarService(ramdisk / "h" / "mtc", host_id="s0-h0")
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port = taken.getsockname()[1]
+            with pytest.raises(ConfigError, match=f"host s0-h0: cannot serve metrics on 127.0.0.1:{port}.*free port"):
+                serve_metrics(port, svc, addr="127.0.0.1")
+    finally:
+        svc.close()
