@@ -13,7 +13,8 @@ compares them bit for bit with copies taken before.
 The other process: garbage collection in a second process on the same ramdisk must not
 recycle a file this process maps (a restored array would change under its holder).
 
-Run as a script (``prune ROOT FIRST LAST``) it is that second process.
+Run as a script it is that second process (``prune ROOT FIRST LAST``), or runs both checks
+(``both ROOT CLUSTER_ROOT CLUSTER_SPEC``: under a malloc checker).
 """
 
 from __future__ import annotations
@@ -263,25 +264,30 @@ def test_cluster_restore_outlives_its_dispatcher_and_later_saves(local_cluster):
     check_cluster(local_cluster)
 
 
-def test_under_a_malloc_checker(ramdisk):
-    """The colocated checks again in a process with glibc's malloc checker and freed memory
-    overwritten (a buffer freed under an array would then read back as the perturb byte)."""
+def test_under_a_malloc_checker(ramdisk, local_cluster):
+    """Both modes again in a process with glibc's malloc checker and freed memory overwritten
+    (a receive buffer freed under an array would then read back as the perturb byte)."""
     env = dict(os.environ, MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
     debug = next((p for p in ("/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/usr/lib64/libc_malloc_debug.so.0")
                   if os.path.exists(p)), None)
     if debug:  # glibc >= 2.34 checks only with its debug library preloaded
         env["LD_PRELOAD"] = ":".join(x for x in (debug, env.get("LD_PRELOAD")) if x)
-    r = subprocess.run([sys.executable, __file__, "colocated", str(ramdisk)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, __file__, "both", str(ramdisk / "colocated"), str(local_cluster.root),
+                        str(local_cluster.spec_path)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "colocated: restored arrays intact" in r.stdout
+    assert "colocated: restored arrays intact" in r.stdout and "cluster: restored arrays intact" in r.stdout
 
 
 if __name__ == "__main__":
+    import types
+
     what, root = sys.argv[1], Path(sys.argv[2])
     if what == "prune":
         with colocated_manager(root) as manager:
             prune(manager, int(sys.argv[3]), int(sys.argv[4]))
-    elif what == "colocated":
+    elif what == "both":
+        root.mkdir()
         check_colocated(root, other_process=False)
-        print("colocated: restored arrays intact")
+        print("colocated: restored arrays intact", flush=True)
+        check_cluster(types.SimpleNamespace(root=Path(sys.argv[3]), spec_path=Path(sys.argv[4])))
+        print("cluster: restored arrays intact")
