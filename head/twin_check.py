@@ -87,7 +87,8 @@ class TwinMismatchError(SaveError):
 def hash_replicas(leaves: Iterable[Any]) -> dict[int, dict[fmt.Box, dict[int, str]]]:
     """The hash pass of ``twin_check_hash``: leaf index -> box -> {device id: blob name} for every
     replica of a box held by several devices, but the first (the copy that is written, whose name
-    its host reports)."""
+    its host reports). Only replicas in the head's own memory (CPU devices) are hashed: reading an
+    accelerator's copy back to the head would cost a transfer per replica."""
     out: dict[int, dict[fmt.Box, dict[int, str]]] = {}
     for leaf in leaves:
         if leaf.kind != "jax":
@@ -102,6 +103,8 @@ def hash_replicas(leaves: Iterable[Any]) -> dict[int, dict[fmt.Box, dict[int, st
                 continue
             if box not in seen:
                 seen.add(box)
+                continue
+            if shard.device.platform != "cpu":
                 continue
             data = np.ascontiguousarray(np.asarray(shard.data))
             out.setdefault(leaf.index, {}).setdefault(box, {})[int(shard.device.id)] = blob_name(byte_view(data))

@@ -95,7 +95,7 @@ class MTCConfig:
       committed) or ``off``. Across hosts it compares the blob names the hosts return anyway.
     - ``twin_check_hash``: also hash the replicas no host writes (replicas on one host; in
       cluster mode, the copies the head does not send) while ``save`` blocks: one hash pass over
-      them (default false).
+      them, where they are in the head's memory (CPU devices); default false.
     """
 
     enable_checkpointing: bool = True
