@@ -220,7 +220,7 @@ class BoxReader:
             data = self.store.map_blob(shard.blob, nbytes)
         except CorruptBlobError:
             raise
-        except OSError as e:  # e.g. out of mappings (vm.max_map_count): read instead
+        except OSError as e:  # out of mappings (vm.max_map_count) or map locks (descriptors): read instead
             log.debug("host %s: cannot map blob %s (%s); reading it", self.host_id, shard.blob, e)
             return None
         return data.view(dtype).reshape(shape)

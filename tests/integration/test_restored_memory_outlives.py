@@ -54,7 +54,8 @@ def make_state(seed: int) -> dict:
     m = mesh()
     return {
         "w": jax.device_put(rng.random((2048, 1024), dtype=np.float32), NamedSharding(m, P(None, "model"))),
-        "g": jax.device_put(rng.integers(-2**31, 2**31, (2048, 1024), dtype=np.int32), NamedSharding(m, P("data", "model"))),
+        "g": jax.device_put(rng.integers(-2**31, 2**31, (2048, 1024), dtype=np.int32),
+                            NamedSharding(m, P("data", "model"))),
         "r": jax.device_put(rng.random((512, 1024), dtype=np.float32), NamedSharding(m, P())),
         "small": jax.device_put(rng.random((64, 48), dtype=np.float32), NamedSharding(m, P("data"))),
         "host": rng.integers(0, 2**31, (1024,), dtype=np.int64),
@@ -72,8 +73,9 @@ def colocated_manager(root: Path) -> CheckpointManager:
 
 
 def cluster_manager(cluster) -> CheckpointManager:
-    return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
-                                       local_checkpoint_period=1, local_max_to_keep=MAX_TO_KEEP))
+    return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root),
+                                       cluster_spec=str(cluster.spec_path), local_checkpoint_period=1,
+                                       local_max_to_keep=MAX_TO_KEEP))
 
 
 def prune(manager: CheckpointManager, first: int, last: int) -> None:
@@ -125,7 +127,8 @@ def files_of(root: Path) -> dict[tuple[int, int], str]:
 
 
 def blob_files(root: Path) -> dict[tuple[int, int], str]:
-    return {k: p for k, p in files_of(root).items() if Path(p).parent.name == "blobs" and not Path(p).name.startswith(".")}
+    return {k: p for k, p in files_of(root).items()
+            if Path(p).parent.name == "blobs" and not Path(p).name.startswith(".")}
 
 
 # --- the checks ----------------------------------------------------------------------------
@@ -179,7 +182,8 @@ def assert_step_collected(root: Path, step1: dict) -> None:
     """Every blob file of step 1 is gone from its name: unlinked, or in the free pool or reused."""
     names = set(blob_files(root).values())
     left = sorted(p for p in step1.values() if p in names)
-    assert not left, f"the later saves did not collect step 1's blobs (still there: {left[:3]}): this test checks nothing"
+    assert not left, (f"the later saves did not collect step 1's blobs (still there: {left[:3]}): "
+                      "this test checks nothing")
 
 
 def check_colocated(root: Path, other_process: bool) -> None:
@@ -229,6 +233,8 @@ def check_cluster(cluster) -> None:
     del m
     gc.collect()
     assert_step_collected(cluster.root, step1)
+    reused = set(step1) & set(blob_files(cluster.root))  # the same file under another blob's name
+    assert reused, "no file of step 1 went through the free pool into a later step: this test checks less"
     assert_same(out, expect)
 
 
