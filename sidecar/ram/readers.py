@@ -127,7 +127,7 @@ def rename_unless_mapped(path: str | os.PathLike, dst: str | os.PathLike, key: K
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # mapped by some process: the caller unlinks it instead
+        except OSError:  # mapped by some process (or no lock to be had): the caller unlinks it instead
             return False
         try:
             os.rename(path, dst)  # under the lock: a mapper that locks after this sees the name gone
