@@ -92,7 +92,7 @@ def part1(root: Path, slices: int, hosts: int, arrays: int, saves: int) -> None:
                 m.wait_until_finished()
                 report = m.last_save_report
                 if not report.committed:
-                    raise SystemExit(f"step {step}: the twin check tripped on identical replicas: {report.twin_mismatches}")
+                    raise SystemExit(f"step {step}: the twin check tripped on equal replicas: {report.twin_mismatches}")
                 if i >= 2:  # the first two warm up
                     times[mode].append(report.total_s)
             leaves, _ = flatten(state)

@@ -19,7 +19,8 @@ import numpy as np
 from mtc.head import tree as tree_lib
 from mtc.head.dispatch import Leaf, WriteResult, choose_keepers  # noqa: F401 (choose_keepers: imported from here too)
 from mtc.head.restore_plan import is_prng_key, prng_key_shape
-from mtc.head.twin_check import TwinMismatchError, check as check_twins, hash_replicas  # noqa: F401 (the manager imports the error from here)
+# TwinMismatchError: the manager imports it from here, with the save path.
+from mtc.head.twin_check import TwinMismatchError, check as check_twins, hash_replicas  # noqa: F401
 from mtc.shared import format as fmt
 from mtc.shared import shardings, version
 from mtc.shared.errors import TargetMismatchError

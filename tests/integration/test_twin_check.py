@@ -206,7 +206,8 @@ def test_colocated_hash_pass_warn_and_identical_replicas(ramdisk):
         m.save(1, make_state(1, bad_device=2))  # P("model"): box [4:6], devices 2 and 6
         m.wait_until_finished()
         report = m.last_save_report
-        assert not report.committed and [(x.array, x.box) for x in report.twin_mismatches] == [(W_KEY, ((4, 6), (0, 16)))]
+        assert not report.committed
+        assert [(x.array, x.box) for x in report.twin_mismatches] == [(W_KEY, ((4, 6), (0, 16)))]
         assert m.latest_step() is None and committed_on_disk(ramdisk, 1) == []
         for step, spec in enumerate(SPECS, start=2):
             m.save(step, make_state(step, spec=spec))

@@ -126,7 +126,8 @@ def test_modes(caplog):
             check(3, "warn", leaves, parts, {}, host_of)
     assert warn.value.report.committed is False and warn.value.report.twin_mismatches == warn.value.mismatches
     assert "save of step 3 skipped" in caplog.records[-1].getMessage()
-    with pytest.raises(TwinMismatchError, match=r"save of step 3 failed: .*\['w'\].*\[4:6, 0:16\].*twin_check=fail") as fail:
+    wanted = r"save of step 3 failed: .*\['w'\].*\[4:6, 0:16\].*twin_check=fail"
+    with pytest.raises(TwinMismatchError, match=wanted) as fail:
         check(3, "fail", leaves, parts, {}, host_of)
     assert fail.value.report is None and sorted(fail.value.hosts) == ["h1", "h3"] and fail.value.step == 3
 
