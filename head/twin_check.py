@@ -236,8 +236,9 @@ def check(step: int, mode: str, leaves: list[Any], parts: list[tuple[str, bytes]
     shown = "; ".join(map(str, found[:5])) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
     hosts = sorted({h for m in found for h in m.hosts})
     message = (f"data-parallel replicas disagree in {len(found)} box(es), silent data corruption on some host "
-               f"({', '.join(hosts)}): {shown}. Step {step} is not committed. With more than two replicas, the copy the "
-               "fewest devices hold points at the suspect host; take it out of the job and go on from the last good step")
+               f"({', '.join(hosts)}): {shown}. Step {step} is not committed. With more than two replicas, the "
+               "copy the fewest devices hold points at the suspect host; take it out of the job and go on from the "
+               "last good step")
     if mode == "warn":
         log.warning("save of step %d skipped: %s (twin_check=warn: training goes on; twin_check=fail makes the save "
                     "fail)", step, message)
