@@ -119,7 +119,7 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                             raise SystemExit(f"ping failed: {failures}")
                     t = time.perf_counter()
                     for h in disp.hosts():
-                        disp._call(h, "ping")
+                        disp.call(h, "ping")
                     r.setdefault("serial_ping", []).append(time.perf_counter() - t)
                 disp.inline_calls = True
         shutil.rmtree(root, ignore_errors=True)

@@ -116,7 +116,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     decisions = 0
     for h in per_host:
         if h not in keepers:
-            decisions += len(json.dumps({"step": 1, "max_to_keep": 2, "digest": digest, "keepers": where}))
+            decisions += len(json.dumps({"step": 1, "digest": digest, "keepers": where}))
     t3 = time.process_time()
     sent2 = decisions + len(data) * len(keepers)
     repl_s, repl_received = replication_decision(hosts, len(per_host["h0"]))

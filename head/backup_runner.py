@@ -58,7 +58,7 @@ class BackupRunner:
             up = self._dispatch.backup_upload(assign_uploads(manifest, hosts, self._dispatch.host_of_device))
             name = backup_layout.backup_name(step)
             host = sorted(up)[0] if up else hosts[0]
-            self._dispatch.backup_finalize(host, name, manifest, self._config.backup_max_to_keep)
+            self._dispatch.backup_finalize(host, name, manifest)
             report = BackupReport(
                 step=step, name=name,
                 uploaded_bytes=sum(u.get("uploaded_bytes", 0) for u in up.values()),

@@ -41,6 +41,7 @@ from mtc.head.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import auth, protocol, version
 from mtc.shared.config import ENV_TOKEN, MTCConfig
+from mtc.shared.host_settings import HostSettings
 from mtc.shared.errors import (
     ConfigError,
     CorruptBlobError,
@@ -86,7 +87,9 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
             raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
                               "MTCConfig.from_env): the path of the spec LocalCluster wrote")
         self.spec_path = os.fspath(spec)
-        self._max_to_keep = config.local_max_to_keep
+        # The settings every sidecar follows: sent with the claim, and first on each new connection.
+        self._host_settings = HostSettings.from_config(config).to_wire()
+        self.settings: dict | None = None
         # Hosts that keep each step's whole manifest (on distinct slices; the others commit its digest).
         self._keepers = max(2, int(config.replication_factor))
         self._devices = list(devices if devices is not None else jax.devices())
@@ -120,7 +123,6 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
         self._staging = HostStaging()
         self._loader = ClusterLoader(self)
-        self._backup_url = config.backup_root if config.base_output_directory else None
         self._closed = False
 
     # --- Dispatcher: identity --------------------------------------------------------------
@@ -217,7 +219,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         """Phase 2: the whole manifest to the keepers only; the decision (digest, keepers) to the others."""
         keep, where = plan_commit(list(self._hosts), self.topology.slice_of, step, self._keepers,
                                   dict(self.peer_addresses))
-        args = {"step": step, "max_to_keep": self._max_to_keep, "digest": digest}  # the head's retention
+        args = {"step": step, "digest": digest}
         decision = {**args, "keepers": where}
         replies, failures = self._call_each("commit", None, lambda h: args if h in keep else decision,
                                             lambda h: [manifest] if h in keep else [])
@@ -254,8 +256,14 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         return {h: r.result.get("lease") for h, r in replies.items()}
 
     def claim(self, generation: int, head: dict) -> None:
-        """Every reachable host takes ``head``; one that is down adopts it with its first request."""
+        """Every reachable host takes ``head``, then its settings (``configure``); one that is down
+        adopts it with its first request, and is configured first on its new connection."""
         _, failures = self._call_each("claim", args={"generation": generation, "head": head})
+        self.generation = generation
+        self.settings = self._host_settings
+        _, more = self._call_each("configure", [h for h in self._hosts if h not in failures],
+                                  {"settings": self.settings})
+        failures.update(more)
         for h, e in sorted(failures.items()):
             if isinstance(e, HostUnreachableError):
                 log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
@@ -312,7 +320,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
 
     def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
         try:
-            reply = self._call(host, "manifest", {"step": step, "here_only": here_only})
+            reply = self.call(host, "manifest", {"step": step, "here_only": here_only})
         except RemoteFailure as e:
             e.reraise()
         if len(reply.payloads) != 1:
@@ -325,7 +333,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
              manifest: str | None = None) -> list[Any]:
         return self._loader.load(step, requests, holders, manifest)
 
-    def _host_or_none(self, device_id: int) -> str | None:
+    def host_or_none(self, device_id: int) -> str | None:
         try:
             return self.topology.host_of(device_id)
         except ConfigError:  # a device of the saving mesh that this one does not have
@@ -335,9 +343,6 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         return self.topology.host_of(device_id)
 
     # --- backup tier (the sidecars do the work; the head coordinates) ----------------------
-
-    def _backup_args(self, **args: Any) -> dict:
-        return {"backup_url": self._backup_url, **args}
 
     def _raise_failures(self, what: str, failures: dict[str, BaseException]) -> None:
         if len(failures) == 1:
@@ -356,7 +361,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         failures: dict[str, BaseException] = {}
         for h in self._hosts:
             try:
-                return h, self._call(h, op, args)
+                return h, self.call(h, op, args)
             except HostUnreachableError as e:
                 failures[h] = e
             except RemoteFailure as e:
@@ -365,31 +370,30 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self._fan_out(lambda h: self._run_job(
-            h, "backup_upload", self._backup_args(blobs=list(assignments.get(h, [])))), pool=self._backup_pool)
+        results, failures = self.fan_out(lambda h: self._run_job(
+            h, "backup_upload", {"blobs": list(assignments.get(h, []))}), pool=self._backup_pool)
         if failures:
             self._raise_failures("backup upload", failures)
         return results
 
-    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
+    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         try:
-            return self._call(host, "backup_finalize", self._backup_args(name=name, max_to_keep=max_to_keep),
-                              [manifest.to_json()]).result
+            return self.call(host, "backup_finalize", {"name": name}, [manifest.to_json()]).result
         except RemoteFailure as e:
             e.reraise()
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
-        return self._any_host("backup_listing", self._backup_args(deadline_s=deadline_s))[1].result
+        return self._any_host("backup_listing", {"root": self._host_settings["backup_url"], "deadline_s": deadline_s})[1].result
 
     def backup_manifest(self, name: str) -> fmt.StepManifest:
-        h, reply = self._any_host("backup_manifest", self._backup_args(name=name))
+        h, reply = self._any_host("backup_manifest", {"root": self._host_settings["backup_url"], "name": name})
         if len(reply.payloads) != 1:
             raise ProtocolError(f"host {h}: backup_manifest answered no manifest")
         return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"backup {name} (via {h})")
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self._fan_out(lambda h: self._run_job(
-            h, "backup_fetch", self._backup_args(name=name, blobs=list(needs.get(h, [])))), pool=self._backup_pool)
+        results, failures = self.fan_out(lambda h: self._run_job(
+            h, "backup_fetch", {"name": name, "blobs": list(needs.get(h, []))}), pool=self._backup_pool)
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
         return results
@@ -417,7 +421,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
                 args["shares"] = [[owner, list(srcs)] for owner, srcs in shares[h]]
             return PullResult.from_wire(h, self._run_job(h, "peer_pull", args, data))
 
-        results, failures = self._fan_out(one, sorted(set(pulls) | set(shares)), pool=self._peer_pool)
+        results, failures = self.fan_out(one, sorted(set(pulls) | set(shares)), pool=self._peer_pool)
         for h, e in failures.items():
             log.warning("peer pull of step %d on %s failed: %s", step, h, cause(e))
             results[h] = PullResult.unreachable(h, cause(e))

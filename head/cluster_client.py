@@ -34,6 +34,7 @@ class Owner(Protocol):
     control_timeout_s: float
     control_key: bytes
     peer_addresses: dict[str, str]
+    settings: dict | None  # the head's settings for its hosts, once it claimed them
 
     def timeout_for(self, op: str) -> float: ...
     def address_of(self, host_id: str) -> str: ...
@@ -166,6 +167,10 @@ class HostConnection:
                     self.owner.add_aborts(self.id, [step])
                     raise RemoteFailure(self.id, r.error.type, r.error.message)
                 log.info("host %s: aborted step %d left by a failed save", self.id, step)
+            if self.owner.settings is not None:  # a restarted sidecar has none: it follows this head's
+                r = self._roundtrip("configure", {"settings": self.owner.settings}, (), None)
+                if r.error is not None:
+                    raise RemoteFailure(self.id, r.error.type, r.error.message)
         except (OSError, ProtocolError) as e:
             self._drop()
             raise HostUnreachableError(f"host {self.id} at {address}: "

@@ -83,7 +83,7 @@ class ClusterLanes:
             return self.peer_timeout_s
         return self.timeout_s if op in _DATA_OPS else self.control_timeout_s
 
-    def _call(self, host_id: str, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
+    def call(self, host_id: str, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
               alloc: protocol.Alloc | None = None, *, lane: str | None = None) -> protocol.Reply:
         lane = lane or ("backup" if op.startswith("backup_") else "peer" if op.startswith("peer_") else "control")
         lanes = {"control": self._hosts, "backup": self._backup_lanes, "peer": self._peer_lanes}[lane]
@@ -93,7 +93,7 @@ class ClusterLanes:
         """Start the long operation ``op`` on a host as a job, then ask for its end until it is done
         (``mtc.sidecar.jobs``), on the op's own lane, within the op's deadline."""
         lane = "backup" if op.startswith("backup_") else "peer"
-        started = self._call(host_id, op, args, payloads, lane=lane).result
+        started = self.call(host_id, op, args, payloads, lane=lane).result
         job_id = started.get("job") if isinstance(started, dict) else None
         if not isinstance(job_id, str):
             raise ProtocolError(f"host {host_id}: {op} answered {started!r:.100} instead of a job id")
@@ -103,7 +103,7 @@ class ClusterLanes:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise HostUnreachableError(f"host {host_id}: {op} did not finish within {deadline_s:.0f} s")
-            status = self._call(host_id, "job", {"job": job_id, "wait_s": min(_JOB_WAIT_S, left)}, lane=lane).result
+            status = self.call(host_id, "job", {"job": job_id, "wait_s": min(_JOB_WAIT_S, left)}, lane=lane).result
             if not isinstance(status, dict) or not isinstance(status.get("done"), bool):
                 raise ProtocolError(f"host {host_id}: malformed job status {status!r:.100}")
             if status["done"]:
@@ -114,8 +114,8 @@ class ClusterLanes:
     def _call_each(self, op: str, hosts: Sequence[str] | None = None, args: dict | Callable[[str], dict] | None = None,
                    payloads: Callable[[str], Sequence[Any]] | None = None, *,
                    lane: str | None = None) -> tuple[dict[str, protocol.Reply], dict[str, BaseException]]:
-        """``_call(h, op, args, payloads)`` on every host at once: (replies, failures) by host, as
-        ``_fan_out`` gives them. ``args`` and ``payloads`` are the same for every host, or
+        """``call(h, op, args, payloads)`` on every host at once: (replies, failures) by host, as
+        ``fan_out`` gives them. ``args`` and ``payloads`` are the same for every host, or
         functions of the host id.
 
         Small messages go out from this one thread and the replies are read as they come
@@ -131,11 +131,11 @@ class ClusterLanes:
             threads = max(sum(protocol.byte_view(b).nbytes for b in payloads(h)) for h in hosts) > _INLINE_BYTES
         if threads:
             pool = {"control": self._pool, "backup": self._backup_pool, "peer": self._peer_pool}[lane]
-            return self._fan_out(lambda h: self._call(h, op, args_of(h), payloads(h) if payloads else (), lane=lane),
+            return self.fan_out(lambda h: self.call(h, op, args_of(h), payloads(h) if payloads else (), lane=lane),
                                  hosts, pool=pool)
         return call_each([lanes[h] for h in hosts], op, args_of, payloads)
 
-    def _fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
+    def fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
                  pool: ThreadPoolExecutor | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]:
         """Run ``fn(host)`` for every host in parallel: (results, failures) by host."""
         hosts = list(self._hosts) if hosts is None else list(hosts)

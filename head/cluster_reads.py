@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -22,13 +23,11 @@ import numpy as np
 from mtc.head.cluster_client import RemoteFailure, cause, read_errors
 from mtc.head.dispatch import LoadRequest, raise_remote
 from mtc.head.restore_plan import BoxRead, box_reads
+from mtc.head.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 from mtc.shared.errors import HostUnreachableError, ProtocolError
 from mtc.shared.hashing import new_hasher
-
-if TYPE_CHECKING:
-    from mtc.head.cluster import ClusterDispatcher
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +61,28 @@ class _Read:
         return int(self.dest.nbytes)
 
 
+class ReadHosts(Protocol):
+    """What the reads need of the dispatcher (``ClusterDispatcher``'s public calls)."""
+
+    topology: Topology
+
+    def call(self, host_id: str, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
+             alloc: protocol.Alloc | None = None, *, lane: str | None = None) -> protocol.Reply: ...
+
+    def fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
+                pool: ThreadPoolExecutor | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]: ...
+
+    def host_or_none(self, device_id: int) -> str | None: ...
+
+
 class ClusterLoader:
-    """Runs the restore reads of one ``ClusterDispatcher`` (its connections and thread pool)."""
+    """Runs the restore reads over a ``ClusterDispatcher``'s connections and thread pool."""
 
     # False: the read path before streams (every box hashed on its host and sent from a map);
     # bench/bench_cluster.py times both in one run.
     stream_reads = True
 
-    def __init__(self, dispatcher: "ClusterDispatcher"):
+    def __init__(self, dispatcher: ReadHosts):
         self._d = dispatcher
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
@@ -95,7 +108,7 @@ class ClusterLoader:
                 buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
-                    for plan in box_reads(rec, box, owners, self._d.topology.host_ids, holders, self._d._host_or_none):
+                    for plan in box_reads(rec, box, owners, self._d.topology.host_ids, holders, self._d.host_or_none):
                         reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()], exact.get(plan.region)))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
         self._run_reads(step, reads, manifest)
@@ -123,7 +136,7 @@ class ClusterLoader:
             by_host: dict[str, list[_Read]] = {}
             for r in pending:
                 by_host.setdefault(r.candidates[len(r.tried)], []).append(r)
-            results, failures = self._d._fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest), list(by_host))
+            results, failures = self._d.fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest), list(by_host))
             pending = []
             for h, batch in by_host.items():
                 if h in failures:
@@ -178,7 +191,7 @@ class ClusterLoader:
             args["manifest"] = manifest
         if stream:
             args["stream"] = stream
-        reply = self._d._call(h, "read", args, alloc=alloc)
+        reply = self._d.call(h, "read", args, alloc=alloc)
         failed: dict[int, tuple[str | None, str]] = {
             i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
         for i, hasher in hashers.items():

@@ -26,6 +26,7 @@ from mtc.shared import landing
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
+from mtc.shared.host_settings import HostSettings
 from mtc.shared.errors import ManifestError, MTCError
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,11 @@ class ColocatedDispatcher(Dispatcher):
         self._same_memory = all(a is b for a, b in self._cpu_of.items())
         self._ctl_devices = sorted(set(cpu), key=lambda d: d.id)
         cls = cp.colocated_python_class(_load_sidecar_class())
+        # What a sidecar needs to start; the settings it follows come with ``configure`` (claim).
+        self._host_settings = HostSettings.from_config(config).to_wire()
+        self._settings: dict | None = None  # sent once the hosts are claimed
         self._obj = cls(json.dumps({
             "ramdisk_root": str(config.ramdisk_root),
-            "local_max_to_keep": config.local_max_to_keep,
-            "backup_url": config.backup_root if config.base_output_directory else None,
             "peer_port": config.peer_port,
             # Only when set in the config: otherwise each sidecar reads MTC_PEER_TOKEN itself.
             **({"peer_token": config.peer_token} if config.peer_token else {}),
@@ -102,13 +104,24 @@ class ColocatedDispatcher(Dispatcher):
         rows = np.broadcast_to(data, (len(devices), len(data)))
         return jax.device_put(np.ascontiguousarray(rows), _row_sharding(devices))
 
-    def _control(self, op: str, *, rows: list[int] | None = None, **args: Any) -> list[tuple[str, Any]]:
+    def _control(self, op: str, *, rows: list[int] | None = None, payloads: tuple[bytes, ...] = (),
+                 per_host: dict[str, dict] | None = None, **args: Any) -> list[tuple[str, Any]]:
         """Run ``op`` on every host (or on the hosts of control device ``rows``); (host, result)
-        per device row, errors re-raised typed."""
+        per device row, errors re-raised typed. ``per_host``: arguments for some hosts only (the
+        others answer None); ``payloads``: the request's byte strings (text)."""
+        return [(h, r) for h, r, _ in self._exchange(op, rows, payloads, per_host, args)]
+
+    def _exchange(self, op: str, rows: list[int] | None, payloads: tuple[bytes, ...],
+                  per_host: dict[str, dict] | None, args: dict, *, configured: bool = False) -> list[tuple]:
         devices = self._ctl_devices if rows is None else [self._ctl_devices[i] for i in rows]
         rid = uuid.uuid4().hex
         sharding = _row_sharding(devices)
-        req = self._request_array({"id": rid, "op": op, "gen": self.generation, **args}, devices)
+        doc = {"id": rid, "op": op, "gen": self.generation, **args}
+        if payloads:
+            doc["payloads"] = [bytes(p).decode() for p in payloads]
+        if per_host is not None:
+            doc["per_host"] = per_host
+        req = self._request_array(doc, devices)
         call = self._obj.call.specialize(
             out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices),), np.int64, sharding=sharding))
         sizes = np.asarray(call(req))
@@ -121,12 +134,17 @@ class ColocatedDispatcher(Dispatcher):
             hosts = [None] * len(devices)
         else:
             hosts = self._hosts_of_rows() if rows is None else [self._hosts_of_rows()[i] for i in rows]
+        if not configured and self._settings is not None and any(
+                e is not None and e[0] == "NotConfiguredError" for _, _, e in replies):
+            # A sidecar that restarted has no settings: configure the hosts, then ask again.
+            self._control("configure", settings=self._settings)
+            return self._exchange(op, rows, payloads, per_host, args, configured=True)
         out = []
-        for i, (result, error) in enumerate(replies):
+        for i, (result, blobs, error) in enumerate(replies):
             host = hosts[i] or (result if isinstance(result, dict) else {}).get("host", f"row{i}")
             if error is not None:
                 raise_remote(host, *error)
-            out.append((host, result))
+            out.append((host, result, blobs))
         return out
 
     def _hosts_of_rows(self) -> list[str]:
@@ -236,7 +254,7 @@ class ColocatedDispatcher(Dispatcher):
                 (len(g.devices), n, DIGEST_LEN), np.uint8, sharding=sharding))
             jax.block_until_ready(fn(req, *g.arrays))
         # Each host's part of the step manifest, as it wrote it: forwarded, not parsed.
-        parts = {host: text.encode() for host, text in self._control("part", step=step)}
+        parts = {host: blobs[0] for host, _, blobs in self._exchange("part", None, (), None, {"step": step})}
         return WriteResult([(h, parts[h]) for h in self.hosts() if h in parts], {h: {} for h in self.hosts()})
 
     def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
@@ -250,7 +268,7 @@ class ColocatedDispatcher(Dispatcher):
             peers = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
         keep, where = plan_commit(hosts, self.slice_of, step, self._keepers, peers)
         out = dict(self._control("commit", rows=[i for i, h in enumerate(row_hosts) if h in keep],
-                                 step=step, manifest=manifest.decode(), digest=digest))
+                                 payloads=(manifest,), step=step, digest=digest))
         others = [i for i, h in enumerate(row_hosts) if h not in keep]
         if others:
             out.update(self._control("commit", rows=others, step=step, digest=digest, keepers=where))
@@ -260,18 +278,31 @@ class ColocatedDispatcher(Dispatcher):
         self._control("abort", step=step)
 
     def leases(self) -> dict[str, dict | None]:
-        return dict(self._control("lease"))
+        return {h: r["lease"] for h, r in self._control("lease")}
 
     def claim(self, generation: int, head: dict) -> None:
+        """Every host takes ``head``, then its settings (``configure``, checked against the lease)."""
         self._control("claim", generation=generation, head=head)
+        self.generation = generation
+        self._settings = self._host_settings
+        self._control("configure", settings=self._settings)
+
+    def _devices_by_host(self) -> dict[str, list[int]]:
+        hosts = self._hosts_of_rows()
+        out: dict[str, list[int]] = {}
+        for dev, cpu in self._cpu_of.items():
+            out.setdefault(hosts[self._ctl_devices.index(cpu)], []).append(dev.id)
+        return out
 
     def inventories(self) -> dict[str, HostInventory]:
-        return {h: HostInventory.from_wire(h, inv) for h, inv in self._control("inventory")}
+        """What each host holds; each counts its own share by its devices, as in cluster mode."""
+        per_host = {h: {"devices": sorted(ids)} for h, ids in self._devices_by_host().items()}
+        return {h: HostInventory.from_wire(h, inv) for h, inv in self._control("inventory", per_host=per_host)}
 
-    def _manifest_from(self, host: str, step: int, here_only: bool) -> str:
-        ((_, text),) = self._control("manifest", rows=[self._hosts_of_rows().index(host)], step=step,
-                                     here_only=here_only)
-        return text
+    def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
+        ((_, _, (data,)),) = self._exchange("manifest", [self._hosts_of_rows().index(host)], (), None,
+                                            {"step": step, "here_only": here_only})
+        return data
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
              manifest: str | None = None) -> list[Any]:
@@ -316,20 +347,20 @@ class ColocatedDispatcher(Dispatcher):
         cpu = next(c for d, c in self._cpu_of.items() if d.id == device_id)
         return self._hosts_of_rows()[self._ctl_devices.index(cpu)]
 
-    def _run_job(self, op: str, **args: Any) -> dict[str, dict]:
-        """Start a long sidecar job on every host, then poll until all are done."""
-        jobs = dict(self._control(op, **args))
+    def _run_job(self, op: str, *, per_host: dict[str, dict] | None = None, payloads: tuple[bytes, ...] = (),
+                 **args: Any) -> dict[str, dict]:
+        """Start a long sidecar job on every host (of ``per_host``), then poll until all are done."""
+        jobs = {h: r["job"] for h, r in self._control(op, per_host=per_host, payloads=payloads, **args)
+                if r is not None}
         results: dict[str, dict] = {}
         wait = 0.005
         while len(results) < len(jobs):
-            for host, job_id in jobs.items():
-                if host in results:
-                    continue
-                for h, status in self._control("job", job=job_id):
-                    if h == host and status["done"]:
-                        if "error" in status:
-                            raise_remote(host, status["error"], status["message"])
-                        results[host] = status["result"]
+            pending = {h: {"job": j} for h, j in jobs.items() if h not in results}
+            for host, status in self._control("job", per_host=pending):
+                if status is not None and status["done"] and host not in results:
+                    if "error" in status:
+                        raise_remote(host, status["error"], status["message"])
+                    results[host] = status["result"]
             if len(results) < len(jobs):
                 time.sleep(wait)  # polling a remote job: nothing to wait on locally
                 wait = min(wait * 2, 0.5)
@@ -355,34 +386,34 @@ class ColocatedDispatcher(Dispatcher):
         book.update(peers or {})
         asked = {*pulls, *(shares or {})}
         try:
-            results = self._run_job(
-                "peer_pull", step=step, peers=book,
-                pulls={h: [[b, n, list(srcs)] for b, n, srcs in rows] for h, rows in pulls.items()},
-                shares={h: [[o, list(srcs)] for o, srcs in rows] for h, rows in (shares or {}).items()},
-                manifest=manifest.to_json().decode() if manifest is not None else None)
+            per_host = {h: {"pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, [])],
+                            "shares": [[o, list(srcs)] for o, srcs in (shares or {}).get(h, [])]} for h in asked}
+            results = self._run_job("peer_pull", per_host=per_host, step=step, peers=book,
+                                    payloads=(manifest.to_json(),) if manifest is not None else ())
         except MTCError as e:
             return {h: PullResult.unreachable(h, str(e)) for h in asked}
         return {h: PullResult.from_wire(h, results[h]) if h in results
                 else PullResult.unreachable(h, f"host {h} did not answer") for h in asked}
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        return self._run_job("backup_upload", assignments=assignments)
+        return self._run_job("backup_upload", per_host={h: {"blobs": b} for h, b in assignments.items()})
 
-    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
-        replies = dict(self._control("backup_finalize", host=host, name=name,
-                                     manifest=manifest.to_json().decode(), max_to_keep=max_to_keep))
+    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
+        replies = dict(self._control("backup_finalize", per_host={host: {}}, name=name,
+                                     payloads=(manifest.to_json(),)))
         return replies[host]
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
-        (_, listing), *_ = self._control("backup_listing", deadline_s=deadline_s)
+        (_, listing), *_ = self._control("backup_listing", root=self._host_settings["backup_url"], deadline_s=deadline_s)
         return listing
 
     def backup_manifest(self, name: str) -> fmt.StepManifest:
-        (host, text), *_ = self._control("backup_manifest", name=name)
-        return fmt.StepManifest.from_json(text, source=f"backup {name}")
+        (_, _, (data,)), *_ = self._exchange("backup_manifest", None, (), None,
+                                       {"root": self._host_settings["backup_url"], "name": name})
+        return fmt.StepManifest.from_json(data, source=f"backup {name}")
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        return self._run_job("backup_fetch", name=name, needs=needs)
+        return self._run_job("backup_fetch", per_host={h: {"blobs": b} for h, b in needs.items()}, name=name)
 
     def close(self) -> None:
         try:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 from mtc.shared import errors
 from mtc.shared import format as fmt
-from mtc.shared.objstore import store as objstore_errors
+from mtc.shared import wire_errors
 
 
 @dataclasses.dataclass
@@ -289,8 +289,9 @@ class Dispatcher(abc.ABC):
         """Every host uploads the blobs assigned to it; host id -> what it uploaded."""
 
     @abc.abstractmethod
-    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest, max_to_keep: int) -> dict:
-        """One host makes backup ``name`` visible (manifest last, create-only), then prunes."""
+    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
+        """One host makes backup ``name`` visible (manifest last, create-only), then keeps the
+        newest ``backup_max_to_keep`` (the settings the hosts were configured with)."""
 
     @abc.abstractmethod
     def backup_listing(self, deadline_s: float | None = None) -> dict:
@@ -334,10 +335,6 @@ class Dispatcher(abc.ABC):
         """Stop using the sidecars."""
 
 
-_ERRORS = {name: getattr(mod, name) for mod in (errors, objstore_errors) for name in dir(mod)
-           if isinstance(getattr(mod, name), type) and issubclass(getattr(mod, name), errors.MTCError)}
-
-
 def make_dispatcher(config: Any) -> Dispatcher:
     """The transport ``config`` asks for: cluster mode with a cluster spec (``MTC_CLUSTER_SPEC``
     says so without touching the training script), colocated Python otherwise."""
@@ -353,11 +350,8 @@ def make_dispatcher(config: Any) -> Dispatcher:
 
 
 def raise_remote(host: str, name: str, message: str) -> None:
-    """Re-raise an error a sidecar reported, with its type when it is one of ours."""
-    cls = _ERRORS.get(name, errors.MTCError)
-    if cls is errors.SaveError:
-        raise errors.SaveError(message, hosts={host: message})
-    raise cls(message if host in message else f"host {host}: {message}")
+    """Re-raise an error a sidecar reported (``mtc.shared.wire_errors``), typed."""
+    raise wire_errors.decode(host, name, message)
 
 
 def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:

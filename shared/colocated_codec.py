@@ -2,8 +2,8 @@
 
 Colocated Python calls take and return only ``jax.Array``s, so control messages travel as
 JSON bytes in uint8 rows (one row per CPU device, each host reading its own), replies as a
-JSON object ``{"ok": result}`` or ``{"error": type name, "message": text}`` padded to a width
-the head asks for, and phase-1 answers as the 16-byte xxh3-128 digest of each shard's blob.
+JSON object ``{"ok": result, "payloads": [text, ...]}`` or ``{"error": type name, "message": text}``
+(``mtc.shared.wire_errors``: every exception, typed) padded to a width the head asks for, and phase-1 answers as the 16-byte xxh3-128 digest of each shard's blob.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from mtc.shared.errors import MTCError, ProtocolError
+from mtc.shared import wire_errors
+from mtc.shared.errors import ProtocolError
 
 DIGEST_LEN = 16  # bytes of a blob name's digest (xxh3-128) in a phase-1 answer
 
@@ -34,16 +35,19 @@ def decode_request(row: np.ndarray) -> dict:
     return doc
 
 
-def encode_reply(fn: Any) -> bytes:
-    """Run ``fn()`` and encode its result, or the mtc error it raised (typed by name)."""
+def encode_reply(fn: Any, host: str | None = None) -> bytes:
+    """Run ``fn()`` (-> (result, payloads: bytes of text)) and encode what it returns, or the
+    error it raised (``wire_errors.encode``: any exception, by type name)."""
     try:
-        return json.dumps({"ok": fn()}).encode()
-    except MTCError as e:
-        return json.dumps({"error": type(e).__name__, "message": str(e)}).encode()
+        result, payloads = fn()
+        return json.dumps({"ok": result, "payloads": [bytes(p).decode() for p in payloads]}).encode()
+    except Exception as e:  # reported to the head, which raises it typed
+        name, message = wire_errors.encode(e, host)
+        return json.dumps({"error": name, "message": message}).encode()
 
 
-def decode_reply(data: bytes) -> tuple[Any, tuple[str, str] | None]:
-    """(result, None) or (None, (error type name, message)) of an encoded reply."""
+def decode_reply(data: bytes) -> tuple[Any, list[bytes], tuple[str, str] | None]:
+    """(result, payloads, None) or (None, [], (error type name, message)) of an encoded reply."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
@@ -51,5 +55,5 @@ def decode_reply(data: bytes) -> tuple[Any, tuple[str, str] | None]:
     if not isinstance(doc, dict) or not ("ok" in doc or "error" in doc):
         raise ProtocolError("colocated reply is neither {'ok': ...} nor {'error': ...}")
     if "error" in doc:
-        return None, (str(doc["error"]), str(doc.get("message", "")))
-    return doc["ok"], None
+        return None, [], (str(doc["error"]), str(doc.get("message", "")))
+    return doc["ok"], [p.encode() for p in doc.get("payloads") or []], None

@@ -38,6 +38,11 @@ class RecordOnlyError(StepNotFoundError):
     manifest is asked of it again, to fetch from a keeper, only after the keepers were asked."""
 
 
+class NotConfiguredError(ConfigError):
+    """A sidecar was asked for something that needs the head's settings (``configure``) before any
+    head configured it (a sidecar that restarted): the head configures it and asks again."""
+
+
 class TargetMismatchError(MTCError, ValueError):
     """A restore target does not match the saved tree (structure, shape or dtype)."""
 

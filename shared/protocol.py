@@ -41,7 +41,7 @@ from mtc.shared.hashing import blob_name
 from mtc.shared.version import PROTOCOL_VERSION
 
 __all__ = [
-    "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "OPS", "Request", "Reply", "RemoteError",
+    "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "Request", "Reply", "RemoteError",
     "HostSpec", "ClusterSpec", "Digesting", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
     "frame_head", "recv_header",
     "encode_bitmap", "decode_bitmap", "blob_list_digest",
@@ -63,10 +63,7 @@ _MAX_IOV = 512
 # A Digesting payload is received this much at a time, so that its hash reads bytes still in the cache.
 _DIGEST_CHUNK = 1 << 20
 
-# Control ops a sidecar daemon answers (see mtc.sidecar.daemon for their arguments).
-OPS = frozenset({"ping", "fingerprint", "inventory", "manifest", "write", "part", "commit", "abort", "read",
-                 "backup_upload", "backup_finalize", "backup_listing", "backup_manifest", "backup_fetch",
-                 "peer_pull", "lease", "claim", "verify", "job"})
+# The ops a sidecar daemon answers are those of the sidecar's table of operations (mtc.sidecar.ops).
 # Before them, on each connection, the handshake (mtc.shared.auth): "hello", then "auth".
 
 Buffer = Any  # bytes-like or C-contiguous numpy array

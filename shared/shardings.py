@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from mtc.shared.errors import ManifestError, TargetMismatchError
+from mtc.shared.format_base import box_from_index
 
 
 def describe(sharding: Any) -> dict:
@@ -73,8 +74,6 @@ def check_desc(desc: Any, where: str) -> None:
 
 def device_boxes(sharding: Any, shape: tuple[int, ...]) -> dict[int, tuple[tuple[int, int], ...]]:
     """device id -> the box of the global array that the device holds."""
-    from mtc.shared.format import box_from_index
-
     return {d.id: box_from_index(idx, shape) for d, idx in sharding.devices_indices_map(tuple(shape)).items()}
 
 

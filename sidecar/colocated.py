@@ -28,14 +28,13 @@ from typing import Any
 import numpy as np
 
 from mtc.shared import format as fmt
+from mtc.shared import landing, shardings, wire_errors
+from mtc.shared.buffers import aligned_empty
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
-from mtc.shared import landing, shardings
-from mtc.shared import errors as mtc_errors
-from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.errors import ConfigError, ProtocolError
+from mtc.sidecar import ops
 from mtc.sidecar.peer import resolve_token
 from mtc.sidecar.ram.landing import is_no_space
-from mtc.sidecar.replication import parse_peers, parse_pulls, parse_shares
-from mtc.shared.buffers import aligned_empty
 from mtc.sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
@@ -68,54 +67,6 @@ def _rows(like, rows: dict[Any, np.ndarray], row_shape: tuple[int, ...], dtype) 
 
 def _request(x) -> dict:
     return decode_request(np.asarray(x.addressable_shards[0].data)[0])
-
-
-def _op_peer_pull(svc: SidecarService, req: dict) -> Any:
-    rows = req["pulls"].get(svc.host_id)
-    shares = (req.get("shares") or {}).get(svc.host_id)
-    if rows is None and shares is None:  # nothing for this host; every host answers with a job
-        return svc.start_job(dict)
-    manifest = req.get("manifest")
-    return svc.start_job(svc.peer_pull, int(req["step"]), parse_pulls(rows or []), parse_peers(req["peers"]),
-                         manifest.encode() if manifest else None, parse_shares(shares))
-
-
-def _op_backup_finalize(svc: SidecarService, req: dict) -> Any:
-    if req["host"] != svc.host_id:
-        return None
-    return svc.backup_finalize(req["name"], req["manifest"].encode(), int(req["max_to_keep"]), req.get("gen"))
-
-
-# Each control operation: decode the request, call one service method (long ones as a job the
-# head polls), encode. SERVICE_METHODS says which method; a test pins it against the daemon's.
-_OPS = {
-    "fingerprint": lambda svc, req: svc.fingerprint(),
-    "inventory": lambda svc, req: svc.inventory(),
-    "manifest": lambda svc, req: svc.manifest_bytes(int(req["step"]), here_only=req.get("here_only") is True).decode(),
-    "part": lambda svc, req: svc.part_bytes(int(req["step"])).decode(),
-    "commit": lambda svc, req: svc.commit(
-        int(req["step"]), req["manifest"].encode() if req.get("manifest") else None, digest=req.get("digest"),
-        keepers=[tuple(k) for k in req.get("keepers") or ()] or None),
-    "abort": lambda svc, req: svc.abort(int(req["step"])),
-    "verify": lambda svc, req: svc.verify(int(req["step"])),
-    "lease": lambda svc, req: svc.current_lease(),
-    "claim": lambda svc, req: svc.claim(req["generation"], req["head"]),
-    "job": lambda svc, req: svc.job(req["job"], 0.0),  # polled: a waiting call would hold up the others
-    "backup_upload": lambda svc, req: svc.start_job(svc.backup_upload, req["assignments"]),
-    "backup_finalize": _op_backup_finalize,
-    "backup_listing": lambda svc, req: svc.backup_listing(req.get("deadline_s")),
-    "backup_manifest": lambda svc, req: svc.backup_manifest(req["name"]).decode(),
-    "backup_fetch": lambda svc, req: svc.start_job(svc.backup_fetch, req["name"], req["needs"]),
-    "peer_pull": _op_peer_pull,
-    "close": None,  # handled in _dispatch: it also drops the service
-}
-SERVICE_METHODS = {
-    "fingerprint": "fingerprint", "inventory": "inventory", "manifest": "manifest_bytes", "part": "part_bytes", "commit": "commit",
-    "abort": "abort", "verify": "verify", "lease": "current_lease", "claim": "claim", "job": "job", "backup_upload": "backup_upload",
-    "backup_finalize": "backup_finalize", "backup_listing": "backup_listing", "backup_manifest": "backup_manifest",
-    "backup_fetch": "backup_fetch", "peer_pull": "peer_pull", "close": "close",
-    "write": "write_shards", "load": "read_boxes_each",  # the two data methods of ColocatedSidecar
-}
 
 
 class _Zone:
@@ -184,12 +135,9 @@ class ColocatedSidecar:
         with self._lock:
             if self._service is None:
                 c = self._config
-                service = SidecarService(
-                    c["ramdisk_root"],
-                    host_id=c.get("host_id") or socket.gethostname(),
-                    max_to_keep=c.get("local_max_to_keep", 2),
-                    backup_url=c.get("backup_url"),
-                )
+                # Settings (retention, backup root) come from the head's ``configure``, as in cluster mode.
+                service = SidecarService(c["ramdisk_root"], host_id=c.get("host_id") or socket.gethostname(),
+                                         awaits_head=True)
                 port = int(c.get("peer_port") or 0)
                 if port:  # the peer tier: other hosts' sidecars pull from this one
                     try:
@@ -207,7 +155,7 @@ class ColocatedSidecar:
     def call(self, request):
         """Run one control request; answer the byte size of this host's reply per device."""
         req = _request(request)
-        payload = encode_reply(lambda: self._dispatch(req))
+        payload = encode_reply(lambda: self._dispatch(req), host=self._config.get("host_id") or socket.gethostname())
         with self._lock:
             self._replies[req["id"]] = payload
         n = np.array([len(payload)], np.int64)
@@ -223,22 +171,32 @@ class ColocatedSidecar:
         row[: len(payload)] = np.frombuffer(payload, np.uint8)
         return _rows(request, {d: row for d in request.sharding.addressable_devices}, (width,), np.uint8)
 
-    def _dispatch(self, req: dict) -> Any:
+    def _dispatch(self, req: dict) -> tuple[Any, list]:
+        """Serve one control request (``mtc.sidecar.ops``): every host gets the same request; one
+        with ``per_host`` arguments is this host's only when it names this host (else None)."""
         svc = self._svc()
-        op = req["op"]
-        if op not in _OPS:
-            raise ValueError(f"unknown sidecar operation {op!r}")
-        handler = _OPS[op]
-        svc.admit(op, req.get("gen"))
-        if op == "close":
+        name = req.get("op")
+        args = dict(req)
+        per_host = req.get("per_host")
+        if per_host is not None:
+            mine = per_host.get(svc.host_id) if isinstance(per_host, dict) else None
+            if mine is None:
+                ops.check(name, "colocated")
+                return None, []
+            args.update(mine)
+        payloads = args.get("payloads") or []
+        if not (isinstance(payloads, list) and all(isinstance(p, str) for p in payloads)):
+            raise ProtocolError("'payloads' must be a list of texts")
+        payloads = [p.encode() for p in payloads]
+        if name == "close":  # the transport drops the service too
+            ops.check(name, "colocated")
+            svc.admit(name, args.get("gen"))
             with self._lock:
                 zone, self._zone, self._service = self._zone, None, None
             if zone is not None:
                 landing.unregister(self._config["ramdisk_root"], zone)
                 zone.release()
-            svc.close()
-            return True
-        return handler(svc, req)
+        return ops.serve(svc, name, args, payloads, "colocated")
 
     # --- data --------------------------------------------------------------------------
 
@@ -246,7 +204,8 @@ class ColocatedSidecar:
         """Phase 1: write this host's shards of the staged state; answer digests per device."""
         req = _request(request)
         self._svc().admit("write", req.get("gen"))
-        step, part, leaves = int(req["step"]), int(req.get("part", 0)), list(req["leaves"])
+        step, part, _ = ops.parse_write(req, len(arrays))
+        leaves = list(req["leaves"])
         numpy_shapes = {int(k): tuple(v) for k, v in (req.get("numpy") or {}).items()}
         shards = []
         per_device: dict[Any, list[tuple[int, fmt.Box]]] = {}
@@ -271,8 +230,9 @@ class ColocatedSidecar:
         import jax
 
         req = _request(request)
-        step = int(req["step"])
+        step = ops.step_arg(req)
         svc = self._svc()
+        svc.admit("read", req.get("gen"))
         devices_by_id = {d.id: d for d in _device_list(request)}
         # Every distinct box is read once, all of them on the sidecar's I/O threads.
         plans = []
@@ -296,8 +256,7 @@ class ColocatedSidecar:
         bufs, errors = svc.read_boxes_each(step, jobs, manifest=req.get("manifest"))
         if errors:  # on this host no other holder can stand in: the first failure, typed
             _, name, message = errors[0]
-            cls = getattr(mtc_errors, name, MTCError)
-            raise (cls if isinstance(cls, type) and issubclass(cls, MTCError) else MTCError)(message)
+            raise wire_errors.decode(svc.host_id, name, message)
         out = []
         for shape, sharding, placed in plans:
             local = [jax.device_put(bufs[j], dev, may_alias=True) for dev, j in placed]

@@ -18,13 +18,14 @@ Ops (``args`` -> ``result``; payloads in brackets):
 - ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> ``{step, host, shards, blobs,
   written_bytes, seconds}`` [host manifest JSON: this host's part of the step manifest]
 - ``part {step}`` -> ``{step}`` [this host's part of the step being saved, as ``write`` answered it]
-- ``commit {step, max_to_keep, digest, keepers}`` [step manifest, for a keeper only] -> what the host wrote
+- ``configure {settings}`` -> the settings this host now follows (``HostSettings``: retention, backup root);
+  the head sends it after ``claim`` and first on every new connection
+- ``commit {step, digest, keepers}`` [step manifest, for a keeper only] -> what the host wrote
   for the step (a host without the manifest commits a record of the decision: ``fmt.CommitRecord``)
 - ``abort {step}`` -> ``{"removed"}``: forget a step whose save failed (committed or pending)
-- ``backup_upload {backup_url, blobs}``, ``backup_finalize {backup_url, name, max_to_keep}``
-  [manifest], ``backup_listing {backup_url}``, ``backup_manifest {backup_url, name}`` -> [manifest],
-  ``backup_fetch {backup_url, name, blobs}``: the backup tier of ``SidecarService``. The backup
-  root comes from the head's config with each request (one source of truth, as in colocated mode).
+- ``backup_upload {blobs}``, ``backup_finalize {name}`` [manifest], ``backup_listing {deadline_s}``,
+  ``backup_manifest {name}`` -> [manifest], ``backup_fetch {name, blobs}``: the backup tier of
+  ``SidecarService``, on the backup root the head configured.
 - ``read {step, reads: [[key, box or null], ...], stream?: [index, ...]}`` -> ``{"errors": [[index, type,
   message], ...], "streamed": [index, ...]}`` [the raw bytes of each assembled box; empty for a box that
   failed]. A box listed in ``stream`` that is exactly one saved shard is sent straight from a map of
@@ -43,7 +44,8 @@ Errors come back as ``{"type": class name, "message"}``; the head re-raises them
 A ``write``'s payloads are received straight into mapped temp blob files (``SidecarService.land``)
 and published where they lie: one copy on this host (``_receive_buffers``).
 
-The handler of each op is in ``mtc.sidecar.daemon_ops`` (``_HANDLERS``, ``SERVICE_METHODS``).
+Every control op is served from the table of operations (``mtc.sidecar.ops``), as in colocated
+mode; the two data ops (``write``, ``read``) are in ``mtc.sidecar.daemon_ops``.
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mtc.shared import auth, protocol
+from mtc.shared import auth, protocol, wire_errors
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
-from mtc.sidecar.daemon_ops import _HANDLERS, SERVICE_METHODS, ControlOps  # noqa: F401 (re-exported)
+from mtc.sidecar.daemon_ops import ServeOps
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.ram.landing import LandingSink
 from mtc.sidecar.reads import BlobStream
@@ -78,7 +80,7 @@ _SHUTDOWN_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
-class SidecarDaemon(ControlOps, ThreadedTCPServer):
+class SidecarDaemon(ServeOps, ThreadedTCPServer):
     """Serve ``service`` on a TCP socket. ``start()`` binds and listens; ``close()`` stops.
 
     Usable as a context manager. ``close()`` lets requests in flight finish (up to 30 s),
@@ -96,7 +98,6 @@ class SidecarDaemon(ControlOps, ThreadedTCPServer):
         self._max_payload = max_payload
         self._active = 0  # requests being handled; close() waits for them
         self.auth_failures = 0
-        self._fingerprint: dict | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -143,7 +144,7 @@ class SidecarDaemon(ControlOps, ThreadedTCPServer):
                 if req is None:
                     return False
                 if req.op == "ping" and step == "hello":  # liveness needs no token and changes nothing
-                    self._try_send(conn, Reply(req.id, self._op_ping({}, ())[0]))
+                    self._try_send(conn, Reply(req.id, self.service.ping()))
                     return False
                 if req.op != step:
                     raise ProtocolError(f"expected {step!r} before anything else on a control connection, got "
@@ -249,19 +250,15 @@ class SidecarDaemon(ControlOps, ThreadedTCPServer):
     def _handle(self, req: Request) -> Reply:
         t0 = time.perf_counter()
         try:
-            handler = _HANDLERS.get(req.op)
-            if handler is None:
-                raise ProtocolError(f"unknown op {req.op!r}; known ops: {', '.join(sorted(_HANDLERS))}")
-            self.service.admit(req.op, req.args.get("gen"))
-            result, payloads = handler(self, req.args, req.payloads)
+            result, payloads = self.serve_op(req.op, req.args, req.payloads)
             log.debug("op %s done in %.3fs", req.op, time.perf_counter() - t0)
             return Reply(req.id, result, None, tuple(payloads))
-        except MTCError as e:
-            log.warning("host %s: %s failed: %s: %s", self.service.host_id, req.op, type(e).__name__, e)
-            return Reply(req.id, error=RemoteError(type(e).__name__, str(e)))
-        except Exception as e:  # reported to the head, which raises it typed
-            log.exception("host %s: %s failed", self.service.host_id, req.op)
-            return Reply(req.id, error=RemoteError(type(e).__name__, f"host {self.service.host_id}: {e}"))
+        except Exception as e:  # reported to the head, which raises it typed (``wire_errors``)
+            if isinstance(e, MTCError):
+                log.warning("host %s: %s failed: %s: %s", self.service.host_id, req.op, type(e).__name__, e)
+            else:
+                log.exception("host %s: %s failed", self.service.host_id, req.op)
+            return Reply(req.id, error=RemoteError(*wire_errors.encode(e, self.service.host_id)))
 
 
 # --- command line --------------------------------------------------------------------------
@@ -309,7 +306,7 @@ def serve(args: argparse.Namespace) -> int:
               "sidecar of the job share; the daemon serves no request without it", file=sys.stderr)
         return 2
     root = Path(args.root) / "mtc"  # the ramdisk may be shared with other tools
-    service = SidecarService(root, host_id=args.host_id, max_to_keep=args.max_to_keep)
+    service = SidecarService(root, host_id=args.host_id, awaits_head=True)  # settings: the head's configure
     daemon = SidecarDaemon(service, token, listen=(host, port), max_payload=args.max_payload)
     try:
         service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise)
@@ -337,7 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", default="127.0.0.1:0", help="control address host:port (port 0: any free port)")
     s.add_argument("--ready-file", help="write {host, address, pid} here (atomically) once listening")
     s.add_argument("--log-file", help="log here instead of stderr")
-    s.add_argument("--max-to-keep", type=int, default=2, help="committed steps kept (local_max_to_keep)")
     s.add_argument("--max-payload", type=int, default=protocol.MAX_PAYLOAD_BYTES,
                    help="largest payload of one request, in bytes")
     s.add_argument("--parent-pid", type=int, help="exit (SIGKILL) when this process, our parent, dies")

@@ -100,7 +100,7 @@ class LocalCluster:
 
     Host ids are ``s<slice>-h<host>``, in the order the head assigns its devices
     (``devices_per_host`` each). ``env`` adds environment variables for the daemons (e.g.
-    ``MTC_CRASH_AT``); ``max_to_keep`` is each daemon's ``local_max_to_keep``. ``launch(host_id)``
+    ``MTC_CRASH_AT``); each daemon follows the settings of the head that drives it (``configure``). ``launch(host_id)``
     gives a host's command prefix and listen address, e.g. ``(["ip", "netns", "exec", NS], IP)`` for
     a daemon in its own network namespace, which a test can cut off (the soak does).
 
@@ -111,18 +111,17 @@ class LocalCluster:
     """
 
     def __init__(self, root: str | os.PathLike, num_slices: int, hosts_per_slice: int, *,
-                 devices_per_host: int = 2, max_to_keep: int = 2, env: Mapping[str, str] | None = None,
+                 devices_per_host: int = 2, env: Mapping[str, str] | None = None,
                  startup_timeout: float = 60.0,
                  launch: Callable[[str], tuple[Sequence[str], str]] | None = None):
         for name, v in (("num_slices", num_slices), ("hosts_per_slice", hosts_per_slice),
-                        ("devices_per_host", devices_per_host), ("max_to_keep", max_to_keep)):
+                        ("devices_per_host", devices_per_host)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         self.root = Path(root).resolve()
         self.num_slices = num_slices
         self.hosts_per_slice = hosts_per_slice
         self.devices_per_host = devices_per_host
-        self.max_to_keep = max_to_keep
         self.startup_timeout = float(startup_timeout)
         self._env = dict(env or {})
         # host id -> (argv prefix, address to listen on): e.g. ``(["ip", "netns", "exec", NS], IP)`` runs a
@@ -239,7 +238,7 @@ class LocalCluster:
         prefix, ip = self._launch(host_id) if self._launch is not None else ((), "127.0.0.1")
         cmd = [*prefix, sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(self.ramdisk(host_id)),
                "--host-id", host_id, "--listen", f"{ip}:0", "--peer-listen", f"{ip}:0", "--ready-file", str(ready),
-               "--log-file", str(self.log_path(host_id)), "--max-to-keep", str(self.max_to_keep),
+               "--log-file", str(self.log_path(host_id)),
                "--parent-pid", str(os.getpid())]
 
         def popen() -> subprocess.Popen:

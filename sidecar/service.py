@@ -22,15 +22,18 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import ramdisk, version
-from mtc.shared.errors import ConfigError, ManifestError, StepNotFoundError
+from mtc.shared.errors import ConfigError, ManifestError, NotConfiguredError, StepNotFoundError
+from mtc.shared.host_settings import HostSettings
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.jobs import Jobs
+from mtc.sidecar.ops import MUTATING_OPS
 from mtc.sidecar.peer import PeerServer
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.reads import BoxReader
 from mtc.sidecar.replication import Pull, pull_blobs
 from mtc.sidecar.service_save import ServiceSave
 from mtc.sidecar.service_steps import ServiceSteps
+from mtc.sidecar.step_index import StepIndex
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +53,6 @@ def _log_ramdisk_advice(store: RamStore) -> None:
 
 HOST_FILE = "host.json"  # in the ramdisk root: {"host": id} of the sidecar that serves it
 
-# Requests that change a host: only the head holding the lease may send them (fencing).
-MUTATING_OPS = frozenset({"write", "commit", "abort", "peer_pull", "backup_upload", "backup_finalize",
-                          "backup_fetch"})
-
-
 class SidecarService(ServiceSave, ServiceSteps):
     """One host's worker-side checkpointing: the RAM tier, phase 1/2 of saves, restores.
 
@@ -64,10 +62,15 @@ class SidecarService(ServiceSave, ServiceSteps):
     """
 
     def __init__(self, root: str | os.PathLike, *, host_id: str = "host-0", max_to_keep: int = 2,
-                 io_threads: int = 2, backup_url: str | None = None):
+                 io_threads: int = 2, backup_url: str | None = None, awaits_head: bool = False):
+        """``max_to_keep``/``backup_url``: the settings of a service used on its own (tools, tests).
+        A transport passes ``awaits_head``: then the head's ``configure`` is the only source of
+        settings, and what needs them raises NotConfiguredError until it came."""
         self.host_id = host_id
-        self.backup_url = backup_url or None
-        self._backup = None
+        self.settings = HostSettings(local_max_to_keep=max_to_keep, backup_url=backup_url or None)
+        self._configured = not awaits_head
+        self._backups: dict[str, object] = {}  # backup root -> its BackupTier
+        self._fingerprint: dict | None = None
         self.jobs = Jobs(self.host_id)
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
         self._note_host_id()
@@ -75,21 +78,7 @@ class SidecarService(ServiceSave, ServiceSteps):
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
         self._reader = BoxReader(self.store, self._io, self.host_id)
         self._lock = threading.Lock()
-        # step -> (shards written so far, bytes written so far, seconds so far), across parts.
-        self._partial: dict[int, tuple[list[fmt.HostShard], int, float]] = {}
-        self._manifests: dict[int, fmt.StepManifest] = {}
-        # step -> the bytes this sidecar committed (a manifest or a record): a step file damaged
-        # under a live sidecar is rewritten from them (see inventory).
-        self._committed: dict[int, bytes] = {}
-        # step -> (local view of a step committed here as a record, {array key: its own boxes}):
-        # what a restore onto the same topology reads by, without the other hosts' parts.
-        self._views: dict[int, tuple[fmt.StepManifest, dict[str, set], dict[str, tuple]]] = {}
-        # (step, manifest digest) -> {host: digest of its share's blob names}, for inventories.
-        self._share_digests: dict[tuple[int, str], dict[str, str]] = {}
-        # step -> (step file bytes, its commit record or None, the record part's blob names): parsed once.
-        self._records: dict[int, tuple[bytes, fmt.CommitRecord | None, frozenset | None]] = {}
-        # step -> (pending host manifest bytes, that manifest) as this sidecar wrote it in phase 1.
-        self._parts: dict[int, tuple[bytes, fmt.HostManifest]] = {}
+        self.index = StepIndex()  # what this sidecar remembers per step (parsed manifests, records, ...)
         self._peer = None  # the peer tier's server (start_peer_service)
         self._peer_token = ""
         self._closed = False
@@ -127,21 +116,37 @@ class SidecarService(ServiceSave, ServiceSteps):
     def current_lease(self) -> dict | None:
         return self.lease.current()
 
-    def use_backup_root(self, url: str | None) -> None:
-        """Back up to ``url``: adopted if none is set yet; another one is refused."""
-        if not url:
-            return
+    def configure(self, settings: dict, generation: int | None = None) -> dict:
+        """Follow the head's settings (``HostSettings``); ``admit`` checked ``generation`` against
+        the lease, so only the head that drives this host sets them."""
+        new = HostSettings.from_wire(settings)
         with self._lock:
-            if self.backup_url is None:
-                self.backup_url = url  # the head's config names the backup root
-            elif self.backup_url != url:
-                raise ConfigError(f"host {self.host_id} backs up to {self.backup_url}, but the head asks for "
-                                  f"{url}; restart the daemon (or the head) with one backup root")
+            old, self.settings, self._configured = self.settings, new, True
+            self.store.max_to_keep = new.local_max_to_keep
+        if old.backup_url != new.backup_url and self._configured:
+            log.info("host %s: backup root %s (generation %s)", self.host_id, new.backup_url, generation)
+        return {"host": self.host_id, "settings": new.to_wire()}
+
+    def _settings(self, what: str) -> HostSettings:
+        if not self._configured:
+            raise NotConfiguredError(f"host {self.host_id}: {what} needs the head's settings, which no head has "
+                                     "sent since this sidecar started; the head sends them (configure) first")
+        return self.settings
+
+    @property
+    def backup_url(self) -> str | None:
+        return self.settings.backup_url
 
     # --- identity ----------------------------------------------------------------------
 
+    def ping(self) -> dict:
+        """Liveness: who serves here (the daemon answers it before authentication too)."""
+        return {"host": self.host_id, "pid": os.getpid()}
+
     def fingerprint(self) -> dict:
-        fp = version.fingerprint()
+        if self._fingerprint is None:  # versions do not change while the process runs
+            self._fingerprint = version.fingerprint()
+        fp = dict(self._fingerprint)
         fp["host"] = self.host_id
         if self._peer is not None:
             fp["peer"] = self._peer.address  # how the other sidecars reach this one
@@ -188,43 +193,51 @@ class SidecarService(ServiceSave, ServiceSteps):
 
     # --- backup tier ---------------------------------------------------------------------
 
-    def _backup_tier(self):
-        if self.backup_url is None:
+    def _backup_tier(self, root: str | None = None, *, configured: bool = True):
+        """The backup tier of the configured backup root (``configured``), or of ``root``: the
+        root a reader names (listings and manifests), which needs no settings, so that a head
+        that does not drive these hosts (``mtc status``, an export) can read the backups too."""
+        url = self._settings("the backup tier").backup_url if configured else root
+        if url is None:
             raise ConfigError("no backup tier: set base_output_directory (and run_name) to back up and "
                               "restore from object storage")
         with self._lock:
-            if self._backup is None:
+            tier = self._backups.get(url)
+            if tier is None:
                 from mtc.sidecar.backup.tier import BackupTier
 
-                self._backup = BackupTier(self.backup_url, self.store, self.host_id)
-            return self._backup
+                tier = self._backups[url] = BackupTier(url, self.store, self.host_id)
+            return tier
 
-    def backup_upload(self, assignments: dict[str, list[str]]) -> dict:
+    def backup_upload(self, blobs: list[str]) -> dict:
         """Upload the blobs the head assigned to this host (those the store lacks)."""
-        return self._backup_tier().upload(list(assignments.get(self.host_id, [])))
+        return self._backup_tier().upload(list(blobs))
 
-    def backup_finalize(self, name: str, manifest_json: bytes, max_to_keep: int,
+    def backup_finalize(self, name: str, manifest_json: bytes, max_to_keep: int | None = None, *,
                         generation: int | None = None) -> dict:
-        """Make backup ``name`` visible, then apply retention; ``generation`` is the asking head's
-        (``admit`` checked it once): checked again before every bucket operation, so that a head
-        fenced off meanwhile neither makes a backup visible nor prunes beside the next head."""
+        """Make backup ``name`` visible, then keep the newest ``max_to_keep`` (default: the head's
+        ``backup_max_to_keep``); ``generation`` is the asking head's (``admit`` checked it once):
+        checked again before every bucket operation, so that a head fenced off meanwhile neither
+        makes a backup visible nor prunes beside the next head."""
         what = f"backup_finalize of {name} on host {self.host_id}"
-        return self._backup_tier().finalize(name, manifest_json, max_to_keep,
-                                            guard=lambda: self.lease.check(generation, what),
-                                            generation=generation)
+        tier = self._backup_tier()
+        keep = self.settings.backup_max_to_keep if max_to_keep is None else max_to_keep
+        return tier.finalize(name, manifest_json, keep, guard=lambda: self.lease.check(generation, what),
+                             generation=generation)
 
-    def backup_listing(self, deadline_s: float | None = None) -> dict:
-        return self._backup_tier().listing(deadline_s)
+    def backup_listing(self, root: str | None, deadline_s: float | None = None) -> dict:
+        """The backups under ``root`` (the head's backup root), newest first."""
+        return self._backup_tier(root, configured=False).listing(deadline_s)
 
-    def backup_manifest(self, name: str) -> bytes:
-        return self._backup_tier().manifest(name)
+    def backup_manifest(self, root: str | None, name: str) -> bytes:
+        return self._backup_tier(root, configured=False).manifest(name)
 
-    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict:
+    def backup_fetch(self, name: str, blobs: list[str]) -> dict:
         """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them."""
         tier = self._backup_tier()
         manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
-        out = tier.fetch(list(needs.get(self.host_id, [])))
-        self._manifests[manifest.step] = manifest
+        out = tier.fetch(list(blobs))
+        self.index.manifests[manifest.step] = manifest
         return out
 
     # --- peer tier -----------------------------------------------------------------------
@@ -281,7 +294,7 @@ class SidecarService(ServiceSave, ServiceSteps):
             if manifest.step != step:
                 raise ManifestError(f"peer pull of step {step} carries the manifest of step {manifest.step}")
             self.store.commit(step, manifest_json)
-            self._manifests[step] = manifest
+            self.index.manifests[step] = manifest
             out["adopted"] = True
             log.info("host %s: step %d restored from peers and committed here again", self.host_id, step)
         return out
@@ -295,5 +308,5 @@ class SidecarService(ServiceSave, ServiceSteps):
                 self._peer.close()
             self._io.shutdown(wait=True)
             self.store.close()
-            if self._backup is not None:
-                self._backup.close()
+            for tier in self._backups.values():
+                tier.close()

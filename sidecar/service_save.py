@@ -4,8 +4,7 @@ A mixin of ``SidecarService`` (``mtc.sidecar.service``), apart from the rest of 
 because it is the write path, the one a save's time goes into: shards are deduplicated, hashed
 and written (or their landings published) on the I/O threads, recorded as this host's part
 (``pending/``), then committed. It uses the service's ``host_id``, ``store``, ``_io``,
-``_lock`` and per-step state (``_partial``, ``_parts``, ``_committed``, ``_manifests``,
-``_views``, ``_records``).
+``_lock`` and per-step state (``index``: a ``StepIndex``).
 """
 
 from __future__ import annotations
@@ -109,8 +108,8 @@ class ServiceSave:
 
     def _start_part(self, step: int, part: int) -> None:
         if part == 0:
-            self._partial[step] = ([], 0, 0.0)
-        elif step not in self._partial:
+            self.index.partial[step] = ([], 0, 0.0)
+        elif step not in self.index.partial:
             raise ManifestError(f"step {step}: part {part} of a save arrived before part 0")
 
     def _hash_and_write(self, step: int, unique: dict[tuple[int, fmt.Box], memoryview], landed: dict,
@@ -159,15 +158,15 @@ class ServiceSave:
 
     def _record_part(self, step: int, entries: list[fmt.HostShard], written: int, t0: float) -> fmt.HostManifest:
         with self._lock:
-            done, done_bytes, done_s = self._partial[step]
+            done, done_bytes, done_s = self.index.partial[step]
             done.extend(entries)
-            self._partial[step] = (done, done_bytes + written, done_s + time.perf_counter() - t0)
+            self.index.partial[step] = (done, done_bytes + written, done_s + time.perf_counter() - t0)
             manifest = fmt.HostManifest(step, self.host_id, tuple(done), done_bytes + written,
                                         done_s + time.perf_counter() - t0)
             data = manifest.to_json()
-            self._parts.pop(step, None)
+            self.index.parts.pop(step, None)
             self.store.write_pending(step, data)
-            self._parts[step] = (data, manifest)
+            self.index.parts[step] = (data, manifest)
         return manifest
 
     def part_bytes(self, step: int) -> bytes:
@@ -180,23 +179,22 @@ class ServiceSave:
 
     # --- save: phase 2 -----------------------------------------------------------------
 
-    def commit(self, step: int, manifest_json: bytes | None, *, max_to_keep: int | None = None,
-               digest: str | None = None, keepers: Sequence[tuple[str, str]] | None = None) -> dict:
+    def commit(self, step: int, manifest_json: bytes | None, *, digest: str | None = None,
+               keepers: Sequence[tuple[str, str]] | None = None) -> dict:
         """Phase 2: make ``step`` visible on this host by writing its step file, last.
 
         A keeper gets the whole manifest (``manifest_json``), checks it (every array covered,
         replicas equal, this host's part the one it wrote) and writes it. Every other host
         gets only the decision: the manifest's ``digest`` and the ``keepers`` (host, peer
         address); it writes a ``fmt.CommitRecord`` with its own part, and fetches the manifest
-        from a keeper when it first needs it. ``max_to_keep`` (the head's ``local_max_to_keep``)
-        overrides the sidecar's own, so the head's config decides retention on every host.
-        Returns what this host wrote for the step (blobs, bytes, seconds) for the save report.
+        from a keeper when it first needs it. Retention is the head's ``local_max_to_keep``
+        (``configure``). Returns what this host wrote for the step (blobs, bytes, seconds) for
+        the save report.
         """
-        if max_to_keep is not None:
-            self.store.max_to_keep = int(max_to_keep)
+        self._settings(f"commit of step {step}")
         pending = self.store.read_pending(step)
         with self._lock:
-            self._partial.pop(step, None)
+            self.index.partial.pop(step, None)
         if pending is None:
             raise StepNotFoundError(
                 f"host {self.host_id}: cannot commit step {step}: this host did not write it "
@@ -224,9 +222,9 @@ class ServiceSave:
             data = fmt.CommitRecord(step, digest, tuple((str(h), str(a)) for h, a in keepers), pending).to_json()
         else:
             raise ManifestError(f"commit of step {step} needs the step manifest, or its digest and its keepers")
-        written = self._parts.get(step)
-        for s in [s for s in self._parts if s <= step]:  # committed now, or abandoned before it
-            self._parts.pop(s, None)
+        written = self.index.parts.get(step)
+        for s in [s for s in self.index.parts if s <= step]:  # committed now, or abandoned before it
+            self.index.parts.pop(s, None)
         host = written[1] if written is not None and written[0] == pending else fmt.HostManifest.from_json(
             pending, source=f"host {self.host_id} step {step} pending manifest")
         missing = sorted({s.blob for s in host.shards if not self.store.has_blob(s.blob)})
@@ -235,12 +233,11 @@ class ServiceSave:
                                    f"blobs ({missing[0]}, ...); not committing")
         crash_point("before_commit")
         kept = set(self.store.commit(step, data))
-        self._committed[step] = data
-        for s in [s for s in self._committed if s not in kept]:  # pruned by this commit
-            del self._committed[s]
-            self._manifests.pop(s, None)
+        self.index.committed[step] = data
+        for s in [s for s in self.index.committed if s not in kept]:  # pruned by this commit
+            self.index.forget(s)
         if manifest is not None:
-            self._manifests[step] = manifest
+            self.index.manifests[step] = manifest
         crash_point("after_commit")
         return {"host": self.host_id, "blobs": len(host.blob_names()), "written_bytes": host.written_bytes,
                 "write_s": host.seconds, "keeper": manifest_json is not None}
@@ -248,13 +245,7 @@ class ServiceSave:
     def abort(self, step: int) -> bool:
         """Forget ``step`` here (its save failed on some host): committed or pending, and its
         unshared blobs. True when there was something to remove."""
-        with self._lock:
-            self._partial.pop(step, None)
-        self._manifests.pop(step, None)
-        self._committed.pop(step, None)
-        self._views.pop(step, None)
-        self._records.pop(step, None)
-        self._parts.pop(step, None)
+        self.index.forget(step)
         removed = self.store.delete_step(step)
         if removed:
             log.info("host %s: step %d aborted (its save failed on some host)", self.host_id, step)

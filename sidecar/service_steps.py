@@ -5,8 +5,7 @@ A mixin of ``SidecarService`` (``mtc.sidecar.service``), apart because it is the
 the step catalog: where a step file holds only a commit record, the manifest (or just its
 header, for a restore onto the same topology) is fetched from a keeper and checked against the
 digest; what this sidecar committed repairs a step file damaged under it. It uses the service's
-``host_id``, ``store``, ``_peer_token`` and per-step caches (``_manifests``, ``_committed``,
-``_records``, ``_views``, ``_share_digests``).
+``host_id``, ``store``, ``_peer_token`` and the per-step caches (``index``: a ``StepIndex``).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ class ServiceSteps:
     def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
         """The whole manifest of committed ``step`` (fetched from a keeper first if need be;
         with ``here_only``, RecordOnlyError instead when this host committed only a record)."""
-        if here_only and step not in self._manifests and self._record(step) is not None:
+        if here_only and step not in self.index.manifests and self._record(step) is not None:
             raise RecordOnlyError(f"host {self.host_id} keeps only a record of step {step}, not its manifest")
         return self.manifest(step).to_json()
 
@@ -46,14 +45,14 @@ class ServiceSteps:
             self.manifest(step)
             return True
         except (ManifestError, StepNotFoundError):
-            self._manifests.pop(step, None)
+            self.index.manifests.pop(step, None)
             return False
 
     def manifest(self, step: int) -> fmt.StepManifest:
         """The whole manifest of committed ``step``. Where this host committed only a record
         (``fmt.CommitRecord``), it is fetched from a keeper, checked against the digest, and
         replaces the record (ManifestError if no keeper could give it)."""
-        m = self._manifests.get(step)
+        m = self.index.manifests.get(step)
         if m is None:
             data = self.store.read_step(step)
             try:
@@ -64,7 +63,7 @@ class ServiceSteps:
             except ManifestError:
                 # Changed under this live sidecar (bit rot, a stray write): it committed the step
                 # itself, so it rewrites the file from the bytes it committed.
-                good = self._committed.get(step)
+                good = self.index.committed.get(step)
                 if good is None or good == data or not self.store.rewrite_step(step, good):
                     raise
                 log.warning("host %s: the file of step %d failed its checks; rewrote it from what this sidecar "
@@ -72,7 +71,7 @@ class ServiceSteps:
                 return self.manifest(step)
             if rec is not None:
                 self.store.upgrade_step(step, data, rec.digest)
-            self._manifests[step] = m
+            self.index.manifests[step] = m
         return m
 
     def _record(self, step: int) -> fmt.CommitRecord | None:
@@ -86,7 +85,7 @@ class ServiceSteps:
             data = self.store.read_step(step)
         except (ManifestError, StepNotFoundError, OSError):
             return None, None
-        hit = self._records.get(step)
+        hit = self.index.records.get(step)
         if hit is not None and hit[0] == data:
             return hit[1], hit[2]
         try:
@@ -94,7 +93,7 @@ class ServiceSteps:
             own = None if rec is None else frozenset(rec.host_manifest().blob_names())
         except (ManifestError, OSError):
             return None, None
-        self._records[step] = (data, rec, own)
+        self.index.records[step] = (data, rec, own)
         return rec, own
 
     def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False) -> bytes:
@@ -123,12 +122,12 @@ class ServiceSteps:
         checked against the digest it committed; the other hosts' parts, which grow with hosts x
         shards, are not fetched. Any other read (a resharded restore) fetches the whole manifest.
         """
-        if step in self._manifests:
-            return self._manifests[step]
+        if step in self.index.manifests:
+            return self.index.manifests[step]
         rec = self._record(step)
         if rec is None:
             return self.manifest(step)
-        held = self._views.get(step)
+        held = self.index.views.get(step)
         if held is None or held[0].digest != rec.digest:
             try:
                 view = fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True), self.host_id, rec.part,
@@ -140,7 +139,7 @@ class ServiceSteps:
                 return self.manifest(step)
             boxes = {a.key: {s.box for s in a.shards} for a in view.arrays if a.shards}
             shapes = {a.key: a.shape for a in view.arrays}
-            held = self._views[step] = (view, boxes, shapes)
+            held = self.index.views[step] = (view, boxes, shapes)
         view, boxes, shapes = held
         for key, box, *_ in rows:
             if key not in shapes:
@@ -163,23 +162,19 @@ class ServiceSteps:
         have = self.store.list_blobs()
         out, damaged = [], []
         committed = self.store.committed_steps()
-        kept = set(self._manifests) | set(self._committed)
+        kept = set(self.index.manifests) | set(self.index.committed)
         for s in sorted(kept - set(committed)):  # a step file no longer JSON is rewritten
             # (A commit on another thread may prune the step meanwhile: then there is nothing to repair.)
-            m = self._manifests.get(s)
-            data = self._committed.get(s) if m is None else None
+            m = self.index.manifests.get(s)
+            data = self.index.committed.get(s) if m is None else None
             with contextlib.suppress(ManifestError, OSError):
                 if m is not None:
                     data = m.to_json()
                 if data is not None and self.store.repair_step(s, data):
                     committed = self.store.committed_steps()
-        for s in set(self._committed) - set(committed):  # pruned or aborted (or not repairable)
-            self._committed.pop(s, None)
-        for s in (set(self._records) | set(self._views)) - set(committed):
-            self._records.pop(s, None)
-            self._views.pop(s, None)
+        self.index.prune(committed)  # pruned or aborted (or not repairable)
         for s in committed:
-            rec, own = (None, None) if s in self._manifests else self._read_record(s)
+            rec, own = (None, None) if s in self.index.manifests else self._read_record(s)
             if rec is not None:
                 # Committed here as a record: this host's own part is all it holds of the step,
                 # and all it reports (the head maps it with the manifest): no fetch for an inventory.
@@ -211,13 +206,12 @@ class ServiceSteps:
         and the copies it keeps for others, as the head's replication counts them
         (``covered_by_shares``)."""
         key = (m.step, m.digest)
-        digests = self._share_digests.get(key)
+        with self.index.lock:  # inventories may run on several threads at once
+            digests = self.index.share_digests.get(key)
         if digests is None:
             digests = {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()}
-            # Rebuilt, not changed in place: inventories may run on several threads at once.
-            kept = {k: v for k, v in list(self._share_digests.items()) if k[0] in self._manifests}
-            kept[key] = digests
-            self._share_digests = kept
+            with self.index.lock:
+                self.index.share_digests[key] = digests
         return sorted({d for h, d in digests.items() if m.part_blobs[h] <= have})
 
     def verify(self, step: int) -> dict:

@@ -429,7 +429,7 @@ class Soak:
             else:
                 base = str(seg / "backup")
                 self.backup = BackupView("local", root=seg / "backup" / RUN / "mtc")
-            self.cluster = LocalCluster(root, slices, hosts, devices_per_host=DEVICES_PER_HOST, max_to_keep=2,
+            self.cluster = LocalCluster(root, slices, hosts, devices_per_host=DEVICES_PER_HOST,
                                         env=env, launch=self.net.launch if self.net else None).start()
             self.config = dict(local_checkpoint_directory=str(root), local_checkpoint_period=1,
                                base_output_directory=base, run_name=RUN,

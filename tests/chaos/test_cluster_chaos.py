@@ -64,7 +64,7 @@ def test_kill_9_of_a_daemon_during_saves_never_exposes_a_partial_step(ramdisk):
     trials = [("random", None)] * RANDOM_TRIALS + [("point", p) for p in SAVE_POINTS] * 2
     rng.shuffle(trials)
     outcomes = {"ok": 0, "failed": 0}
-    with LocalCluster(ramdisk / "cluster", 2, 2, devices_per_host=2, max_to_keep=2) as cluster:
+    with LocalCluster(ramdisk / "cluster", 2, 2, devices_per_host=2) as cluster:
         cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), cluster_spec=str(cluster.spec_path),
                         local_checkpoint_period=1)
         with CheckpointManager(cfg) as m:

@@ -80,13 +80,13 @@ def test_a_finalize_the_head_gave_up_on_leaves_one_complete_backup_and_the_next_
             impatient.generation = head.generation  # the same head, on a connection it drops
             try:
                 with pytest.raises(HostUnreachableError, match="no answer within 2s"):
-                    impatient.backup_finalize(h0, name3, manifest3, cfg.backup_max_to_keep)
+                    impatient.backup_finalize(h0, name3, manifest3)
             finally:
                 impatient.close()
             assert read_control(control)["stalled"] == 1, "the first finalize did not reach its stall"
 
             # The finalize runs again, on another host: one backup 3, complete.
-            again = head.backup_finalize(h1, name3, manifest3, cfg.backup_max_to_keep)
+            again = head.backup_finalize(h1, name3, manifest3)
             assert again["name"] == name3
 
             # The head's next backup (step 4, finalized on h0 beside the stalled one).

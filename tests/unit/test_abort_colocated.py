@@ -96,14 +96,14 @@ def test_a_control_request_can_go_to_some_hosts_only(ramdisk):
         assert fmt.CommitRecord.parse(data) is None
         # The head asks for a manifest one host at a time (one row), so it gets one copy, not one per host.
         asked = []
-        real = disp._control
+        real = disp._exchange
 
-        def noting(op, **kw):
-            asked.append((op, kw.get("rows")))
-            return real(op, **kw)
+        def noting(op, rows, *a, **kw):
+            asked.append((op, rows))
+            return real(op, rows, *a, **kw)
 
-        disp._control = noting
+        disp._exchange = noting
         assert disp.manifest(1).to_json() == data
         assert asked == [("manifest", [0])]
-        disp._control = real
+        disp._exchange = real
         assert_trees_bitwise_equal(_state(1), m.restore(1))

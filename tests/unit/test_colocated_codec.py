@@ -22,13 +22,20 @@ def test_request_round_trip_and_padding():
 
 
 def test_reply_carries_results_and_typed_errors():
-    assert decode_reply(encode_reply(lambda: {"host": "h", "steps": [1]})) == ({"host": "h", "steps": [1]}, None)
+    assert decode_reply(encode_reply(lambda: ({"host": "h", "steps": [1]}, [b'{"m": 1}']))) == (
+        {"host": "h", "steps": [1]}, [b'{"m": 1}'], None)
 
     def fails():
         raise StepNotFoundError("step 9 is not here")
 
     data = encode_reply(fails)
     assert data == b'{"error": "StepNotFoundError", "message": "step 9 is not here"}'
-    assert decode_reply(data) == (None, ("StepNotFoundError", "step 9 is not here"))
+    assert decode_reply(data) == (None, [], ("StepNotFoundError", "step 9 is not here"))
+
+    def bug():
+        raise KeyError("x")
+
+    # Every exception is reported with its type, naming the host (mtc.shared.wire_errors).
+    assert decode_reply(encode_reply(bug, host="h3")) == (None, [], ("KeyError", "host h3: 'x'"))
     with pytest.raises(ProtocolError, match="neither"):
         decode_reply(b'{"other": 1}')

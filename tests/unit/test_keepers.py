@@ -128,7 +128,7 @@ def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services)
     manifest, _, _ = _save(services, 5, ["h0"])
     path = services["h2"].store.root / "steps" / f"{5:012d}.json"
     _flip_a_part_digit(path)
-    services["h2"]._committed.clear()  # as after a restart: nothing to rewrite it from here
+    services["h2"].index.committed.clear()  # as after a restart: nothing to rewrite it from here
     inv = services["h2"].inventory()
     assert inv["damaged"] == [5] and inv["steps"] == []
     # The head gives it the manifest the others agree on: it replaces the damaged record.
@@ -195,7 +195,7 @@ def test_a_record_read_before_and_then_damaged_is_still_reported_damaged(service
     assert [s["step"] for s in services["h2"].inventory()["steps"]] == [6]
     path = services["h2"].store.root / "steps" / f"{6:012d}.json"
     _flip_a_part_digit(path)  # in place: the same inode and size
-    services["h2"]._committed.clear()  # nothing to rewrite it from
+    services["h2"].index.committed.clear()  # nothing to rewrite it from
     inv = services["h2"].inventory()
     assert inv["damaged"] == [6] and inv["steps"] == []
 
@@ -208,7 +208,7 @@ def test_a_sidecar_keeps_no_manifest_of_a_step_it_pruned(services):
     for svc in services.values():
         committed = svc.store.committed_steps()
         assert committed == [5, 6]
-        assert set(svc._manifests) <= set(committed) and set(svc._committed) == set(committed)
+        assert set(svc.index.manifests) <= set(committed) and set(svc.index.committed) == set(committed)
 
 
 class _PrunedMeanwhile(dict):
@@ -238,8 +238,8 @@ def test_an_inventory_beside_a_commit_that_prunes_is_not_an_error(tmp_path):
             svc.commit(step, data, digest=digest)
         # Step 1's file is pruned (by step 2's commit); its bytes are still in the table when the
         # inventory lists the steps, and gone when it looks them up.
-        svc._committed = _PrunedMeanwhile({**svc._committed, 1: b"{}"})
-        svc._manifests.pop(1, None)
+        svc.index.committed = _PrunedMeanwhile({**svc.index.committed, 1: b"{}"})
+        svc.index.manifests.pop(1, None)
         inv = svc.inventory()
         assert [r["step"] for r in inv["steps"]] == [2] and inv["damaged"] == []
         assert svc.store.committed_steps() == [2]  # a pruned step is never brought back

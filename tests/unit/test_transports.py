@@ -1,65 +1,131 @@
-"""Both transports are thin: each operation calls one sidecar service method, the same one."""
+"""Both transports are thin: one table of operations (``mtc.sidecar.ops``), served the same way.
+
+Every operation of the table is driven through both transports, the colocated wrapper and a real
+daemon on a real socket, with the same bad arguments, and must fail with the same error type;
+with good arguments they call the same service method and answer the same result.
+"""
 
 from __future__ import annotations
 
-import inspect
+import socket
 
 import pytest
 
-from mtc.shared import protocol
-from mtc.sidecar import colocated, daemon
-from mtc.sidecar.service import MUTATING_OPS, SidecarService
+from helpers import control_connection
+from mtc.shared import colocated_codec, protocol
+from mtc.sidecar import ops
+from mtc.sidecar.colocated import ColocatedSidecar
+from mtc.sidecar.daemon import SidecarDaemon
+from mtc.sidecar.service import SidecarService
 
 pytestmark = pytest.mark.unit
 
-# The same service method, reached under another operation name by each transport.
-SAME = {"load": "read"}
+TOKEN = "transports-test-token-0123456789"
+
+# Arguments each operation must refuse (ProtocolError), in both transports.
+BAD = {
+    "ping": None,  # takes no arguments: nothing to get wrong
+    "fingerprint": None,
+    "lease": None,
+    "close": None,
+    "inventory": {"devices": "all"},
+    "manifest": {"step": "latest"},
+    "part": {"step": -1},
+    "commit": {"step": 1, "keepers": "h1"},
+    "abort": {"step": 1.5},
+    "verify": {"step": None},
+    "claim": {"generation": 3, "head": "me"},
+    "configure": {"settings": {"local_max_to_keep": 0}},
+    "job": {"job": "../etc"},
+    "backup_upload": {"blobs": "b1"},
+    "backup_finalize": {"name": 7},
+    "backup_listing": {"deadline_s": -1},
+    "backup_manifest": {"root": "/r", "name": None},
+    "backup_fetch": {"name": "x", "blobs": [1]},
+    "peer_pull": {"step": 1, "pulls": [["not-a-blob", 1, ["h"]]], "peers": {}},
+}
+BAD_DATA = {"write": {"step": "one", "part": 0, "shards": []}, "read": {"step": 1, "reads": "all"}}
 
 
-def _source(fn) -> str:
-    return inspect.getsource(fn) if fn is not None else ""
+def test_the_table_names_a_service_method_for_every_operation():
+    for name, method in ops.SERVICE_METHODS.items():
+        assert callable(getattr(SidecarService, method, None)), (name, method)
+    assert set(BAD) == set(ops.OPS), "every operation of the table has a bad-argument case here"
+    assert ops.LONG_OPS == {"backup_upload", "backup_fetch", "peer_pull"}
+    assert {"write", "commit", "abort", "configure", "peer_pull", "backup_finalize"} <= ops.MUTATING_OPS
+    for name, op in ops.OPS.items():
+        assert set(op.modes) == {"colocated", "cluster"} or op.why, f"{name} is in one mode without saying why"
 
 
-def test_each_daemon_op_calls_its_service_method():
-    assert set(daemon.SERVICE_METHODS) == set(daemon._HANDLERS) == protocol.OPS
-    for op, method in daemon.SERVICE_METHODS.items():
-        if method is None:
+@pytest.fixture
+def both(tmp_path, monkeypatch):
+    """The same kind of host behind each transport: (colocated serve, daemon serve)."""
+    monkeypatch.setenv("MTC_PEER_TOKEN", TOKEN)
+    col = ColocatedSidecar(f'{{"ramdisk_root": "{tmp_path / "col"}", "host_id": "h0"}}')
+    svc = SidecarService(tmp_path / "dmn", host_id="h0", awaits_head=True)
+    daemon = SidecarDaemon(svc, TOKEN)
+    daemon.start()
+    conn = control_connection(daemon.address, TOKEN)
+    ids = iter(range(10, 10**6))
+
+    def colocated(op: str, args: dict):
+        result, payloads, error = colocated_codec.decode_reply(
+            colocated_codec.encode_reply(lambda: col._dispatch({"op": op, **args}), host="h0"))
+        return (result, payloads) if error is None else error
+
+    def cluster(op: str, args: dict):
+        protocol.send_request(conn, protocol.Request(op, next(ids), args))
+        reply = protocol.recv_reply(conn)
+        return (reply.result, [bytes(p) for p in reply.payloads]) if reply.error is None else (
+            reply.error.type, reply.error.message)
+
+    yield colocated, cluster
+    conn.close()
+    daemon.close()
+    col._dispatch({"op": "close"})
+
+
+def test_every_operation_refuses_the_same_bad_arguments_with_the_same_error_in_both_transports(both):
+    colocated, cluster = both
+    for name, args in {**BAD, **BAD_DATA}.items():
+        if args is None:
             continue
-        assert callable(getattr(SidecarService, method, None)), (op, method)
-        src = _source(daemon._HANDLERS[op])
-        assert f".{method}(" in src or f"start_job({_svc(src)}.{method}," in src, f"daemon op {op} does not call {method}"
+        modes = ops.OPS[name].modes if name in ops.OPS else ("colocated", "cluster")
+        got = {}
+        if "cluster" in modes:
+            got["cluster"] = cluster(name, args)
+        if "colocated" in modes and name not in BAD_DATA:  # colocated data ops take arrays (below)
+            got["colocated"] = colocated(name, args)
+        for mode, answer in got.items():
+            assert isinstance(answer, tuple) and answer[0] == "ProtocolError", (name, mode, answer)
+    # An operation that is not in the table, and one that is not served in a mode.
+    assert colocated("format_disk", {})[0] == cluster("format_disk", {})[0] == "ProtocolError"
+    assert cluster("close", {})[0] == "ProtocolError"
 
 
-def _svc(src: str) -> str:
-    return "self.service" if "self.service.start_job(" in src else "svc"
+def test_the_colocated_data_operations_check_their_headers_as_the_daemon_does(tmp_path):
+    from mtc.shared.errors import ProtocolError
+
+    with pytest.raises(ProtocolError, match="'step' must be an integer"):
+        ops.parse_write(BAD_DATA["write"], 0)
+    with pytest.raises(ProtocolError, match="'reads' must be a list"):
+        ops.parse_read(BAD_DATA["read"])
 
 
-def test_each_colocated_op_calls_its_service_method():
-    data_ops = {"write": colocated.ColocatedSidecar.write, "load": colocated.ColocatedSidecar.load}
-    assert set(colocated.SERVICE_METHODS) == set(colocated._OPS) | set(data_ops)
-    for op, method in colocated.SERVICE_METHODS.items():
-        assert callable(getattr(SidecarService, method, None)), (op, method)
-        fn = data_ops.get(op) or colocated._OPS[op] or colocated.ColocatedSidecar._dispatch
-        src = _source(fn)  # called, or run as a job the head polls (start_job(svc.method, ...))
-        assert f".{method}(" in src or f"start_job(svc.{method}," in src, f"colocated op {op} does not call {method}"
-
-
-LONG_OPS = {"backup_upload", "backup_fetch", "peer_pull"}
-
-
-def test_long_operations_are_jobs_in_both_transports():
-    """One job model: a long operation answers with a job id at once, and ``job`` reports its end."""
-    for op in LONG_OPS:
-        assert "start_job(" in _source(daemon._HANDLERS[op]), f"daemon op {op} is not run as a job"
-        assert "start_job(" in _source(colocated._OPS[op]), f"colocated op {op} is not run as a job"
-    assert daemon.SERVICE_METHODS["job"] == colocated.SERVICE_METHODS["job"] == "job"
-
-
-def test_both_transports_map_shared_operations_to_the_same_methods():
-    for op, method in colocated.SERVICE_METHODS.items():
-        other = daemon.SERVICE_METHODS.get(SAME.get(op, op))
-        if other is not None:
-            assert other == method, f"{op}: colocated calls {method}, the daemon {other}"
-    # Every changing operation exists in both, so fencing guards the same set everywhere.
-    assert MUTATING_OPS <= set(daemon.SERVICE_METHODS) and MUTATING_OPS <= set(colocated.SERVICE_METHODS)
-    assert {"abort", "claim", "lease"} <= set(colocated.SERVICE_METHODS)
+def test_good_requests_answer_the_same_in_both_transports(both):
+    colocated, cluster = both
+    # Unconfigured sidecars refuse what needs the head's settings, with one type.
+    assert colocated("commit", {"step": 1})[0] == cluster("commit", {"step": 1})[0] == "NotConfiguredError"
+    settings = {"local_max_to_keep": 3, "backup_url": None, "backup_max_to_keep": 2}
+    for serve in both:
+        assert serve("claim", {"generation": 5, "head": {"host": "t", "pid": 1}})[0]["generation"] == 5
+        assert serve("configure", {"settings": settings, "gen": 5})[0]["settings"] == settings
+        assert serve("configure", {"settings": settings, "gen": 4})[0] == "FencedError"
+    for op, args in (("lease", {}), ("inventory", {"devices": [0, 1]}), ("abort", {"step": 3, "gen": 5})):
+        a, b = colocated(op, args), cluster(op, args)
+        assert a == b, (op, a, b)
+    assert colocated("ping", {})[0]["host"] == cluster("ping", {})[0]["host"] == "h0"
+    # No backup root: the same ConfigError from both, typed.
+    assert colocated("backup_listing", {"root": None})[0] == cluster("backup_listing", {"root": None})[0] == "ConfigError"
+    # A step nobody wrote: the same StepNotFoundError from both.
+    assert colocated("manifest", {"step": 9})[0] == cluster("manifest", {"step": 9})[0] == "StepNotFoundError"
