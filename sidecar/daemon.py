@@ -68,6 +68,7 @@ from mtc.shared import auth, protocol, wire_errors
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.daemon_ops import ServeOps
+from mtc.sidecar.metrics import serve_metrics
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.ram.landing import LandingSink
 from mtc.sidecar.reads import BlobStream
@@ -308,8 +309,11 @@ def serve(args: argparse.Namespace) -> int:
     root = Path(args.root) / "mtc"  # the ramdisk may be shared with other tools
     service = SidecarService(root, host_id=args.host_id, awaits_head=True)  # settings: the head's configure
     daemon = SidecarDaemon(service, token, listen=(host, port), max_payload=args.max_payload)
+    metrics = None
     try:
         service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise)
+        if args.metrics_port:
+            metrics = serve_metrics(args.metrics_port, service)
         address = daemon.start()
         steps = service.steps()
         log.info("host %s: serving %s (pid %d); committed steps found: %s", args.host_id, root, os.getpid(), steps)
@@ -320,6 +324,8 @@ def serve(args: argparse.Namespace) -> int:
             pass
         log.info("host %s: signal received, shutting down", args.host_id)
     finally:
+        if metrics is not None:
+            metrics.close()
         daemon.close()
     return 0
 
@@ -336,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-file", help="log here instead of stderr")
     s.add_argument("--max-payload", type=int, default=protocol.MAX_PAYLOAD_BYTES,
                    help="largest payload of one request, in bytes")
+    s.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics at :PORT/metrics on every interface (default 0: off)")
     s.add_argument("--parent-pid", type=int, help="exit (SIGKILL) when this process, our parent, dies")
     s.add_argument("--peer-listen", default="127.0.0.1:0",
                    help="peer service address host:port (port 0: any free port); the peer token comes from "

@@ -310,3 +310,28 @@ def test_sidecar_metrics_on_a_taken_port_say_which_and_the_fix(ramdisk):
                 serve_metrics(port, svc, addr="127.0.0.1")
     finally:
         svc.close()
+
+
+def test_a_sidecar_daemon_started_with_metrics_port_serves_them(ramdisk, tmp_path):
+    """``python -m mtc.sidecar serve --metrics-port P``: the daemon process itself serves /metrics."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    ready = tmp_path / "ready.json"
+    env = {**os.environ, "MTC_PEER_TOKEN": "metrics-daemon-test-token-0123"}
+    proc = subprocess.Popen([sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(ramdisk / "d0"),
+                             "--host-id", "s0-h0", "--ready-file", str(ready), "--metrics-port", str(port),
+                             "--log-file", str(tmp_path / "d0.log")], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "d0.log").read_text()
+            time.sleep(0.05)
+        scr = scrape_at(port)
+        assert val(scr, "mtc_sidecar_committed_steps", host="s0-h0") == 0
+        assert any(name.startswith("mtc_sidecar_ramdisk") for name, _ in scr)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
