@@ -2,9 +2,9 @@
 
 ``backup_due`` says whether a committed step is due for a backup under the config's interval;
 ``assign_uploads`` gives each unique blob of a step to one of the hosts that hold it, largest
-first to the least loaded, so that uploads spread over every host. Both are plain functions of
-plain values, unit-tested without processes; the manager calls them and the dispatcher runs
-the uploads.
+first to the least loaded, so that uploads spread over every host; ``assign_scrub`` spreads the
+blobs a backup scrub re-hashes the same way. They are plain functions of plain values, unit-tested
+without processes; the manager calls them and the dispatcher runs the uploads.
 """
 
 from __future__ import annotations
@@ -44,6 +44,18 @@ def assign_uploads(manifest: fmt.StepManifest, hosts: Sequence[str],
     for blob in sorted(sizes, key=lambda b: (-sizes[b], b)):
         cands = sorted(holders[blob] & set(load)) or sorted(load)
         host = min(cands, key=lambda h: (load[h], h))
+        load[host] += sizes[blob]
+        out[host].append(blob)
+    return out
+
+
+def assign_scrub(sizes: dict[str, int], hosts: Sequence[str]) -> dict[str, list[str]]:
+    """host -> the backup blobs it checks: each blob once, largest first to the least loaded host,
+    so that every host reads about as many bytes (and the cap holds per host)."""
+    load = {h: 0 for h in hosts}
+    out: dict[str, list[str]] = {h: [] for h in load}
+    for blob in sorted(sizes, key=lambda b: (-sizes[b], b)):
+        host = min(load, key=lambda h: (load[h], h))
         load[host] += sizes[blob]
         out[host].append(blob)
     return out

@@ -4,7 +4,8 @@
 so, unless the previous one still runs (then it is skipped, and counted in the next report).
 A backup's uploads are assigned by ``assign_uploads`` and run by the sidecars; the manifest
 goes last, through one host. A failed backup never fails training: its report carries the
-error and the next due backup retries.
+error and the next due backup retries. The backup scrub (``ScrubLoop``, ``scrub``) starts with the
+first committed step and stops with the runner.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from mtc.head.backup_plan import assign_uploads, backup_due
+from mtc.head.backup_scrub import ScrubLoop
 from mtc.head.dispatch import Dispatcher
 from mtc.head.reports import BackupReport
 from mtc.head.save import CommittedStep
@@ -34,10 +36,12 @@ class BackupRunner:
         self._last: tuple[int, float] | None = None  # (step, monotonic time) of the last started
         self.last_report: BackupReport | None = None
         self.listeners: list[Callable[[BackupReport], None]] = []  # each backup's report, once it ended (metrics)
+        self.scrub = ScrubLoop(dispatch, config)
 
     def maybe_start(self, committed: CommittedStep) -> None:
         """Start the backup of a committed step in the background if it is due."""
         step = committed.step
+        self.scrub.start()
         if not backup_due(self._config, step, self._last, time.monotonic()):
             return
         running = self._pending
@@ -89,4 +93,5 @@ class BackupRunner:
         return self.last_report
 
     def close(self) -> None:
+        self.scrub.close()
         self._executor.shutdown(wait=True)

@@ -39,7 +39,7 @@ from mtc.head.save import plan_commit
 from mtc.head.staging import HostStaging
 from mtc.head.topology import Topology
 from mtc.shared import format as fmt
-from mtc.shared import auth, protocol, version
+from mtc.shared import auth, protocol, tls, version
 from mtc.shared.config import ENV_TOKEN, MTCConfig
 from mtc.shared.host_settings import HostSettings
 from mtc.shared.errors import (
@@ -106,6 +106,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
                               "environment to the secret the sidecars were started with; the sidecars refuse "
                               "every control request without it")
         self.control_key = auth.control_key(token)
+        self.tls = tls.client_context_for(config.tls_dir)  # None: clear text
         self._addresses = {h.id: h.address for h in self.topology.hosts}
         self._spec_stamp = self._stamp()
         self._spec_lock = threading.Lock()
@@ -396,6 +397,15 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
             h, "backup_fetch", {"name": name, "blobs": list(needs.get(h, []))}), pool=self._backup_pool)
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
+        return results
+
+    def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
+        root = self._host_settings["backup_url"]
+        results, failures = self.fan_out(lambda h: self._run_job(
+            h, "backup_scrub", {**work[h], "root": root, "bytes_per_s": bytes_per_s}), sorted(work),
+            pool=self._backup_pool)
+        if failures:
+            self._raise_failures("backup scrub", failures)
         return results
 
     # --- peer tier (the sidecars move the bytes; the head plans and hands out addresses) ----

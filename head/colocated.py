@@ -415,6 +415,10 @@ class ColocatedDispatcher(Dispatcher):
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         return self._run_job("backup_fetch", per_host={h: {"blobs": b} for h, b in needs.items()}, name=name)
 
+    def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
+        return self._run_job("backup_scrub", per_host=work, root=self._host_settings["backup_url"],
+                             bytes_per_s=bytes_per_s)
+
     def close(self) -> None:
         try:
             self._control("close")

@@ -308,6 +308,13 @@ class Dispatcher(abc.ABC):
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
 
+    @abc.abstractmethod
+    def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
+        """Each host of ``work`` scrubs the backup root: host -> {"blobs": to hash in the store,
+        "repair": to re-upload from its ramdisk where it holds good copies, "damaged": {backup: why}
+        to mark}, each optional; at most ``bytes_per_s`` (None: the configured cap). Host -> what it
+        found ({"checked", "bytes", "bad", "missing", "repaired", "marked", ...})."""
+
     # --- peer tier (the sidecars pull from each other; the head plans) --------------------
 
     @abc.abstractmethod

@@ -19,6 +19,8 @@ that port (one HTTP server per process, started by the first manager that asks; 
   ``mtc_replication_bytes_total``;
 - ``mtc_backups_running``, ``mtc_backups_total{outcome}``, ``mtc_backups_skipped_total``,
   ``mtc_backup_uploaded_bytes_total``;
+- ``mtc_backup_scrub_blobs_total{outcome}`` (``checked``, ``bad``, ``repaired``) and
+  ``mtc_backup_scrub_damaged_total`` (backups the scrub marked damaged: restore skips them);
 - ``mtc_saves_total``, ``mtc_save_bytes_total{kind}`` (``state``, ``written``), ``mtc_restores_total{source}``;
 - ``mtc_errors_total{op, type}`` and ``mtc_fencing_events_total`` (a newer head took the hosts).
 
@@ -85,6 +87,11 @@ class _Instruments:
         self.backups_skipped = Counter("mtc_backups_skipped", "Due backups skipped (the previous still ran)",
                                        registry=r)
         self.backup_bytes = Counter("mtc_backup_uploaded_bytes", "Bytes uploaded to the backup tier", registry=r)
+        self.scrub_blobs = Counter("mtc_backup_scrub_blobs", "Backup blobs the scrub found, by outcome (bad: corrupt "
+                                   "or missing in the store; repaired: of those, re-uploaded from a host)",
+                                   ["outcome"], registry=r)
+        self.scrub_damaged = Counter("mtc_backup_scrub_damaged", "Backups the scrub marked damaged (restore skips "
+                                     "them)", registry=r)
         self.errors = Counter("mtc_errors", "Errors raised to the caller or recorded, by operation and type",
                               ["op", "type"], registry=r)
         self.fenced = Counter("mtc_fencing_events", "Times a newer head took this head's hosts", registry=r)
@@ -95,7 +102,8 @@ class _Instruments:
         for tier in TIERS:
             self.restore_bytes.labels(tier)
         for counter, values in ((self.save_bytes, ("state", "written")), (self.restores, ("cluster", "backup")),
-                                (self.replications, ("replicated", "incomplete")), (self.backups, ("ok", "error"))):
+                                (self.replications, ("replicated", "incomplete")), (self.backups, ("ok", "error")),
+                                (self.scrub_blobs, ("checked", "bad", "repaired"))):
             for v in values:
                 counter.labels(v)
         self.trackers: "weakref.WeakSet[Tracker]" = weakref.WeakSet()
@@ -146,6 +154,7 @@ def attach(config: Any, replicator: Any, backups: Any) -> "Tracker | Off":
     tracker = Tracker(instruments(), config, backups)
     replicator.listeners.append(tracker.replicated)
     backups.listeners.append(tracker.backed_up)
+    backups.scrub.listeners.append(tracker.scrubbed)
     return tracker
 
 
@@ -264,6 +273,15 @@ class Tracker(Off):
         m.backup_bytes.inc(report.uploaded_bytes)
         with self._lock:
             self._reached("backup", report.step)
+
+    def scrubbed(self, report: Any) -> None:
+        m = self._m
+        if report.error:
+            m.errors.labels("backup_scrub", report.error.split(":", 1)[0]).inc()
+        m.scrub_blobs.labels("checked").inc(sum(b.checked for b in report.backups))
+        m.scrub_blobs.labels("bad").inc(report.bad_blobs)
+        m.scrub_blobs.labels("repaired").inc(report.repaired_blobs)
+        m.scrub_damaged.inc(sum(1 for b in report.backups if b.damaged))
 
     def _reached(self, tier: str, step: int) -> None:
         # A replication can end before its save's report is recorded: the capture time is looked up

@@ -7,6 +7,7 @@ Under the backup root ``<base_output_directory>/<run_name>/mtc/``::
     backups/<UTC time>-step-<step>.json   one backup: its step manifest, written last, create-only
     restore.version                   optional: the name of the one backup restore must use
     finalizing/<gen>.<name>.<host>.*  a finalize in progress (sidecar/backup/fence.py); none when idle
+    damaged/<name>.json               a backup the scrub found bad and could not repair: never restored
 
 Backups are ordered by step, newest first, and only among backups of one step by the time in
 their names: the time is for people, and a host whose clock ran ahead (or behind) changes no
@@ -23,6 +24,7 @@ from mtc.shared.errors import ConfigError
 BLOBS = "blobs/"
 BACKUPS = "backups/"
 FINALIZING = "finalizing/"
+DAMAGED = "damaged/"
 RESTORE_VERSION = "restore.version"
 _NAME_RE = re.compile(r"(\d{8}T\d{6}Z)-step-(\d{12})")
 
@@ -50,6 +52,11 @@ def parse_backup_name(name: str) -> int:
 def manifest_object(name: str) -> str:
     parse_backup_name(name)
     return f"{BACKUPS}{name}.json"
+
+
+def damaged_object(name: str) -> str:
+    parse_backup_name(name)
+    return f"{DAMAGED}{name}.json"
 
 
 def blob_object(blob: str) -> str:

@@ -49,7 +49,7 @@ _NONE = frozenset({"none", ""})
 
 # Fields that name a path or URL: os.PathLike is accepted and stored as str, so that the
 # config stays a plain value (picklable, JSON-able, identical on head and sidecars).
-_PATH_FIELDS = frozenset({"local_checkpoint_directory", "base_output_directory", "cluster_spec"})
+_PATH_FIELDS = frozenset({"local_checkpoint_directory", "base_output_directory", "cluster_spec", "tls_dir"})
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,19 @@ class MTCConfig:
 
     - ``local_max_to_keep``: committed steps kept on each ramdisk (>= 1).
     - ``backup_max_to_keep``: backups kept in object storage (>= 1).
+    - ``backup_scrub_interval_s``: every this many seconds, the hosts re-hash the blobs of the
+      newest ``backup_scrub_backups`` backups in the background, repair a bad blob from a good
+      ramdisk copy, and mark a backup they cannot repair damaged, so restore never takes it
+      (default 3600; 0: no background scrub; ``mtc verify --backup`` runs one on demand).
+    - ``backup_scrub_bytes_per_s``: the scrub's read bandwidth cap, per host (default 50 MiB/s).
+    - ``backup_scrub_backups``: how many of the newest backups a scrub checks (default 2).
     - ``replication_factor``: copies of every blob across slices/hosts (>= 1; 1 = no peers).
     - ``peer_port``: TCP port of the peer service (0: pick a free port). In colocated mode the
       sidecar runs a peer service only when this is set (a single host has no peers).
     - ``peer_token``: shared secret peers must present; never shown in ``repr``.
     - ``cluster_spec``: path to a cluster spec JSON (cluster mode); empty: colocated mode.
+    - ``tls_dir``: a folder with the job's ``ca.crt``, ``tls.crt`` and ``tls.key``: the control
+      and peer connections run over mutual TLS (``MTC_TLS_DIR``; empty: clear text).
     - ``max_save_wait_s``: how long ``save`` waits for the previous save to finish before
       failing (``None``: wait as long as it takes).
     - ``prefetch_on_start``: creating the manager starts pulling, in the background, what the
@@ -109,10 +117,14 @@ class MTCConfig:
     run_name: str = ""
     local_max_to_keep: int = 2
     backup_max_to_keep: int = 5
+    backup_scrub_interval_s: int = 3600
+    backup_scrub_bytes_per_s: int = 50 * 2**20
+    backup_scrub_backups: int = 2
     replication_factor: int = 2
     peer_port: int = 0
     peer_token: str = field(default="", repr=False)
     cluster_spec: str = ""
+    tls_dir: str = ""
     max_save_wait_s: float | None = None
     prefetch_on_start: bool = True
     metrics_port: int = 0
@@ -196,6 +208,12 @@ class MTCConfig:
                      "must hold at least the latest step)")
         if self.backup_max_to_keep < 1:
             p.append(f"backup_max_to_keep={self.backup_max_to_keep} must be >= 1")
+        if self.backup_scrub_interval_s < 0:
+            p.append(f"backup_scrub_interval_s={self.backup_scrub_interval_s} is negative; give seconds, or 0 "
+                     "for no background scrub")
+        if self.backup_scrub_bytes_per_s < 1 or self.backup_scrub_backups < 1:
+            p.append(f"backup_scrub_bytes_per_s={self.backup_scrub_bytes_per_s} and backup_scrub_backups="
+                     f"{self.backup_scrub_backups} must be >= 1 (turn the scrub off with backup_scrub_interval_s=0)")
         if self.replication_factor < 1:
             p.append(f"replication_factor={self.replication_factor} must be >= 1 "
                      "(1: no peer copies)")
@@ -377,8 +395,9 @@ def _kind_of(annotation: str) -> _Kind:
 
 _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields(MTCConfig)}
 # mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
-_MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "replication_factor", "peer_port", "peer_token",
-            "cluster_spec", "max_save_wait_s", "prefetch_on_start", "metrics_port",
+_MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "backup_scrub_interval_s", "backup_scrub_bytes_per_s",
+            "backup_scrub_backups", "replication_factor", "peer_port", "peer_token",
+            "cluster_spec", "tls_dir", "max_save_wait_s", "prefetch_on_start", "metrics_port",
             "twin_check", "twin_check_hash")
 
 

@@ -1,9 +1,9 @@
 """The head's settings a sidecar follows, sent with ``configure`` (one path in both modes).
 
 A head claims its hosts, then configures them: how many committed steps each keeps in RAM, the
-backup root and how many backups to keep. A sidecar holds no other copy of these (none from its
-command line or from each request), so every host follows the head that drives it now; a sidecar
-that restarts has none until the head configures it again (``NotConfiguredError`` until then).
+backup root, how many backups to keep and the backup scrub's bandwidth cap. A sidecar holds no
+other copy of these (none from its command line or from each request), so every host follows the
+head that drives it now; a sidecar that restarts has none until the head configures it again (``NotConfiguredError`` until then).
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ class HostSettings:
     local_max_to_keep: int = 2  # committed steps each host keeps in its ramdisk
     backup_url: str | None = None  # the backup root (None: no backup tier)
     backup_max_to_keep: int = 2  # backups kept in the backup root
+    backup_scrub_bytes_per_s: int = 50 * 2**20  # the scrub's bandwidth cap on this host (backup/scrub.py)
 
     @classmethod
     def from_config(cls, config: Any) -> "HostSettings":
         return cls(local_max_to_keep=int(config.local_max_to_keep),
                    backup_url=config.backup_root if config.base_output_directory else None,
-                   backup_max_to_keep=int(config.backup_max_to_keep))
+                   backup_max_to_keep=int(config.backup_max_to_keep),
+                   backup_scrub_bytes_per_s=int(config.backup_scrub_bytes_per_s))
 
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)
@@ -38,7 +40,7 @@ class HostSettings:
         if unknown:
             raise ProtocolError(f"configure: unknown settings {sorted(unknown)}; run the same mtc version on "
                                 "the head and every sidecar")
-        for key in ("local_max_to_keep", "backup_max_to_keep"):
+        for key in ("local_max_to_keep", "backup_max_to_keep", "backup_scrub_bytes_per_s"):
             v = doc.get(key, 1)
             if type(v) is not int or v < 1:
                 raise ProtocolError(f"configure: {key} must be an integer >= 1, got {v!r:.50}")

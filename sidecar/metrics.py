@@ -13,6 +13,8 @@ at each scrape), labelled with the service's host id:
 - ``mtc_sidecar_jobs_running``: its long operations running now (backup uploads and fetches, peer pulls);
 - ``mtc_sidecar_lease_generation``: the generation of the head that holds this host (it rises when a new
   head takes the hosts: ``changes()`` over it counts fencings);
+- ``mtc_sidecar_backup_scrub_blobs_total{outcome}``: backup blobs its scrubs hashed (``checked``), found
+  corrupt or missing in the store (``bad``) and re-uploaded from its ramdisk (``repaired``);
 - ``mtc_sidecar_errors_total{logger}``: error records its ``mtc`` loggers wrote since the server started.
 """
 
@@ -125,6 +127,13 @@ class _SidecarCollector:
         refused = CounterMetricFamily("mtc_sidecar_peer_refused", "Peer connections refused", labels=["host"])
         refused.add_metric(host, stats.get("refused", 0))
         yield refused
+        scrub = CounterMetricFamily("mtc_sidecar_backup_scrub_blobs", "Backup blobs this host's scrubs hashed "
+                                    "(checked), found corrupt or missing (bad), re-uploaded good (repaired)",
+                                    labels=["host", "outcome"])
+        tiers = list(getattr(svc, "_backups", {}).values())
+        for outcome in ("checked", "bad", "repaired"):
+            scrub.add_metric([*host, outcome], sum(t.scrub_stats[outcome] for t in tiers))
+        yield scrub
         errs = CounterMetricFamily("mtc_sidecar_errors", "Error records of mtc's loggers on this host",
                                    labels=["host", "logger"])
         with self._errors._count_lock:

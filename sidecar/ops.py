@@ -169,6 +169,17 @@ def _backup_fetch(args: dict, payloads: Sequence[bytes]) -> Args:
     return (_name(args, "backup_fetch"), _names(args.get("blobs"), "backup_fetch")), {}
 
 
+def _backup_scrub(args: dict, payloads: Sequence[bytes]) -> Args:
+    rate, damaged = args.get("bytes_per_s"), args.get("damaged", {})
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+        raise ProtocolError(f"backup_scrub: 'bytes_per_s' must be a number > 0 (the bandwidth cap) or null, "
+                            f"got {rate!r:.50}")
+    if not isinstance(damaged, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in damaged.items()):
+        raise ProtocolError("backup_scrub: 'damaged' must be an object of backup name -> why")
+    return (_root(args, "backup_scrub"), _names(args.get("blobs", []), "backup_scrub"),
+            _names(args.get("repair", []), "backup_scrub (repair)"), damaged, rate), {}
+
+
 def _peer_pull(args: dict, payloads: Sequence[bytes]) -> Args:
     step = step_arg(args)
     (manifest,) = _payloads(payloads, "peer_pull (the step manifest, to adopt the step)") or [None]
@@ -239,6 +250,9 @@ OPS: dict[str, Op] = {
     "backup_manifest": Op("backup_manifest", _backup_manifest, answer=_bytes_answer),
     "backup_fetch": Op("backup_fetch", _backup_fetch, mutating=True, long=True),
     "peer_pull": Op("peer_pull", _peer_pull, mutating=True, long=True),
+    # Not fenced: it writes only bytes that hash to the object's name, and marks only backups it found
+    # bad, so `mtc verify --backup` may run it beside the head that drives the hosts.
+    "backup_scrub": Op("backup_scrub", _backup_scrub, long=True),
     "close": Op("close", _none, answer=lambda _: (True, []), modes=("colocated",),
                 why="a daemon's service lives as long as its process: SIGTERM stops it"),
 }

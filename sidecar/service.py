@@ -24,6 +24,7 @@ from mtc.shared import format as fmt
 from mtc.shared import ramdisk, version
 from mtc.shared.errors import ConfigError, ManifestError, NotConfiguredError, StepNotFoundError
 from mtc.shared.host_settings import HostSettings
+from mtc.shared.tls import TLSFiles
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.ops import MUTATING_OPS
@@ -240,16 +241,27 @@ class SidecarService(ServiceSave, ServiceSteps):
         self.index.manifests[manifest.step] = manifest
         return out
 
+    def backup_scrub(self, root: str | None, blobs: list[str], repair: list[str], damaged: dict[str, str],
+                     bytes_per_s: float | None = None) -> dict:
+        """Hash ``blobs`` of the backup root ``root`` (None: the head's) at ``bytes_per_s`` (None: the
+        head's cap), re-upload ``repair`` from this ramdisk where it holds good copies, mark ``damaged``
+        backups (name -> why) so restore skips them (``mtc.sidecar.backup.scrub``)."""
+        tier = self._backup_tier(root, configured=root is None)
+        rate = self._settings("the backup scrub").backup_scrub_bytes_per_s if bytes_per_s is None else bytes_per_s
+        return tier.scrub(list(blobs), float(rate), list(repair), dict(damaged))
+
     # --- peer tier -----------------------------------------------------------------------
 
-    def start_peer_service(self, listen: tuple[str, int], token: str, *, advertise: str | None = None) -> str:
+    def start_peer_service(self, listen: tuple[str, int], token: str, *, advertise: str | None = None,
+                           tls: TLSFiles | None = None) -> str:
         """Serve this host's blobs to its peers on ``listen``; returns the advertised address.
 
-        ``token`` is the job's shared peer secret; pulls from peers present it too.
+        ``token`` is the job's shared peer secret; pulls from peers present it too. With ``tls``
+        (``mtc.shared.tls``) the peer service and this host's pulls run over mutual TLS.
         """
         if self._peer is not None:
             return self._peer.address
-        server = PeerServer(self.store, token, host_id=self.host_id, listen=listen, advertise=advertise)
+        server = PeerServer(self.store, token, host_id=self.host_id, listen=listen, advertise=advertise, tls=tls)
         server.start()
         self._peer, self._peer_token = server, token
         return server.address

@@ -20,6 +20,7 @@ from mtc.shared import format as fmt
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, open_store
 from mtc.sidecar.backup.fence import FinalizeFence, sweep_dead
+from mtc.sidecar.backup.scrub import Scrubber, read_damaged
 from mtc.sidecar.faults import crash_point
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.ram import RamStore
@@ -38,6 +39,7 @@ class BackupTier:
         self._store = store or open_store(url)
         self._threads = max(1, threads)
         self._swept = False  # this host's finalize markers from an earlier process removed (fence.py)
+        self.scrub_stats = {"checked": 0, "bytes": 0, "bad": 0, "repaired": 0}  # this host's scrubs (metrics)
 
     def _sweep(self) -> None:
         if not self._swept:
@@ -136,6 +138,9 @@ class BackupTier:
         # Manifests first: a backup stops existing before any of its blobs can go.
         for n in old:
             store.delete(layout.manifest_object(n))
+        for obj in store.list(layout.DAMAGED):  # the marks of backups that no longer exist
+            if obj[len(layout.DAMAGED):].removesuffix(".json") in old:
+                store.delete(obj)
         live: set[str] = set()
         for n in names[:max_to_keep]:
             live |= fmt.StepManifest.from_json(store.get_bytes(layout.manifest_object(n)),
@@ -152,7 +157,9 @@ class BackupTier:
         return layout.names_from_listing(self._store.list(layout.BACKUPS))
 
     def listing(self, deadline_s: float | None = None) -> dict:
-        """Backups (newest first, with their steps) and the content of ``restore.version``.
+        """Backups (newest first, with their steps) and the content of ``restore.version``; the
+        backups a scrub marked damaged are left out of ``backups`` (restore never chooses them) and
+        listed, with why, in ``damaged``.
 
         ``deadline_s`` bounds how long an unreachable store is retried (a head waits on this
         at start-up; the store's own deadline is for background uploads).
@@ -163,8 +170,28 @@ class BackupTier:
             rv = store.get_bytes(layout.RESTORE_VERSION).decode().strip()
         except ObjectNotFoundError:
             rv = None
-        return {"backups": [{"name": n, "step": layout.parse_backup_name(n)} for n in names],
-                "restore_version": rv}
+        damaged = read_damaged(store)
+        return {"backups": [{"name": n, "step": layout.parse_backup_name(n)} for n in names if n not in damaged],
+                "restore_version": rv,
+                "damaged": [{"name": n, "step": layout.parse_backup_name(n), "why": damaged[n]}
+                            for n in names if n in damaged]}
+
+    def scrub(self, blobs: list[str], bytes_per_s: float, repair: list[str], damaged: dict[str, str]) -> dict:
+        """Check ``blobs`` in the store, re-upload ``repair`` from the ramdisk where it holds them,
+        mark ``damaged`` backups (``scrub.py``)."""
+        scrubber = Scrubber(self._store, self._ram, self._host)
+        out: dict = {"host": self._host}
+        if blobs:
+            out.update(scrubber.check(blobs, bytes_per_s))
+            for key, n in (("checked", out["checked"]), ("bytes", out["bytes"]),
+                           ("bad", len(out["bad"]) + len(out["missing"]))):
+                self.scrub_stats[key] += n
+        if repair:
+            out["repaired"] = scrubber.repair(repair)
+            self.scrub_stats["repaired"] += len(out["repaired"])
+        if damaged:
+            out["marked"] = scrubber.mark(damaged)
+        return out
 
     def manifest(self, name: str) -> bytes:
         return self._store.get_bytes(layout.manifest_object(name))

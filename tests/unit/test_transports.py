@@ -43,6 +43,7 @@ BAD = {
     "backup_manifest": {"root": "/r", "name": None},
     "backup_fetch": {"name": "x", "blobs": [1]},
     "peer_pull": {"step": 1, "pulls": [["not-a-blob", 1, ["h"]]], "peers": {}},
+    "backup_scrub": {"root": "/r", "blobs": ["b1"], "bytes_per_s": 0},
 }
 BAD_DATA = {"write": {"step": "one", "part": 0, "shards": []}, "read": {"step": 1, "reads": "all"}}
 
@@ -51,7 +52,7 @@ def test_the_table_names_a_service_method_for_every_operation():
     for name, method in ops.SERVICE_METHODS.items():
         assert callable(getattr(SidecarService, method, None)), (name, method)
     assert set(BAD) == set(ops.OPS), "every operation of the table has a bad-argument case here"
-    assert ops.LONG_OPS == {"backup_upload", "backup_fetch", "peer_pull"}
+    assert ops.LONG_OPS == {"backup_upload", "backup_fetch", "peer_pull", "backup_scrub"}
     assert {"write", "commit", "abort", "configure", "peer_pull", "backup_finalize"} <= ops.MUTATING_OPS
     for name, op in ops.OPS.items():
         assert set(op.modes) == {"colocated", "cluster"} or op.why, f"{name} is in one mode without saying why"
@@ -116,7 +117,8 @@ def test_good_requests_answer_the_same_in_both_transports(both):
     colocated, cluster = both
     # Unconfigured sidecars refuse what needs the head's settings, with one type.
     assert colocated("commit", {"step": 1})[0] == cluster("commit", {"step": 1})[0] == "NotConfiguredError"
-    settings = {"local_max_to_keep": 3, "backup_url": None, "backup_max_to_keep": 2}
+    settings = {"local_max_to_keep": 3, "backup_url": None, "backup_max_to_keep": 2,
+                "backup_scrub_bytes_per_s": 2**20}
     for serve in both:
         assert serve("claim", {"generation": 5, "head": {"host": "t", "pid": 1}})[0]["generation"] == 5
         assert serve("configure", {"settings": settings, "gen": 5})[0]["settings"] == settings

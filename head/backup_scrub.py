@@ -1,0 +1,164 @@
+"""The backup scrub on the head: check the newest backups' blobs in the store, repair, mark.
+
+A backup is hashed when it is written and when it is restored; a blob that rots in the bucket in
+between would be found only on the day it is needed. ``scrub_backups`` has the hosts re-hash the
+blobs of the newest backups (each blob by one host, ``assign_scrub``), at a bandwidth cap per host,
+then:
+
+- a bad or missing blob is re-uploaded by a host whose ramdisk holds a good copy (its name is its
+  content's hash, so the good bytes overwrite the bad object), and checked again;
+- a backup with a blob no host could repair is marked damaged (``damaged/<backup>.json``): the
+  backup listing leaves it out, so restore never chooses it, and ``mtc status`` says why.
+
+``ScrubLoop`` runs it every ``backup_scrub_interval_s`` in the background; ``mtc verify --backup``
+runs it on demand. Both run on the sidecars (``backup_scrub``): the head only coordinates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+from mtc.head.backup_plan import assign_scrub
+from mtc.head.dispatch import Dispatcher
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import ConfigError, MTCError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupScrub:
+    """What the scrub found in one backup."""
+
+    name: str
+    step: int
+    checked: int  # blobs of the backup hashed in the store
+    bad: tuple[str, ...] = ()  # corrupt or missing in the store
+    repaired: tuple[str, ...] = ()  # of ``bad``, re-uploaded from a host's good copy
+    damaged: str = ""  # why it was marked damaged (a bad blob no host could repair)
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged
+
+
+@dataclasses.dataclass(frozen=True)
+class ScrubReport:
+    backups: tuple[BackupScrub, ...] = ()
+    already_damaged: tuple[dict, ...] = ()  # backups marked by an earlier scrub: {"name", "step", "why"}
+    bytes: int = 0  # read from the store by the check
+    seconds: float = 0.0
+    error: str | None = None  # why the scrub stopped (the next one tries again)
+
+    @property
+    def bad_blobs(self) -> int:
+        return sum(len(b.bad) for b in self.backups)
+
+    @property
+    def repaired_blobs(self) -> int:
+        return sum(len(b.repaired) for b in self.backups)
+
+
+def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | None = None,
+                  names: Sequence[str] | None = None) -> ScrubReport:
+    """Scrub the newest ``backups`` backups (or those ``names``); see the module docstring."""
+    t0 = time.monotonic()
+    listing = dispatch.backup_listing()
+    listed = {b["name"]: b for b in listing["backups"]}
+    damaged_before = {d["name"]: d for d in listing.get("damaged", [])}
+    if names:
+        unknown = [n for n in names if n not in listed and n not in damaged_before]
+        if unknown:
+            raise ConfigError(f"backup {unknown[0]} is not in the backup root (backups: {list(listed)[:5]}); "
+                              "name one that `mtc status` or `mtc restore-version show` lists")
+        targets = [listed[n] for n in names if n in listed]
+    else:
+        targets = listing["backups"][:backups]
+    manifests = {b["name"]: dispatch.backup_manifest(b["name"]) for b in targets}
+    sizes = {sh.blob: sh.nbytes for m in manifests.values() for rec in m.arrays for sh in rec.shards}
+    hosts = dispatch.hosts()
+    work = {h: {"blobs": bl} for h, bl in assign_scrub(sizes, hosts).items() if bl}
+    found = dispatch.backup_scrub(work, bytes_per_s) if work else {}
+    bad = {b for r in found.values() for b in [*r.get("bad", []), *r.get("missing", [])]}
+    repaired = _repair(dispatch, hosts, bad, bytes_per_s) if bad else set()
+    marks: dict[str, str] = {}
+    if bad - repaired:
+        still = {b["name"] for b in dispatch.backup_listing()["backups"]}  # a backup pruned meanwhile lost its blobs
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for name, m in manifests.items():
+            lost = sorted(m.blob_names() & (bad - repaired))
+            if lost and name in still:
+                marks[name] = (f"{len(lost)} blob(s) corrupt or missing in the store ({lost[0]}"
+                               f"{', ...' if len(lost) > 1 else ''}), found by the backup scrub at {when}; "
+                               "no host holds a good copy to repair it")
+        if marks:
+            dispatch.backup_scrub({hosts[0]: {"damaged": marks}}, bytes_per_s)
+    out = []
+    for b in targets:
+        blobs = manifests[b["name"]].blob_names()
+        out.append(BackupScrub(b["name"], b["step"], len(blobs), tuple(sorted(blobs & bad)),
+                               tuple(sorted(blobs & bad & repaired)), marks.get(b["name"], "")))
+    report = ScrubReport(tuple(out), tuple(damaged_before.values()), sum(r.get("bytes", 0) for r in found.values()),
+                         time.monotonic() - t0)
+    log.info("- backup scrub; %d backups, %d blobs, %d bytes in %.3fs; %d bad, %d repaired, %d marked damaged",
+             len(out), len(sizes), report.bytes, report.seconds, report.bad_blobs, report.repaired_blobs, len(marks))
+    return report
+
+
+def _repair(dispatch: Dispatcher, hosts: Sequence[str], bad: set[str], bytes_per_s: float | None) -> set[str]:
+    """Ask the hosts in turn to re-upload the bad blobs they hold good copies of; the blobs repaired."""
+    repaired: set[str] = set()
+    for h in hosts:
+        left = sorted(bad - repaired)
+        if not left:
+            break
+        try:
+            repaired |= set(dispatch.backup_scrub({h: {"repair": left}}, bytes_per_s)[h].get("repaired", []))
+        except MTCError as e:  # another host may hold them
+            log.warning("backup scrub: host %s could not repair blobs (%s)", h, e)
+    return repaired
+
+
+class ScrubLoop:
+    """Scrubs the backups every ``backup_scrub_interval_s`` on a thread of its own (``start``/``close``)."""
+
+    def __init__(self, dispatch: Dispatcher, config: MTCConfig):
+        self._dispatch, self._config = dispatch, config
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_report: ScrubReport | None = None
+        self.listeners: list[Callable[[ScrubReport], None]] = []  # each scrub's report (metrics)
+
+    def start(self) -> None:
+        """Start the loop when backups are on and the interval is not 0; safe to call twice."""
+        if self._thread is None and self._config.backup_enabled and self._config.backup_scrub_interval_s > 0:
+            self._thread = threading.Thread(target=self._loop, name="mtc-backup-scrub", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._config.backup_scrub_interval_s):
+            self.run_once()
+
+    def run_once(self) -> ScrubReport:
+        try:
+            report = scrub_backups(self._dispatch, backups=self._config.backup_scrub_backups,
+                                   bytes_per_s=self._config.backup_scrub_bytes_per_s)
+        except Exception as e:  # noqa: BLE001 - a scrub that fails never stops training; the next one retries
+            if self._stop.is_set():
+                return ScrubReport(error="closed")
+            report = ScrubReport(error=f"{type(e).__name__}: {e}")
+            log.warning("backup scrub failed (the next one, in %.0f s, tries again): %s",
+                        self._config.backup_scrub_interval_s, e)
+        self.last_report = report
+        for listener in self.listeners:
+            listener(report)
+        return report
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)  # a scrub in flight ends with the dispatcher's connections

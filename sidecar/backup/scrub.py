@@ -1,0 +1,133 @@
+"""One host's side of the backup scrub: re-hash backup blobs in the store, repair, mark.
+
+A backup is checked when it is written and when it is restored; the scrub checks it in between,
+so that a blob that rotted in the bucket is found while a good copy may still exist. The head
+picks the backups and gives each blob to one host (``mtc.head.backup_scrub``); a host:
+
+- ``check``: downloads each blob it was given into a temporary file of its ramdisk and hashes it
+  against its name, one blob at a time, pausing between blobs so that its reads average at most
+  ``bytes_per_s`` (training shares the network);
+- ``repair``: re-uploads the blobs it holds in its ramdisk, each hashed first, over the bad
+  object (the name is the content's hash, so the good bytes belong there), then checks the object
+  again;
+- ``mark``: writes ``damaged/<backup>.json`` for a backup no host could repair; the listing then
+  leaves it out, so restore never chooses it (``BackupTier.listing``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+from mtc.shared import backup_layout as layout
+from mtc.shared.hashing import new_hasher
+from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore
+from mtc.sidecar.ram import RamStore
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 8 * 2**20
+
+
+def hash_file(path: str) -> str:
+    """The blob name of a file's bytes, read in chunks."""
+    h = new_hasher()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Scrubber:
+    """Checks, repairs and marks backup blobs of one backup root, from one host."""
+
+    def __init__(self, store: ObjectStore, ram: RamStore, host_id: str):
+        self._store, self._ram, self._host = store, ram, host_id
+
+    def _object_ok(self, blob: str) -> tuple[bool, int]:
+        """(whether the store's object of ``blob`` hashes to its name, its size); ObjectNotFoundError
+        when it is missing."""
+        fd, tmp = self._ram.open_temp_blob()
+        os.close(fd)
+        try:
+            n = self._store.get_to_file(layout.blob_object(blob), str(tmp))
+            return hash_file(str(tmp)) == blob, n
+        finally:
+            self._ram.discard_temp_blob(tmp)
+
+    def check(self, blobs: list[str], bytes_per_s: float) -> dict:
+        """Hash each of ``blobs`` as the store holds it, at most ``bytes_per_s`` on average."""
+        t0 = time.monotonic()
+        done = 0
+        bad: list[str] = []
+        missing: list[str] = []
+        for blob in sorted(set(blobs)):
+            try:
+                ok, n = self._object_ok(blob)
+            except ObjectNotFoundError:
+                missing.append(blob)
+                log.error("backup scrub: blob %s is missing from %s (host %s)", blob, self._store.url, self._host)
+                continue
+            done += n
+            if not ok:
+                bad.append(blob)
+                log.error("backup scrub: blob %s in %s does not hash to its name: it is corrupt (host %s)",
+                          blob, self._store.url, self._host)
+            # The cap: the next download starts once the bytes so far average at most bytes_per_s.
+            time.sleep(max(0.0, done / bytes_per_s - (time.monotonic() - t0)))
+        seconds = time.monotonic() - t0
+        log.info("- backup scrub; host=%s; %d blobs, %d bytes in %.3fs (%.1f MB/s, cap %.1f MB/s); %d bad, %d missing",
+                 self._host, len(set(blobs)), done, seconds, done / max(seconds, 1e-9) / 1e6, bytes_per_s / 1e6,
+                 len(bad), len(missing))
+        return {"checked": len(set(blobs)), "bytes": done, "bad": bad, "missing": missing, "seconds": seconds}
+
+    def repair(self, blobs: list[str]) -> list[str]:
+        """Overwrite the objects of those ``blobs`` this host holds a good ramdisk copy of; the ones
+        repaired (the object checked again afterwards)."""
+        repaired = []
+        wanted = sorted(set(blobs))
+        with self._ram.pin(wanted):
+            for blob in wanted:
+                if not self._ram.has_blob(blob):
+                    continue
+                if not self._ram.verify_blob(blob):
+                    log.warning("backup scrub: host %s holds blob %s, but its copy is corrupt too", self._host, blob)
+                    continue
+                self._store.put_file(layout.blob_object(blob), str(self._ram.blob_path(blob)))
+                if self._object_ok(blob)[0]:
+                    repaired.append(blob)
+                    log.warning("backup scrub: blob %s repaired in %s from host %s's ramdisk", blob,
+                                self._store.url, self._host)
+                else:
+                    log.error("backup scrub: blob %s re-uploaded from host %s, but the store still returns other "
+                              "bytes", blob, self._host)
+        return repaired
+
+    def mark(self, damaged: dict[str, str]) -> list[str]:
+        """Mark each backup of ``damaged`` (name -> why) damaged: restore no longer chooses it."""
+        for name, why in sorted(damaged.items()):
+            doc = {"backup": name, "why": why, "host": self._host,
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            self._store.put_bytes(layout.damaged_object(name), json.dumps(doc).encode())
+            log.error("backup %s in %s marked damaged (restore will not use it): %s", name, self._store.url, why)
+        return sorted(damaged)
+
+
+def read_damaged(store: ObjectStore) -> dict[str, str]:
+    """Backup name -> why, for every backup marked damaged under ``store``."""
+    out = {}
+    for obj in store.list(layout.DAMAGED):
+        name = obj[len(layout.DAMAGED):].removesuffix(".json")
+        if not layout.is_backup_name(name):
+            continue
+        try:
+            doc = json.loads(store.get_bytes(obj))
+            why = str(doc.get("why", "")) if isinstance(doc, dict) else ""
+        except ObjectNotFoundError:
+            continue  # pruned meanwhile
+        except ValueError:
+            why = ""
+        out[name] = why or "marked damaged by a backup scrub"
+    return out
