@@ -91,3 +91,12 @@ class BackupLister:
             f"over {deadline_s:.0f} s), so whether a backup holds {what} is not known (the hosts alone do not). "
             "Retry when the store answers (`mtc status --base-output-directory ... --run-name ...` lists it)"
             + note, root=self._config.backup_root, cause=cause)
+
+
+def damaged_note(listing: dict) -> str:
+    """What a restore's error adds about the backups a scrub marked damaged (never chosen), or ""."""
+    damaged = listing.get("damaged") or []
+    if not damaged:
+        return ""
+    return ("; backups marked damaged by the backup scrub, never restored: "
+            + "; ".join(f"{d['name']} ({d['why']})" for d in damaged[:3]) + (" ..." if len(damaged) > 3 else ""))

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from mtc.head import manifest_gift
-from mtc.head.backup_listing import BackupLister
+from mtc.head.backup_listing import BackupLister, damaged_note
 from mtc.head.dispatch import Dispatcher, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, RestoreReport
@@ -129,8 +129,8 @@ class Restorer:
         if rv not in names:
             raise StepNotFoundError(
                 f"restore.version in {self._config.backup_root} names backup {rv!r}, which does not exist "
-                f"(backups: {names[:5]}); fix it with `mtc restore-version set NAME` or remove it with "
-                "`mtc restore-version clear`; nothing was restored")
+                f"(backups: {names[:5]}){damaged_note(listing)}; fix it with `mtc restore-version set NAME` or "
+                "remove it with `mtc restore-version clear`; nothing was restored")
         return rv, step
 
     def choose_step(self, step: int | None, listing: dict) -> tuple[int, str | None, str | None, Inventory]:
@@ -169,12 +169,12 @@ class Restorer:
                     f"no committed step in {self._config.ramdisk_root}"
                     + (f" nor in {self._config.backup_root}" if self._config.base_output_directory else "")
                     + "; nothing to restore (save a step first, or check local_checkpoint_directory)"
-                    + inv.note()) from lost
+                    + damaged_note(listing) + inv.note()) from lost
             step = steps[-1]
         elif step not in steps:
             raise StepNotFoundError(f"step {step} is not committed on every host, and not every blob of it has a "
                                     f"copy on some host or in a backup; committed steps: {steps}"
-                                    + inv.note()) from lost
+                                    + damaged_note(listing) + inv.note()) from lost
         return step, (None if step in cluster else in_backup[step]), in_backup.get(step), inv
 
     def _completed_by_backups(self, inv: Inventory, listing: dict, *, newer_than: int,

@@ -10,6 +10,8 @@ Subcommands:
 - ``mtc manifests check FILE``: a hand-edited JobSet against the schemas and mtc's rules
   (``mtc.head.tools.manifest_check``).
 - ``mtc images check HEAD SIDECAR [--engine podman]``: the two images' versions (tags, labels).
+- ``mtc verify --backup ...``: re-hash the backups' blobs in the store now, repair or mark damaged
+  ones (``cli_verify``).
 
 This module builds the parser; each command's implementation is in a module of its own:
 ``cli_size``, ``cli_plan``, ``cli_images``, ``cli_restore_version``, ``cli_manifests`` (``mtc status``
@@ -159,9 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=lambda a: __import__("mtc.head.tools.status", fromlist=["run"]).run(a))
 
-    from mtc.head.tools import export_cmd
+    from mtc.head.tools import cli_verify, export_cmd
 
     export_cmd.add_parser(sub)
+    cli_verify.add_parser(sub)
 
     rv = sub.add_parser(
         "restore-version", help="pin restore to one backup (restore.version)",

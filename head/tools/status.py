@@ -44,6 +44,7 @@ class Status:
     reason: str
     notes: list[str] = field(default_factory=list)
     backup_error: str | None = None  # why the backup root could not be listed (then its backups are not known)
+    damaged: list[dict] = field(default_factory=list)  # backups a scrub marked damaged: {"name", "step", "why"}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -139,13 +140,15 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     if backup_error:
         reason += (f"; the backup root {config.backup_root} could not be listed ({backup_error}): its backups are "
                    "not known, and a step only they hold is not counted")
+    for d in listing.get("damaged", []):
+        notes.append(f"backup {d['name']} (step {d['step']}) is damaged, restore never chooses it: {d['why']}")
     if unreachable:
         notes.append("hosts that did not answer (no step is confirmed on them): "
                      + "; ".join(f"{h} ({e})" for h, e in sorted(unreachable.items())))
     return Status(hosts=sorted(inv), unreachable=unreachable, steps=rows,
                   backup_root=config.backup_root if config.base_output_directory else None,
                   backups=listing["backups"], restore_version=rv, choice=choice, reason=reason, notes=notes,
-                  backup_error=backup_error)
+                  backup_error=backup_error, damaged=listing.get("damaged", []))
 
 
 def _pull_failures(inv: dict, step: int) -> str:

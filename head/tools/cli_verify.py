@@ -1,0 +1,91 @@
+"""``mtc verify --backup``: scrub the backups now (what the job's background scrub does).
+
+The hosts (a running local cluster, or the ramdisk folders of a stopped job, as for ``mtc status``)
+re-hash the blobs of the newest backups in the store, at a bandwidth cap, re-upload a bad blob from
+a host whose ramdisk holds a good copy, and mark a backup they cannot repair damaged, so that restore
+never chooses it. It prints, per backup, the blobs checked, the bad ones and the repaired ones.
+Exit 0 when every backup checked is whole (after repairs), 1 when one is damaged, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mtc.shared.config import MTCConfig
+from mtc.shared.errors import ConfigError, MTCError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    v = sub.add_parser(
+        "verify", help="re-hash the backups' blobs in the store now; repair or mark damaged ones",
+        description="Scrub the backups on demand: the hosts re-hash the blobs of the newest backups (--backups) "
+                    "in the backup root, at --bytes-per-s each, repair a bad blob from a host whose ramdisk holds a "
+                    "good copy, and mark a backup they cannot repair damaged (restore never chooses it; `mtc "
+                    "status` says why). Exit 1 when a backup is damaged.")
+    v.add_argument("--backup", action="store_true", required=True, help="verify the backup tier (required)")
+    v.add_argument("--cluster-spec", help="the cluster spec of a running local cluster (MTC_CLUSTER_SPEC)")
+    v.add_argument("--local-checkpoint-directory", nargs="+", metavar="DIR",
+                   help="ramdisk folder(s) of a stopped job, one per host")
+    v.add_argument("--base-output-directory", default="", help="the job's base_output_directory")
+    v.add_argument("--run-name", default="", help="the job's run_name")
+    v.add_argument("--backups", type=int, default=MTCConfig.backup_scrub_backups,
+                   help=f"how many of the newest backups to check (default {MTCConfig.backup_scrub_backups})")
+    v.add_argument("--name", action="append", default=[], metavar="BACKUP",
+                   help="check this backup (as `mtc restore-version show` lists it) instead; may be repeated")
+    v.add_argument("--bytes-per-s", type=float, default=float(MTCConfig.backup_scrub_bytes_per_s),
+                   help="read bandwidth cap per host, bytes/s (default 50 MiB/s)")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    v.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtc.head.backup_scrub import scrub_backups
+    from mtc.head.cluster import ClusterDispatcher
+    from mtc.head.tools.sources import folder_hosts, open_hosts
+
+    hosts = None
+    try:
+        if bool(args.cluster_spec) == bool(args.local_checkpoint_directory):
+            raise ConfigError("give the job's --cluster-spec (a running local cluster) or its "
+                              "--local-checkpoint-directory (ramdisk folders of a stopped job; several allowed)")
+        if not args.base_output_directory or not args.run_name:
+            raise ConfigError("give the job's --base-output-directory and --run-name: the backups are under "
+                              "<base_output_directory>/<run_name>/mtc")
+        if args.backups < 1 or not args.bytes_per_s > 0:
+            raise ConfigError(f"--backups ({args.backups}) must be >= 1 and --bytes-per-s ({args.bytes_per_s:g}) "
+                              "> 0, e.g. --backups 2 --bytes-per-s 52428800")
+        rows = folder_hosts(args.local_checkpoint_directory or [])
+        hosts = open_hosts(args.cluster_spec, rows)
+        config = MTCConfig(local_checkpoint_directory=str(rows[0][1] if rows else hosts.spec_path.parent),
+                           cluster_spec=str(hosts.spec_path), base_output_directory=args.base_output_directory,
+                           run_name=args.run_name, peer_token=hosts.token)
+        dispatch = ClusterDispatcher(config, devices=hosts.devices)
+        try:
+            report = scrub_backups(dispatch, backups=args.backups, bytes_per_s=args.bytes_per_s,
+                                   names=args.name or None)
+        finally:
+            dispatch.close()
+    except (ConfigError, MTCError, OSError, ValueError) as e:
+        print(f"mtc verify: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if hosts is not None:
+            hosts.close()
+    if args.json:
+        print(json.dumps({"backups": [{"name": b.name, "step": b.step, "checked": b.checked, "bad": list(b.bad),
+                                       "repaired": list(b.repaired), "damaged": b.damaged} for b in report.backups],
+                          "already_damaged": list(report.already_damaged), "bytes": report.bytes,
+                          "seconds": report.seconds}, indent=2))
+    else:
+        if not report.backups:
+            print("no backup to check in the backup root")
+        for b in report.backups:
+            state = f"DAMAGED: {b.damaged}" if b.damaged else "ok" if not b.bad else "ok (repaired)"
+            print(f"backup {b.name} (step {b.step}): {b.checked} blobs checked, {len(b.bad)} bad, "
+                  f"{len(b.repaired)} repaired: {state}")
+        for d in report.already_damaged:
+            print(f"backup {d['name']} (step {d['step']}): marked damaged earlier, not checked: {d['why']}")
+        print(f"read {report.bytes} bytes in {report.seconds:.1f} s")
+    return 1 if any(b.damaged for b in report.backups) else 0

@@ -1,0 +1,169 @@
+"""The backup scrub, on real sidecar daemons and a real GCS emulator (fake-gcs-server).
+
+A byte flipped in a backup blob in the bucket is found by the background scrub and by `mtc verify
+--backup`; while a host still holds the blob, the scrub re-uploads the good bytes (a restore after
+wiping every ramdisk is then exact); when none does, the backup is marked damaged: `mtc status` says
+why, and a restore takes the older good backup, or says that none is good.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from helpers import assert_trees_bitwise_equal, random_array
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.head.tools.cli import main
+from mtc.shared import backup_layout
+from mtc.shared.errors import StepNotFoundError
+from mtc.shared.hashing import blob_name
+from mtc.shared.objstore import open_store
+from mtc.sidecar.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def bucket(fake_gcs_server, monkeypatch) -> tuple[str, dict]:
+    """A fresh bucket on the emulator: (base_output_directory, the daemons' environment)."""
+    name = f"mtc-{uuid.uuid4().hex[:12]}"
+    fake_gcs_server.client().create_bucket(name)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs_server.url)
+    return f"gs://{name}", {"STORAGE_EMULATOR_HOST": fake_gcs_server.url}
+
+
+def state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))  # every host holds its own shards
+    return {"w": jax.device_put(random_array(rng, (256, 64), np.float32), sh)}
+
+
+def config(cluster: LocalCluster, base: str, **kw) -> MTCConfig:
+    return MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
+                     local_checkpoint_period=1, base_output_directory=base, run_name="run",
+                     multi_tier_checkpointing_backup_interval_steps=1, **kw)
+
+
+def flip(store, blob: str) -> None:
+    data = bytearray(store.get_bytes(backup_layout.blob_object(blob)))
+    data[len(data) // 2] ^= 0x10
+    store.delete(backup_layout.blob_object(blob))
+    store.put_bytes(backup_layout.blob_object(blob), bytes(data))
+
+
+def good(store, blob: str) -> bool:
+    return blob_name(store.get_bytes(backup_layout.blob_object(blob))) == blob
+
+
+def wipe_all(cluster: LocalCluster) -> None:
+    for h in cluster.hosts:
+        cluster.wipe(h)
+        cluster.restart(h)
+
+
+def verify(cluster: LocalCluster, base: str, capsys, *extra: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["verify", "--backup", "--cluster-spec", str(cluster.spec_path), "--base-output-directory", base,
+               "--run-name", "run", *extra])
+    return rc, capsys.readouterr().out
+
+
+def test_the_background_scrub_repairs_a_flipped_byte_from_the_hosts(ramdisk, bucket):
+    base, env = bucket
+    st = open_store(f"{base}/run/mtc")
+    one = state(1)
+    with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4, env=env) as cluster:
+        cfg = config(cluster, base, backup_scrub_interval_s=1)
+        with CheckpointManager(cfg) as m:
+            m.save(1, one)
+            m.wait_until_finished()
+            assert m.wait_for_backup().error is None
+            victim = max(o[len(backup_layout.BLOBS):] for o in st.list(backup_layout.BLOBS))
+            flip(st, victim)
+            assert not good(st, victim)
+            deadline = time.monotonic() + 60
+            while not good(st, victim):  # nothing but the scrub rewrites a blob the bucket has
+                assert time.monotonic() < deadline, "the background scrub did not repair the flipped blob"
+                time.sleep(0.2)
+            report = m._backups.scrub.last_report
+        assert not st.list(backup_layout.DAMAGED)
+        wipe_all(cluster)
+        with CheckpointManager(cfg.replace(prefetch_on_start=False, backup_scrub_interval_s=0)) as m:
+            out = m.restore(1)
+            rep = m.last_restore_report
+        assert_trees_bitwise_equal(one, out, check_sharding=True)
+        assert rep.source != "cluster" and rep.bytes_by_tier["ram"] == 0
+    assert report is not None and report.error is None
+
+
+def test_verify_backup_repairs_then_marks_a_backup_no_host_can_repair(ramdisk, bucket, capsys):
+    base, env = bucket
+    st = open_store(f"{base}/run/mtc")
+    one, two = state(1), state(2)
+    with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4, env=env) as cluster:
+        cfg = config(cluster, base, backup_scrub_interval_s=0)
+        with CheckpointManager(cfg) as m:
+            for step, s in ((1, one), (2, two)):
+                m.save(step, s)
+                m.wait_until_finished()
+                assert m.wait_for_backup().error is None
+            names = {b["step"]: b["name"] for b in m.backups()}
+            blobs = {s: m._dispatch.backup_manifest(n).blob_names() for s, n in names.items()}
+        victim = sorted(blobs[2] - blobs[1])[0]
+
+        # On demand, while the hosts still hold step 2: found and repaired.
+        flip(st, victim)
+        rc, out = verify(cluster, base, capsys)
+        assert rc == 0, out
+        assert f"backup {names[2]} (step 2): {len(blobs[2])} blobs checked, 1 bad, 1 repaired" in out, out
+        assert f"backup {names[1]} (step 1): {len(blobs[1])} blobs checked, 0 bad, 0 repaired" in out, out
+        assert good(st, victim)
+
+        # No host holds it any more: the backup is marked damaged, and says why.
+        flip(st, victim)
+        wipe_all(cluster)
+        rc, out = verify(cluster, base, capsys)
+        assert rc == 1, out
+        assert f"backup {names[2]} (step 2): {len(blobs[2])} blobs checked, 1 bad, 0 repaired: DAMAGED" in out, out
+        assert victim in out
+        assert st.exists(backup_layout.damaged_object(names[2]))
+        capsys.readouterr()
+        assert main(["status", "--cluster-spec", str(cluster.spec_path), "--base-output-directory", base,
+                     "--run-name", "run", "--json"]) == 0
+        status = capsys.readouterr().out
+        assert f"backup {names[2]} (step 2) is damaged, restore never chooses it" in status and victim in status
+
+        # A restore never takes it: the older good backup, bit for bit.
+        with CheckpointManager(cfg.replace(prefetch_on_start=False)) as m:
+            assert m.latest_step() == 1
+            assert_trees_bitwise_equal(one, m.restore(), check_sharding=True)
+            assert m.last_restore_report.source == names[1]
+
+        # None good: the restore says so, naming the damaged backups and why.
+        flip(st, sorted(blobs[1])[0])
+        wipe_all(cluster)
+        rc, out = verify(cluster, base, capsys)
+        assert rc == 1 and f"backup {names[1]} (step 1)" in out and "DAMAGED" in out, out
+        assert f"backup {names[2]} (step 2): marked damaged earlier" in out, out
+        with CheckpointManager(cfg.replace(prefetch_on_start=False)) as m:
+            with pytest.raises(StepNotFoundError) as e:
+                m.restore()
+        msg = str(e.value)
+        assert "marked damaged by the backup scrub" in msg and names[1] in msg and names[2] in msg, msg
+
+
+def test_verify_backup_refuses_bad_input_with_a_clear_message(ramdisk, capsys):
+    assert main(["verify", "--backup", "--base-output-directory", "x", "--run-name", "r"]) == 2
+    assert "give the job's --cluster-spec" in capsys.readouterr().err
+    with LocalCluster(ramdisk / "c", 1, 1, devices_per_host=2) as cluster:
+        rc = main(["verify", "--backup", "--cluster-spec", str(cluster.spec_path), "--run-name", "r"])
+        assert rc == 2 and "--base-output-directory and --run-name" in capsys.readouterr().err
+        rc = main(["verify", "--backup", "--cluster-spec", str(cluster.spec_path), "--base-output-directory",
+                   str(ramdisk / "b"), "--run-name", "r", "--name", "not-a-backup"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "not-a-backup" in err and "Traceback" not in err, err
