@@ -13,12 +13,13 @@ import contextlib
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
 from mtc.head.dispatch import raise_remote
-from mtc.shared import auth, protocol, version
+from mtc.shared import auth, protocol, tls, version
 from mtc.shared.errors import AuthenticationError, HostUnreachableError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Owner(Protocol):
     connect_timeout_s: float
     control_timeout_s: float
     control_key: bytes
+    tls: ssl.SSLContext | None  # a client context of mtc.shared.tls (None: clear text)
     peer_addresses: dict[str, str]
     settings: dict | None  # the head's settings for its hosts, once it claimed them
 
@@ -140,6 +142,13 @@ class HostConnection:
         except OSError as e:
             raise HostUnreachableError(f"host {self.id} at {address}: {transport_cause(e, self.owner.connect_timeout_s)}"
                                        ) from e
+        if self.owner.tls is not None:  # mutual TLS: the daemon must hold a certificate of the job's CA, and so must we
+            try:
+                sock = self.owner.tls.wrap_socket(sock)
+            except OSError as e:
+                sock.close()
+                raise HostUnreachableError(f"host {self.id} at {address}: "
+                                           f"{transport_cause(e, self.owner.connect_timeout_s)}") from e
         sock.settimeout(self.owner.control_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
@@ -326,6 +335,8 @@ def read_errors(result: Any) -> list[tuple[int, str, str]]:
 
 
 def transport_cause(e: BaseException, timeout: float) -> str:
+    if isinstance(e, ssl.SSLError):
+        return tls.describe(e)
     if isinstance(e, ConnectionRefusedError):
         return "connection refused (daemon not running?)"
     if isinstance(e, TimeoutError):

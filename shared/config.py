@@ -49,7 +49,7 @@ _NONE = frozenset({"none", ""})
 
 # Fields that name a path or URL: os.PathLike is accepted and stored as str, so that the
 # config stays a plain value (picklable, JSON-able, identical on head and sidecars).
-_PATH_FIELDS = frozenset({"local_checkpoint_directory", "base_output_directory", "cluster_spec"})
+_PATH_FIELDS = frozenset({"local_checkpoint_directory", "base_output_directory", "cluster_spec", "tls_dir"})
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class MTCConfig:
       sidecar runs a peer service only when this is set (a single host has no peers).
     - ``peer_token``: shared secret peers must present; never shown in ``repr``.
     - ``cluster_spec``: path to a cluster spec JSON (cluster mode); empty: colocated mode.
+    - ``tls_dir``: a folder with the job's ``ca.crt``, ``tls.crt`` and ``tls.key``: the control
+      and peer connections run over mutual TLS (``MTC_TLS_DIR``; empty: clear text).
     - ``max_save_wait_s``: how long ``save`` waits for the previous save to finish before
       failing (``None``: wait as long as it takes).
     - ``prefetch_on_start``: creating the manager starts pulling, in the background, what the
@@ -122,6 +124,7 @@ class MTCConfig:
     peer_port: int = 0
     peer_token: str = field(default="", repr=False)
     cluster_spec: str = ""
+    tls_dir: str = ""
     max_save_wait_s: float | None = None
     prefetch_on_start: bool = True
     metrics_port: int = 0
@@ -394,7 +397,7 @@ _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields
 # mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
 _MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "backup_scrub_interval_s", "backup_scrub_bytes_per_s",
             "backup_scrub_backups", "replication_factor", "peer_port", "peer_token",
-            "cluster_spec", "max_save_wait_s", "prefetch_on_start", "metrics_port",
+            "cluster_spec", "tls_dir", "max_save_wait_s", "prefetch_on_start", "metrics_port",
             "twin_check", "twin_check_hash")
 
 

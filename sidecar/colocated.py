@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from mtc.shared import format as fmt
-from mtc.shared import landing, shardings, wire_errors
+from mtc.shared import landing, shardings, tls, wire_errors
 from mtc.shared.buffers import aligned_empty
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
 from mtc.shared.errors import ConfigError, ProtocolError
@@ -141,7 +141,8 @@ class ColocatedSidecar:
                 port = int(c.get("peer_port") or 0)
                 if port:  # the peer tier: other hosts' sidecars pull from this one
                     try:
-                        service.start_peer_service(("0.0.0.0", port), resolve_token(c.get("peer_token")))
+                        service.start_peer_service(("0.0.0.0", port), resolve_token(c.get("peer_token")),
+                                                   tls=tls.resolve(c.get("tls_dir")))  # else MTC_TLS_DIR
                     except (OSError, ConfigError) as e:
                         service.close()
                         raise ConfigError(f"peer_port={port}: the peer service cannot start: {e}") from e

@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mtc.shared import auth, protocol, wire_errors
+from mtc.shared import auth, protocol, tls, wire_errors
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar.daemon_ops import ServeOps
@@ -85,15 +85,18 @@ class SidecarDaemon(ServeOps, ThreadedTCPServer):
     """Serve ``service`` on a TCP socket. ``start()`` binds and listens; ``close()`` stops.
 
     Usable as a context manager. ``close()`` lets requests in flight finish (up to 30 s),
-    then closes the connections and the service.
+    then closes the connections and the service. With ``tls_files`` (``mtc.shared.tls``) the
+    control port serves over mutual TLS only.
     """
 
     def __init__(self, service: SidecarService, token: str, *, listen: tuple[str, int] = ("127.0.0.1", 0),
-                 max_payload: int = protocol.MAX_PAYLOAD_BYTES, max_connections: int = 64):
+                 max_payload: int = protocol.MAX_PAYLOAD_BYTES, max_connections: int = 64,
+                 tls_files: tls.TLSFiles | None = None):
         if not token:
             raise ConfigError(f"the control port of host {service.host_id} needs the job token: set {ENV_TOKEN} "
                               "(the same secret the head and every sidecar of the job have)")
-        super().__init__(listen, host_id=service.host_id, kind="control", max_connections=max_connections)
+        super().__init__(listen, host_id=service.host_id, kind="control", max_connections=max_connections,
+                         tls=None if tls_files is None else tls.server_context(tls_files))
         self.service = service
         self._key = auth.control_key(token)
         self._max_payload = max_payload
@@ -299,6 +302,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         token = resolve_token(Path(args.peer_token_file).read_text() if args.peer_token_file else None)
+        tls_files = tls.resolve(args.tls_dir)
     except (OSError, ConfigError) as e:
         print(f"mtc sidecar: {e}", file=sys.stderr)
         return 2
@@ -308,10 +312,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     root = Path(args.root) / "mtc"  # the ramdisk may be shared with other tools
     service = SidecarService(root, host_id=args.host_id, awaits_head=True)  # settings: the head's configure
-    daemon = SidecarDaemon(service, token, listen=(host, port), max_payload=args.max_payload)
+    daemon = SidecarDaemon(service, token, listen=(host, port), max_payload=args.max_payload, tls_files=tls_files)
     metrics = None
     try:
-        service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise)
+        service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise,
+                                   tls=tls_files)
         if args.metrics_port:
             metrics = serve_metrics(args.metrics_port, service)
         address = daemon.start()
@@ -351,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peer-token-file", help="read the peer token from this file")
     s.add_argument("--peer-advertise", help="host name or IP the other sidecars use to reach the peer service "
                                             "(default: the --peer-listen host)")
+    s.add_argument("--tls-dir", help=f"serve the control and peer ports over mutual TLS with this folder's ca.crt, "
+                                     f"tls.crt and tls.key (default: {tls.ENV_TLS_DIR}; unset: clear text)")
     s.set_defaults(func=serve)
     return parser
 

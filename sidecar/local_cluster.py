@@ -32,6 +32,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -40,7 +41,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from mtc.shared import protocol
+from mtc.shared import protocol, tls
 from mtc.shared.errors import HostUnreachableError, ProtocolError
 from mtc.sidecar.peer import ENV_TOKEN
 
@@ -108,12 +109,17 @@ class LocalCluster:
     set (as a head pod gets it from a Secret), else one generated once per process and put
     there, so that a head in this process, or one it starts, finds it (``.peer_token``). The
     daemons get it in their environment, never on the command line, where ``ps`` shows it.
+
+    ``tls_dir`` (a folder ``mtc tls generate`` wrote; default ``MTC_TLS_DIR``, unset: clear text):
+    every daemon serves its control and peer ports over mutual TLS with it (``--tls-dir``); a
+    head must then use it too (config ``tls_dir``).
     """
 
     def __init__(self, root: str | os.PathLike, num_slices: int, hosts_per_slice: int, *,
                  devices_per_host: int = 2, env: Mapping[str, str] | None = None,
                  startup_timeout: float = 60.0,
-                 launch: Callable[[str], tuple[Sequence[str], str]] | None = None):
+                 launch: Callable[[str], tuple[Sequence[str], str]] | None = None,
+                 tls_dir: str | os.PathLike | None = None):
         for name, v in (("num_slices", num_slices), ("hosts_per_slice", hosts_per_slice),
                         ("devices_per_host", devices_per_host)):
             if type(v) is not int or v < 1:
@@ -133,6 +139,9 @@ class LocalCluster:
         self._addresses: dict[str, str] = {}
         self._peer_addresses: dict[str, str] = {}
         self.peer_token = _job_token()
+        files = tls.resolve(Path(tls_dir).resolve() if tls_dir else None)  # checked here, not in each daemon
+        self.tls_dir = None if files is None else str(Path(files.ca).parent)
+        self._tls = None if files is None else tls.client_context(files)  # what the readiness ping dials with
         self._lock = threading.RLock()
         self._spawner: _Spawner | None = None
         self._started = False
@@ -239,7 +248,7 @@ class LocalCluster:
         cmd = [*prefix, sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(self.ramdisk(host_id)),
                "--host-id", host_id, "--listen", f"{ip}:0", "--peer-listen", f"{ip}:0", "--ready-file", str(ready),
                "--log-file", str(self.log_path(host_id)),
-               "--parent-pid", str(os.getpid())]
+               "--parent-pid", str(os.getpid()), *(("--tls-dir", self.tls_dir) if self.tls_dir else ())]
 
         def popen() -> subprocess.Popen:
             # Output before logging is set up (an import error) lands in the log too.
@@ -262,7 +271,7 @@ class LocalCluster:
             doc = _read_json(ready)
             if doc is not None and doc.get("pid") == proc.pid:
                 address = doc["address"]
-                if _ping(address, host_id):
+                if _ping(address, host_id, self._tls):
                     self._addresses[host_id] = address
                     if doc.get("peer"):
                         self._peer_addresses[host_id] = doc["peer"]
@@ -367,10 +376,11 @@ def _read_json(path: Path) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _ping(address: str, host_id: str) -> bool:
-    """True when the daemon at ``address`` answers a ping as ``host_id``."""
+def _ping(address: str, host_id: str, context: ssl.SSLContext | None = None) -> bool:
+    """True when the daemon at ``address`` answers a ping as ``host_id`` (over TLS with ``context``)."""
     try:
-        with socket.create_connection(protocol.parse_address(address), timeout=5) as s:
+        with socket.create_connection(protocol.parse_address(address), timeout=5) as raw, \
+                (raw if context is None else context.wrap_socket(raw)) as s:
             protocol.send_request(s, protocol.Request("ping", 0))
             reply = protocol.recv_reply(s)
     except (OSError, ProtocolError):
@@ -395,8 +405,9 @@ def serve_cluster(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slices", type=int, required=True)
     p.add_argument("--hosts", type=int, required=True)
     p.add_argument("--devices-per-host", type=int, default=2)
+    p.add_argument("--tls-dir", help="serve over mutual TLS with this folder's ca.crt, tls.crt, tls.key")
     a = p.parse_args(argv)
-    with LocalCluster(a.root, a.slices, a.hosts, devices_per_host=a.devices_per_host) as cluster:
+    with LocalCluster(a.root, a.slices, a.hosts, devices_per_host=a.devices_per_host, tls_dir=a.tls_dir) as cluster:
         def answer(doc: dict) -> None:
             sys.stdout.write(json.dumps(doc) + "\n")
             sys.stdout.flush()

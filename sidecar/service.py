@@ -24,6 +24,7 @@ from mtc.shared import format as fmt
 from mtc.shared import ramdisk, version
 from mtc.shared.errors import ConfigError, ManifestError, NotConfiguredError, StepNotFoundError
 from mtc.shared.host_settings import HostSettings
+from mtc.shared.tls import TLSFiles
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.ops import MUTATING_OPS
@@ -251,14 +252,16 @@ class SidecarService(ServiceSave, ServiceSteps):
 
     # --- peer tier -----------------------------------------------------------------------
 
-    def start_peer_service(self, listen: tuple[str, int], token: str, *, advertise: str | None = None) -> str:
+    def start_peer_service(self, listen: tuple[str, int], token: str, *, advertise: str | None = None,
+                           tls: TLSFiles | None = None) -> str:
         """Serve this host's blobs to its peers on ``listen``; returns the advertised address.
 
-        ``token`` is the job's shared peer secret; pulls from peers present it too.
+        ``token`` is the job's shared peer secret; pulls from peers present it too. With ``tls``
+        (``mtc.shared.tls``) the peer service and this host's pulls run over mutual TLS.
         """
         if self._peer is not None:
             return self._peer.address
-        server = PeerServer(self.store, token, host_id=self.host_id, listen=listen, advertise=advertise)
+        server = PeerServer(self.store, token, host_id=self.host_id, listen=listen, advertise=advertise, tls=tls)
         server.start()
         self._peer, self._peer_token = server, token
         return server.address

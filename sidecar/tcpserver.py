@@ -14,6 +14,7 @@ import contextlib
 import errno
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Any, Callable
@@ -35,14 +36,20 @@ class ThreadedTCPServer:
     The accept loop outlives running out of descriptors (EMFILE, ENFILE): it waits and serves
     on once some are free.
 
+    With ``tls`` (a server context of ``mtc.shared.tls``), every connection first completes a TLS
+    handshake in which the client proves a certificate of the job's CA, on its own thread, under
+    the handshake timeout; one that does not is closed before anything it sent is read.
+
     A subclass implements ``_serve_conn``, calls ``_start_accepting`` from its ``start()`` and
     ``_stop`` from its ``close()``.
     """
 
     def __init__(self, listen: tuple[str, int], *, host_id: str, kind: str,
                  max_connections: int | None = None, idle_timeout_s: float | None = None,
-                 max_unauthenticated: int = 16, handshake_timeout_s: float = 10.0):
+                 max_unauthenticated: int = 16, handshake_timeout_s: float = 10.0,
+                 tls: ssl.SSLContext | None = None):
         self.host_id = host_id
+        self._tls = tls
         self._listen = listen
         self._kind = kind
         self._max_connections = max_connections
@@ -140,6 +147,12 @@ class ThreadedTCPServer:
                                 self.host_id, self._max_unauth, self._kind)
                     with contextlib.suppress(OSError):
                         oldest.shutdown(socket.SHUT_RDWR)
+                if self._tls is not None:  # no I/O here: the handshake runs on the connection's thread
+                    try:
+                        conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                    except OSError:
+                        conn.close()
+                        continue
                 self._unauth[conn] = None
                 self._conns.add(conn)
                 self._threads = [t for t in self._threads if t.is_alive()]
@@ -152,6 +165,8 @@ class ThreadedTCPServer:
         try:
             conn.settimeout(self._handshake_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies go out at once
+            if isinstance(conn, ssl.SSLSocket) and not self._tls_handshake(conn, peer):
+                return
             self._serve_conn(conn, peer)
         except OSError:
             pass  # the peer went away (or close() shut the socket down, or it was evicted)
@@ -161,3 +176,17 @@ class ThreadedTCPServer:
                 self._unauth.pop(conn, None)
                 self._authed.discard(conn)
             conn.close()
+
+    def _tls_handshake(self, conn: ssl.SSLSocket, peer: Any) -> bool:
+        """Complete the TLS handshake; False (close) when the client has no certificate of the job's CA."""
+        try:
+            conn.do_handshake()
+        except ssl.SSLError as e:
+            with self._cond:
+                self.refused_connections += 1
+            log.warning("host %s: refused a %s connection from %s: TLS handshake failed (%s); it has no "
+                        "certificate of this job's CA, or speaks clear text", self.host_id, self._kind, peer,
+                        e.reason or e)
+            return False
+        return True
+

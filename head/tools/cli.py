@@ -12,9 +12,10 @@ Subcommands:
 - ``mtc images check HEAD SIDECAR [--engine podman]``: the two images' versions (tags, labels).
 - ``mtc verify --backup ...``: re-hash the backups' blobs in the store now, repair or mark damaged
   ones (``cli_verify``).
+- ``mtc tls generate DIR``: the job's CA and certificate for TLS in transit (``cli_tls``).
 
 This module builds the parser; each command's implementation is in a module of its own:
-``cli_size``, ``cli_plan``, ``cli_images``, ``cli_restore_version``, ``cli_manifests`` (``mtc status``
+``cli_size``, ``cli_plan``, ``cli_images``, ``cli_restore_version``, ``cli_manifests``, ``cli_tls`` (``mtc status``
 and ``mtc export``: ``status``, ``export_cmd``).
 
 ``python -m mtc.head.tools.cli ...`` works the same as ``mtc ...``.
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     rv.set_defaults(func=cmd_restore_version)
 
     _add_manifests_parser(sub)
+    from mtc.head.tools import cli_tls
+
+    cli_tls.add_parser(sub)
     return parser
 
 

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
+import threading
 from typing import Any, Iterable
 
 from mtc.shared import format as fmt
@@ -21,10 +23,45 @@ from mtc.shared.errors import (
 )
 from mtc.shared.hashing import check_blob_name
 from mtc.shared.protocol import RemoteError, Reply, Request
+from mtc.shared.tls import TLSFiles, client_context, describe
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.peer.wire import HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, BadCopyError, cause, receive_blob, send_blob_file
 
 log = logging.getLogger(__name__)
+
+# The TLS client contexts of the jobs whose peer servers in this process serve over TLS, by the
+# job's token: the sidecar's pulls and pushes find them without each caller carrying one.
+_tls_lock = threading.Lock()
+_tls_by_token: dict[str, list[ssl.SSLContext]] = {}
+
+
+class TLSDialing:
+    """The registration ``dial_with_tls`` made; ``close()`` withdraws it."""
+
+    def __init__(self, token: str, context: ssl.SSLContext):
+        self._token, self._context = token, context
+
+    def close(self) -> None:
+        with _tls_lock:
+            contexts = _tls_by_token.get(self._token, [])
+            if self._context in contexts:
+                contexts.remove(self._context)
+            if not contexts:
+                _tls_by_token.pop(self._token, None)
+
+
+def dial_with_tls(token: str, files: TLSFiles) -> TLSDialing:
+    """Make this process's ``PeerClient``\ s of ``token`` dial over TLS with ``files`` (a TLS peer server does)."""
+    context = client_context(files)
+    with _tls_lock:
+        _tls_by_token.setdefault(token, []).append(context)
+    return TLSDialing(token, context)
+
+
+def _job_tls(token: str) -> ssl.SSLContext | None:
+    with _tls_lock:
+        contexts = _tls_by_token.get(token)
+        return contexts[-1] if contexts else None
 
 
 class PeerClient:
@@ -33,16 +70,20 @@ class PeerClient:
     ``peer`` names the peer host in messages. Transport failures raise HostUnreachableError
     (the next call reconnects); a refused token raises ConfigError; a copy that is missing or
     does not hash to its name raises CorruptBlobError.
+
+    ``tls`` (a client context of ``mtc.shared.tls``): dial over TLS with it. By default, the one
+    a TLS peer server of this process registered for ``token`` (``dial_with_tls``), else clear text.
     """
 
     def __init__(self, address: str, token: str, *, peer: str = "peer", timeout_s: float = 60.0,
-                 connect_timeout_s: float = 10.0):
+                 connect_timeout_s: float = 10.0, tls: ssl.SSLContext | None = None):
         self.address = address
         self.peer = peer
         self._addr = protocol.parse_address(address)
         self._token = token
         self._timeout = timeout_s
         self._connect_timeout = connect_timeout_s
+        self._tls = tls if tls is not None else _job_tls(token)
         self._sock: socket.socket | None = None
         self._next_id = 0
 
@@ -67,6 +108,13 @@ class PeerClient:
                 sock = socket.create_connection(self._addr, timeout=self._connect_timeout)
             except OSError as e:
                 raise HostUnreachableError(f"{self._where()}: cannot connect ({cause(e)})") from e
+            if self._tls is not None:
+                try:
+                    sock = self._tls.wrap_socket(sock)
+                except OSError as e:
+                    sock.close()
+                    why = describe(e) if isinstance(e, ssl.SSLError) else cause(e)
+                    raise HostUnreachableError(f"{self._where()}: {why}") from e
             sock.settimeout(self._timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock

@@ -20,8 +20,10 @@ from mtc.shared.errors import (
 )
 from mtc.shared.hashing import check_blob_name
 from mtc.shared.protocol import RemoteError, Reply, Request
+from mtc.shared.tls import TLSFiles, server_context
 from mtc.sidecar.ram import RamStore
 from mtc.sidecar.tcpserver import ThreadedTCPServer
+from mtc.sidecar.peer.client import TLSDialing, dial_with_tls
 from mtc.sidecar.peer.wire import (HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, StalledTransferError, YieldedCopyError,
                                   receive_blob, send_blob_file)
 
@@ -49,17 +51,24 @@ class PeerServer(ThreadedTCPServer):
     is closed. A ``put`` whose bytes stop arriving for ``receive_timeout_s`` is dropped: its
     partial copy is removed (its room is free again), one line is logged with the peer and the
     blob, and the connection is closed; the sender retries later. Usable as a context manager.
+
+    With ``tls`` (``TLSFiles`` of ``mtc.shared.tls``) it serves over mutual TLS only, and the peer
+    clients of this process that present the same token dial over TLS with the same files.
     """
 
     def __init__(self, store: RamStore, token: str, *, host_id: str = "host",
                  listen: tuple[str, int] = ("127.0.0.1", 0), advertise: str | None = None,
                  max_blob_bytes: int = MAX_BLOB_BYTES, max_connections: int = 64,
-                 idle_timeout_s: float = 120.0, receive_timeout_s: float = 30.0):
+                 idle_timeout_s: float = 120.0, receive_timeout_s: float = 30.0,
+                 tls: TLSFiles | None = None):
         if not token:
             raise ConfigError(f"the peer service of host {host_id} needs a token: set peer_token or {ENV_TOKEN} "
                               "(the same secret on every sidecar of the job)")
         super().__init__(listen, host_id=host_id, kind="peer", max_connections=max_connections,
-                         idle_timeout_s=idle_timeout_s, handshake_timeout_s=min(10.0, idle_timeout_s))
+                         idle_timeout_s=idle_timeout_s, handshake_timeout_s=min(10.0, idle_timeout_s),
+                         tls=None if tls is None else server_context(tls))
+        self._tls_files = tls
+        self._dialing: TLSDialing | None = None
         self.store = store
         self._token = token.encode()
         self._advertise = advertise
@@ -77,7 +86,10 @@ class PeerServer(ThreadedTCPServer):
     def start(self) -> str:
         """Bind, listen and start accepting; returns the advertised address ``host:port``."""
         self._start_accepting()
-        log.info("host %s: peer service on %s", self.host_id, self.address)
+        if self._tls_files is not None:
+            self._dialing = dial_with_tls(self._token.decode(), self._tls_files)
+        log.info("host %s: peer service on %s%s", self.host_id, self.address,
+                 " (TLS)" if self._tls_files is not None else "")
         return self.address
 
     @property
@@ -95,6 +107,8 @@ class PeerServer(ThreadedTCPServer):
     def close(self) -> None:
         """Stop accepting, close every connection, join the threads. Safe to call twice."""
         if self._stop():
+            if self._dialing is not None:
+                self._dialing.close()
             log.info("host %s: peer service stopped", self.host_id)
 
     def __enter__(self) -> "PeerServer":
