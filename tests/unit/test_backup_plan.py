@@ -44,3 +44,15 @@ def test_each_blob_once_by_a_holder_spread_by_bytes():
     # A lost slice: blobs whose holders are all gone go to a live host (the backup must stay whole).
     out = assign_uploads(m, ["s0-h0", "s0-h1"], host_of)
     assert sorted(x for bs in out.values() for x in bs) == sorted([a, b, c, d])
+
+
+def test_assign_scrub_gives_each_blob_to_one_host_and_spreads_the_bytes():
+    from mtc.head.backup_plan import assign_scrub
+
+    sizes = {f"{i:032x}": (i + 1) * 100 for i in range(10)}
+    out = assign_scrub(sizes, ["h0", "h1", "h2"])
+    got = [b for bl in out.values() for b in bl]
+    assert sorted(got) == sorted(sizes)  # each once
+    loads = [sum(sizes[b] for b in bl) for bl in out.values()]
+    assert max(loads) - min(loads) <= max(sizes.values())
+    assert assign_scrub({}, ["h0"]) == {"h0": []}
