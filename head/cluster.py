@@ -401,9 +401,10 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
         root = self._host_settings["backup_url"]
-        results, failures = self.fan_out(lambda h: self._run_job(
-            h, "backup_scrub", {**work[h], "root": root, "bytes_per_s": bytes_per_s}), sorted(work),
-            pool=self._backup_pool)
+        # Threads of its own: a scrub runs for minutes, and on the backup pool it would hold up the uploads.
+        with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="mtc-cluster-scrub") as pool:
+            results, failures = self.fan_out(lambda h: self._run_job(
+                h, "backup_scrub", {**work[h], "root": root, "bytes_per_s": bytes_per_s}), sorted(work), pool=pool)
         if failures:
             self._raise_failures("backup scrub", failures)
         return results

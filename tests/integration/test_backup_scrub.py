@@ -106,7 +106,7 @@ def test_verify_backup_repairs_then_marks_a_backup_no_host_can_repair(ramdisk, b
     st = open_store(f"{base}/run/mtc")
     one, two = state(1), state(2)
     with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4, env=env) as cluster:
-        cfg = config(cluster, base, backup_scrub_interval_s=0)
+        cfg = config(cluster, base, backup_scrub_interval_s=0, backup_max_to_keep=2)
         with CheckpointManager(cfg) as m:
             for step, s in ((1, one), (2, two)):
                 m.save(step, s)
@@ -153,8 +153,14 @@ def test_verify_backup_repairs_then_marks_a_backup_no_host_can_repair(ramdisk, b
         with CheckpointManager(cfg.replace(prefetch_on_start=False)) as m:
             with pytest.raises(StepNotFoundError) as e:
                 m.restore()
+            for step in (3, 4):  # new backups: retention prunes the damaged ones, and their marks
+                m.save(step, state(step))
+                m.wait_until_finished()
+                assert m.wait_for_backup().error is None
+            assert [b["step"] for b in m.backups()] == [4, 3]
         msg = str(e.value)
         assert "marked damaged by the backup scrub" in msg and names[1] in msg and names[2] in msg, msg
+        assert st.list(backup_layout.DAMAGED) == []
 
 
 def test_verify_backup_refuses_bad_input_with_a_clear_message(ramdisk, capsys):
