@@ -192,7 +192,14 @@ class HostConnection:
         """Prove to the daemon that this is the job's head, and check it holds the job token too
         (``mtc.shared.auth``)."""
         client_nonce = auth.new_nonce()
-        hello = self._roundtrip("hello", {"nonce": client_nonce}, (), None, stamp=False)
+        try:
+            hello = self._roundtrip("hello", {"nonce": client_nonce}, (), None, stamp=False)
+        except (OSError, ProtocolError) as e:
+            if self.owner.tls is None and not isinstance(e, TimeoutError):  # a TLS daemon closes on clear text
+                raise ProtocolError(f"closed before the hello answer ({e}); if the sidecars serve TLS "
+                                    f"(--tls-dir), give the head the job's TLS folder too ({tls.ENV_TLS_DIR} "
+                                    "or tls_dir)") from e
+            raise
         if hello.error is not None:
             raise RemoteFailure(self.id, hello.error.type, hello.error.message)
         server_nonce = hello.result.get("nonce") if isinstance(hello.result, dict) else None

@@ -51,7 +51,7 @@ class TLSDialing:
 
 
 def dial_with_tls(token: str, files: TLSFiles) -> TLSDialing:
-    """Make this process's ``PeerClient``\ s of ``token`` dial over TLS with ``files`` (a TLS peer server does)."""
+    """Make this process's peer clients of ``token`` dial over TLS with ``files`` (a TLS peer server does)."""
     context = client_context(files)
     with _tls_lock:
         _tls_by_token.setdefault(token, []).append(context)
