@@ -261,6 +261,10 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                    help="serve the head's Prometheus metrics on this port (MTC_METRICS_PORT) and render a PodMonitoring "
                         "for GKE's managed Prometheus (default 0: neither)")
+    peer.add_argument("--no-tls", action="store_true",
+                      help="no TLS in transit (default: mount the Secret NAME-mtc-tls with ca.crt, tls.crt and "
+                           "tls.key into the head and the sidecars and set MTC_TLS_DIR; make it with "
+                           "`mtc tls generate DIR` and `kubectl create secret generic NAME-mtc-tls --from-file=...`)")
     token = peer.add_mutually_exclusive_group()
     token.add_argument("--peer-token-secret", default="", metavar="NAME",
                        help="use this existing Secret (key 'token'); no Secret is rendered")

@@ -38,6 +38,7 @@ def cmd_manifests_render(args: argparse.Namespace) -> int:
         image=args.image, sidecar_image=args.sidecar_image, image_registry=args.image_registry,
         pathways_version=args.pathways_version, pathways_gcs_location=args.pathways_gcs_location,
         max_restarts=args.max_restarts, mtc_launcher=args.mtc_launcher, metrics_port=args.metrics_port,
+        tls=not args.no_tls,
         preemption_grace_s=args.preemption_grace_s if args.preemption_grace_s is not None else DEFAULT_GRACE_S)
     try:
         text = manifests.to_yaml(manifests.render_documents(manifests.with_peer_token(options)))

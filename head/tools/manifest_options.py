@@ -17,6 +17,10 @@ CSI_DRIVER = "multitier-checkpoint.csi.storage.gke.io"
 PATHWAYS_REGISTRY = "us-docker.pkg.dev/cloud-tpu-v2-images/pathways"
 TOKEN_KEY = "token"
 RAMDISK_VOLUME = "mtc-ramdisk"
+# TLS in transit: the job's TLS Secret (ca.crt, tls.crt, tls.key; `mtc tls generate`) mounted
+# here in the head and the sidecars, which find it through MTC_TLS_DIR.
+TLS_VOLUME = "mtc-tls"
+TLS_MOUNT = "/etc/mtc/tls"
 HEAD_JOB = "pathways-head"
 WORKER_JOB = "worker"
 SIDECAR_CONTAINER = "colocated-python-sidecar"
@@ -98,6 +102,7 @@ class ManifestOptions:
     mtc_launcher: bool = False  # run MaxText's pre-training through python3 -m mtc.head.maxtext
     preemption_grace_s: float = 25.0  # SIGTERM to exit: the launcher's budget to save the step reached
     metrics_port: int = 0  # the head's /metrics (MTC_METRICS_PORT) and a PodMonitoring to scrape it; 0: neither
+    tls: bool = True  # mount the Secret <name>-mtc-tls and set MTC_TLS_DIR (--no-tls: clear text)
 
 
 MAXTEXT_TRAIN_MODULE = "maxtext.trainers.pre_train.train"
@@ -162,6 +167,7 @@ class Plan:
     sidecar_image: str
     pathways_gcs_location: str
     secret_name: str
+    tls_secret_name: str  # "" when TLS is off
 
 
 def _chips(topology: str) -> int:

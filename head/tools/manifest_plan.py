@@ -71,7 +71,8 @@ def plan(options: ManifestOptions) -> Plan:
                 appended=appended, ramdisk_dir=ramdisk_dir, size_limit=size_limit,
                 head_image=head_image, sidecar_image=sidecar_image,
                 pathways_gcs_location=gcs.rstrip("/"),
-                secret_name=o.peer_token_secret or f"{o.name}-mtc-peer-token")
+                secret_name=o.peer_token_secret or f"{o.name}-mtc-peer-token",
+                tls_secret_name=f"{o.name}-mtc-tls" if o.tls else "")
 
 
 _LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -8,10 +8,12 @@ import shlex
 from typing import Any
 
 from mtc.shared.config import ENV_TOKEN
+from mtc.shared.tls import ENV_TLS_DIR
 
 from mtc.head.tools.manifest_options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, HEAD_JOB, JOBSET_API, PATHWAYS_REGISTRY,
-                                             PODMONITORING_API, PROXY_PORT, RAMDISK_VOLUME, RM_PORT, SIDECAR_CONTAINER, TOKEN_KEY,
-                                             WORKER_JOB, WORKER_PORT, Plan, _chips, launcher_command)
+                                             PODMONITORING_API, PROXY_PORT, RAMDISK_VOLUME, RM_PORT, SIDECAR_CONTAINER, TLS_MOUNT,
+                                             TLS_VOLUME, TOKEN_KEY, WORKER_JOB, WORKER_PORT, Plan, _chips,
+                                             launcher_command)
 
 
 def secret(p: Plan) -> dict:
@@ -68,8 +70,10 @@ def head_job(p: Plan) -> dict:
         "hostNetwork": True,
         "dnsPolicy": "ClusterFirstWithHostNet",
         "initContainers": [_resource_manager(p), _proxy(p)],
-        "containers": [_main(p)],
+        "containers": [_with_tls(p, _main(p))],
     }
+    if p.tls_secret_name:
+        pod["volumes"] = [tls_volume(p)]
     return _replicated_job(HEAD_JOB, 1, 1, 0, pod, exclusive="kubernetes.io/hostname")
 
 
@@ -87,11 +91,12 @@ def worker_job(p: Plan) -> dict:
             "cloud.google.com/gke-tpu-accelerator": p.machine.accelerator,
             "cloud.google.com/gke-tpu-topology": p.options.topology,
         },
-        "initContainers": [_sidecar(p)],
+        "initContainers": [_with_tls(p, _sidecar(p))],
         "containers": [_worker(p)],
         "volumes": [
             {"name": "shared-tmp", "hostPath": {"path": "/tmp", "type": "DirectoryOrCreate"}},
             ramdisk_volume(p),
+            *([tls_volume(p)] if p.tls_secret_name else []),
         ],
     }
     hosts = p.hosts_per_slice
@@ -115,6 +120,20 @@ def ramdisk_volume(p: Plan) -> dict:
         # Its size is the cluster's CheckpointConfiguration (inMemoryVolumeSize).
         return {"name": RAMDISK_VOLUME, "csi": {"driver": CSI_DRIVER}}
     return {"name": RAMDISK_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": p.size_limit}}
+
+
+def tls_volume(p: Plan) -> dict:
+    """The job's TLS Secret (made beforehand: ``mtc tls generate`` then ``kubectl create secret generic``)."""
+    return {"name": TLS_VOLUME, "secret": {"secretName": p.tls_secret_name}}
+
+
+def _with_tls(p: Plan, container: dict) -> dict:
+    """``container`` with the TLS Secret mounted read-only and ``MTC_TLS_DIR`` naming it (when TLS is on)."""
+    if p.tls_secret_name:
+        container["env"].append({"name": ENV_TLS_DIR, "value": TLS_MOUNT})
+        container["volumeMounts"] = [*container.get("volumeMounts", []),
+                                     {"name": TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True}]
+    return container
 
 
 def head_command(p: Plan) -> str:

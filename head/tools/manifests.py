@@ -16,6 +16,10 @@ Decisions worth knowing:
   on a CPU node and never touches a ramdisk; the Pathways worker binary does not either.
 - The sidecar gets the token from the Secret (``MTC_PEER_TOKEN`` via ``secretKeyRef``); the
   token never appears in the JobSet, and the head does not get it at all.
+- TLS in transit is on unless ``tls`` is false (``--no-tls``): the head and the sidecars mount
+  the Secret ``<name>-mtc-tls`` (keys ``ca.crt``, ``tls.crt``, ``tls.key``) at ``/etc/mtc/tls``
+  and read it through ``MTC_TLS_DIR``. It is not rendered (it holds a private key): make it
+  beforehand with ``mtc tls generate DIR`` and ``kubectl create secret generic``.
 - MaxText flags may be written in ``--command`` (as the guide does) or given as render
   options; a flag given both ways with different values is an error, never a silent choice.
   mtc's own settings (``peer_port``) go to the head as ``MTC_*`` environment variables, so
@@ -39,19 +43,21 @@ from mtc.head.tools.manifest_images import built_versions, image_mismatches, ima
 from mtc.head.tools.manifest_options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, DAEMON_IMAGE_NAME, DEFAULT_PEER_PORT,
                                              HEAD_IMAGE_NAME, HEAD_JOB, JOBSET_API, MACHINES, MAXTEXT_TRAIN_MODULE,
                                              MTC_LAUNCHER_MODULE, PATHWAYS_REGISTRY, PROXY_PORT, RAMDISK_VOLUME,
-                                             RM_PORT, SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME, TOKEN_KEY, WORKER_JOB,
-                                             WORKER_PORT, Machine, ManifestOptions, Plan, launcher_command)
+                                             RM_PORT, SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME, TLS_MOUNT, TLS_VOLUME,
+                                             TOKEN_KEY, WORKER_JOB, WORKER_PORT, Machine, ManifestOptions, Plan,
+                                             launcher_command)
 from mtc.head.tools.manifest_plan import parse_quantity, plan
 from mtc.head.tools.manifest_render import (head_command, head_job, jobset, pod_monitoring, ramdisk_volume, secret,
-                                            termination_grace, worker_job)
+                                            termination_grace, tls_volume, worker_job)
 
 __all__ = [
     "COLOCATED_PYTHON_PORT", "CSI_DRIVER", "DAEMON_IMAGE_NAME", "DEFAULT_PEER_PORT", "ENV_TOKEN", "HEAD_IMAGE_NAME",
     "HEAD_JOB", "JOBSET_API", "MACHINES", "MAXTEXT_TRAIN_MODULE", "MIN_TOKEN_CHARS", "MTC_LAUNCHER_MODULE",
     "PATHWAYS_REGISTRY", "PROXY_PORT", "RAMDISK_VOLUME", "RM_PORT", "SIDECAR_CONTAINER", "SIDECAR_IMAGE_NAME",
-    "TOKEN_KEY", "WORKER_JOB", "WORKER_PORT", "Machine", "ManifestOptions", "Plan", "built_versions", "head_command",
+    "TLS_MOUNT", "TLS_VOLUME", "TOKEN_KEY", "WORKER_JOB", "WORKER_PORT", "Machine", "ManifestOptions", "Plan", "built_versions", "head_command",
     "head_job", "image_mismatches", "image_tag", "image_versions", "jobset", "launcher_command", "parse_quantity",
-    "plan", "pod_monitoring", "ramdisk_volume", "render_documents", "secret", "termination_grace", "to_yaml", "with_peer_token",
+    "plan", "pod_monitoring", "ramdisk_volume", "render_documents", "secret", "termination_grace", "tls_volume", "to_yaml",
+    "with_peer_token",
     "worker_job",
 ]
 
