@@ -136,13 +136,15 @@ def test_verify_backup_repairs_then_marks_a_backup_no_host_can_repair(ramdisk, b
             blobs = {s: m._dispatch.backup_manifest(n).blob_names() for s, n in names.items()}
         victim = sorted(blobs[2] - blobs[1])[0]
 
-        # On demand, while the hosts still hold step 2: found and repaired.
+        # On demand, while the hosts still hold the steps: a flipped byte and a lost blob, found and repaired.
         flip(st, victim)
+        lost = sorted(blobs[1] - blobs[2])[0]
+        st.delete(backup_layout.blob_object(lost))
         rc, out = verify(cluster, base, capsys)
         assert rc == 0, out
-        assert f"backup {names[2]} (step 2): {len(blobs[2])} blobs checked, 1 bad, 1 repaired" in out, out
-        assert f"backup {names[1]} (step 1): {len(blobs[1])} blobs checked, 0 bad, 0 repaired" in out, out
-        assert good(st, victim)
+        assert f"backup {names[2]} (step 2): {len(blobs[2])} blobs checked, 1 bad, 1 repaired: ok" in out, out
+        assert f"backup {names[1]} (step 1): {len(blobs[1])} blobs checked, 1 bad, 1 repaired: ok" in out, out
+        assert good(st, victim) and good(st, lost)
 
         # No host holds it any more: the backup is marked damaged, and says why.
         flip(st, victim)
