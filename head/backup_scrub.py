@@ -7,6 +7,8 @@ then:
 
 - a bad or missing blob is re-uploaded by a host whose ramdisk holds a good copy (its name is its
   content's hash, so the good bytes overwrite the bad object), and checked again;
+- with ``ramdisk``, each host first hashes its ramdisk copies of those blobs and removes a corrupt one
+  (a good copy comes back by replication or a restore), so that no repair reads it;
 - a backup with a blob no host could repair is marked damaged (``damaged/<backup>.json``): the
   backup listing leaves it out, so restore never chooses it, and ``mtc status`` says why.
 
@@ -53,6 +55,8 @@ class ScrubReport:
     bytes: int = 0  # read from the store by the check
     seconds: float = 0.0
     error: str | None = None  # why the scrub stopped (the next one tries again)
+    ramdisk_checked: int = 0  # ramdisk copies hashed (with ``ramdisk``)
+    ramdisk_removed: dict = dataclasses.field(default_factory=dict)  # host -> its corrupt copies, removed
 
     @property
     def bad_blobs(self) -> int:
@@ -64,7 +68,7 @@ class ScrubReport:
 
 
 def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | None = None,
-                  names: Sequence[str] | None = None) -> ScrubReport:
+                  names: Sequence[str] | None = None, ramdisk: bool = False) -> ScrubReport:
     """Scrub the newest ``backups`` backups (or those ``names``); see the module docstring."""
     t0 = time.monotonic()
     listing = dispatch.backup_listing()
@@ -82,6 +86,8 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
     sizes = {sh.blob: sh.nbytes for m in manifests.values() for rec in m.arrays for sh in rec.shards}
     hosts = dispatch.hosts()
     work = {h: {"blobs": bl} for h, bl in assign_scrub(sizes, hosts).items() if bl}
+    if ramdisk and sizes:
+        work = {h: {**work.get(h, {}), "ramdisk": sorted(sizes)} for h in hosts}
     found = dispatch.backup_scrub(work, bytes_per_s) if work else {}
     bad = {b for r in found.values() for b in [*r.get("bad", []), *r.get("missing", [])]}
     repaired = _repair(dispatch, hosts, bad, bytes_per_s) if bad else set()
@@ -103,7 +109,9 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
         out.append(BackupScrub(b["name"], b["step"], len(blobs), tuple(sorted(blobs & bad)),
                                tuple(sorted(blobs & bad & repaired)), marks.get(b["name"], "")))
     report = ScrubReport(tuple(out), tuple(damaged_before.values()), sum(r.get("bytes", 0) for r in found.values()),
-                         time.monotonic() - t0)
+                         time.monotonic() - t0,
+                         ramdisk_checked=sum(r.get("ramdisk_checked", 0) for r in found.values()),
+                         ramdisk_removed={h: r["ramdisk_removed"] for h, r in found.items() if r.get("ramdisk_removed")})
     log.info("- backup scrub; %d backups, %d blobs, %d bytes in %.3fs; %d bad, %d repaired, %d marked damaged",
              len(out), len(sizes), report.bytes, report.seconds, report.bad_blobs, report.repaired_blobs, len(marks))
     return report
@@ -146,7 +154,8 @@ class ScrubLoop:
     def run_once(self) -> ScrubReport:
         try:
             report = scrub_backups(self._dispatch, backups=self._config.backup_scrub_backups,
-                                   bytes_per_s=self._config.backup_scrub_bytes_per_s)
+                                   bytes_per_s=self._config.backup_scrub_bytes_per_s,
+                                   ramdisk=self._config.backup_scrub_ramdisk)
         except Exception as e:  # noqa: BLE001 - a scrub that fails never stops training; the next one retries
             if self._stop.is_set():
                 return ScrubReport(error="closed")

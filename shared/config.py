@@ -82,6 +82,8 @@ class MTCConfig:
       (default 3600; 0: no background scrub; ``mtc verify --backup`` runs one on demand).
     - ``backup_scrub_bytes_per_s``: the scrub's read bandwidth cap, per host (default 50 MiB/s).
     - ``backup_scrub_backups``: how many of the newest backups a scrub checks (default 2).
+    - ``backup_scrub_ramdisk``: the scrub also hashes the hosts' ramdisk copies of those backups'
+      blobs and removes corrupt ones (default false).
     - ``replication_factor``: copies of every blob across slices/hosts (>= 1; 1 = no peers).
     - ``peer_port``: TCP port of the peer service (0: pick a free port). In colocated mode the
       sidecar runs a peer service only when this is set (a single host has no peers).
@@ -120,6 +122,7 @@ class MTCConfig:
     backup_scrub_interval_s: int = 3600
     backup_scrub_bytes_per_s: int = 50 * 2**20
     backup_scrub_backups: int = 2
+    backup_scrub_ramdisk: bool = False
     replication_factor: int = 2
     peer_port: int = 0
     peer_token: str = field(default="", repr=False)
@@ -396,7 +399,7 @@ def _kind_of(annotation: str) -> _Kind:
 _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields(MTCConfig)}
 # mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
 _MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "backup_scrub_interval_s", "backup_scrub_bytes_per_s",
-            "backup_scrub_backups", "replication_factor", "peer_port", "peer_token",
+            "backup_scrub_backups", "backup_scrub_ramdisk", "replication_factor", "peer_port", "peer_token",
             "cluster_spec", "tls_dir", "max_save_wait_s", "prefetch_on_start", "metrics_port",
             "twin_check", "twin_check_hash")
 

@@ -177,7 +177,8 @@ def _backup_scrub(args: dict, payloads: Sequence[bytes]) -> Args:
     if not isinstance(damaged, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in damaged.items()):
         raise ProtocolError("backup_scrub: 'damaged' must be an object of backup name -> why")
     return (_root(args, "backup_scrub"), _names(args.get("blobs", []), "backup_scrub"),
-            _names(args.get("repair", []), "backup_scrub (repair)"), damaged, rate), {}
+            _names(args.get("repair", []), "backup_scrub (repair)"), damaged, rate), {
+        "ramdisk": _names(args.get("ramdisk", []), "backup_scrub (ramdisk)")}
 
 
 def _peer_pull(args: dict, payloads: Sequence[bytes]) -> Args:

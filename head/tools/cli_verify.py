@@ -36,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="check this backup (as `mtc restore-version show` lists it) instead; may be repeated")
     v.add_argument("--bytes-per-s", type=float, default=float(MTCConfig.backup_scrub_bytes_per_s),
                    help="read bandwidth cap per host, bytes/s (default 50 MiB/s)")
+    v.add_argument("--ramdisk", action="store_true",
+                   help="also hash the hosts' ramdisk copies of those blobs, and remove corrupt ones")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=run)
 
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         dispatch = ClusterDispatcher(config, devices=hosts.devices)
         try:
             report = scrub_backups(dispatch, backups=args.backups, bytes_per_s=args.bytes_per_s,
-                                   names=args.name or None)
+                                   names=args.name or None, ramdisk=args.ramdisk)
         finally:
             dispatch.close()
     except (ConfigError, MTCError, OSError, ValueError) as e:
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"backups": [{"name": b.name, "step": b.step, "checked": b.checked, "bad": list(b.bad),
                                        "repaired": list(b.repaired), "damaged": b.damaged} for b in report.backups],
                           "already_damaged": list(report.already_damaged), "bytes": report.bytes,
+                          "ramdisk_checked": report.ramdisk_checked, "ramdisk_removed": report.ramdisk_removed,
                           "seconds": report.seconds}, indent=2))
     else:
         if not report.backups:
@@ -87,5 +90,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{len(b.repaired)} repaired: {state}")
         for d in report.already_damaged:
             print(f"backup {d['name']} (step {d['step']}): marked damaged earlier, not checked: {d['why']}")
+        if args.ramdisk:
+            print(f"ramdisk: {report.ramdisk_checked} copies checked, corrupt ones removed: "
+                  + ("; ".join(f"{h}: {', '.join(bl)}" for h, bl in sorted(report.ramdisk_removed.items())) or "none"))
         print(f"read {report.bytes} bytes in {report.seconds:.1f} s")
     return 1 if any(b.damaged for b in report.backups) else 0

@@ -10,6 +10,9 @@ picks the backups and gives each blob to one host (``mtc.head.backup_scrub``); a
 - ``repair``: re-uploads the blobs it holds in its ramdisk, each hashed first, over the bad
   object (the name is the content's hash, so the good bytes belong there), then checks the object
   again;
+- ``check_ramdisk`` (optional): hashes this host's ramdisk copies of the backups' blobs and removes a
+  corrupt one (``RamStore.scrub_blob``: replication or a restore brings a good copy back), before
+  any repair reads them;
 - ``mark``: writes ``damaged/<backup>.json`` for a backup no host could repair; the listing then
   leaves it out, so restore never chooses it (``BackupTier.listing``).
 """
@@ -82,6 +85,14 @@ class Scrubber:
                  self._host, len(set(blobs)), done, seconds, done / max(seconds, 1e-9) / 1e6, bytes_per_s / 1e6,
                  len(bad), len(missing))
         return {"checked": len(set(blobs)), "bytes": done, "bad": bad, "missing": missing, "seconds": seconds}
+
+    def check_ramdisk(self, blobs: list[str]) -> dict:
+        """Hash the ramdisk copies of those ``blobs`` this host holds; remove the corrupt ones."""
+        held = [b for b in sorted(set(blobs)) if self._ram.has_blob(b)]
+        removed = [b for b in held if self._ram.scrub_blob(b) == "removed"]
+        for blob in removed:
+            log.error("backup scrub: host %s's ramdisk copy of blob %s was corrupt; removed", self._host, blob)
+        return {"ramdisk_checked": len(held), "ramdisk_removed": removed}
 
     def repair(self, blobs: list[str]) -> list[str]:
         """Overwrite the objects of those ``blobs`` this host holds a good ramdisk copy of; the ones

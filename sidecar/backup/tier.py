@@ -176,11 +176,14 @@ class BackupTier:
                 "damaged": [{"name": n, "step": layout.parse_backup_name(n), "why": damaged[n]}
                             for n in names if n in damaged]}
 
-    def scrub(self, blobs: list[str], bytes_per_s: float, repair: list[str], damaged: dict[str, str]) -> dict:
-        """Check ``blobs`` in the store, re-upload ``repair`` from the ramdisk where it holds them,
-        mark ``damaged`` backups (``scrub.py``)."""
+    def scrub(self, blobs: list[str], bytes_per_s: float, repair: list[str], damaged: dict[str, str],
+              ramdisk: list[str] = ()) -> dict:
+        """Check this host's ramdisk copies of ``ramdisk`` and ``blobs`` in the store, re-upload ``repair``
+        from the ramdisk where it holds them, mark ``damaged`` backups (``scrub.py``)."""
         scrubber = Scrubber(self._store, self._ram, self._host)
         out: dict = {"host": self._host}
+        if ramdisk:
+            out.update(scrubber.check_ramdisk(list(ramdisk)))
         if blobs:
             out.update(scrubber.check(blobs, bytes_per_s))
             for key, n in (("checked", out["checked"]), ("bytes", out["bytes"]),

@@ -195,3 +195,27 @@ def test_verify_backup_refuses_bad_input_with_a_clear_message(ramdisk, capsys):
                    str(ramdisk / "b"), "--run-name", "r", "--name", "not-a-backup"])
         err = capsys.readouterr().err
         assert rc == 2 and "not-a-backup" in err and "Traceback" not in err, err
+
+
+def test_verify_backup_ramdisk_removes_a_corrupt_ramdisk_copy_and_repairs_from_a_good_one(ramdisk, bucket, capsys):
+    base, env = bucket
+    st = open_store(f"{base}/run/mtc")
+    one = state(1)
+    with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4, env=env) as cluster:
+        cfg = config(cluster, base, backup_scrub_interval_s=0)  # 2 hosts, one slice: each holds a copy of all
+        with CheckpointManager(cfg) as m:
+            m.save(1, one)
+            m.wait_until_finished()
+            assert m.wait_for_backup().error is None
+        h0, h1 = cluster.hosts
+        victim = max(p.name for p in (cluster.ramdisk(h0) / "mtc" / "blobs").iterdir() if len(p.name) == 32)
+        copy = cluster.ramdisk(h0) / "mtc" / "blobs" / victim
+        assert (cluster.ramdisk(h1) / "mtc" / "blobs" / victim).is_file(), "the test needs a second copy"
+        data = bytearray(copy.read_bytes())
+        data[0] ^= 0x01
+        copy.write_bytes(bytes(data))
+        flip(st, victim)  # the bucket's copy too: only h1's copy is good
+        rc, out = verify(cluster, base, capsys, "--ramdisk")
+        assert rc == 0, out
+        assert "1 bad, 1 repaired: ok" in out and f"corrupt ones removed: {h0}: {victim}" in out, out
+        assert not copy.exists() and good(st, victim)
