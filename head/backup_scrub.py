@@ -111,7 +111,8 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
     report = ScrubReport(tuple(out), tuple(damaged_before.values()), sum(r.get("bytes", 0) for r in found.values()),
                          time.monotonic() - t0,
                          ramdisk_checked=sum(r.get("ramdisk_checked", 0) for r in found.values()),
-                         ramdisk_removed={h: r["ramdisk_removed"] for h, r in found.items() if r.get("ramdisk_removed")})
+                         ramdisk_removed={h: r["ramdisk_removed"] for h, r in found.items()
+                                          if r.get("ramdisk_removed")})
     log.info("- backup scrub; %d backups, %d blobs, %d bytes in %.3fs; %d bad, %d repaired, %d marked damaged",
              len(out), len(sizes), report.bytes, report.seconds, report.bad_blobs, report.repaired_blobs, len(marks))
     return report
