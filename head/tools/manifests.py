@@ -54,11 +54,10 @@ __all__ = [
     "COLOCATED_PYTHON_PORT", "CSI_DRIVER", "DAEMON_IMAGE_NAME", "DEFAULT_PEER_PORT", "ENV_TOKEN", "HEAD_IMAGE_NAME",
     "HEAD_JOB", "JOBSET_API", "MACHINES", "MAXTEXT_TRAIN_MODULE", "MIN_TOKEN_CHARS", "MTC_LAUNCHER_MODULE",
     "PATHWAYS_REGISTRY", "PROXY_PORT", "RAMDISK_VOLUME", "RM_PORT", "SIDECAR_CONTAINER", "SIDECAR_IMAGE_NAME",
-    "TLS_MOUNT", "TLS_VOLUME", "TOKEN_KEY", "WORKER_JOB", "WORKER_PORT", "Machine", "ManifestOptions", "Plan", "built_versions", "head_command",
-    "head_job", "image_mismatches", "image_tag", "image_versions", "jobset", "launcher_command", "parse_quantity",
-    "plan", "pod_monitoring", "ramdisk_volume", "render_documents", "secret", "termination_grace", "tls_volume", "to_yaml",
-    "with_peer_token",
-    "worker_job",
+    "TLS_MOUNT", "TLS_VOLUME", "TOKEN_KEY", "WORKER_JOB", "WORKER_PORT", "Machine", "ManifestOptions", "Plan",
+    "built_versions", "head_command", "head_job", "image_mismatches", "image_tag", "image_versions", "jobset",
+    "launcher_command", "parse_quantity", "plan", "pod_monitoring", "ramdisk_volume", "render_documents", "secret",
+    "termination_grace", "tls_volume", "to_yaml", "with_peer_token", "worker_job",
 ]
 
 

@@ -52,8 +52,9 @@ def _state(seed: int) -> dict:
 
 
 def _manager(cluster: LocalCluster, tls_dir, **kw) -> CheckpointManager:
-    return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
-                                       local_checkpoint_period=1, tls_dir=str(tls_dir) if tls_dir else "", **kw))
+    return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root),
+                                       cluster_spec=str(cluster.spec_path), local_checkpoint_period=1,
+                                       tls_dir=str(tls_dir) if tls_dir else "", **kw))
 
 
 def _snapshot(cluster: LocalCluster) -> dict:
