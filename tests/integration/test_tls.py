@@ -169,3 +169,42 @@ def test_a_head_without_tls_cannot_reach_tls_sidecars(cluster, tls_dirs, monkeyp
             with contextlib.suppress(Exception):
                 m.close()
     assert not any(list((cluster.store_root(h) / "steps").glob("*.json")) for h in cluster.hosts)
+
+
+def test_a_colocated_sidecar_serves_and_pulls_over_tls_from_mtc_tls_dir(ramdisk, tmp_path, tls_dirs, monkeypatch):
+    """Colocated mode (Pathways): the sidecar's peer port reads MTC_TLS_DIR, and its pulls dial with it."""
+    from mtc.sidecar.peer import PeerServer
+    from mtc.sidecar.ram import RamStore
+
+    monkeypatch.setenv("MTC_TLS_DIR", str(tls_dirs[0]))
+    token = "c0ffee" * 8
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    state = {"w": jax.device_put(random_array(np.random.default_rng(5), (64, 16), np.float32),
+                                 NamedSharding(mesh, P("x")))}
+    other = RamStore(tmp_path / "other" / "mtc")
+    with PeerServer(other, token, host_id="other", tls=TLSFiles.in_dir(tls_dirs[0])) as server:
+        server.start()
+        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), local_checkpoint_period=1, peer_port=port,
+                        peer_token=token)
+        with CheckpointManager(cfg) as m:
+            m.save(1, state)
+            m.wait_until_finished()
+            (host,) = m._dispatch.hosts()
+            sizes = m._dispatch.manifest(1).blob_sizes()
+            local = RamStore(ramdisk / "mtc")
+            for b in sizes:
+                other.write_blob(local.read_blob(b))
+            lost = sorted(sizes)[:2]
+            for b in lost:
+                local.blob_path(b).unlink()
+            res = m._dispatch.peer_pull(1, {host: [(b, sizes[b], ["other"]) for b in lost]},
+                                        peers={"other": server.address})[host]
+            assert res.error is None and not res.failed and res.pulled_bytes == sum(sizes[b] for b in lost), res
+            assert server.stats["sent_blobs"] == len(lost)
+            assert_trees_bitwise_equal(state, m.restore(1))
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # its own port: TLS only
+                _no_reply(s, protocol.Request("have", 1, {"blobs": [], "token": token, "mtc": version.MTC_VERSION,
+                                                          "protocol": version.PROTOCOL_VERSION}))
