@@ -89,7 +89,9 @@ FAULT_CLASSES = [
     "kill_sidecar", *CRASH_CLASSES, "kill_head", "wipe_host", "wipe_slice", "wipe_all",
     "flip_ram_blob", "flip_peer_copy", "flip_backup_blob", "flip_manifest",
     "gcs_outage", "gcs_outage_head_restart", "ramdisk_full", "slice_lost", "garbage_peer", "net_cut",
+    "net_slow", "net_partition",
 ]
+NET_CLASSES = {"net_cut", "net_slow", "net_partition"}  # drawn where the hosts have network namespaces
 GCS_ONLY = {"gcs_outage", "gcs_outage_head_restart"}
 
 # Segments cycle through these: both topologies, both backup backends.
@@ -150,6 +152,19 @@ class HostNetwork:
     def heal(self, host: str) -> None:
         _ip("link", "set", self.hosts[host][1], "up")
 
+    def slow(self, host: str, mbit: int) -> None:
+        """Cap the host's link at ``mbit`` both ways (a token bucket on each end of its veth pair)."""
+        ns, veth, _ = self.hosts[host]
+        for where in (["dev", veth], ["-n", ns, "dev", "eth0"]):
+            netns, dev = (where[:2], where[2:]) if where[0] == "-n" else ([], where)
+            _tc(*netns, "qdisc", "replace", *dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", "64kb",
+                "latency", "400ms")
+
+    def unslow(self, host: str) -> None:
+        ns, veth, _ = self.hosts[host]
+        _tc("qdisc", "del", "dev", veth, "root", check=False)
+        _tc("-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
+
     def close(self) -> None:
         if not self.up:
             return
@@ -157,6 +172,12 @@ class HostNetwork:
             _ip("netns", "del", ns, check=False)  # its veth pair goes with it
         _ip("link", "del", self.bridge, check=False)
         self.up = False
+
+
+def _tc(*args: str, check: bool = True) -> None:
+    r = subprocess.run(["tc", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise OSError(f"tc {' '.join(args)}: {r.stderr.strip()}")
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -766,7 +787,7 @@ class Soak:
                 continue
             if c == "ramdisk_full" and not self.tmpfs:
                 continue
-            if c == "net_cut" and self.net is None:
+            if c in NET_CLASSES and self.net is None:
                 continue
             out.append(c)
         return out
@@ -1284,6 +1305,60 @@ def fault_net_cut(s: Soak, r: random.Random, cls: str, d: dict) -> None:
         raise Violation(f"the save failed on {a['hosts']}, but only {victim} was cut off: {a['message']}")
 
 
+def fault_net_slow(s: Soak, r: random.Random, cls: str, d: dict) -> None:
+    """One host's link capped to a few Mbit/s for a while (a slow or congested network), across a save
+    and its replication: the save may be slow, never wrong; only that host may fail it."""
+    victim = r.choice(s.live)
+    mbit = r.choice([2, 8, 32])
+    slow_s = round(r.uniform(1.0, 5.0), 2)
+    d.update(host=victim, mbit=mbit, slow_s=slow_s)
+    s.net.slow(victim, mbit)
+    try:
+        s.step += 1
+        a = s._save(s.step)
+        time.sleep(slow_s)
+    finally:
+        s.net.unslow(victim)
+    if a["ok"]:
+        a = s._wait(s.step)
+    else:
+        s.failed.add(s.step)
+    d["save"] = "ok" if a["ok"] else "failed"
+    if not a["ok"] and set(a["hosts"]) - {victim}:
+        raise Violation(f"the save failed on {a['hosts']}, but only {victim} was slowed: {a['message']}")
+
+
+def fault_net_partition(s: Soak, r: random.Random, cls: str, d: dict) -> None:
+    """A partition: every host of one slice (half the hosts, with one slice) cut off from the head, the
+    bucket and the other slice in the middle of a save, then healed; saves go on after it heals."""
+    c = s.cluster
+    if c.num_slices > 1:
+        sl = r.randrange(c.num_slices)
+        side = [h for h in s.live if h.startswith(f"s{sl}-")]
+    else:
+        side = sorted(s.live)[: max(1, len(s.live) // 2)]
+    delay = round(r.uniform(0, 1.0) * s.save_s, 3)
+    cut_s = round(r.uniform(0.5, 4.0), 2)
+    d.update(hosts=side, after_s=delay, cut_s=cut_s)
+    s.step += 1
+    a = s._save(s.step)
+    time.sleep(delay)
+    for h in side:
+        s.net.cut(h)
+    try:
+        time.sleep(cut_s)
+    finally:
+        for h in side:
+            s.net.heal(h)
+    if a["ok"]:
+        a = s._wait(s.step)
+    else:
+        s.failed.add(s.step)
+    d["save"] = "ok" if a["ok"] else "failed"
+    if not a["ok"] and set(a["hosts"]) - set(side):
+        raise Violation(f"the save failed on {a['hosts']}, but only {side} were cut off: {a['message']}")
+
+
 FAULTS: dict[str, Callable] = {
     "kill_sidecar": fault_kill_sidecar, "crash": fault_crash, "kill_head": fault_kill_head,
     "wipe_host": fault_wipe_host, "wipe_slice": fault_wipe_slice, "wipe_all": fault_wipe_all,
@@ -1291,7 +1366,7 @@ FAULTS: dict[str, Callable] = {
     "flip_backup_blob": fault_flip_backup_blob, "flip_manifest": fault_flip_manifest,
     "gcs_outage": fault_gcs_outage, "gcs_outage_head_restart": fault_gcs_outage_head_restart,
     "ramdisk_full": fault_ramdisk_full, "slice_lost": fault_slice_lost, "garbage_peer": fault_garbage_peer,
-    "net_cut": fault_net_cut,
+    "net_cut": fault_net_cut, "net_slow": fault_net_slow, "net_partition": fault_net_partition,
 }
 
 HEADER = ["fault class", "injected", "injection failed", "survived", "restores checked", "wrong restores",
