@@ -94,9 +94,17 @@ class BackupLister:
 
 
 def damaged_note(listing: dict) -> str:
-    """What a restore's error adds about the backups a scrub marked damaged (never chosen), or ""."""
+    """What a restore's error adds about the damaged backups (a scrub marked them, or their manifest
+    failed its checks): never chosen, or ""."""
     damaged = listing.get("damaged") or []
     if not damaged:
         return ""
-    return ("; backups marked damaged by the backup scrub, never restored: "
+    return ("; backups marked damaged by the backup scrub, or whose manifest fails its checks, never restored: "
             + "; ".join(f"{d['name']} ({d['why']})" for d in damaged[:3]) + (" ..." if len(damaged) > 3 else ""))
+
+
+def without_backup(listing: dict, name: str, why: str) -> dict:
+    """``listing`` with backup ``name`` moved to its ``damaged`` entries (a restore found it unusable)."""
+    gone = [b for b in listing["backups"] if b["name"] == name]
+    return {**listing, "backups": [b for b in listing["backups"] if b["name"] != name],
+            "damaged": [*(listing.get("damaged") or []), *({**b, "why": why} for b in gone)]}

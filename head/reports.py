@@ -147,3 +147,24 @@ class Inventory:
         if self.backup_unreachable:
             note += f"; the backup root could not be listed ({self.backup_unreachable})"
         return note
+
+
+class Pulled:
+    """Bytes and blobs a restore brought from the peer and backup tiers, and copies it skipped."""
+
+    def __init__(self) -> None:
+        self.bytes = {"peer": 0, "backup": 0}
+        self.blobs = {"peer": 0, "backup": 0}
+        self.skipped: list[str] = []
+        self.fetched: dict[str, list[str]] = {}  # host -> blobs it now holds that it lacked
+
+    def add(self, tier: str, nbytes: int, nblobs: int) -> None:
+        self.bytes[tier] += nbytes
+        self.blobs[tier] += nblobs
+
+    def got(self, host: str, blobs: list[str]) -> None:
+        self.fetched.setdefault(host, []).extend(blobs)
+
+    def add_backup(self, fetched: dict[str, dict]) -> None:
+        self.add("backup", sum(f.get("downloaded_bytes", 0) for f in fetched.values()),
+                 sum(f.get("downloaded", 0) for f in fetched.values()))

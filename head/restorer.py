@@ -18,16 +18,16 @@ import time
 from typing import Any, Callable
 
 from mtc.head import manifest_gift
-from mtc.head.backup_listing import BackupLister, damaged_note
+from mtc.head.backup_listing import BackupLister, damaged_note, without_backup
 from mtc.head.dispatch import Dispatcher, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views
-from mtc.head.reports import Inventory, PrefetchReport, RestoreReport
+from mtc.head.reports import Inventory, PrefetchReport, Pulled, RestoreReport
 from mtc.head.restore_plan import RestorePlan, make_plan, plan_target
 from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import CorruptBlobError, HostUnreachableError, MTCError, StepNotFoundError
+from mtc.shared.errors import CorruptBlobError, HostUnreachableError, ManifestError, MTCError, StepNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -37,27 +37,6 @@ LISTING_DEADLINE_S = 30.0
 # and restore, each listing the backups) retry only this long until one gets through: a restart
 # during an outage waits out the deadline once, not once per call.
 LISTING_RETRY_DEADLINE_S = 2.0
-
-
-class _Pulled:
-    """Bytes and blobs a restore brought from the peer and backup tiers, and copies it skipped."""
-
-    def __init__(self) -> None:
-        self.bytes = {"peer": 0, "backup": 0}
-        self.blobs = {"peer": 0, "backup": 0}
-        self.skipped: list[str] = []
-        self.fetched: dict[str, list[str]] = {}  # host -> blobs it now holds that it lacked
-
-    def add(self, tier: str, nbytes: int, nblobs: int) -> None:
-        self.bytes[tier] += nbytes
-        self.blobs[tier] += nblobs
-
-    def got(self, host: str, blobs: list[str]) -> None:
-        self.fetched.setdefault(host, []).extend(blobs)
-
-    def add_backup(self, fetched: dict[str, dict]) -> None:
-        self.add("backup", sum(f.get("downloaded_bytes", 0) for f in fetched.values()),
-                 sum(f.get("downloaded", 0) for f in fetched.values()))
 
 
 def _transport(cause: str) -> bool:
@@ -230,14 +209,22 @@ class Restorer:
     def _restore_once(self, step: int | None, target: Any, partial: Any,
                       prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
-        listing = self.backup_listing()
-        step, backup_name, fallback, inv = self.choose_step(step, listing)
+        listing, asked = self.backup_listing(), step
+        while True:
+            step, backup_name, fallback, inv = self.choose_step(asked, listing)
+            view = inv.views.get(step) if backup_name is None else None
+            agreed = view.manifest if view is not None and view.manifest else None
+            try:
+                manifest = self._manifest(step, backup_name, agreed)
+                break
+            except ManifestError as e:  # a backup whose manifest fails its checks is no restore point
+                if backup_name is None:
+                    raise
+                log.warning("backup %s cannot be restored (%s); choosing again without it", backup_name, e)
+                listing = without_backup(listing, backup_name, f"its manifest fails its checks: {e}")
         t1 = time.perf_counter()
-        view = inv.views.get(step) if backup_name is None else None
-        agreed = view.manifest if view is not None and view.manifest else None
-        manifest = self._manifest(step, backup_name, agreed)
         requests, finish = plan_target(manifest, target, partial)
-        pulled = _Pulled()
+        pulled = Pulled()
         plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing), pull)
         if plan is None:
             needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
@@ -305,13 +292,13 @@ class Restorer:
         requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
         if closing():  # closed before anything moved: a job that did not want it
             return None
-        pulled = _Pulled()
+        pulled = Pulled()
         self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing))
         return PrefetchReport(step=step, source=backup_name or "cluster", bytes_by_tier=dict(pulled.bytes),
                               blobs_by_tier=dict(pulled.blobs), seconds=time.perf_counter() - t0)
 
     def _fetch_lacking(self, step: int, manifest: fmt.StepManifest, requests: list[LoadRequest],
-                       backup_name: str | None, fallback: str | None, pulled: _Pulled,
+                       backup_name: str | None, fallback: str | None, pulled: Pulled,
                        inv: Inventory, backups: list[str], pull: bool = True) -> RestorePlan | None:
         """Every host pulls the blobs it lacks for its shards of ``requests``; returns the plan.
 
@@ -351,7 +338,7 @@ class Restorer:
             else:
                 self._given.add((step, manifest.digest, h))
     def _pull_lacking(self, step: int, manifest: fmt.StepManifest, plan: RestorePlan, fallback: str | None,
-                      pulled: _Pulled, backups: list[str]) -> None:
+                      pulled: Pulled, backups: list[str]) -> None:
         """Hosts that lack blobs they need pull them from peers that hold them, verified.
 
         The load spreads over the holders; a bad or unreachable copy is skipped for the next
@@ -433,7 +420,7 @@ class Restorer:
                 "or pin another backup (`mtc restore-version set NAME`)") from e
 
     def _fetch_from_other_backups(self, step: int, manifest: fmt.StepManifest,
-                                  failed: dict[tuple[str, str], list[str]], pulled: _Pulled, backups: list[str]) -> None:
+                                  failed: dict[tuple[str, str], list[str]], pulled: Pulled, backups: list[str]) -> None:
         """No backup of ``step``: fetch each failed blob from the newest backup that lists it."""
         want = {blob for _, blob in failed}
         source: dict[str, str] = {}

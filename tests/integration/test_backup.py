@@ -139,3 +139,31 @@ def test_retention_deletes_manifests_then_unused_blobs(ramdisk, backup_base):
     live = set().union(*(fmt.StepManifest.from_json(st.get_bytes(o)).blob_names() for o in manifests))
     # Exactly the blobs of the kept backups survive: 8 shards of w and 2 of b per step.
     assert remaining == live and len(live) == 20
+
+
+def test_a_backup_whose_manifest_fails_its_checks_is_passed_over_for_the_one_before(ramdisk, backup_base):
+    """The newest backup's manifest damaged in the bucket and every ramdisk gone: the restore takes the
+    backup before it, bit for bit; with that one damaged too, it says that none is good and why."""
+    with CheckpointManager(config(ramdisk, backup_base)) as m:
+        save_steps(m, [1, 2])
+        names = [b["name"] for b in m.backups()]
+    assert [backup_layout.parse_backup_name(n) for n in names] == [2, 1]
+    st = store(backup_base)
+
+    def damage(name: str) -> None:
+        data = bytearray(st.get_bytes(backup_layout.manifest_object(name)))
+        data[len(data) // 2] ^= 0x20
+        st.delete(backup_layout.manifest_object(name))
+        st.put_bytes(backup_layout.manifest_object(name), bytes(data))
+
+    damage(names[0])
+    shutil.rmtree(ramdisk / "mtc")
+    with CheckpointManager(config(ramdisk, backup_base)) as m:
+        assert_trees_bitwise_equal(state(1), m.restore())
+        assert m.last_restore_report.source == names[1]
+    damage(names[1])
+    shutil.rmtree(ramdisk / "mtc")
+    with CheckpointManager(config(ramdisk, backup_base)) as m:
+        with pytest.raises(StepNotFoundError) as e:
+            m.restore()
+    assert names[0] in str(e.value) and names[1] in str(e.value) and "manifest fails its checks" in str(e.value)
