@@ -180,11 +180,12 @@ class ColocatedSidecar:
         args = dict(req)
         per_host = req.get("per_host")
         if per_host is not None:
-            mine = per_host.get(svc.host_id) if isinstance(per_host, dict) else None
-            if mine is None:
+            if not isinstance(per_host, dict) or not all(isinstance(a, dict) for a in per_host.values()):
+                raise ProtocolError("'per_host' must map host ids to objects of arguments")
+            if svc.host_id not in per_host:
                 ops.check(name, "colocated")
                 return None, []
-            args.update(mine)
+            args.update(per_host[svc.host_id])
         payloads = args.get("payloads") or []
         if not (isinstance(payloads, list) and all(isinstance(p, str) for p in payloads)):
             raise ProtocolError("'payloads' must be a list of texts")

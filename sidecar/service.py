@@ -124,7 +124,7 @@ class SidecarService(ServiceSave, ServiceSteps):
         with self._lock:
             old, self.settings, self._configured = self.settings, new, True
             self.store.max_to_keep = new.local_max_to_keep
-        if old.backup_url != new.backup_url and self._configured:
+        if old.backup_url != new.backup_url:
             log.info("host %s: backup root %s (generation %s)", self.host_id, new.backup_url, generation)
         return {"host": self.host_id, "settings": new.to_wire()}
 

@@ -99,6 +99,9 @@ def test_every_operation_refuses_the_same_bad_arguments_with_the_same_error_in_b
             got["colocated"] = colocated(name, args)
         for mode, answer in got.items():
             assert isinstance(answer, tuple) and answer[0] == "ProtocolError", (name, mode, answer)
+    # Arguments for some hosts only, malformed (colocated mode sends one request to every host).
+    assert colocated("abort", {"step": 1, "per_host": ["h0"]})[0] == "ProtocolError"
+    assert colocated("abort", {"step": 1, "per_host": {"h0": 3}})[0] == "ProtocolError"
     # An operation that is not in the table, and one that is not served in a mode.
     assert colocated("format_disk", {})[0] == cluster("format_disk", {})[0] == "ProtocolError"
     assert cluster("close", {})[0] == "ProtocolError"
