@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import shutil
@@ -97,9 +98,11 @@ class BlobFiles:
         """Open committed blob ``name`` for reading, registered so that it is not recycled.
 
         Yields (fd, size, key); raises FileNotFoundError when the blob is not there. The file
-        is registered first and its name checked after, so a collection that moves it to the
-        free pool either sees the registration (and unlinks it instead) or has already moved it
-        (and the name check fails).
+        is registered first (this process's collection) and locked shared (``flock``: another
+        process's, see ``readers.rename_unless_mapped``), and its name checked after, so a
+        collection that moves it to the free pool either sees the reader (and unlinks it instead)
+        or has already moved it (and the name check fails): a read never hashes a file that is
+        being rewritten as another blob, which would drop a good copy as corrupt.
         """
         path = self.path(name)
         for _ in range(3):
@@ -109,11 +112,16 @@ class BlobFiles:
                 key = (st.st_dev, st.st_ino)
                 readers.acquire(key)
                 try:
+                    try:  # released when ``fd`` closes
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        locked = True
+                    except OSError:  # another process is moving it to its pool right now: look again
+                        locked = False
                     try:
                         now = os.stat(path)
                     except FileNotFoundError:
                         now = None
-                    if now is not None and (now.st_dev, now.st_ino) == key:
+                    if locked and now is not None and (now.st_dev, now.st_ino) == key:
                         yield fd, st.st_size, key
                         return
                 finally:
