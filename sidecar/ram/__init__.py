@@ -31,9 +31,10 @@ file of exactly the blob's size, then publishes it like a new file. On tmpfs, ov
 pages that exist is ~2x faster than first-touch writes, and the unlink (freeing the pages)
 leaves the commit's critical path. Pool files are temp files: never visible as blobs, removed
 when a store opens, counted as reclaimable by ``check_space`` and ``usage``.
-A file is never recycled while this process reads or maps it (``read_blob_into``,
-``map_blob``, ``verify_blob`` register it by inode; collection unlinks such a file instead), so a
-restored array that maps a blob never changes. Code that opens blob files itself (uploads,
+A file is never recycled while any process reads or maps it (``read_blob_into``,
+``map_blob``, ``verify_blob`` register it by inode for this process's collection and hold a shared
+``flock`` for other processes'; collection unlinks such a file instead), so a restored array that
+maps a blob never changes. Code that opens blob files itself (uploads,
 peer sends) must keep the names pinned while the file is open.
 """
 

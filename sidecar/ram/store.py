@@ -285,8 +285,8 @@ class RamStore(StoreSpace):
         """Blob ``name`` as a verified uint8 array that maps the file (no copy).
 
         The mapping is private (copy-on-write): writes to the array never reach the file. The
-        file is registered as in use for as long as the mapping lives, so it is never recycled
-        and the array never changes under its holder (a collection unlinks it instead; its
+        file is registered as in use and locked shared for as long as the mapping lives, so no
+        process recycles it and the array never changes under its holder (a collection unlinks it instead; its
         pages are freed when the last array using them goes). Raises CorruptBlobError when
         the blob is missing, is not ``nbytes`` long, or does not hash to its name; OSError
         when it cannot be mapped (the caller reads it instead).
