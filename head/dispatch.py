@@ -97,6 +97,7 @@ class HostInventory:
     damaged: tuple[int, ...] = ()  # steps committed here whose manifest copy fails its checks
     # (step, why, seconds ago): steps whose last peer pull on this host failed (a full ramdisk, ...)
     pull_failures: tuple[tuple[int, str, float], ...] = ()
+    ramdisk: tuple[int, int] | None = None  # (free bytes, size bytes) of its ramdisk when it answered
 
     @classmethod
     def unreachable(cls, host: str, cause: str) -> "HostInventory":
@@ -134,8 +135,11 @@ class HostInventory:
                                                 and isinstance(n.get("error"), str)
                                                 and isinstance(n.get("age_s"), (int, float)) for n in notes)):
             raise errors.ProtocolError(f"host {host}: inventory 'pull_failures' is not a list of {{step, error, age_s}}")
+        room = doc.get("ramdisk")
+        ramdisk = (room["free_bytes"], room["size_bytes"]) if isinstance(room, dict) and all(
+            type(room.get(k)) is int for k in ("free_bytes", "size_bytes")) else None
         return cls(host=host, steps=tuple(steps), damaged=tuple(damaged),
-                   pull_failures=tuple((n["step"], n["error"], float(n["age_s"])) for n in notes))
+                   pull_failures=tuple((n["step"], n["error"], float(n["age_s"])) for n in notes), ramdisk=ramdisk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,6 +153,7 @@ def attach(config: Any, replicator: Any, backups: Any) -> "Tracker | Off":
     serve(config.metrics_port)
     tracker = Tracker(instruments(), config, backups)
     replicator.listeners.append(tracker.replicated)
+    replicator.inventory_listeners.append(tracker.inventoried)
     backups.listeners.append(tracker.backed_up)
     backups.scrub.listeners.append(tracker.scrubbed)
     return tracker
@@ -196,9 +197,15 @@ class Tracker(Off):
         self._committed: dict[int, float] = {}  # step -> wall time of its commit
         self.newest: dict[str, int] = {}  # tier -> newest step it alone could restore
         self._was_fenced = False
+        self.hosts: dict[str, tuple[bool, tuple[int, int] | None]] = {}  # host -> (answered, its ramdisk (free, size))
         m.trackers.add(self)
 
     # --- hooks the manager calls --------------------------------------------------------------
+
+    def inventoried(self, inventories: dict) -> None:
+        """What the latest inventory said of each host: its ramdisk's room, or that it did not answer."""
+        with self._lock:
+            self.hosts = {h: (not i.error, i.ramdisk) for h, i in inventories.items()}
 
     def saved(self, report: Any) -> Any:
         """A committed save: its phases, bytes, and the RAM tier's newest step."""
@@ -341,3 +348,20 @@ class _Live:
         yield lag
         yield GaugeMetricFamily("mtc_backups_running", "Backups running now",
                                 value=sum(tr.backups_running for tr in trackers))
+        hosts: dict[str, tuple[bool, tuple[int, int] | None]] = {}
+        for tr in trackers:
+            hosts.update(tr.hosts)
+        up = GaugeMetricFamily("mtc_host_up", "Whether the host answered the head's latest inventory",
+                               labels=["host"])
+        free = GaugeMetricFamily("mtc_host_ramdisk_free_bytes", "Free bytes on the host's ramdisk (latest inventory)",
+                                 labels=["host"])
+        size = GaugeMetricFamily("mtc_host_ramdisk_size_bytes", "Size of the host's ramdisk (latest inventory)",
+                                 labels=["host"])
+        for h, (answered, room) in sorted(hosts.items()):
+            up.add_metric([h], 1 if answered else 0)
+            if answered and room is not None:
+                free.add_metric([h], room[0])
+                size.add_metric([h], room[1])
+        yield up
+        yield free
+        yield size

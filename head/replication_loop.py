@@ -52,6 +52,7 @@ class Replicator:
         # The running replication, after each attempt: step, attempts, start, hosts short and why, stats.
         self._progress: dict | None = None
         self.listeners: list[Callable[[ReplicationReport], None]] = []  # each ended replication's report (metrics)
+        self.inventory_listeners: list[Callable[[dict], None]] = []  # each inventory it took (metrics)
 
     @property
     def running(self) -> bool:
@@ -201,7 +202,7 @@ class Replicator:
         domain that lacks it, which lists the blobs from its own copy of the manifest. ``short``
         gets the hosts that could not make their copies, and why."""
         step, digest, hosts = committed.step, committed.digest, committed.hosts
-        inv = self._dispatch.peer_inventories()
+        inv = self._inventories()
         topology = self.topology()
         if covered_by_shares(inv, step, digest, hosts, self._strategy, topology):
             return True, True
@@ -236,17 +237,23 @@ class Replicator:
             return None
         if repaired:  # holders dropped corrupt copies: they hold less than the inventory said; look again
             return False, False
-        if covered_by_shares(self._dispatch.peer_inventories(), step, digest, hosts, self._strategy, topology):
+        if covered_by_shares(self._inventories(), step, digest, hosts, self._strategy, topology):
             return True, True
         if failed or down:
             return False, False
         return None  # the shares' copies were made and still not enough: the per-blob plan decides
 
+    def _inventories(self) -> dict:
+        inv = self._dispatch.peer_inventories()
+        for listener in self.inventory_listeners:
+            listener(inv)
+        return inv
+
     def _replicate_once(self, manifest: fmt.StepManifest, names: list[str], stats: dict, short: dict[str, str], *,
                         first: bool) -> tuple[bool, bool]:
         """One attempt: (nothing left to retry, every blob has its copies); ``short`` as in ``_replicate_shares``."""
         step = manifest.step
-        inv = self._dispatch.peer_inventories()
+        inv = self._inventories()
         down = {h for h, i in inv.items() if i.error}
         short.update({h: f"could not be asked ({inv[h].error})" for h in down})
         view = step_views(inv, lambda s, d: manifest if (s, d) == (step, manifest.digest) else None).get(step)

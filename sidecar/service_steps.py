@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Sequence
 
 from mtc.shared import format as fmt
@@ -199,7 +200,10 @@ class ServiceSteps:
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
         damaged += [s for s in self.store.unreadable_steps(listed=True) if s not in damaged]
-        return {"host": self.host_id, "steps": out, "damaged": sorted(damaged), **pull_notes(self.store)}
+        st = os.statvfs(self.store.root)  # the ramdisk's room, for the head's metrics (no pass over the blobs)
+        room = {"free_bytes": st.f_bavail * st.f_frsize, "size_bytes": st.f_blocks * st.f_frsize}
+        return {"host": self.host_id, "steps": out, "damaged": sorted(damaged), "ramdisk": room,
+                **pull_notes(self.store)}
 
     def _shares_held(self, m: fmt.StepManifest, have: set[str]) -> list[str]:
         """The digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own

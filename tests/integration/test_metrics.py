@@ -8,6 +8,7 @@ manager's reports (bytes by tier, bit for bit what ``last_restore_report`` says)
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import urllib.request
@@ -109,6 +110,11 @@ def test_metrics_follow_saves_a_kill_and_restores_from_peers_and_backup(local_cl
             assert val(done, "mtc_backups_total", outcome="ok") - (val(before, "mtc_backups_total", outcome="ok") or 0) == 1
             for tier in ("peer", "backup"):  # both hold step s now: the same age as RAM's
                 assert val(done, "mtc_recovery_point_seconds", tier=tier) <= time.time() - t_call
+            for h in local_cluster.hosts:  # each host's ramdisk, as the head's latest inventory found it
+                st = os.statvfs(local_cluster.ramdisk(h))
+                assert val(done, "mtc_host_up", host=h) == 1
+                assert val(done, "mtc_host_ramdisk_size_bytes", host=h) == st.f_blocks * st.f_frsize
+                assert 0 < val(done, "mtc_host_ramdisk_free_bytes", host=h) <= st.f_blocks * st.f_frsize
             prev_rp = rp
 
         # kill -9 of a sidecar daemon during the next save: the save fails, nothing reaches any tier.
