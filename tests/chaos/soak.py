@@ -1282,27 +1282,40 @@ def _send_garbage(host: str, port: int, kind: str, r: random.Random) -> None:
             sock.recv(1 << 16)
 
 
-def fault_net_cut(s: Soak, r: random.Random, cls: str, d: dict) -> None:
-    """One host cut off from the network (its link down) for a while, in the middle of a save."""
-    victim = r.choice(s.live)
+def _cut_during_save(s: Soak, r: random.Random, d: dict, hosts: list[str]) -> None:
+    """``hosts`` cut off from the network (their links down) for 0.5-4 s in the middle of a save, then healed."""
     delay = round(r.uniform(0, 1.0) * s.save_s, 3)
     cut_s = round(r.uniform(0.5, 4.0), 2)
-    d.update(host=victim, after_s=delay, cut_s=cut_s)
+    d.update(after_s=delay, cut_s=cut_s)
     s.step += 1
     a = s._save(s.step)
     time.sleep(delay)
-    s.net.cut(victim)
+    for h in hosts:
+        s.net.cut(h)
     try:
         time.sleep(cut_s)
     finally:
-        s.net.heal(victim)
+        for h in hosts:
+            s.net.heal(h)
+    _saved_beside(s, a, d, hosts, "cut off")
+
+
+def _saved_beside(s: Soak, a: dict, d: dict, hosts: list[str], what: str) -> None:
+    """The end of a save a network fault ran beside: only the hosts it hit may have failed it."""
     if a["ok"]:
         a = s._wait(s.step)
     else:
         s.failed.add(s.step)
     d["save"] = "ok" if a["ok"] else "failed"
-    if not a["ok"] and set(a["hosts"]) - {victim}:
-        raise Violation(f"the save failed on {a['hosts']}, but only {victim} was cut off: {a['message']}")
+    if not a["ok"] and set(a["hosts"]) - set(hosts):
+        raise Violation(f"the save failed on {a['hosts']}, but only {hosts} were {what}: {a['message']}")
+
+
+def fault_net_cut(s: Soak, r: random.Random, cls: str, d: dict) -> None:
+    """One host cut off from the network (its link down) for a while, in the middle of a save."""
+    victim = r.choice(s.live)
+    d.update(host=victim)
+    _cut_during_save(s, r, d, [victim])
 
 
 def fault_net_slow(s: Soak, r: random.Random, cls: str, d: dict) -> None:
@@ -1319,13 +1332,7 @@ def fault_net_slow(s: Soak, r: random.Random, cls: str, d: dict) -> None:
         time.sleep(slow_s)
     finally:
         s.net.unslow(victim)
-    if a["ok"]:
-        a = s._wait(s.step)
-    else:
-        s.failed.add(s.step)
-    d["save"] = "ok" if a["ok"] else "failed"
-    if not a["ok"] and set(a["hosts"]) - {victim}:
-        raise Violation(f"the save failed on {a['hosts']}, but only {victim} was slowed: {a['message']}")
+    _saved_beside(s, a, d, [victim], "slowed")
 
 
 def fault_net_partition(s: Soak, r: random.Random, cls: str, d: dict) -> None:
@@ -1337,26 +1344,8 @@ def fault_net_partition(s: Soak, r: random.Random, cls: str, d: dict) -> None:
         side = [h for h in s.live if h.startswith(f"s{sl}-")]
     else:
         side = sorted(s.live)[: max(1, len(s.live) // 2)]
-    delay = round(r.uniform(0, 1.0) * s.save_s, 3)
-    cut_s = round(r.uniform(0.5, 4.0), 2)
-    d.update(hosts=side, after_s=delay, cut_s=cut_s)
-    s.step += 1
-    a = s._save(s.step)
-    time.sleep(delay)
-    for h in side:
-        s.net.cut(h)
-    try:
-        time.sleep(cut_s)
-    finally:
-        for h in side:
-            s.net.heal(h)
-    if a["ok"]:
-        a = s._wait(s.step)
-    else:
-        s.failed.add(s.step)
-    d["save"] = "ok" if a["ok"] else "failed"
-    if not a["ok"] and set(a["hosts"]) - set(side):
-        raise Violation(f"the save failed on {a['hosts']}, but only {side} were cut off: {a['message']}")
+    d.update(hosts=side)
+    _cut_during_save(s, r, d, side)
 
 
 FAULTS: dict[str, Callable] = {
