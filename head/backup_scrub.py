@@ -10,7 +10,14 @@ then:
 - with ``ramdisk``, each host first hashes its ramdisk copies of those blobs and removes a corrupt one
   (a good copy comes back by replication or a restore), so that no repair reads it;
 - a backup with a blob no host could repair is marked damaged (``damaged/<backup>.json``): the
-  backup listing leaves it out, so restore never chooses it, and ``mtc status`` says why.
+  backup listing leaves it out, so restore never chooses it, and ``mtc status`` says why;
+- a mark is a claim found in the store, which anyone who can write there can make: the marked
+  backups among the newest are checked again with the others (``targets``), and the mark of one
+  found whole is removed, so that no planted or stale mark hides a good backup from restore;
+- each host is given each blob's size (from the manifests): an object of another size is bad
+  without being downloaded, so that no object stored under a blob's name can fill a ramdisk.
+
+What the store says (a mark's why) is printed without its control characters (``printable``).
 
 ``ScrubLoop`` runs it every ``backup_scrub_interval_s`` in the background; ``mtc verify --backup``
 runs it on demand. Both run on the sidecars (``backup_scrub``): the head only coordinates.
@@ -26,10 +33,19 @@ from typing import Callable, Sequence
 
 from mtc.head.backup_plan import assign_scrub
 from mtc.head.dispatch import Dispatcher
+from mtc.shared import backup_layout as layout
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, MTCError
 
 log = logging.getLogger(__name__)
+
+
+def printable(text: object, limit: int = 400) -> str:
+    """``text`` with its control and other non-printable characters escaped, at most ``limit``
+    characters: what the store says, safe to print."""
+    out = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+                  for c in str(text)[: limit + 1])
+    return out if len(out) <= limit else out[:limit] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +58,8 @@ class BackupScrub:
     bad: tuple[str, ...] = ()  # corrupt or missing in the store
     repaired: tuple[str, ...] = ()  # of ``bad``, re-uploaded from a host's good copy
     damaged: str = ""  # why it was marked damaged (a bad blob no host could repair)
+    marked_before: str = ""  # why an earlier mark (or a planted one) said it was damaged: checked again
+    cleared: bool = False  # that mark was removed: every blob is whole now
 
     @property
     def ok(self) -> bool:
@@ -51,7 +69,7 @@ class BackupScrub:
 @dataclasses.dataclass(frozen=True)
 class ScrubReport:
     backups: tuple[BackupScrub, ...] = ()
-    already_damaged: tuple[dict, ...] = ()  # backups marked by an earlier scrub: {"name", "step", "why"}
+    already_damaged: tuple[dict, ...] = ()  # marked backups older than those checked: {"name", "step", "why"}
     bytes: int = 0  # read from the store by the check
     seconds: float = 0.0
     error: str | None = None  # why the scrub stopped (the next one tries again)
@@ -73,19 +91,28 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
     t0 = time.monotonic()
     listing = dispatch.backup_listing()
     listed = {b["name"]: b for b in listing["backups"]}
-    damaged_before = {d["name"]: d for d in listing.get("damaged", [])}
+    damaged_before = {d["name"]: {**d, "why": printable(d.get("why", ""))} for d in listing.get("damaged", [])}
     if names:
         unknown = [n for n in names if n not in listed and n not in damaged_before]
         if unknown:
             raise ConfigError(f"backup {unknown[0]} is not in the backup root (backups: {list(listed)[:5]}); "
                               "name one that `mtc status` or `mtc restore-version show` lists")
-        targets = [listed[n] for n in names if n in listed]
+        targets = [listed.get(n) or damaged_before[n] for n in dict.fromkeys(names)]
     else:
-        targets = listing["backups"][:backups]
-    manifests = {b["name"]: dispatch.backup_manifest(b["name"]) for b in targets}
+        targets = _targets(listing["backups"], list(damaged_before.values()), backups)
+    manifests: dict = {}
+    for b in targets:
+        try:
+            manifests[b["name"]] = dispatch.backup_manifest(b["name"])
+        except MTCError as e:
+            if b["name"] not in damaged_before:
+                raise
+            log.warning("backup scrub: backup %s is marked damaged and its manifest cannot be read (%s); "
+                        "its mark stays", b["name"], e)
+    targets = [b for b in targets if b["name"] in manifests]
     sizes = {sh.blob: sh.nbytes for m in manifests.values() for rec in m.arrays for sh in rec.shards}
     hosts = dispatch.hosts()
-    work = {h: {"blobs": bl} for h, bl in assign_scrub(sizes, hosts).items() if bl}
+    work = {h: {"blobs": bl, "sizes": {b: sizes[b] for b in bl}} for h, bl in assign_scrub(sizes, hosts).items() if bl}
     if ramdisk and sizes:
         work = {h: {**work.get(h, {}), "ramdisk": sorted(sizes)} for h in hosts}
     found = dispatch.backup_scrub(work, bytes_per_s) if work else {}
@@ -93,7 +120,8 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
     repaired = _repair(dispatch, hosts, bad, bytes_per_s) if bad else set()
     marks: dict[str, str] = {}
     if bad - repaired:
-        still = {b["name"] for b in dispatch.backup_listing()["backups"]}  # a backup pruned meanwhile lost its blobs
+        after = dispatch.backup_listing()  # a backup pruned meanwhile lost its blobs
+        still = {b["name"] for b in [*after["backups"], *after.get("damaged", [])]}
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for name, m in manifests.items():
             lost = sorted(m.blob_names() & (bad - repaired))
@@ -103,19 +131,39 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
                                "no host holds a good copy to repair it")
         if marks:
             dispatch.backup_scrub({hosts[0]: {"damaged": marks}}, bytes_per_s)
+    clear = [n for n, m in manifests.items() if n in damaged_before and not m.blob_names() & (bad - repaired)]
+    cleared = set(dispatch.backup_scrub({hosts[0]: {"clear": clear}}, bytes_per_s)[hosts[0]].get("cleared", [])
+                  ) if clear else set()
     out = []
     for b in targets:
         blobs = manifests[b["name"]].blob_names()
+        before = damaged_before[b["name"]]["why"] if b["name"] in damaged_before else ""
         out.append(BackupScrub(b["name"], b["step"], len(blobs), tuple(sorted(blobs & bad)),
-                               tuple(sorted(blobs & bad & repaired)), marks.get(b["name"], "")))
-    report = ScrubReport(tuple(out), tuple(damaged_before.values()), sum(r.get("bytes", 0) for r in found.values()),
+                               tuple(sorted(blobs & bad & repaired)), marks.get(b["name"], ""),
+                               before, b["name"] in cleared))
+    checked = {b["name"] for b in targets}
+    report = ScrubReport(tuple(out), tuple(d for n, d in damaged_before.items() if n not in checked),
+                         sum(r.get("bytes", 0) for r in found.values()),
                          time.monotonic() - t0,
                          ramdisk_checked=sum(r.get("ramdisk_checked", 0) for r in found.values()),
                          ramdisk_removed={h: r["ramdisk_removed"] for h, r in found.items()
                                           if r.get("ramdisk_removed")})
-    log.info("- backup scrub; %d backups, %d blobs, %d bytes in %.3fs; %d bad, %d repaired, %d marked damaged",
-             len(out), len(sizes), report.bytes, report.seconds, report.bad_blobs, report.repaired_blobs, len(marks))
+    log.info("- backup scrub; %d backups, %d blobs, %d bytes in %.3fs; %d bad, %d repaired, %d marked damaged, "
+             "%d marks cleared", len(out), len(sizes), report.bytes, report.seconds, report.bad_blobs,
+             report.repaired_blobs, len(marks), len(cleared))
     return report
+
+
+def _targets(good: Sequence[dict], marked: Sequence[dict], backups: int) -> list[dict]:
+    """The newest backups, until ``backups`` unmarked ones: the marked ones among them are checked
+    again (with fewer unmarked backups than that, every marked one)."""
+    unmarked = {b["name"] for b in good}
+    out: list[dict] = []
+    for b in sorted([*good, *marked], key=lambda b: layout.order_key(b["name"]), reverse=True):
+        if sum(x["name"] in unmarked for x in out) >= backups:
+            break
+        out.append(b)
+    return out
 
 
 def _repair(dispatch: Dispatcher, hosts: Sequence[str], bad: set[str], bytes_per_s: float | None) -> set[str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import ProtocolError
 from mtc.sidecar.jobs import MAX_WAIT_S
@@ -176,9 +177,15 @@ def _backup_scrub(args: dict, payloads: Sequence[bytes]) -> Args:
                             f"got {rate!r:.50}")
     if not isinstance(damaged, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in damaged.items()):
         raise ProtocolError("backup_scrub: 'damaged' must be an object of backup name -> why")
+    sizes, clear = args.get("sizes", {}), args.get("clear", [])
+    if not isinstance(sizes, dict) or not all(isinstance(k, str) and type(v) is int and 0 <= v < 2**63
+                                              for k, v in sizes.items()):
+        raise ProtocolError("backup_scrub: 'sizes' must be an object of blob name -> its size in bytes")
+    if not isinstance(clear, list) or not all(backup_layout.is_backup_name(n) for n in clear):
+        raise ProtocolError("backup_scrub: 'clear' must be a list of backup names")
     return (_root(args, "backup_scrub"), _names(args.get("blobs", []), "backup_scrub"),
             _names(args.get("repair", []), "backup_scrub (repair)"), damaged, rate), {
-        "ramdisk": _names(args.get("ramdisk", []), "backup_scrub (ramdisk)")}
+        "ramdisk": _names(args.get("ramdisk", []), "backup_scrub (ramdisk)"), "sizes": sizes, "clear": clear}
 
 
 def _peer_pull(args: dict, payloads: Sequence[bytes]) -> Args:

@@ -242,14 +242,17 @@ class SidecarService(ServiceSave, ServiceSteps):
         return out
 
     def backup_scrub(self, root: str | None, blobs: list[str], repair: list[str], damaged: dict[str, str],
-                     bytes_per_s: float | None = None, *, ramdisk: Sequence[str] = ()) -> dict:
+                     bytes_per_s: float | None = None, *, ramdisk: Sequence[str] = (),
+                     sizes: dict[str, int] | None = None, clear: Sequence[str] = ()) -> dict:
         """Hash ``blobs`` of the backup root ``root`` (None: the head's) at ``bytes_per_s`` (None: the
-        head's cap), re-upload ``repair`` from this ramdisk where it holds good copies, mark ``damaged``
-        backups (name -> why) so restore skips them; first, hash this ramdisk's copies of ``ramdisk``
-        and remove corrupt ones (``mtc.sidecar.backup.scrub``)."""
+        head's cap; ``sizes``: each blob's size, an object of another size is bad unread), re-upload
+        ``repair`` from this ramdisk where it holds good copies, mark ``damaged`` backups (name -> why)
+        so restore skips them, remove the marks of ``clear``; first, hash this ramdisk's copies of
+        ``ramdisk`` and remove corrupt ones (``mtc.sidecar.backup.scrub``)."""
         tier = self._backup_tier(root, configured=root is None)
         rate = self._settings("the backup scrub").backup_scrub_bytes_per_s if bytes_per_s is None else bytes_per_s
-        return tier.scrub(list(blobs), float(rate), list(repair), dict(damaged), list(ramdisk))
+        return tier.scrub(list(blobs), float(rate), list(repair), dict(damaged), list(ramdisk),
+                          sizes=dict(sizes or {}), clear=list(clear))
 
     # --- peer tier -----------------------------------------------------------------------
 

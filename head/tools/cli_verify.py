@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
             hosts.close()
     if args.json:
         print(json.dumps({"backups": [{"name": b.name, "step": b.step, "checked": b.checked, "bad": list(b.bad),
-                                       "repaired": list(b.repaired), "damaged": b.damaged} for b in report.backups],
+                                       "repaired": list(b.repaired), "damaged": b.damaged,
+                                       "marked_before": b.marked_before, "cleared": b.cleared}
+                                      for b in report.backups],
                           "already_damaged": list(report.already_damaged), "bytes": report.bytes,
                           "ramdisk_checked": report.ramdisk_checked, "ramdisk_removed": report.ramdisk_removed,
                           "seconds": report.seconds}, indent=2))
@@ -86,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
             print("no backup to check in the backup root")
         for b in report.backups:
             state = f"DAMAGED: {b.damaged}" if b.damaged else "ok" if not b.bad else "ok (repaired)"
-            print(f"backup {b.name} (step {b.step}): {b.checked} blobs checked, {len(b.bad)} bad, "
+            if b.cleared:
+                state += ", its damaged mark removed"
+            again = "marked damaged earlier, checked again: " if b.marked_before else ""
+            print(f"backup {b.name} (step {b.step}): {again}{b.checked} blobs checked, {len(b.bad)} bad, "
                   f"{len(b.repaired)} repaired: {state}")
         for d in report.already_damaged:
             print(f"backup {d['name']} (step {d['step']}): marked damaged earlier, not checked: {d['why']}")

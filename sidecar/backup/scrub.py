@@ -6,7 +6,9 @@ picks the backups and gives each blob to one host (``mtc.head.backup_scrub``); a
 
 - ``check``: downloads each blob it was given into a temporary file of its ramdisk and hashes it
   against its name, one blob at a time, pausing between blobs so that its reads average at most
-  ``bytes_per_s`` (training shares the network);
+  ``bytes_per_s`` (training shares the network); an object whose size is not the blob's (the head
+  gives each blob's size, from the backups' manifests) is bad without being downloaded, so that no
+  object in the store can fill the ramdisk;
 - ``repair``: re-uploads the blobs it holds in its ramdisk, each hashed first, over the bad
   object (the name is the content's hash, so the good bytes belong there), then checks the object
   again;
@@ -14,7 +16,11 @@ picks the backups and gives each blob to one host (``mtc.head.backup_scrub``); a
   corrupt one (``RamStore.scrub_blob``: replication or a restore brings a good copy back), before
   any repair reads them;
 - ``mark``: writes ``damaged/<backup>.json`` for a backup no host could repair; the listing then
-  leaves it out, so restore never chooses it (``BackupTier.listing``).
+  leaves it out, so restore never chooses it (``BackupTier.listing``); ``clear`` removes the mark
+  of a backup the head checked again and found whole (a mark is only a claim found in the store).
+
+What the store's marks say is text from the store: ``read_damaged`` gives it without control
+characters and bounded, so that no mark can drive the terminal that prints it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,16 @@ from mtc.sidecar.ram import RamStore
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 * 2**20
+_MARK_BYTES = 64 * 2**10  # a damaged mark larger than this is not read (its backup still counts as marked)
+_WHY_CHARS = 400
+
+
+def printable(text: str, limit: int = _WHY_CHARS) -> str:
+    """``text`` with every control or other non-printable character escaped (``\\x1b``), at most
+    ``limit`` characters: text from the store, safe to log and print."""
+    out = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+                  for c in str(text)[: limit + 1])
+    return out if len(out) <= limit else out[:limit] + "..."
 
 
 def hash_file(path: str) -> str:
@@ -49,9 +65,17 @@ class Scrubber:
     def __init__(self, store: ObjectStore, ram: RamStore, host_id: str):
         self._store, self._ram, self._host = store, ram, host_id
 
-    def _object_ok(self, blob: str) -> tuple[bool, int]:
+    def _object_ok(self, blob: str, size: int | None = None) -> tuple[bool, int]:
         """(whether the store's object of ``blob`` hashes to its name, its size); ObjectNotFoundError
-        when it is missing."""
+        when it is missing. With ``size`` (the blob's), an object of another size is not downloaded."""
+        if size is not None:
+            n = self._store.size(layout.blob_object(blob))
+            if n is None:
+                raise ObjectNotFoundError(layout.blob_object(blob))
+            if n != size:
+                log.error("backup scrub: the object of blob %s in %s is %d bytes, the blob %d: not downloaded "
+                          "(host %s)", blob, self._store.url, n, size, self._host)
+                return False, 0
         fd, tmp = self._ram.open_temp_blob()
         os.close(fd)
         try:
@@ -60,15 +84,17 @@ class Scrubber:
         finally:
             self._ram.discard_temp_blob(tmp)
 
-    def check(self, blobs: list[str], bytes_per_s: float) -> dict:
-        """Hash each of ``blobs`` as the store holds it, at most ``bytes_per_s`` on average."""
+    def check(self, blobs: list[str], bytes_per_s: float, sizes: dict[str, int] | None = None) -> dict:
+        """Hash each of ``blobs`` as the store holds it, at most ``bytes_per_s`` on average; with
+        ``sizes`` (blob -> its size), an object of another size is bad without being downloaded."""
+        sizes = sizes or {}
         t0 = time.monotonic()
         done = 0
         bad: list[str] = []
         missing: list[str] = []
         for blob in sorted(set(blobs)):
             try:
-                ok, n = self._object_ok(blob)
+                ok, n = self._object_ok(blob, sizes.get(blob))
             except ObjectNotFoundError:
                 missing.append(blob)
                 log.error("backup scrub: blob %s is missing from %s (host %s)", blob, self._store.url, self._host)
@@ -106,8 +132,9 @@ class Scrubber:
                 if not self._ram.verify_blob(blob):
                     log.warning("backup scrub: host %s holds blob %s, but its copy is corrupt too", self._host, blob)
                     continue
-                self._store.put_file(layout.blob_object(blob), str(self._ram.blob_path(blob)))
-                if self._object_ok(blob)[0]:
+                path = self._ram.blob_path(blob)
+                self._store.put_file(layout.blob_object(blob), str(path))
+                if self._object_ok(blob, path.stat().st_size)[0]:
                     repaired.append(blob)
                     log.warning("backup scrub: blob %s repaired in %s from host %s's ramdisk", blob,
                                 self._store.url, self._host)
@@ -122,23 +149,39 @@ class Scrubber:
             doc = {"backup": name, "why": why, "host": self._host,
                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             self._store.put_bytes(layout.damaged_object(name), json.dumps(doc).encode())
-            log.error("backup %s in %s marked damaged (restore will not use it): %s", name, self._store.url, why)
+            log.error("backup %s in %s marked damaged (restore will not use it): %s", name, self._store.url,
+                      printable(why))
         return sorted(damaged)
+
+    def clear(self, names: list[str]) -> list[str]:
+        """Remove the damaged marks of ``names`` (backups checked again and found whole); those removed."""
+        cleared = []
+        for name in sorted(set(names)):
+            obj = layout.damaged_object(name)
+            if self._store.exists(obj):
+                self._store.delete(obj)
+                cleared.append(name)
+                log.warning("backup %s in %s: its damaged mark was removed (checked again: every blob is whole)",
+                            name, self._store.url)
+        return cleared
 
 
 def read_damaged(store: ObjectStore) -> dict[str, str]:
-    """Backup name -> why, for every backup marked damaged under ``store``."""
+    """Backup name -> why, for every backup marked damaged under ``store`` (why: printable, bounded)."""
     out = {}
     for obj in store.list(layout.DAMAGED):
         name = obj[len(layout.DAMAGED):].removesuffix(".json")
         if not layout.is_backup_name(name):
             continue
         try:
-            doc = json.loads(store.get_bytes(obj))
+            n = store.size(obj)
+            if n is None:
+                continue  # pruned meanwhile
+            doc = json.loads(store.get_bytes(obj)) if n <= _MARK_BYTES else None
             why = str(doc.get("why", "")) if isinstance(doc, dict) else ""
         except ObjectNotFoundError:
-            continue  # pruned meanwhile
-        except ValueError:
+            continue
+        except (ValueError, RecursionError):
             why = ""
-        out[name] = why or "marked damaged by a backup scrub"
+        out[name] = printable(why) or "marked damaged by a backup scrub"
     return out

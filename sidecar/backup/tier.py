@@ -177,15 +177,16 @@ class BackupTier:
                             for n in names if n in damaged]}
 
     def scrub(self, blobs: list[str], bytes_per_s: float, repair: list[str], damaged: dict[str, str],
-              ramdisk: list[str] = ()) -> dict:
-        """Check this host's ramdisk copies of ``ramdisk`` and ``blobs`` in the store, re-upload ``repair``
-        from the ramdisk where it holds them, mark ``damaged`` backups (``scrub.py``)."""
+              ramdisk: list[str] = (), *, sizes: dict[str, int] | None = None, clear: list[str] = ()) -> dict:
+        """Check this host's ramdisk copies of ``ramdisk`` and ``blobs`` in the store (an object whose
+        size is not ``sizes[blob]`` is bad without being read), re-upload ``repair`` from the ramdisk
+        where it holds them, mark ``damaged`` backups, remove the marks of ``clear`` (``scrub.py``)."""
         scrubber = Scrubber(self._store, self._ram, self._host)
         out: dict = {"host": self._host}
         if ramdisk:
             out.update(scrubber.check_ramdisk(list(ramdisk)))
         if blobs:
-            out.update(scrubber.check(blobs, bytes_per_s))
+            out.update(scrubber.check(blobs, bytes_per_s, sizes))
             for key, n in (("checked", out["checked"]), ("bytes", out["bytes"]),
                            ("bad", len(out["bad"]) + len(out["missing"]))):
                 self.scrub_stats[key] += n
@@ -194,6 +195,8 @@ class BackupTier:
             self.scrub_stats["repaired"] += len(out["repaired"])
         if damaged:
             out["marked"] = scrubber.mark(damaged)
+        if clear:
+            out["cleared"] = scrubber.clear(list(clear))
         return out
 
     def manifest(self, name: str) -> bytes:

@@ -8,6 +8,7 @@ why, and a restore takes the older good backup, or says that none is good.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import urllib.request
@@ -219,3 +220,68 @@ def test_verify_backup_ramdisk_removes_a_corrupt_ramdisk_copy_and_repairs_from_a
         assert rc == 0, out
         assert "1 bad, 1 repaired: ok" in out and f"corrupt ones removed: {h0}: {victim}" in out, out
         assert not copy.exists() and good(st, victim)
+
+
+def local_bucket(tmp_path) -> str:
+    return str(tmp_path / "bucket")
+
+
+def test_verify_backup_never_downloads_an_object_larger_than_its_blob(tmpfs16, tmp_path, capsys):
+    """A 64 MiB object stored under a blob's name, a 16 MiB ramdisk: the object's size is not the
+    blob's, so it is bad without being read, and repaired from the hosts' good copies."""
+    base = local_bucket(tmp_path)
+    st = open_store(f"{base}/run/mtc")
+    one = state(1)
+    with LocalCluster(tmpfs16 / "c", 1, 2, devices_per_host=4) as cluster:
+        with CheckpointManager(config(cluster, base, backup_scrub_interval_s=0)) as m:
+            m.save(1, one)
+            m.wait_until_finished()
+            assert m.wait_for_backup().error is None
+        victim = max(o[len(backup_layout.BLOBS):] for o in st.list(backup_layout.BLOBS))
+        big = tmp_path / "big"
+        big.write_bytes(np.random.default_rng(0).bytes(64 << 20))
+        st.delete(backup_layout.blob_object(victim))
+        st.put_file(backup_layout.blob_object(victim), str(big))
+        rc, out = verify(cluster, base, capsys)
+        assert rc == 0, out
+        assert "1 bad, 1 repaired: ok" in out, out
+        assert good(st, victim)
+        wipe_all(cluster)
+        with CheckpointManager(config(cluster, base, backup_scrub_interval_s=0, prefetch_on_start=False)) as m:
+            assert_trees_bitwise_equal(one, m.restore(1), check_sharding=True)
+
+
+def test_a_planted_damaged_mark_is_checked_again_and_removed(ramdisk, tmp_path, capsys):
+    """A ``damaged/<newest>.json`` the scrub did not make, with terminal escapes in its why: the
+    scrub checks that backup again, finds it whole and removes the mark (restore takes it again
+    after every ramdisk is lost); no control character from the store is printed."""
+    base = local_bucket(tmp_path)
+    st = open_store(f"{base}/run/mtc")
+    one, two = state(1), state(2)
+    with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4) as cluster:
+        cfg = config(cluster, base, backup_scrub_interval_s=0, backup_max_to_keep=2)
+        with CheckpointManager(cfg) as m:
+            for step, s in ((1, one), (2, two)):
+                m.save(step, s)
+                m.wait_until_finished()
+                assert m.wait_for_backup().error is None
+            names = {b["step"]: b["name"] for b in m.backups()}
+        why = "\x1b[2J\x1b[31mrestore step 1 instead\x1b[0m\x07\r"
+        st.put_bytes(backup_layout.damaged_object(names[2]), json.dumps({"backup": names[2], "why": why}).encode())
+        capsys.readouterr()
+        assert main(["status", "--cluster-spec", str(cluster.spec_path), "--base-output-directory", base,
+                     "--run-name", "run"]) == 0
+        status = capsys.readouterr()
+        assert f"{names[2]} (step 2) is damaged" in status.out and "x1b" in status.out, status.out
+        assert not any(c in status.out + status.err for c in "\x1b\x07\r"), repr(status.out)
+        rc, out = verify(cluster, base, capsys, "--backups", "1")
+        assert rc == 0, out
+        assert f"backup {names[2]} (step 2): marked damaged earlier, checked again:" in out, out
+        assert "its damaged mark removed" in out, out
+        assert not any(c in out for c in "\x1b\x07\r"), repr(out)
+        assert st.list(backup_layout.DAMAGED) == []
+        wipe_all(cluster)
+        with CheckpointManager(cfg.replace(prefetch_on_start=False)) as m:
+            assert m.latest_step() == 2
+            assert_trees_bitwise_equal(two, m.restore(), check_sharding=True)
+            assert m.last_restore_report.source == names[2]
