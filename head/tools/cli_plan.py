@@ -21,6 +21,13 @@ def _duration(text: str) -> float:
         raise ConfigError(f"--mtbf {text!r} is not a duration (e.g. 1h, 30m, 3600)") from None
 
 
+def _numbers(flag: str, text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: each of the comma-separated values must be a number") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from mtc.head.tools import plan as planner
 
@@ -31,11 +38,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes: list[str] = []
     try:
         mtbf = _duration(args.mtbf)
-        if args.params <= 0 or args.hosts < 1 or args.slices < 1 or args.step_time <= 0:
-            return fail("--params, --hosts, --slices and --step-time must be positive")
+        for flag, v in (("--params", args.params), ("--step-time", args.step_time),
+                        ("--bytes-per-param", args.bytes_per_param)):
+            if not (math.isfinite(v) and v > 0):
+                return fail(f"{flag} must be a positive, finite number, got {v:g}")
+        if args.hosts < 1 or args.slices < 1:
+            return fail("--hosts and --slices must be positive")
         per_host = args.params * args.bytes_per_param / args.hosts
         if args.costs:
-            vals = [float(v) for v in args.costs.split(",")]
+            vals = _numbers("--costs", args.costs)
             if len(vals) != 6:
                 return fail("--costs takes 6 numbers: blocked,write,backup,restore_ram,restore_peer,restore_backup")
             costs, how = planner.Costs(*vals), "given (--costs)"
@@ -49,7 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                  "(a busy machine?): the recommendation moves with it; measure again when the machine "
                                  "is quiet, or give --rates")
             else:
-                vals = [float(v) for v in args.rates.split(",")]
+                vals = _numbers("--rates", args.rates)
                 if len(vals) != 6 or min(vals) <= 0:
                     return fail("--rates takes 6 positive GB/s: d2h,write,backup,ram_read,peer,backup_read")
                 r = dict(zip(("d2h", "write", "backup", "ram_read", "peer", "backup_read"), vals))

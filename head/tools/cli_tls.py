@@ -24,6 +24,7 @@ from mtc.shared.errors import ConfigError
 from mtc.shared.tls import CA_FILE, CERT_FILE, KEY_FILE, TLSFiles
 
 DEFAULT_DAYS = 365
+MAX_DAYS = 3650  # ten years: a job's CA is rotated by generating again, long before that
 _NAME = "mtc"  # the certificate's subject; no host name is checked (hosts are reached by IP)
 
 
@@ -34,9 +35,12 @@ def generate(directory: str | os.PathLike, *, days: int = DEFAULT_DAYS, force: b
     ``backend``: ``"cryptography"`` or ``"openssl"`` (default: the package when importable).
     Existing files are kept unless ``force``.
     """
-    if type(days) is not int or days < 1:
-        raise ConfigError(f"--days must be a whole number of days >= 1, got {days!r}")
+    if type(days) is not int or not 1 <= days <= MAX_DAYS:
+        raise ConfigError(f"--days must be a whole number of days from 1 to {MAX_DAYS} (ten years), got {days!r}; "
+                          "generate again to rotate the files")
     d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{d} is not a folder; give a folder to write ca.crt, tls.crt and tls.key into")
     names = (CA_FILE, CERT_FILE, KEY_FILE)
     there = [n for n in names if (d / n).exists()]
     if there and not force:
@@ -54,9 +58,13 @@ def generate(directory: str | os.PathLike, *, days: int = DEFAULT_DAYS, force: b
         pems = _with_openssl(days)
     else:
         raise ConfigError(f"unknown TLS backend {backend!r}; use 'cryptography' or 'openssl'")
-    d.mkdir(parents=True, exist_ok=True)
-    for name, data in zip(names, pems):
-        _write_private(d / name, data)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for name, data in zip(names, pems):
+            _write_private(d / name, data)
+    except OSError as e:
+        raise ConfigError(f"cannot write the TLS files into {d}: {e.strerror or e}; choose a folder you can "
+                          "write") from None
     return TLSFiles.in_dir(d)
 
 
