@@ -12,7 +12,9 @@ arrays beside it.
 ``DatasetIterator`` and ``DataLoaderIterator``, or any object with both), or a list of them (a
 process that loads several data shards), and optionally a description of the pipeline (JSON)
 that is checked at restore: a position saved over other files, another shuffle seed, ... is
-refused with both descriptions, never applied to a pipeline it does not belong to. Orbax's
+refused with both descriptions, never applied to a pipeline it does not belong to; a restore that
+describes its pipeline refuses a position saved without a description (nothing says whose it is).
+A malformed ``mtc_iterator.json`` or state file is a ``DataPositionError`` too. Orbax's
 ``JsonSave``/``JsonRestore`` and Grain's ``CheckpointSave``/``CheckpointRestore`` (the
 ``PyGrainCheckpoint*`` args) are read as the same items.
 """
@@ -29,6 +31,7 @@ from mtc.shared.errors import TargetMismatchError
 
 ITERATOR_META = "mtc_iterator.json"  # beside the iterator's state files: how to read them back
 JSON_FILE = "metadata"  # Orbax's JsonCheckpointHandler's file name
+_FORMAT = "mtc-iterator/1"
 
 
 class DataPositionError(TargetMismatchError):
@@ -55,7 +58,8 @@ class IteratorRestore:
 
     ``names``: as for ``IteratorSave``, or a function of the saved state files' names that
     returns this run's (it raises ``DataPositionError`` when they cannot be mapped);
-    ``pipeline``: this run's description, compared with the saved one (a difference is refused);
+    ``pipeline``: this run's description, compared with the saved one (a difference, or a position
+    saved without one, is refused);
     ``missing_ok``: a step saved without an iterator restores (the data starts over: a warning),
     instead of being refused.
     """
@@ -141,7 +145,7 @@ def save_tree(kind: str, args: Any) -> dict[str, np.ndarray]:
             out[name], encodings[name] = _bytes(state.encode()), "str"
         else:  # Grain's DatasetIterator: a dict, written as its Orbax handler writes it
             out[name], encodings[name] = _bytes(json.dumps(state, indent=4).encode()), "json"
-    meta = {"format": "mtc-iterator/1", "states": encodings}
+    meta = {"format": _FORMAT, "states": encodings}
     if args.pipeline is not None:
         meta["pipeline"] = args.pipeline
     out[ITERATOR_META] = _bytes(json.dumps(meta, sort_keys=True).encode())
@@ -162,15 +166,52 @@ def _differences(saved: Any, now: Any) -> list[str]:
     return [] if saved == now else [f"saved {saved!r}, now {now!r}"]
 
 
+_RESTART = ("restart the data on purpose (MTC_DATA_RESTART=1 under the MaxText launcher; in the API, restore "
+            "without the iterator item)")
+_ENCODINGS = ("bytes", "str", "json")
+
+
+def _json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested beyond the parser
+        raise DataPositionError(f"{what} is not readable JSON ({type(e).__name__}: {str(e)[:200]}); "
+                                f"restore another step, or {_RESTART}") from None
+
+
+def _meta(tree: Any, name: str, step: int) -> dict:
+    """The item's ``mtc_iterator.json``, checked: what mtc wrote, or a ``DataPositionError``."""
+    where = f"step {step}'s data position ({name!r}, {ITERATOR_META})"
+    meta = _json(_text(tree, ITERATOR_META, name), where)
+    problem = (f"is a JSON {type(meta).__name__}, not an object" if not isinstance(meta, dict) else
+               f"has format {meta.get('format')!r}, not {_FORMAT!r}" if meta.get("format") != _FORMAT else
+               "has 'states' that is not an object of state file -> one of " + "/".join(_ENCODINGS)
+               if not (isinstance(meta.get("states", {}), dict)
+                       and all(isinstance(k, str) and v in _ENCODINGS for k, v in meta.get("states", {}).items()))
+               else None)
+    if problem:
+        raise DataPositionError(f"{where} {problem}: it is not a data position mtc saved; restore another step, "
+                                f"or {_RESTART}")
+    return meta
+
+
 def restore_item(kind: str, args: Any, tree: Any, name: str, step: int) -> Any:
-    """Apply a restored byte item: the JSON value, or the iterator(s) set to the saved position."""
+    """Apply a restored byte item: the JSON value, or the iterator(s) set to the saved position.
+
+    With this run's pipeline description (``IteratorRestore.pipeline``), the saved position must
+    carry one too, and the same: a position without it could belong to any pipeline."""
     if kind == "json":
         return json.loads(_text(tree, JSON_FILE, name))
     args = as_iterator_args(args)
     iterators = _iterators(args.item)
-    meta = json.loads(_text(tree, ITERATOR_META, name))
+    meta = _meta(tree, name, step)
     saved_files = sorted(k for k in tree if k != ITERATOR_META)
-    if args.pipeline is not None and "pipeline" in meta:
+    if args.pipeline is not None and "pipeline" not in meta:
+        raise DataPositionError(
+            f"step {step}'s data position ({name!r}) was saved without a description of its input pipeline, so "
+            "nothing says it belongs to this run's; it is not applied. Resume from a step saved with the "
+            f"description, or {_RESTART}")
+    if args.pipeline is not None:
         diff = _differences(meta["pipeline"], json.loads(json.dumps(args.pipeline)))
         if diff:
             raise DataPositionError(
@@ -188,10 +229,20 @@ def restore_item(kind: str, args: Any, tree: Any, name: str, step: int) -> Any:
             "in it. Restore with as many data shards as were saved (MaxText: set expansion_factor_real_data so "
             "that the number of data-loading shards matches), or restart the data on purpose (MTC_DATA_RESTART=1)")
     encodings = meta.get("states", {})
-    for w, it in zip(wanted, iterators):
+    states = []
+    for w, it in zip(wanted, iterators):  # every state read before any iterator is set
         data = _text(tree, w, name)
         enc = encodings.get(w, "json" if _is_dataset_iterator(it) else "bytes")
-        it.set_state(json.loads(data) if enc == "json" else data.decode() if enc == "str" else data)
+        what = f"step {step}'s data position ({name!r}, {w})"
+        if enc == "str":
+            try:
+                states.append(data.decode())
+            except UnicodeDecodeError:
+                raise DataPositionError(f"{what} is not UTF-8 text; restore another step, or {_RESTART}") from None
+        else:
+            states.append(_json(data, what) if enc == "json" else data)
+    for it, st in zip(iterators, states):
+        it.set_state(st)
         start = getattr(it, "start_prefetch", None)
         if callable(start):  # as Grain's own Orbax handler does after set_state
             start()

@@ -148,6 +148,47 @@ def test_a_step_without_an_iterator_is_refused_unless_the_restart_is_asked_for(m
     assert out.iter is fresh
 
 
+def test_a_position_without_its_pipeline_description_is_refused_unless_the_data_restarts(mngr):
+    """Saved without a description (or with it stripped from its mtc_iterator.json): nothing says the
+    position belongs to this run's pipeline, so a restore that describes its pipeline refuses it."""
+    it = dataset_iterator()
+    take(it, 6)
+    state = train_state(5)
+    mngr.save(6, args=ocp.args.Composite(state=ocp.args.PyTreeSave(item=state), iter=IteratorSave(it)))
+    mngr.wait_until_finished()
+    restore = dict(state=ocp.args.PyTreeRestore(item=abstract_of(state)))
+    other = dataset_iterator()
+    with pytest.raises(DataPositionError, match="without a description of its input pipeline") as e:
+        mngr.restore(6, args=ocp.args.Composite(**restore, iter=IteratorRestore(
+            other, pipeline={"files": ["other-00000.parquet"]})))
+    assert "MTC_DATA_RESTART=1" in str(e.value) and "without the iterator item" in str(e.value)
+    assert np.asarray(next(other))[0, 0] == np.asarray(next(dataset_iterator()))[0, 0]  # left untouched
+    # The restart on purpose: the state without the position.
+    assert_trees_bitwise_equal(mngr.restore(6, args=ocp.args.Composite(**restore)).state, state)
+
+
+@pytest.mark.parametrize("meta", [b"[1, 2]", b'{"format": "mtc-iterator/1", "states": "json"}', b"{not json",
+                                  b"\xff\xfe", b'{"format": "other/9", "states": {}}',
+                                  b'{"format": "mtc-iterator/1", "states": {"process_0-of-1.json": 7}}',
+                                  b"[" * 100000],
+                         ids=["list", "states-string", "garbage", "not-utf8", "format", "encoding", "deep"])
+def test_a_malformed_data_position_is_the_typed_error(mngr, meta):
+    """An mtc_iterator.json (or a state file) that mtc did not write: DataPositionError, naming the
+    file, and the iterator is left as it was."""
+    raw = lambda b: np.frombuffer(b, np.uint8).copy()  # noqa: E731
+    mngr.mtc_manager.save(3, {"iter": {"mtc_iterator.json": raw(meta), "process_0-of-1.json": raw(b"{}")}})
+    mngr.mtc_manager.wait_until_finished()
+    fresh = dataset_iterator()
+    with pytest.raises(DataPositionError, match="mtc_iterator.json"):
+        mngr.restore(3, args=ocp.args.Composite(iter=IteratorRestore(fresh)))
+    assert np.asarray(next(fresh))[0, 0] == np.asarray(next(dataset_iterator()))[0, 0]
+    state = b'{"format": "mtc-iterator/1", "states": {"process_0-of-1.json": "json"}}'
+    mngr.mtc_manager.save(4, {"iter": {"mtc_iterator.json": raw(state), "process_0-of-1.json": raw(b"{oops")}})
+    mngr.mtc_manager.wait_until_finished()
+    with pytest.raises(DataPositionError, match="process_0-of-1.json"):
+        mngr.restore(4, args=ocp.args.Composite(iter=IteratorRestore(dataset_iterator())))
+
+
 def test_as_saved_restores_a_subtree_without_knowing_it(ramdisk):
     state = train_state(4)
     extra = {"a": np.arange(5, dtype=np.int16), "b": [np.zeros((2, 3), np.float32), 7]}
