@@ -195,16 +195,17 @@ def _under(path: tuple, prefix: tuple) -> bool:
 def _orbax() -> Any:
     """orbax-checkpoint's v1 API and the partial-save parts the export uses (refused if missing)."""
     try:
-        from etils import epath
         from orbax.checkpoint import v1 as ocp
+        from etils import epath  # orbax-checkpoint's own dependency: imported after it, so a missing one names orbax
         from orbax.checkpoint.experimental.v1._src.handlers import pytree_handler
         from orbax.checkpoint.experimental.v1._src.partial import path as partial_path
         from orbax.checkpoint.experimental.v1._src.partial import saving as partial_saving
         from orbax.checkpoint.experimental.v1._src.saving import execution
     except ImportError as e:
-        raise ExportError(f"mtc export writes with orbax-checkpoint (its v1 API and partial save), which is not "
-                          f"installed here or too old ({e}): pip install 'mtc[export]' (orbax-checkpoint >= 0.12.8)"
-                          ) from e
+        missing = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in ("orbax", "etils")
+        raise ExportError("mtc export writes with orbax-checkpoint (its v1 API and partial save), which is "
+                          + ("not installed here" if missing else f"too old or broken here ({e})")
+                          + ": pip install 'mtc[export]' (orbax-checkpoint >= 0.12.8)") from e
 
     class PyTreeHandler(pytree_handler.PyTreeHandler):
         """Orbax's PyTreeHandler in partial-save mode, recorded under its own name, so the written

@@ -11,7 +11,9 @@ alone (one daemon on a scratch folder, ``--scratch``, that the restore fills fro
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -32,8 +34,32 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{text!r} is not a size (e.g. 1GiB, 512MiB, 2G)")
     n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ValueError(f"{text!r}: the size must be positive")
+        raise ValueError(f"{text!r}: the size must be positive (e.g. 1GiB, 512MiB, 2G)")
     return n
+
+
+def _size_arg(text: str) -> int:
+    """``parse_size`` for argparse, which prints the message of an ArgumentTypeError only."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _check_target(to: Path) -> None:
+    """Refuse an export directory that cannot be made, before any sidecar starts (nothing is left behind)."""
+    if to.exists() and not to.is_dir():
+        raise ConfigError(f"--to {to} is a file; give a folder (the export writes <folder>/<step> in it)")
+    probe = to
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--to {to} cannot be made: {probe} is not a folder; give a folder you can write")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mtc-export-probe-", dir=probe))
+    except OSError as e:
+        raise ConfigError(f"--to {to} cannot be made: {probe} is not writable here ({e.strerror or e}); give a "
+                          "folder you can write") from None
 
 
 def add_parser(sub: Any) -> None:
@@ -53,7 +79,7 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("--scratch", type=Path, default=None, metavar="DIR",
                     help="with the backup tier alone: where the blobs read from it are kept during the export "
                          "(default: a temporary folder; it holds up to the whole step, on disk)")
-    ex.add_argument("--max-memory", type=parse_size, default="1GiB", metavar="SIZE",
+    ex.add_argument("--max-memory", type=_size_arg, default="1GiB", metavar="SIZE",
                     help="state held in memory at once (default 1GiB; a larger single array is read whole)")
     ex.add_argument("--verify", action="store_true",
                     help="read the export back with Orbax and compare every array bit for bit with the step")
@@ -80,6 +106,7 @@ def run(args: Any) -> int:
 
     from mtc.head.cluster import ClusterDispatcher
     from mtc.head.manager import CheckpointManager
+    from mtc.head.tools.cli_common import missing_local_root
     from mtc.head.tools.sources import folder_hosts, open_hosts
     from mtc.shared.config import MTCConfig
 
@@ -95,6 +122,15 @@ def run(args: Any) -> int:
         if bool(args.base_output_directory) != bool(args.run_name):
             raise ConfigError("--base-output-directory and --run-name go together: the backups are at "
                               "<base_output_directory>/<run_name>/mtc")
+        _check_target(Path(args.to))
+        from mtc.head.export import _orbax
+
+        _orbax()  # refused here, before any sidecar starts, when orbax-checkpoint is missing
+        missing = missing_local_root(MTCConfig(base_output_directory=args.base_output_directory,
+                                               run_name=args.run_name).backup_root) if args.run_name else None
+        if missing:  # read-only: a backup root that is not there is not created (nor read as empty)
+            print(f"mtc export: error: {missing}", file=sys.stderr)
+            return 1
         rows: list = []
         if args.local_checkpoint_directory:
             rows = folder_hosts(args.local_checkpoint_directory)

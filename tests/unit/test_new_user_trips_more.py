@@ -50,3 +50,36 @@ def test_tls_generate_days_is_bounded(capsys, tmp_path):
     err = capsys.readouterr().err
     assert one_line(err) and "--days" in err and "3650" in err, err
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("to,says", [("file", "is a file"), ("/proc/nope", "cannot be made")])
+def test_export_to_a_file_or_an_unwritable_place_is_refused_before_any_sidecar_starts(capsys, tmp_path, to, says):
+    import time
+
+    (tmp_path / "file").write_text("keep me")
+    (tmp_path / "r" / "mtc" / "backups").mkdir(parents=True)
+    t0 = time.monotonic()
+    rc = main(["export", "--to", str(tmp_path / to) if to == "file" else to,
+               "--base-output-directory", str(tmp_path), "--run-name", "r"])
+    err = capsys.readouterr().err
+    assert rc == 2 and one_line(err) and says in err and "[Errno" not in err, err
+    assert time.monotonic() - t0 < 2  # a sidecar daemon takes longer than that to start
+    assert (tmp_path / "file").read_text() == "keep me"
+
+
+def test_export_max_memory_zero_says_what_a_size_is(capsys):
+    assert main(["export", "--to", "x", "--max-memory", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--max-memory" in err and "positive" in err and "1GiB" in err and "parse_size" not in err, err
+
+
+def test_export_without_orbax_names_orbax_and_the_extra():
+    import subprocess
+    import sys
+
+    code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('orbax', 'etils')]; "
+            "from mtc.head.tools.cli import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "export", "--to", "/tmp/mtc-test-no-orbax", "--cluster-spec",
+                        "/nonexistent/cluster.json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and one_line(r.stderr), r.stderr
+    assert "orbax-checkpoint" in r.stderr and "mtc[export]" in r.stderr and "etils" not in r.stderr, r.stderr
