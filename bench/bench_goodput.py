@@ -1,0 +1,666 @@
+"""Goodput under failures: real MaxText on mtc against MaxText's standard Orbax checkpointing.
+
+    python bench/bench_goodput.py [--mtbf 90] [--seed 1] [--steps 200] [--restart-delay 5]
+        [--contenders mtc,orbax] [--faults kill_head,kill_sidecar,host_replaced,slice_lost,preempt]
+        [--model default|small] [--json FILE] [--timeline goodput.png]
+
+Every contender trains the same model on the same data (a Grain parquet file this benchmark
+writes, every row different, so a data iterator that started over changes every later loss)
+for ``--steps`` steps, under the same seeded failure schedule (gaps drawn exponentially with mean
+``--mtbf`` seconds of wall time, a class drawn for each). A failure hits a training process
+that has trained at least one step since it started. After one, the harness starts the job again
+as Kubernetes restarts a pod, ``--restart-delay`` seconds later: a new process, with a fresh
+home and working directory, so only what a pod keeps survives (the ramdisks the failure spared,
+the bucket).
+
+Contenders:
+
+- ``mtc``: ``python3 -m mtc.head.maxtext`` (through ``bench/goodput_probe.py``) in cluster mode,
+  2 slices x 2 hosts of real sidecar daemons (one device each), with the local period that
+  ``mtc plan --measure`` recommends for this state and MTBF, backups every ``--backup-steps``;
+- ``orbax``: MaxText's own standard checkpointing (async Orbax, to a local directory standing for
+  the bucket) at the period Young/Daly gives for its own measured save cost;
+- ``orbax-every-step``, ``mtc-backup-only`` (mtc's local period as long as the backup's): what a
+  user might pick instead.
+
+Fault classes and what each contender gets:
+
+- ``kill_head``: kill -9 of the training process;
+- ``kill_sidecar``: kill -9 of one sidecar daemon, restarted after the delay (the training goes
+  on); Orbax has no sidecar: nothing happens to it;
+- ``host_replaced``: a host dies, the training process with it, and comes back empty; for Orbax
+  the training process is killed (its checkpoints are in the bucket);
+- ``slice_lost``: every host of one slice dies, the training process with them, and they come
+  back empty; for Orbax the training process is killed;
+- ``preempt``: SIGTERM, with a grace period (``MTC_PREEMPTION_GRACE_S``): mtc saves the step
+  reached and exits; MaxText's standard path has no handler on this machine (its preemption
+  check needs JAX's distributed service): the signal ends it as a kill would.
+
+What it prints: per contender the effective training time ratio (the uninterrupted run's time
+for the steps trained, over the wall time), the steps recomputed, seconds lost per failure, and
+every recovery split into stages: restart delay, process start and imports, JAX and MaxText
+initialisation, setup until the restore, the restore (with mtc's own report: inventory, pull,
+load, bytes by tier), compilation, and the first step after it. Every contender's final state
+(a SHA-256 of every leaf) and every step's logged metrics are compared with the uninterrupted
+run's: a mismatch fails the run (exit 1). ``mtc plan``'s model, given the costs measured here,
+predicts each contender's goodput beside the measured one. ``--json`` writes the same figures,
+``--timeline`` a picture of every contender's run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "maxtext"))
+sys.path.insert(0, str(REPO))
+import env as mx_env  # noqa: E402
+
+PROBE = REPO / "bench" / "goodput_probe.py"
+FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt")
+SLICES, HOSTS = 2, 2
+METRICS = ("learning/loss", "learning/grad_norm", "learning/param_norm")
+
+MODELS = {
+    # ~25 M parameters, ~300 MB of train state with Adam: a step of about 0.3-1 s on 2 cores.
+    "default": dict(emb=256, layers=2, mlp=1024, heads=4, head_dim=64, seq=64, rows=40000),
+    # The smallest that still reads real data: for the test of the accounting.
+    "small": dict(emb=32, layers=2, mlp=64, heads=2, head_dim=16, seq=32, rows=4000),
+}
+
+MAKE_DATA = """
+import random, sys
+import pyarrow as pa, pyarrow.parquet as pq
+random.seed(int(sys.argv[2]))
+words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
+         "phi chi psi omega river stone cloud green quick brown fox jumps over lazy dog").split()
+rows = [" ".join(random.choice(words) for _ in range(random.randint(10, 60))) + f" row {i}" for i in range(int(sys.argv[3]))]
+pq.write_table(pa.table({"text": rows}), sys.argv[1])
+"""
+
+
+# --- the schedule ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    at_s: float  # wall time since the contender started
+    cls: str
+    pick: int  # which host / slice (a seeded draw, the same for every contender)
+
+
+def schedule(seed: int, mtbf_s: float, faults: list[str], horizon_s: float) -> list[Failure]:
+    r = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        t += r.expovariate(1.0 / mtbf_s)
+        if t > horizon_s:
+            return out
+        out.append(Failure(round(t, 2), r.choice(faults), r.randrange(1 << 16)))
+
+
+# --- one contender's processes -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Contender:
+    name: str
+    kind: str  # "mtc" or "orbax"
+    period: int  # steps between checkpoints (mtc: local; orbax: its only tier)
+    backup_steps: int = 0  # mtc only
+    why: str = ""
+
+
+@dataclasses.dataclass
+class Segment:
+    """One training process: when it started, its marks, how it ended."""
+
+    index: int
+    spawned: float
+    marks: list = dataclasses.field(default_factory=list)
+    ended: float | None = None
+    rc: int | None = None
+    failure: Failure | None = None  # the failure that ended it (or hit during it)
+    failed_at: float | None = None
+    log: str = ""
+
+    def first(self, name: str) -> float | None:
+        return next((m["t"] for m in self.marks if m["mark"] == name), None)
+
+    def steps(self) -> list[tuple[int, float]]:
+        return [(m["step"], m["t"]) for m in self.marks if m["mark"] == "step"]
+
+
+def _read_marks(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by kill -9
+            pass
+    return out
+
+
+class Cluster:
+    """The mtc contender's sidecar daemons: ``python -m mtc.sidecar cluster``, driven over stdin."""
+
+    def __init__(self, py: str, root: Path, env: dict):
+        self.proc = subprocess.Popen([py, "-m", "mtc.sidecar", "cluster", "--root", str(root), "--slices",
+                                      str(SLICES), "--hosts", str(HOSTS), "--devices-per-host", "1"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        first = json.loads(self.proc.stdout.readline() or "{}")
+        if "spec" not in first:
+            raise SystemExit("the local sidecar cluster did not start")
+        self.spec, self.hosts = first["spec"], first["hosts"]
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        if "error" in answer:
+            raise RuntimeError(f"cluster {cmd}: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+class Runner:
+    def __init__(self, args, py: str, maxtext_dir: Path, data: Path, work: Path, model: dict):
+        self.a, self.py, self.maxtext_dir, self.data, self.work, self.model = args, py, maxtext_dir, data, work, model
+
+    def flags(self, out: Path, metrics_file: Path, extra: list[str]) -> list[str]:
+        m = self.model
+        return [str(self.maxtext_dir / "configs" / "base.yml"), "run_name=r", f"base_output_directory={out}",
+                "model_name=default", f"base_emb_dim={m['emb']}", f"base_num_decoder_layers={m['layers']}",
+                f"base_mlp_dim={m['mlp']}", f"base_num_query_heads={m['heads']}", f"base_num_kv_heads={m['heads']}",
+                f"head_dim={m['head_dim']}", f"max_target_length={m['seq']}", "per_device_batch_size=1",
+                f"steps={self.a.steps}", f"learning_rate_schedule_steps={self.a.steps}", "dataset_type=grain",
+                "grain_file_type=parquet", f"grain_train_files={self.data}", "grain_worker_count=0",
+                f"tokenizer_path={self.maxtext_dir / 'assets' / 'tokenizers' / 'tokenizer.default'}",
+                "tokenizer_type=sentencepiece", "eval_interval=-1", "hardware=cpu", f"metrics_file={metrics_file}",
+                "skip_jax_distributed_system=True", *extra]
+
+    def env(self, home: Path, marks: Path, extra: dict | None = None) -> dict:
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("MTC_", "XLA_", "JAX_"))}
+        e.update(HOME=str(home), XLA_FLAGS=f"--xla_force_host_platform_device_count={SLICES * HOSTS}",
+                 JAX_PLATFORMS="cpu", GOODPUT_MARKS=str(marks), PYTHONUNBUFFERED="1", TMPDIR=str(home))
+        e.update(extra or {})
+        return e
+
+    def spawn(self, c: Contender, seg_dir: Path, flags: list[str], env_extra: dict) -> subprocess.Popen:
+        """A new pod: fresh home and working directory, nothing kept but what the flags point at."""
+        if seg_dir.exists():
+            shutil.rmtree(seg_dir)
+        (seg_dir / "home").mkdir(parents=True)
+        env = self.env(seg_dir / "home", seg_dir / "marks.jsonl", env_extra)
+        log = (seg_dir / "log.txt").open("wb")
+        return subprocess.Popen([self.py, str(PROBE), c.kind, *flags], cwd=seg_dir / "home", env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    # -- the uninterrupted run -----------------------------------------------------------------
+
+    def reference(self) -> dict:
+        d = self.work / "reference"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        c = Contender("reference", "orbax", 0)
+        t0 = time.time()
+        proc = self.spawn(c, d / "pod", self.flags(d / "bucket", d / "metrics.txt", ["enable_checkpointing=False"]), {})
+        rc = proc.wait()
+        marks = _read_marks(d / "pod" / "marks.jsonl")
+        if rc != 0:
+            raise SystemExit(f"the uninterrupted run failed ({rc}):\n{(d / 'pod' / 'log.txt').read_text()[-3000:]}")
+        steps = [(m["step"], m["t"]) for m in marks if m["mark"] == "step"]
+        times = [b - a for (_, a), (_, b) in zip(steps, steps[1:])]
+        final = next(m for m in marks if m["mark"] == "final")
+        return {"spawned": t0, "marks": marks, "wall_s": final["t"] - t0, "step_s": statistics.median(times[1:]),
+                "first_step_s": steps[0][1] - t0, "digest": final["digest"], "metrics": metrics(d / "metrics.txt"),
+                "stages": stages_of(Segment(0, t0, marks), None)}
+
+    # -- a contender under the schedule --------------------------------------------------------
+
+    def run(self, c: Contender, failures: list[Failure], delay: float) -> dict:
+        d = self.work / c.name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        token = secrets.token_hex(16)
+        cluster = None
+        env_extra: dict = {}
+        if c.kind == "mtc":
+            cluster = Cluster(self.py, d / "hosts", dict(self.env(d, d / "cluster-marks"), MTC_PEER_TOKEN=token))
+            env_extra = {"MTC_CLUSTER_SPEC": cluster.spec, "MTC_PEER_TOKEN": token,
+                         "MTC_PREEMPTION_GRACE_S": str(self.a.grace)}
+            extra = ["enable_checkpointing=True", "enable_multi_tier_checkpointing=True",
+                     f"local_checkpoint_directory={d / 'head-ramdisk'}", f"local_checkpoint_period={c.period}",
+                     f"multi_tier_checkpointing_backup_interval_steps={c.backup_steps}", "checkpoint_period=1000000"]
+        else:
+            extra = ["enable_checkpointing=True", "async_checkpointing=True", f"checkpoint_period={c.period}"]
+        flags = self.flags(d / "bucket", d / "metrics.txt", extra)
+        segments: list[Segment] = []
+        pending = list(failures)
+        events: list[dict] = []  # what the harness did, with its time
+        t_start = time.time()
+        try:
+            while True:
+                seg = Segment(len(segments), time.time())
+                segments.append(seg)
+                seg_dir = d / f"pod{seg.index}"
+                proc = self.spawn(c, seg_dir, flags, env_extra)
+                hit = None
+                while proc.poll() is None:
+                    time.sleep(0.05)
+                    if time.time() - t_start > self.a.budget:
+                        proc.kill()
+                        proc.wait()
+                        raise SystemExit(f"{c.name}: over the wall-clock budget ({self.a.budget:.0f} s); "
+                                         f"see {seg_dir / 'log.txt'}")
+                    if not pending or time.time() - t_start < pending[0].at_s:
+                        continue
+                    seg.marks = _read_marks(seg_dir / "marks.jsonl")
+                    if not seg.steps():
+                        continue  # a failure hits a process that trains: it waits for its first step
+                    f = pending.pop(0)
+                    seg.failure, seg.failed_at = f, time.time()
+                    hit = self.inject(c, f, proc, cluster, delay, events)
+                    if hit == "goes_on":  # the process survives (a sidecar): the next failure may hit it
+                        seg.failure = None
+                        continue
+                    break
+                rc = proc.wait()
+                seg.ended, seg.rc = time.time(), rc
+                seg.marks = _read_marks(seg_dir / "marks.jsonl")
+                seg.log = str(seg_dir / "log.txt")
+                if hit is None and rc == 0 and any(m["mark"] == "final" for m in seg.marks):
+                    break  # trained to the end
+                if hit is None:  # a crash nobody caused: restart it, and say so
+                    events.append({"t": time.time(), "what": f"process exited {rc} by itself", "segment": seg.index})
+                    if sum(1 for e in events if "by itself" in e["what"]) > 3:
+                        raise SystemExit(f"{c.name}: the training process keeps failing; see {seg.log}:\n"
+                                         + Path(seg.log).read_text()[-3000:])
+                if hit == "restart_cluster" and cluster is not None:
+                    pass
+                wait = delay - (time.time() - (seg.failed_at or seg.ended))
+                if wait > 0:
+                    time.sleep(wait)
+                self.after(c, seg.failure, cluster, events)
+        finally:
+            if cluster is not None:
+                cluster.close()
+        final = next((m["t"] for m in segments[-1].marks if m["mark"] == "final"), None)
+        t_end = final or max(s.ended or 0 for s in segments)
+        return {"contender": c, "segments": segments, "events": events, "t_start": t_start, "wall_s": t_end - t_start,
+                "metrics": metrics(d / "metrics.txt")}
+
+    def inject(self, c: Contender, f: Failure, proc: subprocess.Popen, cluster: Cluster | None, delay: float,
+               events: list) -> str:
+        now = time.time()
+        if f.cls == "kill_sidecar":
+            if cluster is None:
+                events.append({"t": now, "what": "kill_sidecar: no sidecar (nothing happens)"})
+                return "goes_on"
+            host = cluster.hosts[f.pick % len(cluster.hosts)]
+            cluster.call(op="kill", host=host)
+            events.append({"t": now, "what": f"kill -9 sidecar {host}"})
+            time.sleep(delay)  # the container restarts; the node's ramdisk kept
+            cluster.call(op="restart", host=host)
+            events.append({"t": time.time(), "what": f"sidecar {host} restarted"})
+            return "goes_on"
+        if f.cls == "preempt":
+            proc.send_signal(signal.SIGTERM)
+            events.append({"t": now, "what": "SIGTERM (preemption notice)"})
+            try:
+                proc.wait(timeout=self.a.grace + 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                events.append({"t": time.time(), "what": "grace period over: SIGKILL"})
+            return "ended"
+        os.killpg(proc.pid, signal.SIGKILL)
+        events.append({"t": now, "what": f"{f.cls}: kill -9 of the training process"})
+        if cluster is not None and f.cls == "host_replaced":
+            host = cluster.hosts[f.pick % len(cluster.hosts)]
+            cluster.call(op="wipe", host=host)
+            events.append({"t": time.time(), "what": f"host {host} lost (ramdisk wiped)"})
+        if cluster is not None and f.cls == "slice_lost":
+            sl = f.pick % SLICES
+            for host in cluster.hosts[sl * HOSTS:(sl + 1) * HOSTS]:
+                cluster.call(op="wipe", host=host)
+            events.append({"t": time.time(), "what": f"slice {sl} lost (its hosts' ramdisks wiped)"})
+        return "ended"
+
+    def after(self, c: Contender, f: Failure | None, cluster: Cluster | None, events: list) -> None:
+        """What comes back before the new pod: replaced hosts, empty."""
+        if cluster is None or f is None or f.cls not in ("host_replaced", "slice_lost"):
+            return
+        alive = cluster.call(op="alive")["alive"]
+        for host, up in alive.items():
+            if not up:
+                cluster.call(op="restart", host=host)
+                events.append({"t": time.time(), "what": f"host {host} back, empty"})
+
+
+# --- accounting --------------------------------------------------------------------------------
+
+STAGES = ("restart_delay", "start_imports", "init", "setup", "restore", "compile", "first_step")
+
+
+def stages_of(seg: Segment, failed_at: float | None) -> dict:
+    """[failure, first step of this segment] cut at the marks: the stages add up to the whole."""
+    t0 = seg.spawned if failed_at is None else failed_at
+    points = [("restart_delay", seg.spawned), ("start_imports", seg.first("imported")),
+              ("init", seg.first("initialized")), ("setup", seg.first("restore_begin")),
+              ("restore", seg.first("restore_end")), ("compile", _compiled(seg)),
+              ("first_step", seg.steps()[0][1] if seg.steps() else None)]
+    out, prev = {}, t0
+    for name, t in points:
+        if t is None:
+            out[name] = None
+            continue
+        out[name] = max(0.0, t - prev)
+        prev = max(prev, t)
+    out["total"] = prev - t0
+    return out
+
+
+def _compiled(seg: Segment) -> float | None:
+    return next((m["t"] for m in seg.marks if m["mark"] == "compiled" and m.get("prefix") == "train"), None)
+
+
+def metrics(path: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out[int(d["step"])] = {k: d.get(k) for k in METRICS}
+    return out
+
+
+def restored_line(log: str) -> dict:
+    """mtc's report of the restore (or MaxText's own line): step, source, phases."""
+    text = Path(log).read_text(errors="replace") if log else ""
+    for line in text.splitlines():
+        if "mtc: restored step" in line:
+            return {"mtc": line.split("mtc: ", 1)[1]}
+    for line in text.splitlines():
+        if "restoring from this run's directory step" in line:
+            return {"maxtext": line.split("] ", 1)[-1]}
+    return {}
+
+
+def account(result: dict, ref: dict) -> dict:
+    segs: list[Segment] = result["segments"]
+    seen: set[int] = set()
+    recoveries, recomputed_total = [], 0
+    for i, seg in enumerate(segs):
+        steps = [s for s, _ in seg.steps()]
+        again = sorted(set(steps) & seen)
+        recomputed_total += len(again)
+        if i > 0:
+            prev = segs[i - 1]
+            failed_at = prev.failed_at or prev.ended
+            st = stages_of(seg, failed_at)
+            cls = prev.failure.cls if prev.failure else f"exit {prev.rc}"
+            first = steps[0] if steps else None
+            recoveries.append({
+                "cls": cls, "segment": i, "stages": st, "recomputed": len(again),
+                "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
+                "resumed_at": first, "restore": restored_line(seg.log)})
+        seen |= set(steps)
+    trained = max(seen) + 1 if seen else 0
+    ideal = ref["first_step_s"] + (trained - 1) * ref["step_s"]
+    final = next((m for m in reversed(segs[-1].marks) if m["mark"] == "final"), None)
+    bad_steps = sorted(s for s, m in ref["metrics"].items() if result["metrics"].get(s) != m)
+    return {"name": result["contender"].name, "period": result["contender"].period,
+            "backup_steps": result["contender"].backup_steps, "why": result["contender"].why,
+            "wall_s": result["wall_s"], "steps": trained, "ideal_s": ideal, "ratio": ideal / result["wall_s"],
+            "recomputed": recomputed_total, "failures": len(recoveries), "recoveries": recoveries,
+            "lost_per_failure_s": (statistics.mean(r["lost_s"] for r in recoveries) if recoveries else 0.0),
+            "final_equal": bool(final and final["digest"] == ref["digest"]), "metrics_equal": not bad_steps,
+            "metrics_differ_at": bad_steps[:10], "events": result["events"]}
+
+
+# --- the planner against the measurement -------------------------------------------------------
+
+def predicted(acc: dict, ref: dict, mtbf_s: float, save_cost_s: float) -> float:
+    """``mtc plan``'s model on this run's own measured costs: one tier at the contender's period,
+    a failure every ``mtbf_s``, each losing half a period, its measured recovery and restart."""
+    if not acc["recoveries"]:
+        return math.nan
+    tau = acc["period"] * ref["step_s"]
+    recovery = statistics.mean(r["stages"]["total"] for r in acc["recoveries"])
+    return 1 - (save_cost_s / tau + (tau / 2 + recovery) / mtbf_s)
+
+
+# --- output ------------------------------------------------------------------------------------
+
+def print_tables(accs: list[dict], ref: dict, args, preds: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=160)
+    t = Table(title=f"goodput: {args.steps} steps, MTBF {args.mtbf:g} s, seed {args.seed}, restart delay "
+                    f"{args.restart_delay:g} s (uninterrupted: {ref['wall_s']:.1f} s, {ref['step_s']:.3f} s a step)")
+    for col in ("contender", "period", "wall s", "ratio", "predicted", "failures", "lost s/failure", "recomputed",
+                "final state", "metrics"):
+        t.add_column(col, justify="right" if col not in ("contender",) else "left")
+    for a in accs:
+        t.add_row(a["name"], f"{a['period']}" + (f" (+backup {a['backup_steps']})" if a["backup_steps"] else ""),
+                  f"{a['wall_s']:.1f}", f"{a['ratio']:.1%}", f"{preds.get(a['name'], math.nan):.1%}",
+                  str(a["failures"]), f"{a['lost_per_failure_s']:.1f}", str(a["recomputed"]),
+                  "equal" if a["final_equal"] else "DIFFERS", "equal" if a["metrics_equal"] else "DIFFER")
+    con.print(t)
+    r = Table(title="each recovery, in seconds (the stages add up to the total, failure to first step)")
+    for col in ("contender", "fault", *STAGES, "total", "recomputed", "restore"):
+        r.add_column(col, justify="left" if col in ("contender", "fault", "restore") else "right")
+    for a in accs:
+        for rec in a["recoveries"]:
+            st = rec["stages"]
+            r.add_row(a["name"], rec["cls"], *[("-" if st[s] is None else f"{st[s]:.1f}") for s in STAGES],
+                      f"{st['total']:.1f}", str(rec["recomputed"]),
+                      (rec["restore"].get("mtc") or rec["restore"].get("maxtext") or "from scratch")[:70])
+    con.print(r)
+
+
+def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"restart_delay": "#bbbbbb", "start_imports": "#f4a582", "init": "#fddbc7", "setup": "#d1e5f0",
+              "restore": "#4393c3", "compile": "#b2182b", "first_step": "#92c5de", "training": "#1a9850"}
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.9 * len(accs)))
+    for y, (acc, res) in enumerate(zip(accs, results)):
+        t0 = res["t_start"]
+        for seg in res["segments"]:
+            steps = seg.steps()
+            if steps:
+                ax.barh(y, (seg.ended or steps[-1][1]) - steps[0][1], left=steps[0][1] - t0, color=colors["training"],
+                        height=0.5)
+        for rec in acc["recoveries"]:
+            seg = res["segments"][rec["segment"]]
+            prev = res["segments"][rec["segment"] - 1]
+            left = (prev.failed_at or prev.ended) - t0
+            for name in STAGES:
+                w = rec["stages"][name]
+                if w:
+                    ax.barh(y, w, left=left, color=colors[name], height=0.5)
+                    left += w
+            ax.plot([(prev.failed_at or prev.ended) - t0], [y + 0.33], marker="v", color="black")
+            ax.text((prev.failed_at or prev.ended) - t0, y + 0.38, rec["cls"], fontsize=7, rotation=20)
+    ax.set_yticks(range(len(accs)), [f"{a['name']}\n{a['ratio']:.1%}" for a in accs])
+    ax.set_xlabel("wall time (s)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# --- main --------------------------------------------------------------------------------------
+
+def measure_save_cost(runner: Runner, c_kind: str, ref: dict, steps: int = 10) -> float:
+    """Seconds a save adds to its step: a short run saving every step, against the uninterrupted one."""
+    d = runner.work / f"calibrate-{c_kind}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    a = runner.a
+    saved_steps, a.steps = a.steps, steps
+    try:
+        extra = ["enable_checkpointing=True", "async_checkpointing=True", "checkpoint_period=1"]
+        proc = runner.spawn(Contender("cal", "orbax", 1), d / "pod", runner.flags(d / "bucket", d / "m.txt", extra), {})
+        if proc.wait() != 0:
+            raise SystemExit(f"calibration failed:\n{(d / 'pod' / 'log.txt').read_text()[-3000:]}")
+    finally:
+        a.steps = saved_steps
+    marks = _read_marks(d / "pod" / "marks.jsonl")
+    st = [t for m in marks if m["mark"] == "step" for t in [m["t"]]]
+    times = [b - a for a, b in zip(st, st[1:])][1:]
+    shutil.rmtree(d, ignore_errors=True)
+    return max(0.0, statistics.median(times) - ref["step_s"])
+
+
+def mtc_period(state_bytes: int, mtbf_s: float, step_s: float) -> tuple[int, str, float]:
+    """The local period ``mtc plan --measure`` recommends for this state over 4 hosts (2 slices)."""
+    from mtc.head.tools import plan as planner
+
+    rates = planner.measure_rates()
+    rates.pop("_spread", None)
+    per_host = state_bytes / HOSTS  # each slice holds the whole state; a host its share
+    costs = planner.costs_from_rates(per_host, d2h_gbps=rates["d2h"], write_gbps=rates["write"],
+                                     backup_gbps=rates["backup"], ram_read_gbps=rates["ram_read"],
+                                     peer_gbps=rates["peer"], backup_read_gbps=rates["backup_read"])
+    p = planner.plan(costs, mtbf_s=mtbf_s)
+    period = max(1, round(p.local.interval_s / step_s))
+    return period, (f"mtc plan --measure: every {p.local.interval_s:.1f} s (blocked {costs.local_blocked_s:.3f} s a "
+                    f"save, MTBF {mtbf_s:g} s)"), costs.local_blocked_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mtbf", type=float, default=90.0, help="mean seconds of wall time between failures (90)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=200, help="steps each contender trains (200)")
+    p.add_argument("--restart-delay", type=float, default=5.0, help="seconds from a failure to the new pod (5)")
+    p.add_argument("--grace", type=float, default=30.0, help="preemption grace period, seconds (30)")
+    p.add_argument("--contenders", default="mtc,orbax", help="mtc, orbax, orbax-every-step, mtc-backup-only")
+    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--model", choices=sorted(MODELS), default="default")
+    p.add_argument("--backup-steps", type=int, default=0, help="mtc's backup interval in steps (default: 4 periods)")
+    p.add_argument("--period", type=int, default=0, help="force every contender's period (default: each its own)")
+    p.add_argument("--max-failures", type=int, default=0, help="stop drawing failures after this many (0: no cap)")
+    p.add_argument("--budget", type=float, default=1800.0, help="wall-clock cap per contender, seconds (1800)")
+    p.add_argument("--workdir", type=Path, default=None, help="default: a fresh folder on /dev/shm")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (logs, marks) afterwards")
+    p.add_argument("--json", type=Path, help="write the figures as JSON here")
+    p.add_argument("--timeline", type=Path, default=Path("bench-out") / "goodput.png")
+    a = p.parse_args(argv)
+    faults = [f.strip() for f in a.faults.split(",") if f.strip()]
+    bad = [f for f in faults if f not in FAULTS]
+    names = [n.strip() for n in a.contenders.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ("mtc", "orbax", "orbax-every-step", "mtc-backup-only")]
+    if bad or unknown or not faults or not names:
+        p.error(f"unknown fault class(es) {bad} (known: {', '.join(FAULTS)})" if bad or not faults else
+                f"unknown contender(s) {unknown} (known: mtc, orbax, orbax-every-step, mtc-backup-only)")
+    if not (a.mtbf > 0 and a.steps >= 4 and a.restart_delay >= 0):
+        p.error("--mtbf must be > 0, --steps >= 4, --restart-delay >= 0")
+
+    py = str(mx_env.ensure())
+    maxtext_dir = Path(subprocess.run([py, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                                      capture_output=True, text=True, check=True).stdout.strip())
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="mtc-goodput-", dir=shm))
+    work.mkdir(parents=True, exist_ok=True)
+    model = MODELS[a.model]
+    data = work / "data" / "data-train-00000.parquet"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([py, "-c", MAKE_DATA, str(data), str(a.seed), str(model["rows"])], check=True)
+    runner = Runner(a, py, maxtext_dir, data, work, model)
+    try:
+        print(f"uninterrupted run ({a.steps} steps, no checkpointing) ...", flush=True)
+        ref = runner.reference()
+        print(f"  {ref['wall_s']:.1f} s, {ref['step_s']:.3f} s a step; first step after {ref['first_step_s']:.1f} s",
+              flush=True)
+        state_bytes = next(m["bytes"] for m in ref["marks"] if m["mark"] == "final")
+        contenders = []
+        orbax_cost = mtc_cost = 0.0
+        if any(n.startswith("orbax") for n in names):
+            orbax_cost = measure_save_cost(runner, "orbax", ref)
+            young = math.sqrt(2 * max(orbax_cost, 1e-3) * a.mtbf)
+            op = a.period or max(1, round(young / ref["step_s"]))
+            if "orbax" in names:
+                contenders.append(Contender("orbax", "orbax", op, why=f"Young/Daly: sqrt(2 x {orbax_cost:.3f} s x "
+                                                                      f"{a.mtbf:g} s) = {young:.1f} s"))
+            if "orbax-every-step" in names:
+                contenders.append(Contender("orbax-every-step", "orbax", 1, why="every step"))
+        if any(n.startswith("mtc") for n in names):
+            mp, why, mtc_cost = mtc_period(state_bytes, a.mtbf, ref["step_s"])
+            mp = a.period or mp
+            backup = a.backup_steps or 4 * mp
+            if "mtc" in names:
+                contenders.insert(0, Contender("mtc", "mtc", mp, backup, why))
+            if "mtc-backup-only" in names:
+                contenders.append(Contender("mtc-backup-only", "mtc", backup, backup, "local period = backup's"))
+        for c in contenders:
+            print(f"  {c.name}: period {c.period} steps{f', backups every {c.backup_steps}' if c.backup_steps else ''}"
+                  f" ({c.why})", flush=True)
+        horizon = 3 * ref["wall_s"] + 600
+        failures = schedule(a.seed, a.mtbf, faults, horizon)
+        if a.max_failures:
+            failures = failures[:a.max_failures]
+        results, accs = [], []
+        for c in contenders:
+            print(f"{c.name} under the schedule ...", flush=True)
+            res = runner.run(c, failures, a.restart_delay)
+            results.append(res)
+            acc = account(res, ref)
+            accs.append(acc)
+            print(f"  {acc['wall_s']:.1f} s, ratio {acc['ratio']:.1%}, {acc['failures']} failures, "
+                  f"{acc['recomputed']} steps recomputed", flush=True)
+        preds = {acc["name"]: predicted(acc, ref, a.mtbf, mtc_cost if acc["name"].startswith("mtc") else orbax_cost)
+                 for acc in accs}
+        print_tables(accs, ref, a, preds)
+        if a.timeline:
+            timeline(accs, results, a.timeline)
+            print(f"timeline: {a.timeline}")
+        if a.json:
+            a.json.write_text(json.dumps({
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+                "reference": {k: ref[k] for k in ("wall_s", "step_s", "first_step_s", "stages")},
+                "state_bytes": state_bytes, "schedule": [dataclasses.asdict(f) for f in failures],
+                "contenders": [{**acc, "predicted": preds.get(acc["name"])} for acc in accs]}, indent=1, default=str))
+        wrong = [acc["name"] for acc in accs if not (acc["final_equal"] and acc["metrics_equal"])]
+        if wrong:
+            print(f"FAILED: the final state or the metrics differ from the uninterrupted run's for {wrong}",
+                  file=sys.stderr)
+            return 1
+        print("every contender's final state and metrics are bit for bit the uninterrupted run's")
+        return 0
+    finally:
+        if not a.keep and a.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        elif a.keep:
+            print(f"kept: {work}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
