@@ -45,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from mtc.head.backup_scrub import scrub_backups
     from mtc.head.cluster import ClusterDispatcher
+    from mtc.head.tools.cli_common import missing_local_root
     from mtc.head.tools.sources import folder_hosts, open_hosts
 
     hosts = None
@@ -55,9 +56,16 @@ def run(args: argparse.Namespace) -> int:
         if not args.base_output_directory or not args.run_name:
             raise ConfigError("give the job's --base-output-directory and --run-name: the backups are under "
                               "<base_output_directory>/<run_name>/mtc")
-        if args.backups < 1 or not args.bytes_per_s > 0:
-            raise ConfigError(f"--backups ({args.backups}) must be >= 1 and --bytes-per-s ({args.bytes_per_s:g}) "
-                              "> 0, e.g. --backups 2 --bytes-per-s 52428800")
+        if args.backups < 1:
+            raise ConfigError(f"--backups {args.backups}: check at least 1 backup (the newest), e.g. --backups 2")
+        if not 0 < args.bytes_per_s < float("inf"):
+            raise ConfigError(f"--bytes-per-s {args.bytes_per_s:.0f}: give a read bandwidth cap above 0 bytes/s "
+                              "per host, e.g. --bytes-per-s 52428800 (50 MiB/s)")
+        missing = missing_local_root(MTCConfig(base_output_directory=args.base_output_directory,
+                                               run_name=args.run_name).backup_root)
+        if missing:  # nothing to check there, and the hosts would create it
+            print(f"mtc verify: error: {missing}", file=sys.stderr)
+            return 1
         rows = folder_hosts(args.local_checkpoint_directory or [])
         hosts = open_hosts(args.cluster_spec, rows)
         config = MTCConfig(local_checkpoint_directory=str(rows[0][1] if rows else hosts.spec_path.parent),
@@ -84,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
                           "ramdisk_checked": report.ramdisk_checked, "ramdisk_removed": report.ramdisk_removed,
                           "seconds": report.seconds}, indent=2))
     else:
-        if not report.backups:
-            print("no backup to check in the backup root")
+        if not report.backups and not report.already_damaged:
+            print(f"no backup to check in the backup root {config.backup_root}: the job has made none there yet, "
+                  "or --base-output-directory and --run-name are not the job's")
         for b in report.backups:
             state = f"DAMAGED: {b.damaged}" if b.damaged else "ok" if not b.bad else "ok (repaired)"
             if b.cleared:

@@ -83,3 +83,15 @@ def test_export_without_orbax_names_orbax_and_the_extra():
                         "/nonexistent/cluster.json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and one_line(r.stderr), r.stderr
     assert "orbax-checkpoint" in r.stderr and "mtc[export]" in r.stderr and "etils" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("extra,says,not_says", [
+    (["--backups", "0"], "--backups 0", "--bytes-per-s"),
+    (["--bytes-per-s", "0"], "--bytes-per-s 0", "--backups"),
+])
+def test_verify_says_which_of_its_numbers_is_wrong(capsys, tmp_path, extra, says, not_says):
+    rc = main(["verify", "--backup", "--cluster-spec", str(tmp_path / "c.json"), "--base-output-directory",
+               str(tmp_path), "--run-name", "r", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and one_line(err) and says in err and not_says not in err.split(":", 2)[2], err
+    assert "e+07" not in err, err
