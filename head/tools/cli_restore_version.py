@@ -19,7 +19,7 @@ def cmd_restore_version(args: argparse.Namespace) -> int:
     try:
         root = args.backup_root or MTCConfig(base_output_directory=args.base_output_directory,
                                              run_name=args.run_name).backup_root
-        store = open_store(root)
+        store = open_store(root, create=False)  # read-only until a pin is written: a wrong root is not created
     except ConfigError as e:
         print(f"mtc restore-version: error: {e} (or pass --backup-root)", file=sys.stderr)
         return 2
@@ -47,16 +47,20 @@ def cmd_restore_version(args: argparse.Namespace) -> int:
             current = store.get_bytes(layout.RESTORE_VERSION).decode().strip()
         except ObjectNotFoundError:
             current = None
+        damaged = {o[len(layout.DAMAGED):].removesuffix(".json") for o in store.list(layout.DAMAGED)}
         if args.action == "show":
             print(f"backups in {root} (newest first):")
             for n in names:
-                print(f"  {n}  step {layout.parse_backup_name(n)}" + ("  <- restore.version" if n == current else ""))
+                print(f"  {n}  step {layout.parse_backup_name(n)}" + ("  damaged (restore never takes it)"
+                                                                      if n in damaged else "")
+                      + ("  <- restore.version" if n == current else ""))
             if not names:
                 print("  (none)")
             print(f"restore.version: {current if current else 'not set (restore takes the newest step)'}")
-            if current and current not in names:
-                print("warning: restore.version names a backup that does not exist; restore will fail "
-                      "until it is fixed or cleared", file=sys.stderr)
+            if current and (current not in names or current in damaged):
+                what = "is damaged" if current in names else "does not exist"
+                print(f"warning: restore.version names a backup that {what}; restore will fail until it is fixed "
+                      "or cleared", file=sys.stderr)
             return 0
         if args.action == "clear":
             if current is None:
@@ -76,6 +80,12 @@ def cmd_restore_version(args: argparse.Namespace) -> int:
         if args.name not in names:
             print(f"mtc restore-version: error: no backup {args.name!r} in {root}; "
                   f"backups: {', '.join(names[:5]) or 'none'}", file=sys.stderr)
+            return 2
+        if args.name in damaged:
+            print(f"mtc restore-version: error: backup {args.name} is marked damaged "
+                  f"({layout.damaged_object(args.name)} in {root}): a backup scrub could not repair it, restore never "
+                  "takes it, and a pin to it would fail every restore; pin another (mtc restore-version show), or "
+                  f"check it again with mtc verify --backup --name {args.name}", file=sys.stderr)
             return 2
         store.put_bytes(layout.RESTORE_VERSION, (args.name + "\n").encode())
         print(f"restore.version in {root} now pins {args.name} (step {layout.parse_backup_name(args.name)})")

@@ -18,6 +18,8 @@ from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, MTCError
 
+from mtc.head.tools.cli_common import missing_local_root
+
 
 @dataclass
 class StepRow:
@@ -45,6 +47,19 @@ class Status:
     notes: list[str] = field(default_factory=list)
     backup_error: str | None = None  # why the backup root could not be listed (then its backups are not known)
     damaged: list[dict] = field(default_factory=list)  # backups a scrub marked damaged: {"name", "step", "why"}
+    backup_root_missing: bool = False  # the (local) backup root does not exist: backup_error says so
+    pin_broken: bool = False  # restore.version names a backup restore cannot take: every restore fails
+    verified: dict | None = None  # with --verify: {"steps", "copies" hashed, "corrupt", "errors": {host: why}}
+
+    def verify_line(self) -> str | None:
+        """What --verify hashed, in one line (None without --verify)."""
+        v = self.verified
+        if v is None:
+            return None
+        hosts = len(self.hosts) - len(self.unreachable) - len(v["errors"])
+        return (f"verify: {v['copies']} blob copies of {v['steps']} step(s) hashed on {hosts} host(s): "
+                + (f"{v['corrupt']} corrupt (not counted; see the notes column)" if v["corrupt"] else "none corrupt")
+                + (f"; {len(v['errors'])} host(s) could not hash" if v["errors"] else ""))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -74,7 +89,8 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     listing = {"backups": [], "restore_version": None}
     notes: list[str] = []
     backup_error = None
-    if config.base_output_directory:
+    root_missing = missing_local_root(config.backup_root) if config.base_output_directory else None
+    if config.base_output_directory and not root_missing:  # a missing root is not listed: that would create it
         try:
             listing = dispatch.backup_listing(deadline_s=10)
         except MTCError as e:  # not "no backups": which backups exist is not known
@@ -83,6 +99,7 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     for b in listing["backups"]:
         in_backup.setdefault(b["step"], []).append(b["name"])
     slice_of = _slices(spec)
+    verified: dict = {"steps": 0, "copies": 0, "corrupt": 0, "errors": {}}
     factor = config.replication_factor
     rows = []
     for step in sorted(set(views) | set(in_backup)):
@@ -98,7 +115,13 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
         names = _blob_names(dispatch, step) if (verify or not v.restorable) else []
         if verify and names:
             index = {n: i for i, n in enumerate(names)}
+            verified["steps"] += 1
             for host, res in sorted(dispatch.verify(step).items()):
+                if "error" in res:
+                    verified["errors"][host] = res["error"]
+                    continue
+                verified["copies"] += int(res.get("checked", 0))
+                verified["corrupt"] += len(res.get("bad", []))
                 for n in res.get("bad", []):
                     if n in index:
                         holders[index[n]].discard(host)
@@ -120,11 +143,16 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     if rv:
         pinned = backup_layout.parse_backup_name(rv)
         exists = any(b["name"] == rv for b in listing["backups"])
+        damaged = any(d["name"] == rv for d in listing.get("damaged", []))
         choice = pinned if exists else None
+        pin_broken = not exists
         reason = (f"restore.version pins backup {rv} (step {pinned}): restore takes exactly that backup" if exists
-                  else f"restore.version names backup {rv}, which does not exist: restore fails until it is fixed "
-                       "(mtc restore-version set NAME) or cleared")
+                  else f"restore.version names backup {rv}, which is marked damaged (restore never takes it): "
+                       "restore fails until it is pinned to another (mtc restore-version set NAME) or cleared"
+                  if damaged else f"restore.version names backup {rv}, which does not exist: restore fails until it "
+                                  "is fixed (mtc restore-version set NAME) or cleared")
     else:
+        pin_broken = False
         good = [r for r in rows if r.restorable]
         choice = good[-1].step if good else None
         if choice is None:
@@ -137,9 +165,14 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
             skipped = [f"step {x.step}: {x.why_not}" for x in rows if x.step > choice]
             reason = f"step {choice}, the newest whose every blob has a copy, {where}" + (
                 f" (newer: {'; '.join(skipped)})" if skipped else "")
-    if backup_error:
+    if root_missing:
+        backup_error = root_missing
+        reason += f"; {root_missing}"
+    elif backup_error:
         reason += (f"; the backup root {config.backup_root} could not be listed ({backup_error}): its backups are "
                    "not known, and a step only they hold is not counted")
+    for h, e in sorted(verified["errors"].items()):
+        notes.append(f"{h} could not hash its blobs ({e}): its copies are counted unverified")
     for d in listing.get("damaged", []):
         notes.append(f"backup {d['name']} (step {d['step']}) is damaged, restore never chooses it: {d['why']}")
     if unreachable:
@@ -148,7 +181,8 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     return Status(hosts=sorted(inv), unreachable=unreachable, steps=rows,
                   backup_root=config.backup_root if config.base_output_directory else None,
                   backups=listing["backups"], restore_version=rv, choice=choice, reason=reason, notes=notes,
-                  backup_error=backup_error, damaged=listing.get("damaged", []))
+                  backup_error=backup_error, damaged=listing.get("damaged", []), backup_root_missing=bool(root_missing),
+                  pin_broken=pin_broken, verified=verified if verify else None)
 
 
 def _pull_failures(inv: dict, step: int) -> str:
@@ -166,39 +200,50 @@ def _blob_names(dispatch: Any, step: int) -> list[str]:
         return []
 
 
+COLUMNS = ("step", "on hosts", "replicated", "backups", "restorable", "restore", "notes")
+
+
+def _cells(st: Status, r: StepRow) -> tuple[str, ...]:
+    """One row of the table, as text: the step chosen is marked in its own column, what is wrong with a
+    step (a corrupt or missing copy, a failed pull) in the notes."""
+    notes = "; ".join(filter(None, [r.why_not, f"not replicated: {r.replication}" if r.replication else ""]))
+    return (str(r.step), ", ".join(r.hosts) or "-",
+            f"yes ({r.min_copies} copies)" if r.replicated else f"no ({r.min_copies})",
+            ", ".join(r.backups) or "-", "yes" if r.restorable else "no",
+            "<- restore" if r.step == st.choice else "", notes)
+
+
 def render(st: Status, console: Any) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"steps x tiers ({len(st.hosts)} hosts)")
-    for col in ("step", "on hosts", "replicated", "backups", "restorable", ""):
+    for col in COLUMNS:
         table.add_column(col)
     for r in st.steps:
-        table.add_row(str(r.step), ", ".join(r.hosts) or "-",
-                      f"yes ({r.min_copies} copies)" if r.replicated else f"no ({r.min_copies})",
-                      ", ".join(r.backups) or "-", "yes" if r.restorable else "no",
-                      ("<- restore" if r.step == st.choice else "") + (f" {r.why_not}" if r.why_not else "")
-                      + (f" not replicated: {r.replication}" if r.replication else ""))
+        table.add_row(*(escape(c) for c in _cells(st, r)))
     console.print(table)
+    # Messages are text, not markup: "mtc[gcs]" must print as written.
     console.print(f"backup root: {st.backup_root or 'none configured'}; restore.version: "
-                  f"{'not known' if st.backup_error else st.restore_version or 'not set'}")
-    console.print(f"restore would choose: {st.reason}")
+                  f"{'not known' if st.backup_error else st.restore_version or 'not set'}", markup=False)
+    console.print(f"restore would choose: {st.reason}", markup=False)
+    if st.verify_line():
+        console.print(st.verify_line(), markup=False)
     for n in st.notes:
-        console.print(f"note: {n}")
+        console.print(f"note: {n}", markup=False)
 
 
 def render_plain(st: Status) -> None:
     """The table without rich (a plain ``pip install mtc``)."""
     print(f"steps x tiers ({len(st.hosts)} hosts)")
-    print("step  on hosts  replicated  backups  restorable")
+    print("  ".join(COLUMNS))
     for r in st.steps:
-        print(f"{r.step}  {', '.join(r.hosts) or '-'}  "
-              f"{f'yes ({r.min_copies} copies)' if r.replicated else f'no ({r.min_copies})'}  "
-              f"{', '.join(r.backups) or '-'}  {'yes' if r.restorable else 'no'}"
-              + ("  <- restore" if r.step == st.choice else "") + (f"  {r.why_not}" if r.why_not else "")
-              + (f"  not replicated: {r.replication}" if r.replication else ""))
+        print("  ".join(c for c in _cells(st, r)).rstrip())
     print(f"backup root: {st.backup_root or 'none configured'}; restore.version: "
           f"{'not known' if st.backup_error else st.restore_version or 'not set'}")
     print(f"restore would choose: {st.reason}")
+    if st.verify_line():
+        print(st.verify_line())
     for n in st.notes:
         print(f"note: {n}")
 
@@ -242,10 +287,14 @@ def run(args: Any) -> int:
             render_plain(st)
         else:
             render(st, Console(width=max(100, os.get_terminal_size(1).columns if sys.stdout.isatty() else 120)))
-    if st.backup_error:
+    if st.backup_root_missing:
+        print(f"mtc status: {st.backup_error}", file=sys.stderr)
+    elif st.backup_error:
         print(f"mtc status: the backup root {st.backup_root} could not be listed ({st.backup_error}); its backups "
               "are not counted", file=sys.stderr)
     if st.unreachable:
         print(f"mtc status: {len(st.unreachable)} of {len(st.hosts)} hosts did not answer; what they hold is not "
               "counted", file=sys.stderr)
-    return 1 if st.unreachable or st.backup_error else 0
+    if st.pin_broken:
+        print(f"mtc status: {st.reason}", file=sys.stderr)
+    return 1 if st.unreachable or st.backup_error or st.pin_broken else 0

@@ -34,11 +34,14 @@ _TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.E
 
 
 class LocalStore(ObjectStore):
-    """Objects as files under `root` (created if missing)."""
+    """Objects as files under `root` (created if missing, unless `create` is false: a reader that
+    must leave no folder behind; a root that is not there then lists as empty)."""
 
-    def __init__(self, root: str | os.PathLike[str]):
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True):
         self.root = Path(root).absolute()
         self.url = self.root.as_uri() + "/"
+        if not create:
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -205,10 +205,11 @@ class _GuardedStore(ObjectStore):
         pass  # the store it guards is not its own
 
 
-def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S) -> ObjectStore:
+def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S, create: bool = True) -> ObjectStore:
     """Open the store at `url`: `gs://bucket[/prefix]` (Google Cloud Storage, honouring
     STORAGE_EMULATOR_HOST), `file:///path` or a plain path (a local directory, created if
-    missing). `deadline` bounds the retries of one GCS operation (it restarts on progress)."""
+    missing unless `create` is false). `deadline` bounds the retries of one GCS operation (it
+    restarts on progress)."""
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"backup store URL {url!r} is empty; give gs://bucket/prefix or a local path")
     m = _SCHEME.match(url)
@@ -228,10 +229,10 @@ def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S) -> ObjectStore
             raise ConfigError(
                 f"backup store URL {url!r} is not a local file URL; use file:///absolute/path"
             )
-        return LocalStore("/" + path)
+        return LocalStore("/" + path, create=create)
     if scheme:
         raise ConfigError(
             f"backup store URL {url!r} has an unsupported scheme {scheme!r}; "
             "use gs://bucket/prefix, file:///path or a plain path"
         )
-    return LocalStore(url)
+    return LocalStore(url, create=create)

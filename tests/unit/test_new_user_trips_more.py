@@ -95,3 +95,20 @@ def test_verify_says_which_of_its_numbers_is_wrong(capsys, tmp_path, extra, says
     err = capsys.readouterr().err
     assert rc == 2 and one_line(err) and says in err and not_says not in err.split(":", 2)[2], err
     assert "e+07" not in err, err
+
+
+def test_status_prints_brackets_as_written():
+    import io
+
+    from rich.console import Console
+
+    from mtc.head.tools.status import Status, StepRow, render
+
+    why = "pip install 'mtc[gcs]' (ImportError)"
+    st = Status(hosts=["h0"], unreachable={}, steps=[StepRow(3, ["h0"], ["h0"], 1, False, [], True, f"[bold]{why}")],
+                backup_root="gs://b/r/mtc", backups=[], restore_version=None, choice=3, reason=f"step 3; {why}",
+                notes=[why], backup_error=why)
+    out = io.StringIO()
+    render(st, Console(file=out, width=300))
+    text = out.getvalue()
+    assert text.count("'mtc[gcs]'") == 3 and "[bold]" in text, text
