@@ -20,6 +20,8 @@ Contenders:
   ``mtc plan --measure`` recommends for this state and MTBF, backups every ``--backup-steps``;
 - ``orbax``: MaxText's own standard checkpointing (async Orbax, to a local directory standing for
   the bucket) at the period Young/Daly gives for its own measured save cost;
+- ``orbax-cached``: ``orbax`` with MaxText's ``jax_cache_dir`` in the bucket, where a new pod
+  finds it (what a user who knows the compilation cache would pick);
 - ``orbax-every-step``, ``mtc-backup-only`` (mtc's local period as long as the backup's): what a
   user might pick instead.
 
@@ -71,6 +73,7 @@ sys.path.insert(0, str(REPO))
 import env as mx_env  # noqa: E402
 
 PROBE = REPO / "bench" / "goodput_probe.py"
+CONTENDERS = ("mtc", "orbax", "orbax-cached", "orbax-every-step", "mtc-backup-only")
 FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt")
 SLICES, HOSTS = 2, 2
 METRICS = ("learning/loss", "learning/grad_norm", "learning/param_norm")
@@ -246,11 +249,14 @@ class Runner:
             cluster = Cluster(self.py, d / "hosts", dict(self.env(d, d / "cluster-marks"), MTC_PEER_TOKEN=token))
             env_extra = {"MTC_CLUSTER_SPEC": cluster.spec, "MTC_PEER_TOKEN": token,
                          "MTC_PREEMPTION_GRACE_S": str(self.a.grace)}
+            (d / "head-ramdisk").mkdir()  # the head pod's own ramdisk mount (kept across its restarts)
             extra = ["enable_checkpointing=True", "enable_multi_tier_checkpointing=True",
                      f"local_checkpoint_directory={d / 'head-ramdisk'}", f"local_checkpoint_period={c.period}",
                      f"multi_tier_checkpointing_backup_interval_steps={c.backup_steps}", "checkpoint_period=1000000"]
         else:
             extra = ["enable_checkpointing=True", "async_checkpointing=True", f"checkpoint_period={c.period}"]
+            if c.name == "orbax-cached":  # JAX's compilation cache where a new pod finds it: the bucket
+                extra.append(f"jax_cache_dir={d / 'bucket' / 'jax-cache'}")
         flags = self.flags(d / "bucket", d / "metrics.txt", extra)
         segments: list[Segment] = []
         pending = list(failures)
@@ -394,6 +400,24 @@ def metrics(path: Path) -> dict[int, dict]:
     return out
 
 
+def _short(restore: dict) -> str:
+    """A restore's report in a table cell: tiers in MB and mtc's phases."""
+    line = restore.get("mtc")
+    if not line:
+        return "MaxText: " + restore["maxtext"].split("directory ", 1)[-1] if restore.get("maxtext") else "from scratch"
+    import re
+
+    step = re.search(r"restored step (\d+)", line)
+    phases = re.search(r"inventory ([\d.]+) s, pull ([\d.]+) s, load ([\d.]+) s", line)
+    tiers = re.findall(r"(ram|peer|backup) (\d+) bytes", line)
+    src = "backup" if "(backup " in line else "hosts"
+    out = f"step {step.group(1) if step else '?'} from {src}: " + " ".join(f"{t} {int(b) / 1e6:.0f}MB"
+                                                                         for t, b in tiers if int(b))
+    if phases:
+        out += f" (inv {phases.group(1)}, pull {phases.group(2)}, load {phases.group(3)} s)"
+    return out
+
+
 def restored_line(log: str) -> dict:
     """mtc's report of the restore (or MaxText's own line): step, source, phases."""
     text = Path(log).read_text(errors="replace") if log else ""
@@ -476,7 +500,7 @@ def print_tables(accs: list[dict], ref: dict, args, preds: dict) -> None:
             st = rec["stages"]
             r.add_row(a["name"], rec["cls"], *[("-" if st[s] is None else f"{st[s]:.1f}") for s in STAGES],
                       f"{st['total']:.1f}", str(rec["recomputed"]),
-                      (rec["restore"].get("mtc") or rec["restore"].get("maxtext") or "from scratch")[:70])
+                      _short(rec["restore"]))
     con.print(r)
 
 
@@ -562,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="steps each contender trains (200)")
     p.add_argument("--restart-delay", type=float, default=5.0, help="seconds from a failure to the new pod (5)")
     p.add_argument("--grace", type=float, default=30.0, help="preemption grace period, seconds (30)")
-    p.add_argument("--contenders", default="mtc,orbax", help="mtc, orbax, orbax-every-step, mtc-backup-only")
+    p.add_argument("--contenders", default="mtc,orbax", help=f"of {', '.join(CONTENDERS)}")
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--model", choices=sorted(MODELS), default="default")
     p.add_argument("--backup-steps", type=int, default=0, help="mtc's backup interval in steps (default: 4 periods)")
@@ -577,10 +601,10 @@ def main(argv: list[str] | None = None) -> int:
     faults = [f.strip() for f in a.faults.split(",") if f.strip()]
     bad = [f for f in faults if f not in FAULTS]
     names = [n.strip() for n in a.contenders.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ("mtc", "orbax", "orbax-every-step", "mtc-backup-only")]
+    unknown = [n for n in names if n not in CONTENDERS]
     if bad or unknown or not faults or not names:
         p.error(f"unknown fault class(es) {bad} (known: {', '.join(FAULTS)})" if bad or not faults else
-                f"unknown contender(s) {unknown} (known: mtc, orbax, orbax-every-step, mtc-backup-only)")
+                f"unknown contender(s) {unknown} (known: {', '.join(CONTENDERS)})")
     if not (a.mtbf > 0 and a.steps >= 4 and a.restart_delay >= 0):
         p.error("--mtbf must be > 0, --steps >= 4, --restart-delay >= 0")
 
@@ -610,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             if "orbax" in names:
                 contenders.append(Contender("orbax", "orbax", op, why=f"Young/Daly: sqrt(2 x {orbax_cost:.3f} s x "
                                                                       f"{a.mtbf:g} s) = {young:.1f} s"))
+            if "orbax-cached" in names:
+                contenders.append(Contender("orbax-cached", "orbax", op, why="as orbax, with jax_cache_dir in the bucket"))
             if "orbax-every-step" in names:
                 contenders.append(Contender("orbax-every-step", "orbax", 1, why="every step"))
         if any(n.startswith("mtc") for n in names):

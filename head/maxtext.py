@@ -129,6 +129,7 @@ _installed = False
 _managers: list = []  # made for MaxText, which never closes its checkpoint manager: closed at the end
 _notice = None  # the launcher's PreemptionNotice (SIGTERM), given to every manager it makes
 _call = threading.local()  # the data iterator and config of the MaxText save/restore call in progress
+_cache = None  # the run's CompileCache (mtc.head.compile_cache), when the launcher keeps one
 _export: dict = {}  # MTC_EXPORT_ON_FINISH: {"to": directory, "custom_metadata": ...} of the run's config
 ENV_EXPORT = "MTC_EXPORT_ON_FINISH"
 
@@ -193,6 +194,10 @@ def install() -> None:
                  cfg.local_checkpoint_directory, cfg.local_checkpoint_period,
                  f", backups to {cfg.backup_root}" if cfg.backup_enabled else "")
         _export.update(export_target(config))
+        if _cache is not None:
+            _cache.wait_filled()  # the state's initialisation and the train step compile next
+            log.info("mtc: compilation cache in %s: %d entries (%d from the backup)", _cache.local, _cache.entries(),
+                     _cache.filled)
         manager = OrbaxCompatibleManager(cfg)
         if _notice is not None:
             manager.mtc_manager.watch_preemption(notice=_notice)
@@ -238,7 +243,12 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
         if config is not None and maxtext_data.keeps_position(config, iterator):
             items[maxtext_data.ITEM] = maxtext_data.save_args(config, iterator)
         force = force or checkpoint_manager.reached_preemption(step)
-        return checkpoint_manager.save(step, args=ocp.args.Composite(**items), force=force)
+        saved = checkpoint_manager.save(step, args=ocp.args.Composite(**items), force=force)
+        if saved and _cache is not None:
+            if (report := _cache.first_report()) is not None:
+                log.info("mtc: compilation cache: %s", report)
+            _cache.sync_in_background()  # what compiled since the last save, to the backup
+        return saved
 
     def restore(checkpoint_manager, step, abstract_state):
         if not isinstance(checkpoint_manager, ours):
@@ -307,7 +317,8 @@ def _export_last_step(manager: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global _notice
+    global _notice, _cache
+    from mtc.head import compile_cache
     from mtc.head.items import DataPositionError
     from mtc.head.preemption import PreemptionNotice
 
@@ -322,7 +333,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("enable_multi_tier_checkpointing=True needs one backup interval: set "
                               "multi_tier_checkpointing_backup_interval_minutes or "
                               "multi_tier_checkpointing_backup_interval_steps (MaxText requires exactly one)")
+        _cache = compile_cache.for_launcher(argv, cfg)
+        if _cache is not None:  # filled from the backup while MaxText imports
+            _cache.start_fill()
+            argv.append(f"jax_cache_dir={_cache.local}")
         install()
+        if _cache is not None:
+            _cache.enable()
         _notice = PreemptionNotice().install()  # SIGTERM: save the step reached, then exit (MTC_PREEMPTION_GRACE_S)
     except (ConfigError, UnsupportedMaxTextError) as e:
         print(f"mtc: {e}", file=sys.stderr)
@@ -345,6 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _export_last_step(_managers[-1].mtc_manager)
         finally:
             _close_managers()
+            if _cache is not None:
+                _cache.close(timeout=0 if _notice.received else 30)
+                log.info("mtc: compilation cache: %s", _cache.summary())
             _notice.done()  # closed in time: no exit by the budget's timer
 
     app.run(main_then_close, argv=argv)

@@ -246,8 +246,9 @@ class OrbaxCompatibleManager:
                               else byte_items.restore_item(kind, items[name], restored[name], name, done))
         rep = self._mgr.last_restore_report
         if rep is not None:
-            log.info("mtc: restored step %d (%s) in %.2f s: %s", rep.step,
-                     "backup " + rep.source if rep.source != "cluster" else "from the hosts", rep.total_s,
+            log.info("mtc: restored step %d (%s) in %.2f s (inventory %.2f s, pull %.2f s, load %.2f s%s): %s",
+                     rep.step, "backup " + rep.source if rep.source != "cluster" else "from the hosts", rep.total_s,
+                     rep.inventory_s, rep.pull_s, rep.load_s, ", prefetched at start" if rep.prefetched else "",
                      ", ".join(f"{tier} {rep.bytes_by_tier.get(tier, 0)} bytes" for tier in ("ram", "peer", "backup")))
         if not _is_composite(args):
             return restored[DEFAULT_ITEM]
