@@ -281,8 +281,10 @@ def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
                     "fields are problems), kubernetes-validate for the core kinds and every pod template, and "
                     "mtc's rules: the ramdisk is mounted in the sidecar at local_checkpoint_directory, the sidecar "
                     "image carries the head image's versions (as mtc images check), the peer token's Secret is in "
-                    "the file or named with --peer-token-secret, and a memory emptyDir's sizeLimit is at least "
-                    "what mtc size gives for --params. Each problem on its own line; exit 1 when there is one.",
+                    "the file or named with --peer-token-secret, a memory emptyDir's sizeLimit is at least "
+                    "what mtc size gives for --params, and what render refuses (grace periods above "
+                    "MTC_PREEMPTION_GRACE_S, ports, MTC_METRICS_PORT and the PodMonitoring, one TLS Secret for "
+                    "the head and the sidecars). Each problem on its own line; exit 1 when there is one.",
         epilog="example: mtc manifests render ... --params 8e9 > job.yaml; (edit job.yaml); "
                "mtc manifests check job.yaml --params 8e9")
     c.add_argument("file", type=Path, help="the YAML file (- for standard input)")

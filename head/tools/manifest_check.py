@@ -12,7 +12,12 @@ the replicated job and container it is about, and the fix. Three kinds of checks
   ``V1Secret``): the ramdisk is mounted in the sidecar at ``local_checkpoint_directory``; the
   sidecar image carries the head image's versions (the check of ``mtc images check``); the
   peer token's Secret is in the file or named with ``peer_token_secret``; a memory
-  ``emptyDir`` has a ``sizeLimit`` of at least what ``mtc size`` gives (with ``params``).
+  ``emptyDir`` has a ``sizeLimit`` of at least what ``mtc size`` gives (with ``params``);
+  and what ``render`` refuses in its options, as a hand edit can break it: every pod's
+  ``terminationGracePeriodSeconds`` above the head's ``MTC_PREEMPTION_GRACE_S``; ports in range
+  and ``MTC_METRICS_PORT`` the head's port named ``metrics``, clear of the others; a PodMonitoring
+  on the head's replicated job and a port it has; TLS (``MTC_TLS_DIR``) in the head and every
+  sidecar or in none, where a Secret is mounted, the same Secret everywhere.
 - What cannot be judged from the file (the CSI driver's size, a sizeLimit without ``params``)
   is a note, not a problem.
 
@@ -198,7 +203,7 @@ def check_documents(docs: list, *, params: float | None = None, peer_token_secre
                     kubernetes_version: str = K8S_VERSION) -> Report:
     """Every problem of the JobSet (and its Secret) in ``docs`` (parsed YAML documents)."""
     r = Report()
-    jobsets, secrets = [], {}
+    jobsets, secrets, monitorings = [], {}, []
     for i, doc in enumerate(docs):
         if doc is None:
             continue
@@ -217,6 +222,8 @@ def check_documents(docs: list, *, params: float | None = None, peer_token_secre
         if doc["kind"] == "PodMonitoring" and doc["apiVersion"] == "monitoring.googleapis.com/v1":
             errors = sorted(podmonitoring_validator().iter_errors(doc), key=lambda e: list(map(str, e.path)))
             r.problems += [f"{name}: {_path(e.path)}: {e.message} (PodMonitoring schema)" for e in errors]
+            if not errors:
+                monitorings.append(doc)
             continue
         try:
             problem = _kubernetes_problem(doc, kubernetes_version)
@@ -235,13 +242,25 @@ def check_documents(docs: list, *, params: float | None = None, peer_token_secre
     if not jobsets:
         r.problems.append(f"no JobSet ({JOBSET_API}) in the file; mtc manifests render writes one")
         return r
-    for js in jobsets:
-        _check_jobset(js, secrets, r, params=params, peer_token_secret=peer_token_secret,
-                      version=kubernetes_version)
+    seen = [_check_jobset(js, secrets, r, params=params, peer_token_secret=peer_token_secret,
+                          version=kubernetes_version) for js in jobsets]
+    for pm in monitorings:
+        _check_pod_monitoring(pm, [s for s in seen if s is not None], r)
     return r
 
 
-def _check_jobset(js: dict, secrets: dict, r: Report, *, params, peer_token_secret, version) -> None:
+@dataclass
+class _Seen:
+    """What a PodMonitoring is checked against: a JobSet's pods and its head container."""
+
+    name: str  # the JobSet's metadata.name
+    namespace: str | None
+    pods: list[_Pod]
+    head_pod: _Pod
+    head: Any  # V1Container
+
+
+def _check_jobset(js: dict, secrets: dict, r: Report, *, params, peer_token_secret, version) -> _Seen | None:
     name = f"JobSet {(js.get('metadata') or {}).get('name', '?')}"
     namespace = (js.get("metadata") or {}).get("namespace")
     pods: list[_Pod] = []
@@ -269,7 +288,7 @@ def _check_jobset(js: dict, secrets: dict, r: Report, *, params, peer_token_secr
         r.problems.append(f"{name}: no container runs MaxText with enable_multi_tier_checkpointing=true and "
                           "local_checkpoint_directory=...: the head's training command must set them "
                           "(mtc manifests render appends them)")
-        return
+        return None
     head_pod, head = heads[0]
     flags = _flags(head)
     where_head = f"{name}, replicatedJob {head_pod.job}, container {head.name}"
@@ -289,13 +308,166 @@ def _check_jobset(js: dict, secrets: dict, r: Report, *, params, peer_token_secr
         r.problems.append(f"{name}: no worker pod has the colocated Python sidecar (a container named "
                           f"{SIDECAR_CONTAINER} running the {SIDECAR_IMAGE_NAME} image), where the ramdisk "
                           "and the checkpoints live")
-        return
+        return None
     for pod, c in sidecars:
         where = f"{name}, replicatedJob {pod.job}, container {c.name}"
         if lcd:
             _check_ramdisk(where, pod, c, lcd, params, r)
         _check_images(where, head.image or "", c.image or "", r)
         _check_token(where, c, namespace, secrets, peer_token_secret, r)
+    _check_grace(name, pods, where_head, head, r)
+    _check_ports(name, pods, where_head, head, r)
+    _check_tls(name, [(head_pod, head), *sidecars], r)
+    return _Seen(str((js.get("metadata") or {}).get("name", "?")), namespace, pods, head_pod, head)
+
+
+def _env(c) -> dict[str, str | None]:
+    """The container's environment variables with a literal value (None for one read from elsewhere)."""
+    return {e.name: e.value for e in c.env or []}
+
+
+def _containers(pod: _Pod) -> list:
+    return list(pod.spec.init_containers or []) + list(pod.spec.containers or [])
+
+
+def _check_grace(name: str, pods: list[_Pod], where_head: str, head, r: Report) -> None:
+    """Every pod's terminationGracePeriodSeconds above the head's MTC_PREEMPTION_GRACE_S, as render sets it:
+    Kubernetes kills a pod that outlives its grace period, and the head (and the sidecars it reads) must
+    live until the step reached is saved."""
+    import math
+
+    from mtc.head.preemption import grace_from_env
+
+    text = _env(head).get("MTC_PREEMPTION_GRACE_S")
+    try:
+        grace = grace_from_env({"MTC_PREEMPTION_GRACE_S": text or ""})
+    except ConfigError as e:
+        r.problems.append(f"{where_head}: {e}")
+        grace = None
+    for p in pods:
+        t = p.spec.termination_grace_period_seconds
+        if t is None:
+            t = 30  # Kubernetes' default
+        fix = f"set it to {math.ceil(grace) + 10} (the grace + 10 s, as mtc manifests render does)" if grace else ""
+        if t < 0:
+            r.problems.append(f"{name}, replicatedJob {p.job}: terminationGracePeriodSeconds {t} is negative; "
+                              f"give the seconds Kubernetes waits from a SIGTERM to a kill{', ' + fix if fix else ''}")
+        elif grace is not None and t <= grace:
+            r.problems.append(f"{name}, replicatedJob {p.job}: terminationGracePeriodSeconds {t} is not above "
+                              f"MTC_PREEMPTION_GRACE_S={grace:g} (the head's time from a SIGTERM to its exit, to save "
+                              f"the step reached): Kubernetes kills the pod before that save ends; {fix}, or lower "
+                              "MTC_PREEMPTION_GRACE_S")
+
+
+def _check_ports(name: str, pods: list[_Pod], where_head: str, head, r: Report) -> None:
+    """Every container port in range; the head's MTC_METRICS_PORT a port it declares, clear of the others."""
+    from mtc.head.tools.manifest_options import _RESERVED_PORTS
+
+    for p in pods:
+        for c in _containers(p):
+            for port in c.ports or []:
+                for what, n in (("containerPort", port.container_port), ("hostPort", port.host_port)):
+                    if n is not None and not 1 <= n <= 65535:
+                        r.problems.append(f"{name}, replicatedJob {p.job}, container {c.name}: {what} {n} is out of "
+                                          "range; ports are 1..65535")
+    env = _env(head)
+    text = env.get("MTC_METRICS_PORT")
+    if not text:
+        return
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    peer = env.get("MTC_PEER_PORT") or ""
+    taken = _RESERVED_PORTS.get(port) or ("peer service" if peer.isdigit() and int(peer) == port else "")
+    if not 0 <= port <= 65535 or taken:
+        r.problems.append(f"{where_head}: MTC_METRICS_PORT={text} " + (f"is the {taken}'s port on the same host "
+                          "network" if taken else "is not a port") + "; pick another in 1..65535, e.g. 9431")
+        return
+    named = {pt.name: pt.container_port for pt in head.ports or [] if pt.name}
+    if port and "metrics" in named and named["metrics"] != port:
+        r.problems.append(f"{where_head}: MTC_METRICS_PORT={port}, but its port named metrics is {named['metrics']}: "
+                          f"the head serves /metrics on {port} and the PodMonitoring scrapes {named['metrics']}; make "
+                          "them the same")
+
+
+def _check_tls(name: str, containers: list, r: Report) -> None:
+    """TLS as render sets it: MTC_TLS_DIR in the head and every sidecar or in none, each naming where a
+    Secret volume is mounted, the same Secret everywhere (each process accepts only its CA's certificates)."""
+    from mtc.shared.tls import ENV_TLS_DIR
+
+    secrets: dict[str, str | None] = {}  # "replicatedJob J, container C" -> its TLS Secret (None: no TLS)
+    for pod, c in containers:
+        where = f"replicatedJob {pod.job}, container {c.name}"
+        d = _env(c).get(ENV_TLS_DIR)
+        if not d:
+            secrets[where] = None
+            continue
+        mount = next((m for m in c.volume_mounts or [] if posixpath.normpath(m.mount_path) == posixpath.normpath(d)),
+                     None)
+        volume = next((v for v in pod.spec.volumes or [] if mount and v.name == mount.name), None)
+        if mount is None or volume is None:
+            r.problems.append(f"{name}, {where}: {ENV_TLS_DIR}={d}, but nothing is mounted there"
+                              + (f" (volume {mount.name} is not in the pod)" if mount else "")
+                              + ": mount the job's TLS Secret (ca.crt, tls.crt, tls.key from mtc tls generate) at "
+                              f"{d}, or remove {ENV_TLS_DIR} from both the head and the sidecars (no TLS)")
+            continue
+        secrets[where] = volume.secret.secret_name if volume.secret else f"volume {volume.name}"
+    if len(set(secrets.values())) <= 1:
+        return
+    head_where, head_secret = next(iter(secrets.items()))
+    for where, secret in list(secrets.items())[1:]:
+        if secret == head_secret:
+            continue
+        if head_secret is None or secret is None:
+            on, off = (where, head_where) if head_secret is None else (head_where, where)
+            r.problems.append(f"{name}: {on} has TLS ({ENV_TLS_DIR}) and {off} has not: they cannot talk; set "
+                              f"{ENV_TLS_DIR} with the same Secret in both (mtc manifests render does), or in neither")
+        else:
+            r.problems.append(f"{name}: {head_where} reads its TLS files from {head_secret}, {where} from {secret}: "
+                              "each accepts only certificates its own CA signed, so they cannot talk; mount the same "
+                              "Secret in both")
+
+
+def _check_pod_monitoring(pm: dict, seen: list[_Seen], r: Report) -> None:
+    """A PodMonitoring scrapes the head's metrics port: its JobSet, the head's replicated job, a port it has."""
+    name = f"PodMonitoring {(pm.get('metadata') or {}).get('name', '?')}"
+    labels = ((pm.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    js_name = labels.get("jobset.sigs.k8s.io/jobset-name")
+    job = labels.get("jobset.sigs.k8s.io/replicatedjob-name")
+    target = next((s for s in seen if s.name == js_name), None) if js_name else (seen[0] if len(seen) == 1 else None)
+    if target is None:
+        r.problems.append(f"{name}: selects JobSet {js_name or '(any)'}, "
+                          f"{'which is not in the file' if js_name else 'not one of the file'} (it holds "
+                          f"{', '.join(s.name for s in seen) or 'none'}); set matchLabels "
+                          "jobset.sigs.k8s.io/jobset-name to the JobSet's name")
+        return
+    ns = (pm.get("metadata") or {}).get("namespace")
+    if ns != target.namespace:
+        r.problems.append(f"{name}: in namespace {ns or '(default)'}, the JobSet {target.name} in "
+                          f"{target.namespace or '(default)'}; a PodMonitoring only selects pods of its own namespace")
+    metrics = _env(target.head).get("MTC_METRICS_PORT")
+    head_job = target.head_pod.job
+    if job is not None and job != head_job:
+        r.problems.append(f"{name}: selects replicatedJob {job}; the head's /metrics is served in replicatedJob "
+                          f"{head_job} (container {target.head.name}): set matchLabels "
+                          f"jobset.sigs.k8s.io/replicatedjob-name: {head_job}")
+        return
+    if not metrics or metrics == "0":
+        r.problems.append(f"{name}: the head (replicatedJob {head_job}, container {target.head.name}) serves no "
+                          "metrics (no MTC_METRICS_PORT): set it and a port named metrics (mtc manifests render "
+                          "--metrics-port 9431 writes both), or remove the PodMonitoring")
+        return
+    ports = {pt.name: pt.container_port for c in _containers(target.head_pod) for pt in c.ports or [] if pt.name}
+    for ep in (pm.get("spec") or {}).get("endpoints") or []:
+        port = ep.get("port")
+        number = ports.get(port) if isinstance(port, str) else port
+        if isinstance(port, str) and number is None:
+            r.problems.append(f"{name}: endpoint port {port!r} is not the name of a port of the head's pod (it names "
+                              f"{', '.join(sorted(ports)) or 'none'}); use the port named metrics")
+        elif port != "metrics" and str(number) != str(metrics).strip():  # "metrics": checked with the JobSet
+            r.problems.append(f"{name}: endpoint port {port} is {number}, where the head serves no metrics "
+                              f"(MTC_METRICS_PORT={metrics}); scrape the port named metrics")
 
 
 def _check_ramdisk(where: str, pod: _Pod, c, lcd: str, params: float | None, r: Report) -> None:

@@ -112,3 +112,82 @@ def test_status_prints_brackets_as_written():
     render(st, Console(file=out, width=300))
     text = out.getvalue()
     assert text.count("'mtc[gcs]'") == 3 and "[bold]" in text, text
+
+
+# ---- mtc manifests check applies render's rules to a hand edit -------------------------------------------
+
+def _rendered() -> list[dict]:
+    from mtc.head.tools.manifests import ManifestOptions, render_documents
+
+    return render_documents(ManifestOptions(
+        name="llama", command="python3 -m maxtext.trainers.pre_train.train model_name=llama3.1-8b",
+        base_output_directory="gs://bucket/ckpt", params=8e9, peer_token="0123456789abcdef0123456789abcdef",
+        metrics_port=9431, preemption_grace_s=60))
+
+
+def _pods(docs):
+    js = next(d for d in docs if d["kind"] == "JobSet")
+    return {rj["name"]: rj["template"]["spec"]["template"]["spec"] for rj in js["spec"]["replicatedJobs"]}
+
+
+def _container(docs, job, name):
+    spec = _pods(docs)[job]
+    return next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name)
+
+
+def _set_env(c, key, value):
+    c["env"] = [e for e in c["env"] if e["name"] != key] + ([{"name": key, "value": value}] if value is not None else [])
+
+
+def _grace(d, v):
+    _pods(d)["pathways-head"]["terminationGracePeriodSeconds"] = v
+
+
+def _monitoring(d):
+    return next(x for x in d if x["kind"] == "PodMonitoring")
+
+
+def _other_tls_secret(d):
+    vol = next(v for v in _pods(d)["worker"]["volumes"] if v["name"] == "mtc-tls")
+    vol["secret"]["secretName"] = "another-mtc-tls"
+
+
+def _tls_without_mount(d):
+    c = _container(d, "worker", "colocated-python-sidecar")
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "mtc-tls"]
+
+
+def _tls_only_in_head(d):
+    _set_env(_container(d, "worker", "colocated-python-sidecar"), "MTC_TLS_DIR", None)
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda d: _grace(d, 30), "terminationGracePeriodSeconds 30 is not above MTC_PREEMPTION_GRACE_S=60"),
+    (lambda d: _grace(d, -5), "terminationGracePeriodSeconds -5 is negative"),
+    (lambda d: _set_env(_container(d, "pathways-head", "main"), "MTC_PREEMPTION_GRACE_S", "-1"),
+     "MTC_PREEMPTION_GRACE_S='-1'"),
+    (lambda d: _set_env(_container(d, "pathways-head", "main"), "MTC_METRICS_PORT", "9999"),
+     "MTC_METRICS_PORT=9999, but its port named metrics is 9431"),
+    (lambda d: _monitoring(d)["spec"]["endpoints"][0].update(port="metrix"), "endpoint port 'metrix' is not the name"),
+    (lambda d: _monitoring(d)["spec"]["selector"]["matchLabels"].update(
+        {"jobset.sigs.k8s.io/replicatedjob-name": "worker"}), "selects replicatedJob worker"),
+    (_other_tls_secret, "from another-mtc-tls: each accepts only certificates its own CA signed"),
+    (_tls_without_mount, "MTC_TLS_DIR=/etc/mtc/tls, but nothing is mounted there"),
+    (_tls_only_in_head, "has TLS (MTC_TLS_DIR) and replicatedJob worker, container colocated-python-sidecar has not"),
+    (lambda d: _container(d, "worker", "colocated-python-sidecar")["ports"][1].update(containerPort=99999),
+     "containerPort 99999 is out of range"),
+])
+def test_manifests_check_refuses_what_render_refuses(capsys, tmp_path, edit, says):
+    import yaml
+
+    from mtc.head.tools.manifest_check import check_documents
+
+    docs = _rendered()
+    assert check_documents(docs, params=8e9).problems == []
+    edit(docs)
+    problems = check_documents(docs, params=8e9).problems
+    assert len(problems) == 1 and says in problems[0], problems
+    f = tmp_path / "job.yaml"
+    f.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    assert main(["manifests", "check", str(f), "--params", "8e9"]) == 1
+    assert says in capsys.readouterr().out
