@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="keep the ramdisk and backup folders afterwards")
     demo.add_argument("--timeline", type=Path, default=Path("demo-out") / "timeline.png",
                       help="where to write the timeline picture (default demo-out/timeline.png)")
+    demo.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                      help="serve the head's Prometheus metrics on this port while the demo runs (default: "
+                           "MTC_METRICS_PORT, else none): curl -s localhost:PORT/metrics")
     demo.set_defaults(func=_cmd_demo)
 
     pl = sub.add_parser(

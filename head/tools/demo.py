@@ -147,7 +147,7 @@ class Timeline:
         return time.perf_counter() - self.t0
 
 
-def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
+def _run(workdir: Path, steps: int, period: int, timeline_png: Path, metrics_port: int = 0) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -160,8 +160,8 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
     from mtc.head.cluster import ClusterDispatcher
 
     console = Console()
-    if not console.is_terminal:  # a log or a pipe: wide enough that the table keeps one row a line
-        console = Console(width=120)
+    if not console.is_terminal:  # a log or a pipe: wide enough that the table keeps one row a line,
+        console = Console(width=120, soft_wrap=True)  # and a sentence stays on its line
     # The demo reports what its faults do; mtc's own log (errors included: they are the faults)
     # goes to a file in the work directory.
     import logging
@@ -219,6 +219,8 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
     console.print(f"[bold]mtc demo[/bold]: {steps} steps on {SLICES} slices x {HOSTS} hosts x {DEVICES_PER_HOST} "
                   f"devices; a local checkpoint every {period} steps, a backup every {backup_every} steps")
     console.print(f"  ramdisks under {root}, backups in {backups}")
+    if metrics_port:
+        console.print(f"  the head's metrics while it runs: curl -s localhost:{metrics_port}/metrics | grep ^mtc_")
     cluster = _Cluster(root)
     tl = Timeline()
     recoveries: list[Recovery] = []
@@ -230,7 +232,7 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
         sub.write_text(json.dumps({**spec, "hosts": [h for h in spec["hosts"] if h["slice"] in slices]}))
         cfg = MTCConfig(local_checkpoint_directory=str(root), cluster_spec=str(sub), local_checkpoint_period=period,
                         base_output_directory=str(backups), run_name=RUN_NAME,
-                        multi_tier_checkpointing_backup_interval_steps=backup_every)
+                        multi_tier_checkpointing_backup_interval_steps=backup_every, metrics_port=metrics_port)
         live = [d for s in slices for d in slice_devices[s]]
         m = CheckpointManager(cfg, dispatcher=ClusterDispatcher(cfg, devices=live))
         managers.append(m)
@@ -367,15 +369,61 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path) -> int:
     return 0 if ok else 1
 
 
+def _tool(name: str) -> str | None:
+    """How to run this environment's ``name`` (``mtc``, ``pip``) from here: the bare name when PATH finds this
+    one, else its path (relative under the current folder, e.g. ``.venv/bin/mtc``); None when it has none."""
+    path = Path(sys.executable).parent / name
+    if not path.is_file():
+        return None
+    found = shutil.which(name)
+    if found and Path(found).resolve() == path.resolve():
+        return name
+    try:
+        rel = path.relative_to(Path.cwd())
+    except ValueError:
+        return str(path)
+    return str(rel) if "/" in str(rel) else f"./{rel}"
+
+
 def kept_message(work: Path) -> str:
-    """Where --keep left the job's folders, and the commands to look at them."""
+    """Where --keep left the job's folders, and the commands to look at them (runnable as written: with this
+    environment's ``mtc``)."""
+    mtc = _tool("mtc") or f"{sys.executable} -m mtc.head.tools.cli"
+    pip = _tool("pip") or f"{sys.executable} -m pip"
     hosts = " ".join(str(p) for p in sorted((work / "cluster").glob("s*-h*")) if p.is_dir())
     backup = f"--base-output-directory {work / 'backup'} --run-name {RUN_NAME}"
     return (f"kept: the hosts' ramdisk folders in {work / 'cluster'}, the backups in {work / 'backup'} "
             f"(run name {RUN_NAME}), the head's log {work / 'head.log'}. Look at them with:\n"
-            f"  mtc status --local-checkpoint-directory {hosts} {backup}\n"
-            f"  mtc restore-version show {backup}\n"
-            f"  mtc export --to {work / 'export'} --local-checkpoint-directory {hosts} --verify   # pip install 'mtc[export]'")
+            f"  {mtc} status --local-checkpoint-directory {hosts} {backup}\n"
+            f"  {mtc} restore-version show {backup}\n"
+            f"  {mtc} export --to {work / 'export'} --local-checkpoint-directory {hosts} --verify\n"
+            f"    (export needs the export extra: {pip} install 'mtc[export]', or {pip} install -e '.[export]' in a "
+            "checkout)")
+
+
+def metrics_port_of(given: int | None, environ=None) -> tuple[int, str | None]:
+    """The demo's metrics port (``--metrics-port``, else ``MTC_METRICS_PORT``, else 0: none) and what is wrong
+    with it (one line), checked before anything runs: in range, and free on this machine."""
+    import socket
+
+    env = os.environ if environ is None else environ
+    what = "--metrics-port" if given is not None else "MTC_METRICS_PORT"
+    text = str(given) if given is not None else env.get("MTC_METRICS_PORT", "").strip()
+    if not text:
+        return 0, None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        return 0, f"mtc demo: {what}={text} is not a port; give one in 1..65535 (e.g. 9431), or 0 for no metrics"
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError as e:
+                return 0, f"mtc demo: {what}={port}: the port is taken here ({e.strerror or e}); pick another"
+    return port, None
 
 
 def _check_args(steps: int, period: int, timeline: Path) -> str | None:
@@ -411,6 +459,8 @@ def main(args: argparse.Namespace) -> int:
         problem = f"mtc demo needs {e.name}: pip install 'mtc[demo]' (or pip install -e '.[demo]' in a checkout)"
     steps = args.steps if args.steps is not None else (20 if args.quick else 40)
     problem = problem or _check_args(steps, args.period, Path(args.timeline))
+    metrics_port, bad_port = metrics_port_of(getattr(args, "metrics_port", None))
+    problem = problem or bad_port
     work = Path(args.workdir)
     if problem:
         print(problem, file=sys.stderr)
@@ -428,7 +478,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     timeline = Path(args.timeline).resolve()
     cmd = [sys.executable, "-m", "mtc.head.tools.demo", "run", "--workdir", str(work), "--steps", str(steps),
-           "--period", str(args.period), "--timeline", str(timeline)]
+           "--period", str(args.period), "--timeline", str(timeline), "--metrics-port", str(metrics_port)]
     try:
         rc = subprocess.run(cmd, env=_worker_env()).returncode
         if args.keep:
@@ -452,8 +502,10 @@ if __name__ == "__main__":
         p.add_argument("--steps", type=int, required=True)
         p.add_argument("--period", type=int, required=True)
         p.add_argument("--timeline", type=Path, required=True)
+        p.add_argument("--metrics-port", type=int, default=0)
         a = p.parse_args(sys.argv[2:])
-        sys.exit(_run(a.workdir, a.steps, a.period, a.timeline))
-    print("usage: mtc demo [--quick] [--steps N] [--period N] [--workdir DIR] [--keep] [--timeline PNG]",
+        sys.exit(_run(a.workdir, a.steps, a.period, a.timeline, a.metrics_port))
+    print("usage: mtc demo [--quick] [--steps N] [--period N] [--workdir DIR] [--keep] [--timeline PNG] "
+          "[--metrics-port PORT]",
           file=sys.stderr)
     sys.exit(2)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -27,13 +31,32 @@ def test_demo_shows_every_tier_and_recovers_bit_for_bit(tmp_path):
     for text in ("killed mid-save", "host replaced", "slice lost", "slice back", "every ramdisk lost",
                  "final parameters equal the uninterrupted run bit for bit"):
         assert text in r.stdout, text
+    recovered = [line for line in r.stdout.splitlines() if "recovered:" in line]
+    assert len(recovered) == 5 and all(re.search(r"training goes on from step \d+$", line) for line in recovered), \
+        r.stdout  # not a pipe's 120 columns cutting the sentence
     import matplotlib.image
 
     img = matplotlib.image.imread(png)
     assert img.shape[0] > 300 and img.shape[1] > 800 and png.stat().st_size > 20_000
     assert sorted(p.name for p in work.iterdir()) == []  # no ramdisk or backup folder left behind
-    again = _demo(work, png)  # a second run in the same work directory
-    assert again.returncode == 0 and '"bitwise_equal": true' in again.stdout, again.stderr[-3000:]
+    # A second run in the same work directory, with the head's metrics on MTC_METRICS_PORT: read while it runs.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    again = subprocess.Popen([sys.executable, "-m", "mtc.head.tools.cli", "demo", "--quick", "--workdir", str(work),
+                              "--timeline", str(png)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "MTC_METRICS_PORT": str(port)})
+    scraped = ""
+    deadline = time.monotonic() + 300
+    while again.poll() is None and time.monotonic() < deadline and "mtc_saves_total " not in scraped:
+        try:
+            scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            time.sleep(0.2)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0 and '"bitwise_equal": true' in out, err[-3000:]
+    assert re.search(r"^mtc_saves_total [1-9]", scraped, re.M), scraped[-2000:]
+    assert f"curl -s localhost:{port}/metrics" in out
 
 
 def test_demo_keep_and_bad_options(tmp_path):
@@ -41,6 +64,11 @@ def test_demo_keep_and_bad_options(tmp_path):
     r = _demo(work, tmp_path / "t.png", "--keep")
     assert r.returncode == 0
     assert (work / "cluster").is_dir() and (work / "backup").is_dir()
+    # The hints run as written, in a shell where only README's install put mtc (not on PATH).
+    hint = next(line for line in r.stdout.splitlines() if " status --local-checkpoint-directory" in line)
+    shown = subprocess.run(hint, shell=True, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PATH": os.defpath})
+    assert shown.returncode == 0 and "restore would choose: step" in shown.stdout, hint + shown.stderr[-2000:]
     import glob
     import tempfile
 

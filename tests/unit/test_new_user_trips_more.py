@@ -191,3 +191,48 @@ def test_manifests_check_refuses_what_render_refuses(capsys, tmp_path, edit, say
     f.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     assert main(["manifests", "check", str(f), "--params", "8e9"]) == 1
     assert says in capsys.readouterr().out
+
+
+# ---- the demo ---------------------------------------------------------------------------------------------
+
+def test_demo_keep_hints_run_as_written_without_mtc_on_path(tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    from mtc.head.tools.demo import kept_message
+
+    (tmp_path / "cluster" / "s0-h0").mkdir(parents=True)
+    monkeypatch.setenv("PATH", os.defpath)  # README's install: the venv's bin is not on PATH
+    text = kept_message(tmp_path)
+    line = next(ln for ln in text.splitlines() if " status --local-checkpoint-directory" in ln)
+    mtc = line.strip().split(" status ")[0]
+    r = subprocess.run(f"{mtc} --version", shell=True, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PATH": os.defpath})
+    assert r.returncode == 0 and r.stdout.startswith("mtc "), (mtc, r.stderr)
+    assert "pip install" in text and " pip install" not in text.replace("/pip install", ""), text
+
+
+@pytest.mark.parametrize("given,env,says", [
+    (None, "nine", "MTC_METRICS_PORT=nine is not a port"), (70000, "", "--metrics-port=70000 is not a port"),
+])
+def test_demo_metrics_port_is_checked_before_it_runs(given, env, says):
+    from mtc.head.tools.demo import metrics_port_of
+
+    port, problem = metrics_port_of(given, {"MTC_METRICS_PORT": env})
+    assert port == 0 and problem and says in problem, problem
+
+
+def test_demo_metrics_port_taken_and_from_the_environment():
+    import socket
+
+    from mtc.head.tools.demo import metrics_port_of
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        port, problem = metrics_port_of(None, {"MTC_METRICS_PORT": str(taken)})
+        assert port == 0 and "is taken" in problem and str(taken) in problem, problem
+    assert metrics_port_of(None, {"MTC_METRICS_PORT": str(taken)}) == (taken, None)
+    assert metrics_port_of(None, {}) == (0, None) and metrics_port_of(0, {"MTC_METRICS_PORT": "9431"}) == (0, None)
+
