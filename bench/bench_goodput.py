@@ -445,7 +445,8 @@ def account(result: dict, ref: dict) -> dict:
             cls = prev.failure.cls if prev.failure else f"exit {prev.rc}"
             first = steps[0] if steps else None
             recoveries.append({
-                "cls": cls, "segment": i, "stages": st, "recomputed": len(again),
+                "cls": cls, "segment": i, "stages": st, "recomputed": len(again), "failed_at": failed_at,
+                "first_step_at": seg.steps()[0][1] if steps else None,
                 "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
                 "resumed_at": first, "restore": restored_line(seg.log)})
         seen |= set(steps)

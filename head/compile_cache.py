@@ -16,7 +16,9 @@ checked against that hash before they are used; a local entry is written under a
 and renamed, so a kill -9 never leaves half an entry. JAX's key covers the program, the
 compile options, the backend, and the jax and jaxlib versions: an entry another program or
 another version wrote is never looked up (it only takes room). A bad entry JAX cannot load
-is compiled again (JAX warns); it is never a wrong program.
+is compiled again (JAX warns); it is never a wrong program. JAX's key also holds the cache
+folder's path (it points XLA's own caches into it), so the folder has one path on every pod: the
+ramdisk's, or, where the head has no ramdisk mounted, ``<temp dir>/mtc-compile-cache``.
 """
 
 from __future__ import annotations
@@ -204,5 +206,5 @@ def for_launcher(argv: list[str], cfg, environ=None) -> CompileCache | None:
         if cfg.mode == "colocated":
             ramdisk.mkdir(parents=True, exist_ok=True)  # the ramdisk mount: the manager fills it anyway
         # In cluster mode the ramdisk is the workers'; the head uses one only where it is mounted.
-        local = ramdisk / LOCAL_NAME if ramdisk.is_dir() else Path(tempfile.mkdtemp(prefix="mtc-compile-cache-"))
+        local = ramdisk / LOCAL_NAME if ramdisk.is_dir() else Path(tempfile.gettempdir()) / LOCAL_NAME
     return CompileCache(local, cfg.backup_root if cfg.backup_enabled else None)

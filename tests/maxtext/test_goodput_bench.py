@@ -1,0 +1,55 @@
+"""The goodput benchmark's accounting, on its smallest configuration: two failures of different
+classes under mtc (cluster mode, real daemons, real MaxText), then the figures checked against
+the run's own logs: each recovery's stages add up to it (failure to first step), the steps
+recomputed are the steps that more than one process logged, and the final state and every
+step's metrics are the uninterrupted run's, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.maxtext, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import bench_goodput  # noqa: E402
+
+
+def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_path, ramdisk):
+    faults = ["kill_head", "slice_lost"]
+    seed = next(s for s in range(100) if len({f.cls for f in bench_goodput.schedule(s, 15, faults, 1e4)[:2]}) == 2)
+    out = tmp_path / "goodput.json"
+    work = ramdisk / "work"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_goodput.py"), "--model", "small", "--steps", "40",
+                        "--mtbf", "15", "--seed", str(seed), "--faults", ",".join(faults), "--max-failures", "2",
+                        "--contenders", "mtc", "--restart-delay", "2", "--workdir", str(work), "--json", str(out),
+                        "--timeline", str(tmp_path / "goodput.png")], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    (mtc,) = doc["contenders"]
+    assert mtc["final_equal"] and mtc["metrics_equal"], mtc
+    assert [rec["cls"] for rec in mtc["recoveries"]] == [f["cls"] for f in doc["schedule"][:2]], mtc["recoveries"]
+    assert len({rec["cls"] for rec in mtc["recoveries"]}) == 2
+    for rec in mtc["recoveries"]:
+        st = rec["stages"]
+        parts = [st[name] for name in bench_goodput.STAGES]
+        assert all(p is not None and p >= 0 for p in parts), st
+        assert abs(sum(parts) - st["total"]) < 1e-6, st
+        assert abs(st["total"] - (rec["first_step_at"] - rec["failed_at"])) < 1e-6, rec
+        assert st["restart_delay"] >= 2.0, st
+        assert "mtc" in rec["restore"], rec  # every recovery restored a step through mtc
+    # Steps recomputed: the steps that more than one process logged, read from the logs themselves.
+    logged: list[int] = []
+    for log in sorted((work / "mtc").glob("pod*/log.txt")):
+        logged += sorted({int(m) for m in re.findall(r"completed step: (\d+)", log.read_text(errors="replace"))})
+    again = len(logged) - len(set(logged))
+    assert mtc["recomputed"] == again, (mtc["recomputed"], again)
+    assert set(logged) == set(range(40))
+    assert 0 < mtc["ratio"] < 1 and mtc["wall_s"] > mtc["ideal_s"]
+    assert (tmp_path / "goodput.png").stat().st_size > 0
