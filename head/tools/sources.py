@@ -16,9 +16,11 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,32 +100,53 @@ def _noted(d: Path) -> str | None:
     return host if isinstance(host, str) and host else None
 
 
+_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the tool's own cleanup runs: its temporary daemons are stopped
+
+
 class TempDaemons:
-    """A sidecar daemon on each ramdisk folder of a stopped job, for the time of one command."""
+    """A sidecar daemon on each ramdisk folder of a stopped job, for the time of one command.
+
+    They die with the command: each is started with ``--parent-pid`` (the kernel kills it when
+    this process dies, even by SIGKILL), and while they run a SIGTERM or SIGHUP to this process
+    (from the main thread, where the default was to die at once) exits it through its cleanup,
+    which stops them."""
 
     def __init__(self, hosts: Sequence[tuple[str, Path, int]]):
         self.tmp = Path(tempfile.mkdtemp(prefix="mtc-tool-"))
         self.token = secrets.token_hex(32)  # these daemons' own job token, for this one command
         self.procs: list[subprocess.Popen] = []
+        self._handlers: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in _EXIT_SIGNALS:
+                if signal.getsignal(sig) is signal.SIG_DFL:
+                    self._handlers[sig] = signal.signal(sig, _exit_on_signal)
         ready_files = []
         for i, (hid, d, _) in enumerate(hosts):
             ready = self.tmp / f"{i}.ready"
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(d), "--host-id", hid,
-                 "--ready-file", str(ready), "--log-file", str(self.tmp / f"{i}.log")],
+                 "--ready-file", str(ready), "--log-file", str(self.tmp / f"{i}.log"),
+                 "--parent-pid", str(os.getpid())],
                 env={**os.environ, ENV_TOKEN: self.token}))
             ready_files.append(ready)
         rows = []
         deadline = time.monotonic() + 60
-        for (hid, d, sl), ready in zip(hosts, ready_files):
-            while not ready.exists():
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise MTCError(f"the sidecar daemon on {d} did not start (its log is in {self.tmp})")
-                time.sleep(0.05)
-            rows.append(protocol.HostSpec(hid, sl, json.loads(ready.read_text())["address"], 1))
-        self.spec_path = self.tmp / "cluster.json"
-        protocol.ClusterSpec(tuple(rows)).write(self.spec_path)
+        try:
+            for (hid, d, sl), ready in zip(hosts, ready_files):
+                while not ready.exists():
+                    if time.monotonic() > deadline:
+                        raise MTCError(f"the sidecar daemon on {d} did not start (its log is in {self.tmp})")
+                    time.sleep(0.05)
+                rows.append(protocol.HostSpec(hid, sl, json.loads(ready.read_text())["address"], 1))
+            self.spec_path = self.tmp / "cluster.json"
+            protocol.ClusterSpec(tuple(rows)).write(self.spec_path)
+        except BaseException:  # a signal, or a daemon that did not start: none is left running
+            self.close()
+            raise
 
     def close(self) -> None:
         for p in self.procs:
@@ -133,7 +156,11 @@ class TempDaemons:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        for sig, previous in self._handlers.items():
+            signal.signal(sig, previous)
+        self._handlers = {}
 
 
 @dataclasses.dataclass
