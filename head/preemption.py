@@ -36,7 +36,7 @@ def grace_from_env(environ=None) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise ConfigError(f"MTC_PREEMPTION_GRACE_S={text!r} is not a number of seconds > 0; set it below the pod's "
                           "terminationGracePeriodSeconds (mtc manifests render sets both)")
     return value

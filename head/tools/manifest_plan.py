@@ -34,9 +34,9 @@ def plan(options: ManifestOptions) -> Plan:
     _check_name_length(o.name, slices, hosts)
     ramdisk_dir = _ramdisk_dir(flags["local_checkpoint_directory"])
     _check_config(flags, o.peer_port)
-    if not o.preemption_grace_s > 0:
-        raise ConfigError(f"--preemption-grace-s={o.preemption_grace_s:g} must be > 0 (seconds from a SIGTERM to the "
-                          "exit, for saving the step reached)")
+    if not 0 < o.preemption_grace_s <= 3600:  # not inf: the pods' grace period is a whole number of seconds above it
+        raise ConfigError(f"--preemption-grace-s={o.preemption_grace_s:g} must be > 0 and at most 3600 (seconds from a "
+                          "SIGTERM to the exit, for saving the step reached; a preemption notice gives about 30)")
     if not 1 <= o.peer_port <= 65535:
         raise ConfigError(f"--peer-port={o.peer_port} is out of range; use 1..65535 "
                           f"(default {DEFAULT_PEER_PORT})")

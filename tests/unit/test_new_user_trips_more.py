@@ -236,3 +236,18 @@ def test_demo_metrics_port_taken_and_from_the_environment():
     assert metrics_port_of(None, {"MTC_METRICS_PORT": str(taken)}) == (taken, None)
     assert metrics_port_of(None, {}) == (0, None) and metrics_port_of(0, {"MTC_METRICS_PORT": "9431"}) == (0, None)
 
+
+
+def test_an_infinite_preemption_grace_is_refused_by_render_and_check(capsys, tmp_path):
+    import yaml
+
+    from mtc.head.tools.manifest_check import check_documents
+
+    assert main(["manifests", "render", "--name", "x", "--base-output-directory", "gs://b/c", "--params", "8e9",
+                 "--command", "python3 -m maxtext.trainers.pre_train.train", "--preemption-grace-s", "inf"]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "--preemption-grace-s=inf" in err, err
+    docs = _rendered()
+    _set_env(_container(docs, "pathways-head", "main"), "MTC_PREEMPTION_GRACE_S", "inf")
+    problems = check_documents(docs, params=8e9).problems
+    assert len(problems) == 1 and "MTC_PREEMPTION_GRACE_S='inf'" in problems[0], problems
