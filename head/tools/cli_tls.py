@@ -38,6 +38,8 @@ def generate(directory: str | os.PathLike, *, days: int = DEFAULT_DAYS, force: b
     if type(days) is not int or not 1 <= days <= MAX_DAYS:
         raise ConfigError(f"--days must be a whole number of days from 1 to {MAX_DAYS} (ten years), got {days!r}; "
                           "generate again to rotate the files")
+    if not str(directory).strip():
+        raise ConfigError("the folder to write ca.crt, tls.crt and tls.key into is empty; give one, e.g. ./tls")
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise ConfigError(f"{d} is not a folder; give a folder to write ca.crt, tls.crt and tls.key into")

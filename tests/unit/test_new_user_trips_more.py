@@ -45,6 +45,13 @@ def test_tls_generate_into_a_file_or_an_unwritable_place(capsys, tmp_path):
     assert one_line(err) and "/proc/nope" in err and "choose a folder" in err, err
 
 
+def test_tls_generate_into_an_empty_name_writes_nothing_here(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["tls", "generate", ""]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "is empty" in err and list(tmp_path.iterdir()) == [], err
+
+
 def test_tls_generate_days_is_bounded(capsys, tmp_path):
     assert main(["tls", "generate", str(tmp_path / "t"), "--days", "1000000"]) == 2
     err = capsys.readouterr().err
