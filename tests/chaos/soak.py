@@ -74,6 +74,10 @@ from mtc.sidecar.faults import CRASH_POINTS  # noqa: E402
 from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402
 
 HEAD_SCRIPT = HERE / "soak_head.py"
+RELAY_SCRIPT = HERE / "delay_relay.py"
+RELAY_PORT = 9111  # in each host's namespace, below the ephemeral ports the daemons listen on
+RELAY_MARK = 0x5A  # the relay's own connections: its rules let them pass
+DELAY_TABLE, LOSS_TABLE = "mtc_soak_delay", "mtc_soak_loss"
 DEVICES_PER_HOST = 2
 RAMDISK_MB = 24
 RUN = "soak"
@@ -89,9 +93,11 @@ FAULT_CLASSES = [
     "kill_sidecar", *CRASH_CLASSES, "kill_head", "wipe_host", "wipe_slice", "wipe_all",
     "flip_ram_blob", "flip_peer_copy", "flip_backup_blob", "flip_manifest",
     "gcs_outage", "gcs_outage_head_restart", "ramdisk_full", "slice_lost", "garbage_peer", "net_cut",
-    "net_slow", "net_partition",
+    "net_slow", "net_partition", "net_loss", "net_latency",
 ]
-NET_CLASSES = {"net_cut", "net_slow", "net_partition"}  # drawn where the hosts have network namespaces
+# Drawn where the hosts have network namespaces; the last two also need nftables (``nft``).
+NET_CLASSES = {"net_cut", "net_slow", "net_partition", "net_loss", "net_latency"}
+NFT_CLASSES = {"net_loss", "net_latency"}
 GCS_ONLY = {"gcs_outage", "gcs_outage_head_restart"}
 
 # Segments cycle through these: both topologies, both backup backends.
@@ -122,6 +128,8 @@ class HostNetwork:
         self.bridge = f"mtsb{tag}"
         self.hosts = {h: (f"mtc-soak-{tag}-{i}", f"mtsv{tag}-{i}", f"{self.net}.{i + 2}") for i, h in enumerate(hosts)}
         self.up = False
+        self.relays: dict[str, subprocess.Popen] = {}
+        self.nft = shutil.which("nft") is not None
 
     @property
     def gateway(self) -> str:
@@ -165,9 +173,66 @@ class HostNetwork:
         _tc("qdisc", "del", "dev", veth, "root", check=False)
         _tc("-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
 
+    # Packet loss and latency: nftables in the host's namespace (a numgen drop; a redirect of every TCP
+    # connection through a delaying relay, ``delay_relay.py``), where ``nft`` is installed.
+
+    def start_relays(self, log_dir: Path | None = None) -> None:
+        """A delaying relay in every host's namespace (no delay yet), its rules loaded: every TCP connection
+        into or out of a host made from now on passes through it, so ``delay`` reaches open connections too.
+        A relay's errors go to ``log_dir/relay-HOST.log``."""
+        import delay_relay
+
+        setpriv = shutil.which("setpriv")  # a relay dies with the soak
+        for h, (ns, _, _) in self.hosts.items():
+            argv = ["ip", "netns", "exec", ns, sys.executable, str(RELAY_SCRIPT), str(RELAY_PORT), str(RELAY_MARK)]
+            with open(log_dir / f"relay-{h}.log", "ab") if log_dir else open(os.devnull, "wb") as log:
+                p = subprocess.Popen([setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else argv,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            self.relays[h] = p
+            ready, _, _ = select.select([p.stdout], [], [], 30)
+            if not ready or p.stdout.readline() != b"ready\n":
+                raise OSError(f"the delaying relay in {ns} did not start (exit {p.poll()})")
+            _nft(ns, delay_relay.nft_rules(RELAY_PORT, RELAY_MARK, table=DELAY_TABLE))
+
+    def delay(self, host: str, ms: int) -> None:
+        """Hold every chunk into and out of ``host`` for ``ms`` (0: no delay)."""
+        p = self.relays[host]
+        if p.poll() is not None:
+            raise OSError(f"the delaying relay of {host} exited with {p.returncode}")
+        p.stdin.write(f"{ms}\n".encode())
+        p.stdin.flush()
+
+    def lose(self, host: str, percent: int) -> None:
+        """Drop ``percent`` % of the packets into and out of ``host``, at random, both ways."""
+        ns = self.hosts[host][0]
+        drop = f"numgen random mod 100 < {percent} drop"
+        _nft(ns, f"table ip {LOSS_TABLE} {{\n"
+                 f"  chain in {{ type filter hook input priority 0; policy accept; iifname \"eth0\" {drop}; }}\n"
+                 f"  chain out {{ type filter hook output priority 0; policy accept; oifname \"eth0\" {drop}; }}\n"
+                 f"}}\n")
+
+    def unlose(self, host: str) -> None:
+        ns = self.hosts[host][0]
+        r = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "tables"], capture_output=True, text=True)
+        if f"table ip {LOSS_TABLE}" in r.stdout:
+            _nft(ns, f"delete table ip {LOSS_TABLE}\n")
+
+    def relay_pids(self) -> set[int]:
+        return {p.pid for p in self.relays.values() if p.poll() is None}
+
     def close(self) -> None:
         if not self.up:
             return
+        for p in self.relays.values():
+            with contextlib.suppress(OSError):
+                p.stdin.close()  # end of stdin: the relay stops
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+        self.relays.clear()
         for ns, _, _ in self.hosts.values():
             _ip("netns", "del", ns, check=False)  # its veth pair goes with it
         _ip("link", "del", self.bridge, check=False)
@@ -178,6 +243,12 @@ def _tc(*args: str, check: bool = True) -> None:
     r = subprocess.run(["tc", *args], capture_output=True, text=True)
     if check and r.returncode != 0:
         raise OSError(f"tc {' '.join(args)}: {r.stderr.strip()}")
+
+
+def _nft(ns: str, script: str) -> None:
+    r = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise OSError(f"nft in {ns}: {r.stderr.strip()}")
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -439,6 +510,15 @@ class Soak:
                 except OSError as e:
                     self.out(f"  (no network namespaces: {e}; net_cut is not drawn)")
                     net.close()
+                if self.net is not None and not self.net.nft:
+                    self.out("  (no nft: install nftables; net_loss and net_latency are not drawn)")
+                elif self.net is not None and "net_latency" in self.only:
+                    try:
+                        self.net.start_relays(seg)
+                    except OSError as e:
+                        self.out(f"  (no delaying relay: {e}; net_latency is not drawn)")
+                        self.net.close()
+                        self.net = net.start()
             if backend == "gcs":
                 (seg / "gcs").mkdir()
                 self.server = EmulatorServer(FAKE_GCS, seg / "gcs", persistent=True, default_bucket=BUCKET,
@@ -762,6 +842,11 @@ class Soak:
         expected.add(self.head.pid)
         if self.server is not None and self.server.proc is not None:
             expected.add(self.server.proc.pid)
+        if self.net is not None:
+            expected |= self.net.relay_pids()
+            gone = sorted(h for h, p in self.net.relays.items() if p.poll() is not None)
+            if gone:  # the soak's own part: every connection to that host would be refused from now on
+                raise Violation(f"the soak's delaying relay of {gone} exited; log {self.seg}/relay-{gone[0]}.log")
         for c in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 if c.status() != psutil.STATUS_ZOMBIE and c.pid not in expected | self.preexisting:
@@ -788,6 +873,8 @@ class Soak:
             if c == "ramdisk_full" and not self.tmpfs:
                 continue
             if c in NET_CLASSES and self.net is None:
+                continue
+            if c in NFT_CLASSES and not self.net.nft or c == "net_latency" and not self.net.relays:
                 continue
             out.append(c)
         return out
@@ -861,6 +948,10 @@ class Soak:
                 missing_ok=True)))
             if self.net is not None:
                 steps.append((f"bring {h}'s link up", lambda h=h: self.net.heal(h)))
+                if self.net.nft:
+                    steps.append((f"end the loss on {h}'s link", lambda h=h: self.net.unlose(h)))
+                if h in self.net.relays:
+                    steps.append((f"end the delay on {h}'s link", lambda h=h: self.net.delay(h, 0)))
             steps.append((f"restart {h}", lambda h=h: None if self.cluster.is_running(h) else self.cluster.restart(h)))
         if self.server is not None and not self.backup.up:
             steps.append(("restart the bucket", lambda: (self.server.start(), setattr(self.backup, "up", True))))
@@ -1348,6 +1439,55 @@ def fault_net_partition(s: Soak, r: random.Random, cls: str, d: dict) -> None:
     _cut_during_save(s, r, d, side)
 
 
+def fault_net_loss(s: Soak, r: random.Random, cls: str, d: dict) -> None:
+    """Packet loss on one host's link (or on every host's, one time in four), both ways, for a while in the
+    middle of a save: TCP retransmits; the save may be slow, never wrong; only those hosts may fail it."""
+    hosts = list(s.live) if r.random() < 0.25 else [r.choice(s.live)]
+    percent = r.choice([5, 15, 30])
+    delay = round(r.uniform(0, 1.0) * s.save_s, 3)
+    loss_s = round(r.uniform(1.0, 5.0), 2)
+    d.update(hosts=hosts, percent=percent, after_s=delay, loss_s=loss_s)
+    s.step += 1
+    a = s._save(s.step)
+    time.sleep(delay)
+    try:
+        for h in hosts:
+            s.net.lose(h, percent)
+        time.sleep(loss_s)
+    finally:
+        for h in hosts:
+            s.net.unlose(h)
+    _saved_beside(s, a, d, hosts, "losing packets")
+
+
+def fault_net_latency(s: Soak, r: random.Random, cls: str, d: dict) -> None:
+    """Added latency on one host's link (or on every host's, one time in four): each chunk into and out of
+    it held ``ms`` each way, on open connections too, for a whole save and its replication; both must
+    succeed (latency slows a save, it does not fail one), and nothing may be wrong."""
+    hosts = list(s.live) if r.random() < 0.25 else [r.choice(s.live)]
+    ms = r.choice([10, 50, 200])
+    d.update(hosts=hosts, ms=ms)
+    t0 = time.perf_counter()
+    try:
+        for h in hosts:
+            s.net.delay(h, ms)
+        s.step += 1
+        a = s._save(s.step)
+        if a["ok"]:
+            a = s._wait(s.step)
+        else:
+            s.failed.add(s.step)
+        rep = s.head.call("wait_replication") if a["ok"] else a
+    finally:
+        for h in hosts:
+            s.net.delay(h, 0)
+    d.update(save="ok" if a["ok"] else "failed", save_s=round(time.perf_counter() - t0, 2))
+    if not a["ok"]:
+        raise Violation(f"a save failed under {ms} ms of latency on {hosts}: {a['error']}: {a['message']}")
+    if not rep["ok"]:
+        raise Violation(f"replication failed under {ms} ms of latency on {hosts}: {rep['error']}: {rep['message']}")
+
+
 FAULTS: dict[str, Callable] = {
     "kill_sidecar": fault_kill_sidecar, "crash": fault_crash, "kill_head": fault_kill_head,
     "wipe_host": fault_wipe_host, "wipe_slice": fault_wipe_slice, "wipe_all": fault_wipe_all,
@@ -1356,6 +1496,7 @@ FAULTS: dict[str, Callable] = {
     "gcs_outage": fault_gcs_outage, "gcs_outage_head_restart": fault_gcs_outage_head_restart,
     "ramdisk_full": fault_ramdisk_full, "slice_lost": fault_slice_lost, "garbage_peer": fault_garbage_peer,
     "net_cut": fault_net_cut, "net_slow": fault_net_slow, "net_partition": fault_net_partition,
+    "net_loss": fault_net_loss, "net_latency": fault_net_latency,
 }
 
 HEADER = ["fault class", "injected", "injection failed", "survived", "restores checked", "wrong restores",
