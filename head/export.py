@@ -12,7 +12,10 @@ that holds it (verified, as a restore is), written, and dropped before the next 
 groups go through Orbax's partial save (each a pending directory beside the checkpoint), and
 Orbax's own finalize merges them and makes ``<step>`` appear at once: an export that stops
 half-way leaves ``<step>.partial_save``, which no reader takes for a checkpoint, and the next
-export of the step starts it over.
+export of the step starts it over. An export never writes through a symbolic link: one at
+``<step>``, ``<step>.partial_save*`` or ``<step>.orbax-checkpoint-tmp*`` is refused before anything
+is written; and a failed Orbax save's waiting threads are ended (``_release_orbax``), so that a
+failed export never keeps its process alive.
 
 What the saved tree maps to: the MaxText launcher's steps hold ``state`` (and ``iter``); they
 become ``items`` (and ``iter``). A step whose array tree is one item (``state``, or ``default``:
@@ -26,7 +29,9 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import os
 import re
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Sequence
@@ -327,14 +332,20 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
     empties = [(p[len(state_path):], v) for p, v in empties if _under(p, state_path) and len(p) > len(state_path)]
 
     final = orbax.epath.Path(str(directory)) / str(step)
+    partial = orbax.partial_path.add_partial_save_suffix(final)
+    _refuse_links(final, partial, step)
     if final.exists():
         raise ExportError(f"{final} already exists: an export of step {step} (or another checkpoint) is there; "
                           "nothing was written. Export to another directory, or remove it first")
-    partial = orbax.partial_path.add_partial_save_suffix(final)
-    stale = sorted(final.parent.glob(f"{partial.name}*")) if final.parent.exists() else []
+    stale = _unfinished(final, partial)
     if stale:
         log.warning("removing %s, an export of step %d that did not finish", ", ".join(map(str, stale)), step)
-        _remove(partial)
+        _remove(final, partial)
+        left = _unfinished(final, partial)
+        if left:
+            raise ExportError(f"could not remove {', '.join(map(str, left))}, an export of step {step} that did not "
+                              "finish (see the warning above); nothing was written. Remove it, or export to another "
+                              "directory")
     whole = len(plan) == 1  # one group: Orbax's ordinary save, no partial save
     if not whole and str(final).startswith("gs://"):
         raise ExportError(
@@ -347,6 +358,7 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
     done = largest = 0
     by_tier: dict[str, int] = {}
     digests: list[tuple[list, dict]] = []
+    before = set(threading.enumerate())
     try:
         with orbax.ocp.Context() if whole else _partial_context(orbax):
             for n, group in enumerate(plan):
@@ -375,10 +387,13 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
                     progress(done, total)
             if not whole:
                 orbax.partial_saving.finalize(final)
+        if _is_link(final):  # planted while Orbax wrote: the checkpoint went through it
+            raise ExportError(f"{final} became a symbolic link while the export was written; it was removed")
     except BaseException as e:
-        _remove(partial)
-        if whole:
-            _remove(final.parent / f"{final.name}.orbax-checkpoint-tmp")
+        _release_orbax(before)
+        _remove(final, partial)
+        if _is_link(final):
+            final.unlink()
         if isinstance(e, MTCError) or not isinstance(e, Exception):
             raise
         raise ExportError(f"writing step {step} to {final} failed ({type(e).__name__}: {e}); nothing was left "
@@ -395,13 +410,62 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
     return report
 
 
-def _remove(partial: Any) -> None:
-    """An unfinished export: Orbax's partial-save folder and its pending ``.orbax-checkpoint-tmp*`` ones."""
-    for path in list(partial.parent.glob(f"{partial.name}*")):
+def _is_link(path: Any) -> bool:
+    """A symbolic link at ``path`` (never on gs://, where there are none)."""
+    return not str(path).startswith("gs://") and os.path.islink(str(path))
+
+
+def _unfinished(final: Any, partial: Any) -> list:
+    """What an unfinished export of ``final`` left: Orbax's partial-save folder and the pending
+    ``.orbax-checkpoint-tmp*`` folders of a whole or a partial save."""
+    if not final.parent.exists():
+        return []
+    return sorted({*final.parent.glob(f"{partial.name}*"), *final.parent.glob(f"{final.name}.orbax-checkpoint-tmp*")})
+
+
+def _refuse_links(final: Any, partial: Any, step: int) -> None:
+    """An export never writes through a symbolic link: its checkpoint would land wherever the link
+    points, and ``<step>`` would become the link."""
+    for path in [final, *_unfinished(final, partial)]:
+        if _is_link(path):
+            raise ExportError(f"{path} is a symbolic link (to {os.readlink(str(path))}); an export of step {step} "
+                              "never writes through one, and nothing was written. Remove the link, or export to "
+                              "another directory")
+
+
+def _remove(final: Any, partial: Any) -> None:
+    """An unfinished export: Orbax's partial-save folder and the pending ``.orbax-checkpoint-tmp*``
+    ones (a symbolic link among them is removed, never what it points to)."""
+    for path in _unfinished(final, partial):
         try:
-            path.rmtree() if path.is_dir() else path.unlink()
+            path.unlink() if _is_link(path) or not path.is_dir() else path.rmtree()
         except OSError as e:  # the export's error is the one to raise; this is cleanup
             log.warning("could not remove the unfinished export %s: %s", path, e)
+
+
+def _release_orbax(before: set) -> None:
+    """Let the threads of a failed Orbax save end: Orbax starts a save's writers waiting for signals
+    (the folder was created, ...) that a save that failed early never sends, and the interpreter
+    would wait for them at exit (Orbax's coordination timeout). Each such thread started since
+    ``before`` is cancelled and its signals sent, so it returns without writing."""
+    try:
+        from orbax.checkpoint._src.futures import future, signaling_client
+
+        waiting = [t for t in threading.enumerate() if t not in before and t.is_alive()
+                   and isinstance(t, future._SignalingThread)]
+        if not waiting:
+            return
+        client = signaling_client.get_signaling_client()
+        for t in waiting:
+            t._cancelled = True
+            for sig in t._receive_signals:
+                key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(sig, t._operation_id)
+                client.key_value_set(key, "cancelled", allow_overwrite=True)
+        for t in waiting:
+            threading.Thread.join(t, timeout=10.0)  # Orbax's own join raises for a cancelled thread
+        log.info("ended %d threads of the failed Orbax save", len(waiting))
+    except (ImportError, AttributeError, TypeError) as e:  # another Orbax: its threads end at its own timeout
+        log.warning("the failed Orbax save's threads may keep this process alive until Orbax's timeout: %s", e)
 
 
 def _file_items(orbax: Any, manager: Any, step: int, file_items: dict[str, tuple]) -> dict[str, Any]:

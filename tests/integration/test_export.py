@@ -136,6 +136,73 @@ def test_bad_input_is_refused_and_nothing_orbax_would_read_is_left(ramdisk, tmp_
     assert first.checkpointables == ("items",)
 
 
+def test_export_never_writes_through_a_symbolic_link(ramdisk, tmp_path):
+    """A symlinked ``<step>.partial_save``, ``<step>.orbax-checkpoint-tmp`` or ``<step>`` in the
+    export's directory: refused, naming it, and nothing is written where it points."""
+    s = state(1)
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    with manager(ramdisk) as m:
+        m.save(1, s)
+        m.wait_until_finished()
+        for name, kw in (("1.partial_save", dict(max_bytes=2048)), ("1.orbax-checkpoint-tmp", {}), ("1", {}),
+                         ("1.partial_save.orbax-checkpoint-tmp", dict(max_bytes=2048))):
+            os.symlink(elsewhere, out / name)
+            with pytest.raises(ExportError, match="is a symbolic link") as e:
+                m.export(str(out), 1, **kw)
+            assert str(out / name) in str(e.value) and "nothing was written" in str(e.value)
+            assert os.listdir(elsewhere) == [] and os.listdir(out) == [name] and os.path.islink(out / name)
+            os.unlink(out / name)
+        rep = m.export(str(out), 1, max_bytes=2048, verify=True)  # the links removed: the export is written
+    assert rep.verified and os.listdir(out) == ["1"] and not os.path.islink(out / "1")
+
+
+_FAILED_SAVE = """
+import os, sys, threading
+import numpy as np
+from orbax.checkpoint import v1 as ocp
+from mtc.head.export import _release_orbax
+out = sys.argv[1]
+os.symlink(sys.argv[2], os.path.join(out, "1.orbax-checkpoint-tmp"))  # Orbax's save fails creating its folder
+before = set(threading.enumerate())
+try:
+    ocp.save_checkpointables(os.path.join(out, "1"), {"items": {"w": np.arange(8.0)}})
+except Exception as e:
+    print("failed:", type(e).__name__)
+_release_orbax(before)
+print("released")
+"""
+
+
+def test_a_failed_orbax_save_leaves_no_thread_that_keeps_the_process_alive(tmp_path):
+    """Orbax's save that fails creating its folder leaves its writers waiting for a signal (until its
+    20-minute timeout, and the process with them): the export's cleanup ends them."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    r = subprocess.run([sys.executable, "-c", _FAILED_SAVE, str(tmp_path / "out"), str(tmp_path / "elsewhere")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "failed:" in r.stdout and "released" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_cli_export_with_a_symlinked_pending_folder_says_so_and_exits(ramdisk, tmp_path):
+    s = state(2)
+    with manager(ramdisk / "job") as m:
+        m.save(2, s)
+        m.wait_until_finished()
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", out / "2.orbax-checkpoint-tmp")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    r = subprocess.run([sys.executable, "-m", "mtc.head.tools.cli", "export", "--to", str(out),
+                        "--local-checkpoint-directory", str(ramdisk / "job")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is a symbolic link" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
 def test_cli_export_from_the_backup_tier_on_a_gcs_emulator(ramdisk, tmp_path, fake_gcs_server, monkeypatch):
     bucket = f"mtc-{uuid.uuid4().hex[:12]}"
     fake_gcs_server.client().create_bucket(bucket)
