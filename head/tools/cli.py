@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of failures that lose every ramdisk copy and need the backup (default 0.05)")
     pl.add_argument("--peer-fraction", type=float, default=0.5,
                     help="share of the other failures that replace a host, restored from a peer (default 0.5)")
+    pl.add_argument("--restart", default="0",
+                    help="what every failure costs besides its restore: detection, the new process, imports, "
+                         "compilation, the first step (e.g. 30s; bench/bench_goodput.py measures it; default 0)")
     pl.add_argument("--backup-overhead", type=float, default=0.05,
                     help="share of a background upload's duration charged to training (default 0.05)")
     src = pl.add_mutually_exclusive_group()

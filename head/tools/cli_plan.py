@@ -12,13 +12,13 @@ from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, flag: str = "--mtbf") -> float:
     t = text.strip().lower()
     scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(t[-1:], None)
     try:
         return float(t[:-1]) * scale if scale else float(t)
     except ValueError:
-        raise ConfigError(f"--mtbf {text!r} is not a duration (e.g. 1h, 30m, 3600)") from None
+        raise ConfigError(f"{flag} {text!r} is not a duration (e.g. 1h, 30m, 3600)") from None
 
 
 def _numbers(flag: str, text: str) -> list[float]:
@@ -71,6 +71,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             how += " (GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()) + ")"
         else:
             return fail("give the costs: --measure (measure them here), --rates or --costs")
+        restart = _duration(args.restart, "--restart")
+        if not (math.isfinite(restart) and restart >= 0):
+            return fail(f"--restart must be a finite time >= 0, got {args.restart!r}")
+        costs = dataclasses.replace(costs, restart_s=restart)
         p = planner.plan(costs, mtbf_s=mtbf, backup_fraction=args.backup_fraction, peer_fraction=args.peer_fraction,
                          backup_overhead=args.backup_overhead)
     except (ConfigError, ValueError) as e:
@@ -99,7 +103,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("  multi_tier_checkpointing_backup_interval_minutes=" + (f"{minutes}" if minutes else "none (no failure "
           "needs it)") + (f"  (every {p.backup.interval_s:.0f} s = sqrt(2 x overhead x upload x MTBF_backup), "
                           "at least one upload)" if minutes else ""))
-    print("expected goodput (1 - sum over tiers of cost/tau + (tau/2 + restore)/MTBF_tier):")
+    print("expected goodput (1 - sum over tiers of cost/tau + (tau/2 + restore)/MTBF_tier - restart/MTBF):")
     print(f"  mtc (RAM + peers + backup)  {p.goodput:8.2%}")
     print(f"  backup only                 {p.backup_only_goodput:8.2%}  (checkpoints every "
           f"{p.backup_only_interval_s:.0f} s, every failure restores from the bucket)")

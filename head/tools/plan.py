@@ -11,7 +11,11 @@ cost ``c`` to training and recovered in ``r`` seconds, each failure it serves lo
     waste(tau) = c / tau + (tau / 2 + r) / M_tier,      M_tier = mtbf / (share of failures it serves)
 
 minimised at ``tau* = sqrt(2 c M_tier)`` (Young's formula). A tier is never checkpointed more
-often than it takes to write (``tau >= write time``). Goodput = 1 - the sum of the tiers' waste.
+often than it takes to write (``tau >= write time``). Every failure also costs ``restart_s``
+besides its restore (detecting it, the new process, its imports, JAX's initialisation and
+compilation, the first step): ``restart_s / mtbf`` more waste, whatever the intervals (so it
+moves no interval). Goodput = 1 - the sum of the tiers' waste - ``restart_s / mtbf``. Measured
+on real MaxText (``bench/bench_goodput.py``), the restart is most of what a failure costs.
 
 Costs are per host (each host writes and reads its own part in parallel, so a job's cost is a
 host's): with mtc the training loop pays only the device-to-host copy of a local save
@@ -46,6 +50,7 @@ class Costs:
     restore_ram_s: float
     restore_peer_s: float
     restore_backup_s: float
+    restart_s: float = 0.0  # what every failure costs besides its restore (the new process, up to its first step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +71,18 @@ class Plan:
     blocking_goodput: float
 
 
+def waste(cost: float, interval: float, restore: float, mtbf: float) -> float:
+    """The fraction of time one tier loses: ``cost`` per checkpoint every ``interval`` seconds, and
+    per failure (one every ``mtbf``) half an interval of work plus ``restore``."""
+    return cost / interval + (interval / 2 + restore) / mtbf
+
+
 def _tier(cost: float, mtbf_tier: float, restore: float, floor: float) -> TierPlan:
     """Young's optimum for one tier, not below ``floor`` (the time one checkpoint takes)."""
     if math.isinf(mtbf_tier):  # the tier serves no failure: it need not be written at all
         return TierPlan(math.inf, 0.0)
     tau = max(floor, math.sqrt(2 * cost * mtbf_tier))
-    return TierPlan(tau, cost / tau + (tau / 2 + restore) / mtbf_tier)
+    return TierPlan(tau, waste(cost, tau, restore, mtbf_tier))
 
 
 def plan(costs: Costs, *, mtbf_s: float, backup_fraction: float = 0.05, peer_fraction: float = 0.5,
@@ -100,7 +111,8 @@ def plan(costs: Costs, *, mtbf_s: float, backup_fraction: float = 0.05, peer_fra
     upload = backup_overhead * costs.backup_s
     local = _tier(costs.local_blocked_s, m_local, r_local, costs.local_write_s)
     backup = _tier(upload, m_backup, costs.restore_backup_s, costs.backup_s)
-    goodput = 1 - local.waste - backup.waste
+    restart = costs.restart_s / mtbf_s  # every failure, whichever tier restores it
+    goodput = 1 - local.waste - backup.waste - restart
     # Backup-only: every failure restores from the bucket; saves asynchronous (the copy, plus the
     # upload's overhead), never more often than an upload takes.
     only = _tier(costs.local_blocked_s + upload, mtbf_s, costs.restore_backup_s, costs.backup_s)
@@ -108,8 +120,9 @@ def plan(costs: Costs, *, mtbf_s: float, backup_fraction: float = 0.05, peer_fra
     b_local = _tier(costs.local_write_s, m_local, r_local, costs.local_write_s)
     b_backup = _tier(costs.backup_s, m_backup, costs.restore_backup_s, costs.backup_s)
     return Plan(local=local, backup=backup, goodput=goodput, backup_only_interval_s=only.interval_s,
-                backup_only_goodput=1 - only.waste, blocking_local_interval_s=b_local.interval_s,
-                blocking_backup_interval_s=b_backup.interval_s, blocking_goodput=1 - b_local.waste - b_backup.waste)
+                backup_only_goodput=1 - only.waste - restart, blocking_local_interval_s=b_local.interval_s,
+                blocking_backup_interval_s=b_backup.interval_s,
+                blocking_goodput=1 - b_local.waste - b_backup.waste - restart)
 
 
 def costs_from_rates(bytes_per_host: float, *, d2h_gbps: float, write_gbps: float, backup_gbps: float,

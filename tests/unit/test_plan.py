@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -96,3 +97,13 @@ def test_measure_gives_the_same_advice_twice(capsys):
         out = capsys.readouterr().out
         periods.append(int(out.split("local_checkpoint_period=")[1].split()[0]))
     assert max(periods) <= 1.4 * min(periods), periods
+
+
+def test_a_restart_cost_lowers_every_goodput_by_its_share_of_the_mtbf_and_moves_no_interval():
+    base = Costs(local_blocked_s=0.1, local_write_s=1, backup_s=30, restore_ram_s=2, restore_peer_s=4,
+                 restore_backup_s=40)
+    p0 = plan(base, mtbf_s=3600)
+    p1 = plan(dataclasses.replace(base, restart_s=36), mtbf_s=3600)
+    assert p1.local.interval_s == p0.local.interval_s and p1.backup.interval_s == p0.backup.interval_s
+    for name in ("goodput", "backup_only_goodput", "blocking_goodput"):
+        assert abs((getattr(p0, name) - getattr(p1, name)) - 0.01) < 1e-12, name
