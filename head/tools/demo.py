@@ -39,6 +39,7 @@ _XLA = "--xla_force_host_platform_device_count=8"
 SLICES, HOSTS, DEVICES_PER_HOST = 2, 2, 2
 MIN_STEPS = 16
 RUN_NAME = "demo"  # the run name of the demo's backups: <workdir>/backup/demo/mtc
+_MARK = ".mtc-demo"  # in a work folder the demo made its own (it then replaces what it wrote there)
 
 
 def _job_token() -> str:
@@ -467,11 +468,14 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "created_workdir", False):
             shutil.rmtree(work, ignore_errors=True)  # nothing ran: leave nothing behind
         return 2
+    theirs = [n for n in ("cluster", "backup", "head.log") if (work / n).exists()]
+    if theirs and not (work / _MARK).exists():  # the demo replaces these: only its own
+        print(f"mtc demo: --workdir {work} already holds {', '.join(theirs)}, which the demo did not make and would "
+              "replace; give a new or empty folder", file=sys.stderr)
+        return 2
     try:
         work.mkdir(parents=True, exist_ok=True)
-        probe = work / ".mtc-demo-probe"
-        probe.write_text("")
-        probe.unlink()
+        (work / _MARK).write_text("a work folder of mtc demo: it replaces cluster/, backup/ and head.log here\n")
     except OSError as e:
         print(f"mtc demo: --workdir {work} is not a writable directory ({e.strerror or e}); pass another one",
               file=sys.stderr)
@@ -491,6 +495,7 @@ def main(args: argparse.Namespace) -> int:
             (work / "head.log").unlink(missing_ok=True)
             for p in work.glob("spec-*.json"):
                 p.unlink()
+            (work / _MARK).unlink(missing_ok=True)
             if getattr(args, "created_workdir", False):
                 shutil.rmtree(work, ignore_errors=True)
 

@@ -258,3 +258,12 @@ def test_an_infinite_preemption_grace_is_refused_by_render_and_check(capsys, tmp
     _set_env(_container(docs, "pathways-head", "main"), "MTC_PREEMPTION_GRACE_S", "inf")
     problems = check_documents(docs, params=8e9).problems
     assert len(problems) == 1 and "MTC_PREEMPTION_GRACE_S='inf'" in problems[0], problems
+
+
+def test_demo_does_not_replace_a_backup_folder_it_did_not_make(capsys, tmp_path):
+    (tmp_path / "backup").mkdir()
+    (tmp_path / "backup" / "mine.txt").write_text("keep me")
+    assert main(["demo", "--workdir", str(tmp_path), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "already holds backup" in err, err
+    assert (tmp_path / "backup" / "mine.txt").read_text() == "keep me"
