@@ -122,6 +122,8 @@ def run(args: Any) -> int:
         if bool(args.base_output_directory) != bool(args.run_name):
             raise ConfigError("--base-output-directory and --run-name go together: the backups are at "
                               "<base_output_directory>/<run_name>/mtc")
+        if not str(args.to).strip():
+            raise ConfigError("--to is empty; give the folder of the export (the step is written in <folder>/<step>)")
         _check_target(Path(args.to))
         from mtc.head.export import _orbax
 

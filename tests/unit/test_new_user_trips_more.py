@@ -74,6 +74,13 @@ def test_export_to_a_file_or_an_unwritable_place_is_refused_before_any_sidecar_s
     assert (tmp_path / "file").read_text() == "keep me"
 
 
+def test_export_to_an_empty_name_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "--to", "", "--cluster-spec", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "--to is empty" in err and list(tmp_path.iterdir()) == [], err
+
+
 def test_export_max_memory_zero_says_what_a_size_is(capsys):
     assert main(["export", "--to", "x", "--max-memory", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
