@@ -15,6 +15,7 @@ import numpy as np
 
 from mtc.shared import wire_errors
 from mtc.shared.errors import ProtocolError
+from mtc.shared.protocol import loads_message
 
 DIGEST_LEN = 16  # bytes of a blob name's digest (xxh3-128) in a phase-1 answer
 
@@ -25,11 +26,9 @@ def encode_request(payload: dict) -> np.ndarray:
 
 
 def decode_request(row: np.ndarray) -> dict:
-    """A request from one device's row (zero padding stripped)."""
-    try:
-        doc = json.loads(np.asarray(row, np.uint8).tobytes().rstrip(b"\0"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"colocated request is not JSON: {e}") from None
+    """A request from one device's row (zero padding stripped), bounded as a daemon's requests are
+    (``protocol.loads_message``)."""
+    doc = loads_message(np.asarray(row, np.uint8).tobytes().rstrip(b"\0"), "colocated request")
     if not isinstance(doc, dict):
         raise ProtocolError("colocated request is not a JSON object")
     return doc
@@ -48,10 +47,7 @@ def encode_reply(fn: Any, host: str | None = None) -> bytes:
 
 def decode_reply(data: bytes) -> tuple[Any, list[bytes], tuple[str, str] | None]:
     """(result, payloads, None) or (None, [], (error type name, message)) of an encoded reply."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"colocated reply is not JSON: {e}") from None
+    doc = loads_message(bytes(data), "colocated reply", request=False)
     if not isinstance(doc, dict) or not ("ok" in doc or "error" in doc):
         raise ProtocolError("colocated reply is neither {'ok': ...} nor {'error': ...}")
     if "error" in doc:

@@ -9,6 +9,7 @@ head that drives it now; a sidecar that restarts has none until the head configu
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from mtc.shared.errors import ProtocolError
@@ -23,8 +24,10 @@ class HostSettings:
 
     @classmethod
     def from_config(cls, config: Any) -> "HostSettings":
-        return cls(local_max_to_keep=int(config.local_max_to_keep),
-                   backup_url=config.backup_root if config.base_output_directory else None,
+        url = config.backup_root if config.base_output_directory else None
+        if url is not None and "://" not in url:  # a local folder: as the head names it, wherever a host runs
+            url = os.path.abspath(url)
+        return cls(local_max_to_keep=int(config.local_max_to_keep), backup_url=url,
                    backup_max_to_keep=int(config.backup_max_to_keep),
                    backup_scrub_bytes_per_s=int(config.backup_scrub_bytes_per_s))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import socket
@@ -45,7 +46,7 @@ __all__ = [
     "HostSpec", "ClusterSpec", "Digesting", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
     "frame_head", "recv_header",
     "encode_bitmap", "decode_bitmap", "blob_list_digest",
-    "send_request", "recv_request", "send_reply", "recv_reply", "parse_address",
+    "send_request", "recv_request", "send_reply", "recv_reply", "parse_address", "loads_message",
 ]
 
 MAGIC = b"MTCF"
@@ -246,11 +247,101 @@ def recv_frame(sock: socket.socket, *, max_header: int = MAX_HEADER_BYTES,
     return header, buffers
 
 
-def _decode_header(raw: bytes | bytearray) -> dict:
+# --- JSON of messages -------------------------------------------------------------------------
+#
+# Every message's JSON is read by ``loads_message`` (frame headers here, colocated requests in
+# ``mtc.shared.colocated_codec``): integers fit in 64 bits, numbers are finite, nesting is bounded
+# by the interpreter's recursion limit, and a request's strings are text (no lone UTF-16
+# surrogate, which no file name, log line or reply could encode). Anything else is a
+# ProtocolError, so no parser behind it meets a value it cannot hold.
+
+MAX_JSON_INT = 2**63 - 1
+_LONG_DIGITS = re.compile(rb"\d{19}")  # a run of 19 digits: a number that may not fit in 64 bits
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only an escape can make a surrogate in JSON
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19 or not -MAX_JSON_INT - 1 <= (n := int(text)) <= MAX_JSON_INT:
+        raise ProtocolError(f"the number {text:.24}{'...' if len(text) > 24 else ''} ({len(text)} digits) does not "
+                            "fit in 64 bits; every integer of the protocol does")
+    return n
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ProtocolError(f"the number {text:.40} is not finite; every number of the protocol is")
+    return x
+
+
+def _no_constant(name: str) -> Any:
+    raise ProtocolError(f"{name} is not a number of the protocol")
+
+
+def _strings(doc: Any) -> Any:
+    """Every string of ``doc`` (keys and values), without recursion."""
+    todo = [doc]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            yield x
+        elif isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+
+
+def _mend(doc: Any) -> Any:
+    """``doc`` with each lone surrogate replaced by U+FFFD (an answer stays printable): ``doc``
+    itself for a list or an object, changed in place, without recursion."""
+    if isinstance(doc, str):
+        return _LONE_SURROGATE.sub("\ufffd", doc)
+    todo = [doc]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            for k in list(x):
+                v = x.pop(k) if isinstance(k, str) and _LONE_SURROGATE.search(k) else x[k]
+                x[_mend(k)] = _mend(v) if isinstance(v, str) else v
+                todo.append(v)
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                if isinstance(v, str):
+                    x[i] = _mend(v)
+                else:
+                    todo.append(v)
+    return doc
+
+
+def loads_message(raw: bytes | bytearray, what: str = "frame header", *, request: bool | None = True) -> Any:
+    """The JSON document of a message, bounded (see above); ProtocolError naming ``what`` if not.
+
+    A ``request`` (None: a frame whose ``kind`` is "request") with a lone surrogate in a string is
+    refused; another message gets U+FFFD in its place."""
     try:
-        header = json.loads(raw)
+        doc = json.loads(raw, parse_int=_bounded_int if _LONG_DIGITS.search(raw) else None,
+                         parse_float=_finite_float, parse_constant=_no_constant)
+    except ProtocolError as e:
+        raise ProtocolError(f"{what}: {e}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ProtocolError(f"frame header is not valid JSON ({str(e)[:100]})") from None
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:100]
+        raise ProtocolError(f"{what} is not valid JSON ({reason})") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        bad = next((t for t in _strings(doc) if _LONE_SURROGATE.search(t)), None)
+        if bad is not None:
+            if request is None:
+                request = isinstance(doc, dict) and doc.get("kind") == "request"
+            if request:
+                raise ProtocolError(f"{what}: the string {bad!r:.80} holds a lone UTF-16 surrogate, which is not "
+                                    "text; send UTF-8 text")
+            doc = _mend(doc)
+    return doc
+
+
+def _decode_header(raw: bytes | bytearray) -> dict:
+    header = loads_message(raw, request=None)
     if not isinstance(header, dict):
         raise ProtocolError(f"frame header is a JSON {type(header).__name__}, expected an object")
     v = header.get("v")

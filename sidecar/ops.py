@@ -18,12 +18,15 @@ checked here (``parse_write``, ``parse_read``) and they call the same service me
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Callable, Sequence
 
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import ProtocolError
+from mtc.shared.hashing import is_blob_name
 from mtc.sidecar.jobs import MAX_WAIT_S
+from mtc.sidecar.ram.common import MAX_STEP
 from mtc.sidecar.replication import parse_peers, parse_pulls, parse_shares
 
 Args = tuple[tuple, dict]  # the positional and keyword arguments of the service method
@@ -43,34 +46,80 @@ class Op:
 
 
 # --- argument checks (shared by both transports) ---------------------------------------------
+#
+# Every number and string an operation accepts is bounded here, so that nothing the service does
+# with it (a file name, a path, a metric) can fail on its size or content: a request out of bounds
+# is a ProtocolError naming the argument, and it changes nothing.
+
+MAX_GENERATION = 2**63 - 1  # a head's generation (microseconds since the epoch, or one more than the lease's)
+MAX_INDEX = 2**31 - 1  # a device id, an array index, a part number
+MAX_DEADLINE_S = 24 * 3600.0  # how long a listing may retry an unreachable store
+MAX_ROOT_CHARS = 4096  # a backup root (PATH_MAX)
+MAX_NAME_CHARS = 255  # a backup name (NAME_MAX)
+MAX_HEAD_CHARS = 4096  # a claiming head's description, as JSON (kept in the lease file)
+MAX_SETTING = 2**53  # a count or rate of the head's settings (exact as a metric's float)
+_URL_SCHEMES = ("gs://", "file:///")
 
 
 def step_arg(args: dict) -> int:
     step = args.get("step")
-    if type(step) is not int or step < 0:
-        raise ProtocolError(f"'step' must be an integer >= 0, got {step!r:.50}")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ProtocolError(f"'step' must be an integer in [0, {MAX_STEP}], got {step!r:.50}")
     return step
+
+
+def gen_arg(args: dict, key: str = "gen", *, where: str = "the request") -> int | None:
+    """The head's generation in ``args[key]`` (None when absent), bounded."""
+    gen = args.get(key)
+    if gen is not None and (type(gen) is not int or not 1 <= gen <= MAX_GENERATION):
+        raise ProtocolError(f"{where}: '{key}' must be the head's generation, an integer in [1, 2**63 - 1], "
+                            f"got {gen!r:.50}")
+    return gen
+
+
+def _index(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_INDEX
 
 
 def box_arg(value: Any, where: str) -> fmt.Box:
     if not isinstance(value, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p) and 0 <= p[0] <= p[1]
+            isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p) and 0 <= p[0] <= p[1] < 2**63
             for p in value):
-        raise ProtocolError(f"{where}: box {value!r:.100} is not a list of [start, stop] pairs")
+        raise ProtocolError(f"{where}: box {value!r:.100} is not a list of [start, stop] pairs (0 <= start <= stop "
+                            "< 2**63)")
     return tuple((p[0], p[1]) for p in value)
 
 
 def _names(value: Any, where: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ProtocolError(f"{where}: 'blobs' must be a list of blob names")
+    if not isinstance(value, list) or not all(is_blob_name(v) for v in value):
+        bad = next((v for v in value if not is_blob_name(v)), None) if isinstance(value, list) else value
+        raise ProtocolError(f"{where}: 'blobs' must be a list of blob names (32 lowercase hex digits), "
+                            f"got {bad!r:.80}")
+    return value
+
+
+def _text(value: Any, where: str, what: str, max_chars: int) -> str:
+    """A non-empty string of at most ``max_chars`` characters without NUL, or ProtocolError."""
+    if not isinstance(value, str) or not value or len(value) > max_chars or "\0" in value:
+        raise ProtocolError(f"{where}: {what} must be a non-empty string of at most {max_chars} characters "
+                            f"without NUL, got {value!r:.80}")
     return value
 
 
 def _name(args: dict, where: str) -> str:
-    name = args.get("name")
-    if not isinstance(name, str) or not name:
-        raise ProtocolError(f"{where} needs 'name' (the backup's name)")
-    return name
+    return _text(args.get("name"), where, "'name' (the backup's name)", MAX_NAME_CHARS)
+
+
+def root_arg(root: Any, where: str, what: str = "'root'") -> str:
+    """A backup root as a request names it: an absolute path, ``file:///...`` or ``gs://...``.
+
+    A relative path is refused: it would name a folder under this process's working directory,
+    not the head's backup root (the head sends its root absolute)."""
+    _text(root, where, what, MAX_ROOT_CHARS)
+    if not (root.startswith("/") or root.lower().startswith(_URL_SCHEMES)):
+        raise ProtocolError(f"{where}: {what} {root!r:.80} is not absolute; give the backup root as an absolute "
+                            "path, file:///path or gs://bucket/prefix")
+    return root
 
 
 def _payloads(payloads: Sequence[bytes], where: str, *, at_most: int = 1, exactly: int | None = None) -> list[bytes]:
@@ -91,8 +140,8 @@ def _step_only(args: dict, payloads: Sequence[bytes]) -> Args:
 
 def _inventory(args: dict, payloads: Sequence[bytes]) -> Args:
     devices = args.get("devices")
-    if devices is not None and (not isinstance(devices, list) or not all(type(d) is int for d in devices)):
-        raise ProtocolError("inventory: 'devices' must be a list of device ids")
+    if devices is not None and (not isinstance(devices, list) or not all(_index(d) for d in devices)):
+        raise ProtocolError(f"inventory: 'devices' must be a list of device ids (integers in [0, {MAX_INDEX}])")
     return (devices,), {}
 
 
@@ -107,26 +156,37 @@ def _commit(args: dict, payloads: Sequence[bytes]) -> Args:
     step = step_arg(args)
     (manifest,) = _payloads(payloads, "commit (the step manifest, for a keeper)") or [None]
     digest, keepers = args.get("digest"), args.get("keepers")
-    if digest is not None and not isinstance(digest, str):
-        raise ProtocolError("commit: 'digest' is not a string")
+    if digest is not None and (not isinstance(digest, str) or len(digest) > 128):
+        raise ProtocolError("commit: 'digest' is not a digest (a string of at most 128 characters)")
     if keepers is not None and not (isinstance(keepers, list) and all(
-            isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) for x in k) for k in keepers)):
+            isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) and 0 < len(x) <= 255 and "\0" not in x
+                                                        for x in k) for k in keepers)):
         raise ProtocolError("commit: 'keepers' is not a list of [host, peer address]")
     return (step, manifest), {"digest": digest, "keepers": [tuple(k) for k in keepers] if keepers else None}
 
 
 def _claim(args: dict, payloads: Sequence[bytes]) -> Args:
     head = args.get("head")
-    if not isinstance(head, dict):
-        raise ProtocolError("claim needs 'head' (an object naming the head)")
-    return (args.get("generation"), head), {}
+    if not isinstance(head, dict) or len(json.dumps(head)) > MAX_HEAD_CHARS:
+        raise ProtocolError(f"claim needs 'head' (an object naming the head, at most {MAX_HEAD_CHARS} characters "
+                            "as JSON)")
+    generation = gen_arg(args, "generation", where="claim")
+    if generation is None:
+        raise ProtocolError("claim needs 'generation' (the head's generation)")
+    return (generation, head), {}
 
 
 def _configure(args: dict, payloads: Sequence[bytes]) -> Args:
     settings = args.get("settings")
     if not isinstance(settings, dict):
         raise ProtocolError("configure needs 'settings' (an object of the head's settings)")
-    return (settings,), {"generation": args.get("gen")}
+    for key in ("local_max_to_keep", "backup_max_to_keep", "backup_scrub_bytes_per_s"):
+        v = settings.get(key, 1)
+        if type(v) is int and v > MAX_SETTING:
+            raise ProtocolError(f"configure: {key} must be at most {MAX_SETTING}, got {v!r:.50}")
+    if settings.get("backup_url") is not None:
+        root_arg(settings["backup_url"], "configure", "backup_url")
+    return (settings,), {"generation": gen_arg(args, where="configure")}
 
 
 def _job(args: dict, payloads: Sequence[bytes]) -> Args:
@@ -145,20 +205,19 @@ def _backup_upload(args: dict, payloads: Sequence[bytes]) -> Args:
 def _backup_finalize(args: dict, payloads: Sequence[bytes]) -> Args:
     name = _name(args, "backup_finalize")
     (manifest,) = _payloads(payloads, "backup_finalize (the step manifest)", exactly=1)
-    return (name, manifest), {"generation": args.get("gen")}
+    return (name, manifest), {"generation": gen_arg(args, where="backup_finalize")}
 
 
 def _root(args: dict, where: str) -> str | None:
     root = args.get("root")
-    if root is not None and (not isinstance(root, str) or not root):
-        raise ProtocolError(f"{where}: 'root' must be the backup root (a non-empty string) or null")
-    return root
+    return None if root is None else root_arg(root, where)
 
 
 def _backup_listing(args: dict, payloads: Sequence[bytes]) -> Args:
     deadline = args.get("deadline_s")
-    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline < 0):
-        raise ProtocolError("'deadline_s' must be a number >= 0 or null")
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not 0 <= deadline <= MAX_DEADLINE_S):
+        raise ProtocolError(f"'deadline_s' must be a number in [0, {MAX_DEADLINE_S:g}] or null, got {deadline!r:.50}")
     return (_root(args, "backup_listing"), deadline), {}
 
 
@@ -172,11 +231,14 @@ def _backup_fetch(args: dict, payloads: Sequence[bytes]) -> Args:
 
 def _backup_scrub(args: dict, payloads: Sequence[bytes]) -> Args:
     rate, damaged = args.get("bytes_per_s"), args.get("damaged", {})
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not 0 < rate <= MAX_SETTING):
         raise ProtocolError(f"backup_scrub: 'bytes_per_s' must be a number > 0 (the bandwidth cap) or null, "
                             f"got {rate!r:.50}")
-    if not isinstance(damaged, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in damaged.items()):
-        raise ProtocolError("backup_scrub: 'damaged' must be an object of backup name -> why")
+    if not isinstance(damaged, dict) or not all(backup_layout.is_backup_name(k) and isinstance(v, str)
+                                                and len(v) <= 4096 for k, v in damaged.items()):
+        raise ProtocolError("backup_scrub: 'damaged' must be an object of backup name -> why (at most 4096 "
+                            "characters)")
     sizes, clear = args.get("sizes", {}), args.get("clear", [])
     if not isinstance(sizes, dict) or not all(isinstance(k, str) and type(v) is int and 0 <= v < 2**63
                                               for k, v in sizes.items()):
@@ -199,8 +261,8 @@ def parse_write(args: dict, count: int) -> tuple[int, int, list[tuple[int, fmt.B
     """A ``write``'s header: (step, part, [(array index, box)] when the request lists its shards)."""
     step = step_arg(args)
     part = args.get("part", 0)
-    if type(part) is not int or part < 0:
-        raise ProtocolError(f"write: 'part' must be an integer >= 0, got {part!r:.50}")
+    if not _index(part):
+        raise ProtocolError(f"write: 'part' must be an integer in [0, {MAX_INDEX}], got {part!r:.50}")
     rows = args.get("shards")
     if rows is None:
         return step, part, None
@@ -208,7 +270,7 @@ def parse_write(args: dict, count: int) -> tuple[int, int, list[tuple[int, fmt.B
         raise ProtocolError(f"write: 'shards' must list one [array, box] per payload ({count} payloads)")
     out = []
     for i, row in enumerate(rows):
-        if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and row[0] >= 0):
+        if not (isinstance(row, list) and len(row) == 2 and _index(row[0])):
             raise ProtocolError(f"write: shards[{i}] is not [array index, box]")
         out.append((row[0], box_arg(row[1], f"write: shards[{i}]")))
     return step, part, out
@@ -226,8 +288,9 @@ def parse_read(args: dict) -> tuple[int, list[tuple[str, fmt.Box | None]], str |
             raise ProtocolError(f"read: reads[{i}] is not [key, box or null]")
         boxes.append((row[0], None if row[1] is None else box_arg(row[1], f"read: reads[{i}]")))
     manifest = args.get("manifest")
-    if manifest is not None and not isinstance(manifest, str):
-        raise ProtocolError("read: 'manifest' must be the step manifest's digest (a string) or null")
+    if manifest is not None and (not isinstance(manifest, str) or len(manifest) > 128):
+        raise ProtocolError("read: 'manifest' must be the step manifest's digest (a string of at most 128 "
+                            "characters) or null")
     stream = args.get("stream", [])
     if not isinstance(stream, list) or not all(type(i) is int and 0 <= i < len(boxes) for i in stream):
         raise ProtocolError("read: 'stream' must list indices into 'reads' (the boxes the head hashes itself)")
@@ -287,7 +350,7 @@ def check(name: str, mode: str) -> Op:
 def serve(service: Any, name: str, args: dict, payloads: Sequence[bytes], mode: str) -> tuple[Any, list]:
     """Serve one control request on ``service``: (result, payloads). Raises what the call raised."""
     op = check(name, mode)
-    service.admit(name, args.get("gen"))
+    service.admit(name, gen_arg(args))
     call_args, call_kwargs = op.parse(args, payloads)
     method = getattr(service, op.method)
     if op.long:

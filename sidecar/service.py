@@ -71,6 +71,7 @@ class SidecarService(ServiceSave, ServiceSteps):
         self.settings = HostSettings(local_max_to_keep=max_to_keep, backup_url=backup_url or None)
         self._configured = not awaits_head
         self._backups: dict[str, object] = {}  # backup root -> its BackupTier
+        self._readers: dict[str, object] = {}  # backup root -> a BackupTier that creates no root (listings)
         self._fingerprint: dict | None = None
         self.jobs = Jobs(self.host_id)
         self.store = RamStore(root, max_to_keep=max_to_keep, blobs_of=fmt.collect_blob_names)
@@ -194,20 +195,26 @@ class SidecarService(ServiceSave, ServiceSteps):
 
     # --- backup tier ---------------------------------------------------------------------
 
-    def _backup_tier(self, root: str | None = None, *, configured: bool = True):
+    def _backup_tier(self, root: str | None = None, *, configured: bool = True, create: bool = True):
         """The backup tier of the configured backup root (``configured``), or of ``root``: the
         root a reader names (listings and manifests), which needs no settings, so that a head
-        that does not drive these hosts (``mtc status``, an export) can read the backups too."""
+        that does not drive these hosts (``mtc status``, an export) can read the backups too.
+        Without ``create`` (a reader), a local root that does not exist is not made: it lists as empty."""
         url = self._settings("the backup tier").backup_url if configured else root
         if url is None:
             raise ConfigError("no backup tier: set base_output_directory (and run_name) to back up and "
                               "restore from object storage")
         with self._lock:
-            tier = self._backups.get(url)
+            tier = self._backups.get(url) or (None if create else self._readers.get(url))
             if tier is None:
+                from mtc.shared.objstore.store import open_store
                 from mtc.sidecar.backup.tier import BackupTier
 
-                tier = self._backups[url] = BackupTier(url, self.store, self.host_id)
+                if create:
+                    tier = self._backups[url] = BackupTier(url, self.store, self.host_id)
+                else:
+                    tier = self._readers[url] = BackupTier(url, self.store, self.host_id,
+                                                           store=open_store(url, create=False))
             return tier
 
     def backup_upload(self, blobs: list[str]) -> dict:
@@ -228,10 +235,10 @@ class SidecarService(ServiceSave, ServiceSteps):
 
     def backup_listing(self, root: str | None, deadline_s: float | None = None) -> dict:
         """The backups under ``root`` (the head's backup root), newest first."""
-        return self._backup_tier(root, configured=False).listing(deadline_s)
+        return self._backup_tier(root, configured=False, create=False).listing(deadline_s)
 
     def backup_manifest(self, root: str | None, name: str) -> bytes:
-        return self._backup_tier(root, configured=False).manifest(name)
+        return self._backup_tier(root, configured=False, create=False).manifest(name)
 
     def backup_fetch(self, name: str, blobs: list[str]) -> dict:
         """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them."""
@@ -324,5 +331,5 @@ class SidecarService(ServiceSave, ServiceSteps):
                 self._peer.close()
             self._io.shutdown(wait=True)
             self.store.close()
-            for tier in self._backups.values():
+            for tier in [*self._backups.values(), *self._readers.values()]:
                 tier.close()

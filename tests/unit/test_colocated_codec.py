@@ -17,7 +17,7 @@ def test_request_round_trip_and_padding():
     assert row.dtype == np.uint8 and row.tobytes() == b'{"id": "abc", "op": "commit", "gen": 7, "step": 3}'
     padded = np.concatenate([row, np.zeros(9, np.uint8)])  # rows are padded to the widest
     assert decode_request(padded) == req
-    with pytest.raises(ProtocolError, match="not JSON"):
+    with pytest.raises(ProtocolError, match="not valid JSON"):
         decode_request(np.frombuffer(b"{nope", np.uint8))
 
 
@@ -39,3 +39,24 @@ def test_reply_carries_results_and_typed_errors():
     assert decode_reply(encode_reply(bug, host="h3")) == (None, [], ("KeyError", "host h3: 'x'"))
     with pytest.raises(ProtocolError, match="neither"):
         decode_reply(b'{"other": 1}')
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+                                 b'{"op": "verify", "step": ' + b"9" * 4000 + b"}", b'{"op": "verify", "step": NaN}',
+                                 b'{"op": "backup_listing", "deadline_s": 1e400}',
+                                 b'{"op": "backup_listing", "root": "/a\\udcff"}'])
+def test_the_colocated_decoder_bounds_requests_as_the_daemon_does(raw):
+    """Nesting, numbers and strings no parser behind it could hold: a ProtocolError, as a daemon's
+    frame header gets (``protocol.loads_message``), never a RecursionError or a ValueError."""
+    from mtc.shared import protocol
+
+    with pytest.raises(ProtocolError):
+        decode_request(np.frombuffer(raw, np.uint8))
+    with pytest.raises(ProtocolError):
+        protocol.loads_message(raw)
+
+
+def test_a_reply_with_a_lone_surrogate_is_mended_not_refused():
+    """An answer may quote a file name that is not UTF-8; the head gets it printable."""
+    data = encode_reply(lambda: ({"path": "/r/a\udcff"}, []))
+    assert decode_reply(data)[0] == {"path": "/r/a\ufffd"}
