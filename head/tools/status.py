@@ -171,6 +171,10 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     elif backup_error:
         reason += (f"; the backup root {config.backup_root} could not be listed ({backup_error}): its backups are "
                    "not known, and a step only they hold is not counted")
+    if config.base_output_directory and not (root_missing or backup_error or listing["backups"] or rv
+                                             or listing.get("damaged")):
+        notes.append(f"the backup root {config.backup_root} holds no backup: none made yet, or "
+                     "--base-output-directory and --run-name are not the job's")
     for h, e in sorted(verified["errors"].items()):
         notes.append(f"{h} could not hash its blobs ({e}): its copies are counted unverified")
     for d in listing.get("damaged", []):

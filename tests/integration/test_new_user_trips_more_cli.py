@@ -55,6 +55,9 @@ def test_read_only_commands_create_no_folder_and_say_the_root_does_not_exist(job
         assert rc == 1 and "does not exist" in err and "--run-name" in err and "Traceback" not in err, err
         assert "restore would choose" in out  # the hosts' steps are still shown
         assert not missing.exists() and _tree(tmp / "backup") == before
+    (tmp_path / "empty" / "r" / "mtc").mkdir(parents=True)  # a root that exists and holds nothing: a note
+    assert main(["status", *spec, "--base-output-directory", str(tmp_path / "empty"), "--run-name", "r"]) == 0
+    assert "holds no backup" in capsys.readouterr().out
     before = _tree(tmp / "backup")
     for cmd in (["export", "--to", str(tmp_path / "out"), *spec], ["verify", "--backup", *spec],
                 ["export", "--to", str(tmp_path / "out")]):
