@@ -11,7 +11,8 @@ at once on every host the head can reach, and remembered for the others: when th
 connects to such a host (after its restart), the abort is sent before anything else. So a
 failed step is never left committed, where it would count towards ``local_max_to_keep`` and
 could push the last good step out. A host that cannot be reached is reported in
-``inventories()`` with no steps and an ``"error"``, so ``latest_step()`` confirms nothing while it is down.
+``inventories()`` with no steps and an ``"error"``, so ``latest_step()`` confirms nothing while it is down
+(it raises ``StepsUnconfirmedError`` rather than answer None when nothing else is confirmed).
 
 Connections are kept open and re-made on failure (re-reading the spec, since a restarted
 daemon may listen on a new port). Every new connection checks the host id and the version
@@ -367,6 +368,9 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
                 failures[h] = e
             except RemoteFailure as e:
                 e.reraise()
+        if len(failures) > 1:  # no host could be asked: that type, so that a listing reads as "not known"
+            raise HostUnreachableError(f"{op}: no host could be asked: "
+                                       + "; ".join(f"{h}: {cause(e)}" for h, e in sorted(failures.items())))
         self._raise_failures(op, failures)
         raise AssertionError("unreachable")  # pragma: no cover
 

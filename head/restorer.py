@@ -27,7 +27,8 @@ from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import CorruptBlobError, HostUnreachableError, ManifestError, MTCError, StepNotFoundError
+from mtc.shared.errors import (CorruptBlobError, HostUnreachableError, ManifestError, MTCError, StepNotFoundError,
+                               StepsUnconfirmedError)
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +94,34 @@ class Restorer:
         if listing["restore_version"]:
             return [self.pinned_backup(listing)[1]]
         inv = self._inventory_repaired(listing) if repair else self.inventory(listing)
+        if self._no_host_answered(inv):  # the backups are listed through the hosts: they cannot decide either
+            raise self._unconfirmed(inv)
         if not inv.restorable and "unreachable" in listing:  # nothing on the hosts: the backups decide
             self._lister.required(listing, LISTING_DEADLINE_S, "any step", _hosts_note(inv))
             if listing["restore_version"]:
                 return [self.pinned_backup(listing)[1]]
         steps = set(inv.restorable) | {b["step"] for b in listing["backups"]}
         whole = self._completed_by_backups(inv, listing, newer_than=max(steps, default=-1), only=None)
-        return sorted(steps | ({whole} if whole is not None else set()))
+        steps |= {whole} if whole is not None else set()
+        if not steps and inv.unreachable:  # "no step" is not known while a host that may hold one is not asked
+            raise self._unconfirmed(inv)
+        return sorted(steps)
+
+    def _no_host_answered(self, inv: Inventory) -> bool:
+        return bool(inv.unreachable) and set(inv.unreachable) >= set(self._dispatch.hosts())
+
+    def _unconfirmed(self, inv: Inventory) -> StepsUnconfirmedError:
+        """The error of a step listing that hosts it could not ask leave empty: never "no step"."""
+        hosts = dict(sorted(inv.unreachable.items()))
+        total = len(self._dispatch.hosts())
+        others = "no host answered" if self._no_host_answered(inv) else "the hosts that answered confirm no step alone"
+        return StepsUnconfirmedError(
+            f"no step can be confirmed: {len(hosts)} of {total} hosts could not be asked what they hold ("
+            + "; ".join(f"{h}: {e}" for h, e in hosts.items())
+            + f") and {others}; they may hold committed steps, so this is not \"no step\" (do not start training "
+            "from the beginning). Fix what stops the head from reaching them (a TLS error: give the head the job's "
+            "TLS folder, MTC_TLS_DIR or tls_dir; a host down: restart it) and ask again, or open the manager on "
+            "the hosts that remain (a cluster spec without them)", hosts=hosts)
 
     def pinned_backup(self, listing: dict) -> tuple[str, int]:
         rv = listing["restore_version"]
@@ -134,6 +156,8 @@ class Restorer:
             if whole is not None:
                 cluster = sorted(set(cluster) | {whole})
                 steps = sorted(set(steps) | {whole})
+        if "unreachable" in listing and self._no_host_answered(inv):  # the listing went through no host either
+            raise self._unconfirmed(inv)
         if "unreachable" in listing and (step not in steps if step is not None else not steps):
             # Not on the hosts, and the listing failed: "not found" is not known; ask it again, or say so.
             self._lister.required(listing, LISTING_DEADLINE_S, "any step" if step is None else f"step {step}",

@@ -86,6 +86,16 @@ class HostUnreachableError(MTCError, ConnectionError):
     """A sidecar daemon cannot be reached, or its connection broke in the middle of a request."""
 
 
+class StepsUnconfirmedError(HostUnreachableError):
+    """Hosts could not be asked what they hold and no step is confirmed without them: whether a step is
+    committed is not known, which is not "no step" (``latest_step()`` raises this rather than answer None).
+    ``hosts``: host -> why it could not be asked."""
+
+    def __init__(self, message: str, *, hosts: dict[str, str] | None = None):
+        super().__init__(message)
+        self.hosts = dict(hosts or {})
+
+
 class AuthenticationError(MTCError):
     """A control request did not prove it comes from this job's head (no or a wrong job token)."""
 

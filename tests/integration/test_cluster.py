@@ -27,7 +27,7 @@ from mtc.head import CheckpointManager, MTCConfig
 from mtc.head.cluster import ClusterDispatcher
 from mtc.head.restore_plan import plan_target
 from mtc.shared import protocol
-from mtc.shared.errors import CorruptBlobError, HostUnreachableError, SaveError, StepNotFoundError
+from mtc.shared.errors import CorruptBlobError, HostUnreachableError, SaveError, StepNotFoundError, StepsUnconfirmedError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.local_cluster import LocalCluster
 
@@ -177,8 +177,9 @@ def test_restarted_daemon_with_intact_ramdisk_serves_its_steps(local_cluster):
         old_pid = local_cluster.pid("s1-h0")
         assert local_cluster.kill("s1-h0", signal.SIGTERM) == 0  # clean shutdown on SIGTERM
         assert "daemon stopped" in local_cluster.log_path("s1-h0").read_text()
-        # While a host is down nothing can be confirmed on it.
-        assert m.latest_step() is None
+        # While a host is down nothing can be confirmed on it, and that is not "no step".
+        with pytest.raises(StepsUnconfirmedError, match=r"could not be asked.*s1-h0: .*connection refused"):
+            m.latest_step()
         inv = m._dispatch.inventories()
         assert "connection refused" in inv["s1-h0"].error and inv["s1-h0"].steps == ()
         with pytest.raises(StepNotFoundError, match=r"could not be asked.*s1-h0 \(.*connection refused"):
