@@ -317,8 +317,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise,
                                    tls=tls_files)
-        if args.metrics_port:
-            metrics = serve_metrics(args.metrics_port, service)
+        if args.metrics_port:  # where the control port listens unless --metrics-host says otherwise
+            metrics = serve_metrics(args.metrics_port, service, host if args.metrics_host is None else args.metrics_host)
         address = daemon.start()
         steps = service.steps()
         log.info("host %s: serving %s (pid %d); committed steps found: %s", args.host_id, root, os.getpid(), steps)
@@ -348,7 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-payload", type=int, default=protocol.MAX_PAYLOAD_BYTES,
                    help="largest payload of one request, in bytes")
     s.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics at :PORT/metrics on every interface (default 0: off)")
+                   help="serve Prometheus metrics (clear text) at http://HOST:PORT/metrics (default 0: off)")
+    s.add_argument("--metrics-host", help="the address the metrics bind (default: the --listen host; 0.0.0.0: every "
+                                          "interface, for a scraper on another machine)")
     s.add_argument("--parent-pid", type=int, help="exit (SIGKILL) when this process, our parent, dies")
     s.add_argument("--peer-listen", default="127.0.0.1:0",
                    help="peer service address host:port (port 0: any free port); the peer token comes from "

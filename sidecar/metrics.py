@@ -20,24 +20,37 @@ at each scrape), labelled with the service's host id:
 
 from __future__ import annotations
 
+import http.server
 import logging
+import math
+import socket
+import socketserver
 import threading
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 from mtc.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+MAX_SCRAPES = 8  # connections served at once; one more is closed at once (a scraper asks again)
+SCRAPE_TIMEOUT_S = 5.0  # to send the request, and for each read of the answer
+
 
 class MetricsServer:
     """A running ``/metrics`` server of one sidecar; ``close()`` stops it."""
 
-    def __init__(self, server: Any, thread: threading.Thread, errors: "_ErrorCounter"):
+    def __init__(self, server: "_ScrapeServer", thread: threading.Thread, errors: "_ErrorCounter"):
         self._server, self._thread, self._errors = server, thread, errors
 
     @property
     def port(self) -> int:
         return self._server.server_port
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unserved because ``MAX_SCRAPES`` were being served."""
+        return self._server.refused
 
     def close(self) -> None:
         """Stop serving and stop counting errors. Safe to call twice."""
@@ -49,23 +62,88 @@ class MetricsServer:
             self._thread.join(timeout=10)
 
 
-def serve_metrics(port: int, service: Any, addr: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``service``'s metrics at ``http://addr:port/metrics`` (port 0: any free port, see
-    ``MetricsServer.port``) from a thread of this process, until ``close()``."""
-    from prometheus_client import CollectorRegistry, start_http_server
+class _ScrapeHandler(http.server.BaseHTTPRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # set on the connection: a scraper that sends nothing is dropped
 
-    if not 0 <= int(port) <= 65535:
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+        if urlsplit(self.path).path not in ("/metrics", "/"):
+            self.send_error(404, "only /metrics is served here")
+            return
+        try:
+            body = generate_latest(self.server.registry)
+        except Exception:
+            log.exception("host %s: cannot collect the metrics", self.server.host_id)
+            self.send_error(500, "the metrics could not be collected; see the sidecar's log")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not logged
+        pass
+
+
+class _ScrapeServer(http.server.HTTPServer):
+    """HTTP on one address, one thread per connection, at most ``MAX_SCRAPES`` connections at once:
+    past them a connection is closed unserved, so idle or half-open connections hold no more than
+    ``MAX_SCRAPES`` threads, each for at most ``SCRAPE_TIMEOUT_S`` per read."""
+
+    request_queue_size = 64
+
+    def __init__(self, addr: tuple[str, int], registry: Any, host_id: str):
+        self.registry, self.host_id, self.refused = registry, host_id, 0
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(addr, _ScrapeHandler)
+
+    def server_bind(self) -> None:  # HTTPServer's also looks the host name up in DNS, which may hang
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        threading.Thread(target=self._serve_one, args=(request, client_address), daemon=True,
+                         name="mtc-metrics-scrape").start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # a scraper that went away or timed out: nothing to report
+            pass
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+
+def serve_metrics(port: int, service: Any, addr: str = "127.0.0.1") -> MetricsServer:
+    """Serve ``service``'s metrics at ``http://addr:port/metrics`` (port 0: any free port, see
+    ``MetricsServer.port``) from a thread of this process, until ``close()``. The daemon binds them
+    where its control port binds unless ``--metrics-host`` says otherwise."""
+    from prometheus_client import CollectorRegistry
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"--metrics-port {port} is out of range; use 1..65535 (0: any free port)")
     errors = _ErrorCounter()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SidecarCollector(service, errors))
     try:
-        server, thread = start_http_server(int(port), addr=addr, registry=registry)
-    except OSError as e:
+        server = _ScrapeServer((addr, port), registry, service.host_id)
+    except (OSError, OverflowError) as e:
         raise ConfigError(f"host {service.host_id}: cannot serve metrics on {addr}:{port}: {e}; give --metrics-port "
-                          "a free port") from e
+                          "a free port (and --metrics-host an address of this host)") from e
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True,
+                              name="mtc-metrics")
+    thread.start()
     logging.getLogger("mtc").addHandler(errors)
-    log.info("host %s: metrics on :%d/metrics", service.host_id, server.server_port)
+    log.info("host %s: metrics on %s:%d/metrics", service.host_id, addr, server.server_port)
     return MetricsServer(server, thread, errors)
 
 
@@ -95,7 +173,7 @@ class _SidecarCollector:
 
         def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["host"])
-            if value is not None:
+            if value is not None and math.isfinite(_as_float(value)):  # a value no float holds is left out
                 g.add_metric(host, value)
             return g
 
@@ -141,3 +219,10 @@ class _SidecarCollector:
         for name, n in sorted(counts.items()):
             errs.add_metric([*host, name], n)
         yield errs
+
+
+def _as_float(value: Any) -> float:
+    try:
+        return float(value)
+    except (OverflowError, TypeError, ValueError):
+        return math.nan
