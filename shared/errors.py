@@ -110,7 +110,8 @@ class FencedError(MTCError):
 
 class BackupSupersededError(MTCError):
     """A newer finalize of the backup tier started while this one ran (one its head gave up on, still
-    running on its host): this one stopped before its next bucket operation (``sidecar/backup/fence.py``)."""
+    running on its host), or this one could not keep its marker alive: it stopped before its next bucket
+    operation (``sidecar/backup/fence.py``)."""
 
 
 class InjectedFaultError(MTCError):

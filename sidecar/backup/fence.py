@@ -9,17 +9,27 @@ before the next backup's blobs were uploaded, deletes those blobs, and the next 
 complete without them. The head's lease does not stop it: both come from the same head.
 
 So a finalize announces itself with a marker object, ``finalizing/<generation>.<backup name>.<host>.
-<process>.<attempt>`` (its order: the head's generation, then the backup's step and time), and then:
+<process>.<attempt>`` (its order: the head's generation, then the backup's step and time), and keeps it
+alive: it rewrites the marker every ``BEAT_S`` while it runs (a beat), and it stops (before its next
+bucket operation) once no beat got through for ``LEASE_S``. A marker whose content stays the same for
+``DEAD_AFTER_S`` (more than twice the lease) is a finalize that cannot do anything more: it died with its
+host or its daemon, or it was never one (a file planted there, a head whose clock ran ahead and died).
+Then:
 
-- before it reads or writes anything else it waits until every older finalize's marker is gone. An
-  older finalize sees the newer marker before its next bucket operation, stops with
-  ``BackupSupersededError`` (nothing more made visible, nothing more pruned) and removes its marker once
-  its last operation returned. A marker of this host from an earlier process is removed at once (that
-  finalize died with its daemon); one that stays ``ABANDONED_AFTER_S`` is taken for a finalize that died
-  with its host, and removed;
-- it checks again before its bucket operations (at most every ``CHECK_EVERY_S``; safety does not rest on
-  how often, since the newer one waits) that no newer finalize announced itself and that its own marker
-  is still there;
+- before it reads or writes anything else, a finalize waits until every older finalize's marker is gone.
+  An older finalize that sees the newer marker stops with ``BackupSupersededError`` (nothing more made
+  visible, nothing more pruned) and removes its marker once its last operation returned. A marker of this
+  host from an earlier process is removed at once (that finalize died with its daemon); a dead one (above)
+  is removed once it is known to be dead, and one that stays ``ABANDONED_AFTER_S`` although it beats (a
+  finalize stuck in a store operation) is removed too;
+- a newer finalize that is alive (its marker changed while this one looked) stops this one before it starts;
+  a dead one is removed. So no marker holds up the next backup for longer than ``DEAD_AFTER_S``, and none
+  that no finalize keeps alive stops one, whatever generation it names;
+- while it runs, it checks again before its bucket operations (at most every ``CHECK_EVERY_S``; safety
+  does not rest on how often, since the newer one waits) that its own marker is still there and that no
+  newer finalize of its head's generation (the head's next backup) announced itself; a newer finalize of a
+  generation beyond its own stops it once that marker is seen to beat (a newer head's, on hosts this one's
+  head no longer reaches); one that never beats waits for this one like any newer one, and cannot stop it;
 - it removes its marker when it ends, however it ends.
 
 Finalizes of the same backup (same generation and name) are equivalent and run side by side: the
@@ -39,11 +49,18 @@ import uuid
 
 from mtc.shared import backup_layout as layout
 from mtc.shared.errors import BackupSupersededError
-from mtc.shared.objstore.store import ObjectStore, TransientStoreError
+from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, TransientStoreError
 
 log = logging.getLogger(__name__)
 
-# A marker older than this finalize that stays this long is a finalize that died with its host.
+# A running finalize rewrites its marker this often, and stops once no rewrite got through for LEASE_S.
+BEAT_S = 0.5
+LEASE_S = 2.5
+# A marker whose content did not change for this long is dead (more than twice LEASE_S: by then, its
+# finalize, if it still runs, has stopped starting bucket operations).
+DEAD_AFTER_S = 6.0
+# An older finalize still there after this long, although it beats, is stuck (a store operation that does
+# not return): its marker is removed, and it stops at its next check.
 ABANDONED_AFTER_S = 120.0
 # How often a running finalize looks for a newer one (a listing of finalizing/).
 CHECK_EVERY_S = 1.0
@@ -98,11 +115,41 @@ def sweep_dead(store: ObjectStore, host: str) -> None:
             store.delete(m.obj)
 
 
+class _Watch:
+    """What this finalize saw of other finalizes' markers: whether each one is alive (its content changed
+    while looked at), dead (unchanged for ``DEAD_AFTER_S``), or not known yet."""
+
+    def __init__(self, store: ObjectStore):
+        self._store = store
+        self._seen: dict[str, tuple[bytes, float]] = {}  # marker -> (content, when that content was first read)
+        self.alive: set[str] = set()
+        self.listed: dict[str, float] = {}  # marker -> when it was first listed
+
+    def look(self, m: Marker) -> str | None:
+        """"alive", "dead", "gone" (removed meanwhile), or None (not known yet, or could not be read now)."""
+        self.listed.setdefault(m.obj, time.monotonic())
+        try:
+            content = self._store.get_bytes(m.obj)
+        except ObjectNotFoundError:
+            return "gone"
+        except TransientStoreError:
+            return None
+        now = time.monotonic()  # after the read: the content is at least as new as this moment's
+        seen = self._seen.get(m.obj)
+        if seen is None or seen[0] != content:
+            if seen is not None:
+                self.alive.add(m.obj)
+            self._seen[m.obj] = (content, now)
+            return "alive" if m.obj in self.alive else None
+        return "dead" if now - seen[1] >= DEAD_AFTER_S else ("alive" if m.obj in self.alive else None)
+
+
 class FinalizeFence:
     """The marker of one finalize of ``name`` on ``host`` (see the module docstring).
 
-    ``store`` carries the head's lease guard; ``plain`` is the same store without it, for removing
-    the marker (a finalize fenced off by a newer head still takes its marker away)."""
+    ``store`` carries the head's lease guard; ``plain`` is the same store without it, for the beats and
+    for removing the marker (a finalize fenced off by a newer head keeps its marker alive until it has
+    stopped, and still takes it away)."""
 
     def __init__(self, store: ObjectStore, plain: ObjectStore, name: str, host: str, generation: int | None):
         self._store, self._plain = store, plain
@@ -112,62 +159,136 @@ class FinalizeFence:
         self._host = host
         self._checked = -float("inf")
         self._lock = threading.Lock()
+        self._started = time.time()
+        self._beat_ok = time.monotonic()  # when the last beat that got through was sent
+        self._lost: str | None = None  # why this finalize may no longer run (its lease ran out)
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
+        self._newer = _Watch(store)  # newer finalizes of other generations seen by check()
+
+    def _doc(self, beat: int) -> bytes:
+        return json.dumps({"backup": self.me.backup, "host": self._host, "pid": os.getpid(),
+                           "started": self._started, "beat": beat}).encode()
 
     def announce(self) -> None:
-        doc = {"backup": self.me.backup, "host": self._host, "pid": os.getpid(), "started": time.time()}
-        self._store.put_bytes(self.me.obj, json.dumps(doc).encode(), if_absent=True)
+        self._store.put_bytes(self.me.obj, self._doc(0), if_absent=True)
+        # From its answer, not its start: no finalize read the marker before it was written (a late answer
+        # is covered by DEAD_AFTER_S - LEASE_S), and an announce that waited out an outage may still run.
+        self._beat_ok = time.monotonic()
+        self._beats = threading.Thread(target=self._beat, name="mtc-backup-beat", daemon=True)
+        self._beats.start()
+
+    def _beat(self) -> None:
+        beat = 0
+        while not self._stop.wait(BEAT_S):
+            beat += 1
+            sent = time.monotonic()
+            try:
+                self._plain.with_deadline(LEASE_S).put_bytes(self.me.obj, self._doc(beat))
+            except Exception as e:  # noqa: BLE001 - the lease decides below
+                if self._expired():
+                    log.warning("backup %s on host %s: its marker could not be rewritten for %.1f s (%s); the "
+                                "finalize stops before its next bucket operation", self.me.backup, self._host,
+                                LEASE_S, e)
+                    return
+                continue
+            if self._stop.is_set():  # it landed after the end: the marker goes again
+                try:
+                    self._plain.with_deadline(RELEASE_DEADLINE_S).delete(self.me.obj)
+                except Exception:  # noqa: BLE001 - the next finalize takes it for dead
+                    pass
+                return
+            if self._expired():
+                return  # it came back after the lease ran out: it renews nothing
+            self._beat_ok = sent
+
+    def _expired(self) -> bool:
+        """Whether the lease ran out (for good: another finalize may have taken this one for dead since)."""
+        if self._lost is None and time.monotonic() - self._beat_ok > LEASE_S:
+            self._lost = (f"the finalize of backup {self.me.backup} on host {self._host} stopped: its marker "
+                          f"{self.me.obj} could not be kept alive (no rewrite got through for {LEASE_S:.1f} s), so "
+                          "another finalize may take it for dead; it makes nothing visible and prunes nothing more")
+        return self._lost is not None
 
     def wait_turn(self) -> None:
         """Return once no older finalize runs (after announce); BackupSupersededError if a newer one does."""
-        first_seen: dict[str, float] = {}
+        watch = _Watch(self._store)
         logged: set[str] = set()
         while True:
             markers = list_markers(self._store)
-            self._judge(markers)
+            self._judge_own(markers)
             now = time.monotonic()
-            older = []
+            pending = []
             for m in markers:
                 if m.key == self.me.key:
                     continue  # this one, or a finalize of the same backup (they may run side by side)
                 if m.host == self.me.host and m.process != PROCESS:
-                    why = "left by an earlier process of this host"
-                elif now - first_seen.setdefault(m.obj, now) >= ABANDONED_AFTER_S:
-                    why = f"still there after {ABANDONED_AFTER_S:.0f} s: taken for a finalize that died with its host"
-                else:
-                    older.append(m)
+                    self._remove(m, "left by an earlier process of this host")
                     continue
-                log.warning("backup %s on host %s: removing the marker of %s, %s", self.me.backup, self._host,
-                            m.describe(), why)
-                self._store.delete(m.obj)
-            if not older:
+                state = watch.look(m)
+                if state == "gone":
+                    continue
+                if state == "dead":
+                    self._remove(m, f"unchanged for {DEAD_AFTER_S:.0f} s: no finalize keeps it alive (its host "
+                                    "or daemon died, or no finalize ever wrote it)" + self._outside(m))
+                elif m.key > self.me.key and state == "alive":
+                    raise BackupSupersededError(
+                        f"the finalize of backup {self.me.backup} on host {self._host} did not start: "
+                        f"{m.describe()} runs (the head gave up on this one); it makes nothing visible and prunes "
+                        "nothing, the newer one does")
+                elif m.key < self.me.key and now - watch.listed[m.obj] >= ABANDONED_AFTER_S:
+                    self._remove(m, f"still there after {ABANDONED_AFTER_S:.0f} s: taken for a finalize stuck in a "
+                                    "store operation")
+                else:
+                    pending.append(m)
+            if not pending:
                 self._checked = time.monotonic()
                 return
-            for m in older:
+            for m in pending:
                 if m.obj not in logged:
                     logged.add(m.obj)
-                    log.warning("backup %s on host %s waits until %s has stopped", self.me.backup, self._host,
-                                m.describe())
+                    what = "has stopped" if m.key < self.me.key else "is known to run or to be dead"
+                    log.warning("backup %s on host %s waits until %s %s", self.me.backup, self._host,
+                                m.describe(), what)
             time.sleep(POLL_S)
 
+    def _outside(self, m: Marker) -> str:
+        if m.generation > self.me.generation:
+            return (f"; its head generation {m.generation} is beyond this head's ({self.me.generation}): a file "
+                    "planted there, or a head whose clock ran ahead")
+        return ""
+
+    def _remove(self, m: Marker, why: str) -> None:
+        log.warning("backup %s on host %s: removing the marker of %s, %s", self.me.backup, self._host,
+                    m.describe(), why)
+        self._store.delete(m.obj)
+
     def check(self) -> None:
-        """The guard before a bucket operation: BackupSupersededError once a newer finalize announced itself."""
+        """The guard before a bucket operation: BackupSupersededError once a newer finalize announced itself
+        (see the module docstring), or once this one's marker is gone or could not be kept alive."""
         with self._lock:
+            if self._expired():
+                raise BackupSupersededError(self._lost)
             if time.monotonic() - self._checked < CHECK_EVERY_S:
                 return
             try:
                 markers = list_markers(self._store.with_deadline(CHECK_DEADLINE_S))
             except TransientStoreError:
                 return  # cannot tell now; the operation itself meets the same store
-            self._judge(markers)
+            self._judge_own(markers)
+            for m in markers:
+                if m.key <= self.me.key:
+                    continue
+                if m.generation <= self.me.generation or self._newer.look(m) == "alive":
+                    raise BackupSupersededError(
+                        f"the finalize of backup {self.me.backup} on host {self._host} stopped: {m.describe()} "
+                        "started meanwhile (the head gave up on this one); it makes nothing visible and prunes "
+                        "nothing more, the newer one does")
             self._checked = time.monotonic()
 
-    def _judge(self, markers: list[Marker]) -> None:
-        newer = [m for m in markers if m.key > self.me.key]
-        if newer:
-            raise BackupSupersededError(
-                f"the finalize of backup {self.me.backup} on host {self._host} stopped: {newer[0].describe()} "
-                "started meanwhile (the head gave up on this one); it makes nothing visible and prunes nothing "
-                "more, the newer one does")
+    def _judge_own(self, markers: list[Marker]) -> None:
+        if self._expired():
+            raise BackupSupersededError(self._lost)
         if self.me.obj not in {m.obj for m in markers}:
             raise BackupSupersededError(
                 f"the finalize of backup {self.me.backup} on host {self._host} stopped: its marker "
@@ -175,8 +296,11 @@ class FinalizeFence:
                 "visible and prunes nothing more")
 
     def release(self) -> None:
-        """Remove the marker; when the store does not answer (an outage), keep trying in the background,
-        so that the next finalize waits for the bucket, not ``ABANDONED_AFTER_S``."""
+        """Stop the beats and remove the marker; when the store does not answer (an outage), keep trying in
+        the background (the next finalize takes the marker for dead after ``DEAD_AFTER_S`` meanwhile)."""
+        self._stop.set()
+        if self._beats is not None:
+            self._beats.join(timeout=LEASE_S + 1.0)  # a beat in flight would write the marker again
         try:
             self._plain.with_deadline(RELEASE_DEADLINE_S).delete(self.me.obj)
         except Exception as e:  # noqa: BLE001 - retried below; the finalize's own outcome stands
@@ -194,4 +318,4 @@ class FinalizeFence:
                 error = e
                 time.sleep(RELEASE_PAUSE_S)
         log.warning("backup %s on host %s: could not remove its marker %s (%s); the next finalize takes it "
-                    "for dead after %.0f s", self.me.backup, self._host, self.me.obj, error, ABANDONED_AFTER_S)
+                    "for dead after %.0f s", self.me.backup, self._host, self.me.obj, error, DEAD_AFTER_S)

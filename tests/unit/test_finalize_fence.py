@@ -1,9 +1,13 @@
-"""The backup finalize's fence (sidecar/backup/fence.py) on a real local store: markers that dead
-finalizes leave do not hold the next one up for ever, an older finalize stops beside a newer one, and a
-backup name is written once. The race itself, with real daemons: tests/integration/test_finalize_race.py."""
+"""The backup finalize's fence (sidecar/backup/fence.py) on a real local store: a marker that no
+finalize keeps alive (a dead one, a planted one of any generation) holds the next one up for at most
+DEAD_AFTER_S and stops none, a live older finalize is waited for, an older finalize stops beside a live
+newer one, one that cannot keep its marker alive stops, and a backup name is written once. The race
+itself, with real daemons: tests/integration/test_finalize_race.py; dead and planted markers with real
+daemons: tests/integration/test_finalize_dead_markers.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -13,6 +17,8 @@ from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import BackupSupersededError, ManifestError
 from mtc.shared.hashing import blob_name
+from mtc.shared.objstore.local import LocalStore
+from mtc.shared.objstore.store import TransientStoreError
 from mtc.sidecar.backup import fence
 from mtc.sidecar.backup.tier import BackupTier
 from mtc.sidecar.ram import RamStore
@@ -48,37 +54,139 @@ def test_a_marker_left_by_an_earlier_process_of_this_host_goes_at_its_first_uplo
     assert tier._store.list(layout.FINALIZING) == [_marker(name, "h1")]
 
 
-def test_an_older_finalize_that_never_ends_is_taken_for_dead_and_the_next_goes_on(tmp_path, monkeypatch):
-    monkeypatch.setattr(fence, "ABANDONED_AFTER_S", 0.5)
+def test_an_older_marker_that_no_finalize_keeps_alive_is_removed_after_dead_after_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(fence, "DEAD_AFTER_S", 0.6)
     tier = _tier(tmp_path)
     old, _ = _backup(tier, 1, when=time.time() - 60)
     tier._store.put_bytes(_marker(old, "h1"), b"{}")  # h1 died in its finalize and never came back
     name, manifest = _backup(tier, 2)
     t0 = time.monotonic()
     assert tier.finalize(name, manifest, 2)["created"]
-    assert time.monotonic() - t0 >= 0.5  # it waited for the older one first
+    assert 0.6 <= time.monotonic() - t0 < 5  # it watched the older one until it was known to be dead
     assert tier.list_names() == [name] and tier._store.list(layout.FINALIZING) == []
 
 
-def test_an_older_finalize_stops_beside_a_newer_one_and_makes_nothing_visible(tmp_path):
+def _live(tier: BackupTier, name: str, host: str, generation: int) -> fence.FinalizeFence:
+    """A running finalize of ``name`` on ``host``: announced, beating until released."""
+    f = fence.FinalizeFence(tier._store, tier._store, name, host, generation)
+    f.announce()
+    return f
+
+
+def test_a_live_older_finalize_is_waited_for_beyond_dead_after_s_until_it_stops(tmp_path, monkeypatch):
+    monkeypatch.setattr(fence, "DEAD_AFTER_S", 1.0)
+    tier = _tier(tmp_path)
+    old, _ = _backup(tier, 3)
+    older = _live(tier, old, "h1", 7)
+    name, manifest = _backup(tier, 4)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(tier.finalize(name, manifest, 2, generation=7)))
+    t.start()
+    time.sleep(2.5)  # past DEAD_AFTER_S: the older one beats, so it is still waited for
+    assert t.is_alive() and tier.list_names() == []
+    older.release()
+    t.join(timeout=10)
+    assert out["created"] and tier.list_names() == [name] and tier._store.list(layout.FINALIZING) == []
+
+
+def test_an_older_finalize_stops_beside_a_live_newer_one_and_makes_nothing_visible(tmp_path):
     tier = _tier(tmp_path)
     newer, _ = _backup(tier, 5)
-    tier._store.put_bytes(_marker(newer, "h1", generation=7), b"{}")  # the head's next finalize, on h1
-    name, manifest = _backup(tier, 4)
-    with pytest.raises(BackupSupersededError, match=f"finalize of backup {name} on host h0 stopped: the finalize of "
-                                                    f"backup {newer} on host h1"):
-        tier.finalize(name, manifest, 2, generation=7)
-    assert tier.list_names() == []  # not made visible
-    assert tier._store.list(layout.FINALIZING) == [_marker(newer, "h1", generation=7)]  # its own marker gone
+    running = _live(tier, newer, "h1", 7)  # the head's next finalize, on h1
+    try:
+        name, manifest = _backup(tier, 4)
+        with pytest.raises(BackupSupersededError, match=f"finalize of backup {name} on host h0 did not start: the "
+                                                        f"finalize of backup {newer} on host h1"):
+            tier.finalize(name, manifest, 2, generation=7)
+        assert tier.list_names() == []  # not made visible
+        assert tier._store.list(layout.FINALIZING) == [running.me.obj]  # its own marker gone
+    finally:
+        running.release()
 
 
 def test_an_older_heads_finalize_of_a_later_step_does_not_stop_a_newer_heads(tmp_path, monkeypatch):
-    monkeypatch.setattr(fence, "ABANDONED_AFTER_S", 0.5)
+    monkeypatch.setattr(fence, "DEAD_AFTER_S", 0.5)
     tier = _tier(tmp_path)
     old, _ = _backup(tier, 9)
     tier._store.put_bytes(_marker(old, "h1", generation=3), b"{}")  # a head since replaced, at step 9
     name, manifest = _backup(tier, 4)  # the new head restored step 4 and backs it up
     assert tier.finalize(name, manifest, 2, generation=4)["created"]
+
+
+PLANTED = f"{layout.FINALIZING}99999999999999999999.99991231T235959Z-step-999999999999.h9.{'c' * 12}.{'d' * 12}"
+
+
+def test_a_planted_marker_of_a_huge_generation_stops_no_backup(tmp_path, monkeypatch):
+    """A file under finalizing/ that no finalize keeps alive (planted, or left by a head whose clock ran
+    ahead): the next backups go through, and the marker is removed once it is known to be dead."""
+    monkeypatch.setattr(fence, "DEAD_AFTER_S", 0.6)
+    tier = _tier(tmp_path)
+    tier._store.put_bytes(PLANTED, b"{}")
+    for step in (1, 2, 3):
+        name, manifest = _backup(tier, step)
+        assert tier.finalize(name, manifest, 2, generation=5)["created"]
+    assert len(tier.list_names()) == 2 and tier._store.list(layout.FINALIZING) == []
+
+
+def test_a_marker_of_a_generation_beyond_its_own_stops_a_running_finalize_only_if_it_beats(tmp_path, monkeypatch):
+    monkeypatch.setattr(fence, "CHECK_EVERY_S", 0.0)
+    tier = _tier(tmp_path)
+    name, _ = _backup(tier, 4)
+    f = fence.FinalizeFence(tier._store, tier._store, name, "h0", 5)
+    f.announce()
+    try:
+        f.wait_turn()
+        tier._store.put_bytes(PLANTED, b"{}")  # appears while it runs: never rewritten
+        for _ in range(6):
+            f.check()
+            time.sleep(0.3)
+        newer, _ = _backup(tier, 5)
+        other = _live(tier, newer, "h1", 6)  # a newer head's finalize, on a host this head no longer reaches
+        try:
+            with pytest.raises(BackupSupersededError, match=f"the finalize of backup {newer} on host h1 .* started"):
+                for _ in range(10):
+                    f.check()
+                    time.sleep(0.3)
+        finally:
+            other.release()
+    finally:
+        f.release()
+
+
+class _FailingPuts(LocalStore):
+    """The local store, whose rewrites of existing objects fail once ``fail`` is set (a bucket the beats
+    cannot reach)."""
+
+    fail = False
+
+    def put_bytes(self, name, data, *, if_absent=False):
+        if self.fail:
+            raise TransientStoreError(f"{name}: the store did not answer")
+        return super().put_bytes(name, data, if_absent=if_absent)
+
+
+def test_a_finalize_whose_marker_cannot_be_kept_alive_stops_before_others_take_it_for_dead(tmp_path, monkeypatch):
+    tier = _tier(tmp_path)
+    name, _ = _backup(tier, 4)
+    plain = _FailingPuts(str(tmp_path / "bucket"))
+    f = fence.FinalizeFence(tier._store, plain, name, "h0", 5)
+    f.announce()
+    try:
+        f.wait_turn()
+        f.check()
+        plain.fail = True
+        t0 = time.monotonic()
+        with pytest.raises(BackupSupersededError, match="could not be kept alive"):
+            while time.monotonic() - t0 < 10:
+                f.check()
+                time.sleep(0.1)
+        assert fence.LEASE_S <= time.monotonic() - t0 < fence.DEAD_AFTER_S  # before anyone takes it for dead
+        plain.fail = False
+        with pytest.raises(BackupSupersededError, match="could not be kept alive"):
+            f.check()  # for good: a beat that gets through later renews nothing
+    finally:
+        f.release()
+    assert tier._store.list(layout.FINALIZING) == []
 
 
 def test_a_backup_name_is_written_once(tmp_path):
