@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from mtc.head.backup_scrub import scrub_backups
     from mtc.head.cluster import ClusterDispatcher
     from mtc.head.tools.cli_common import missing_local_root
+    from mtc.shared.backup_layout import parse_backup_name
     from mtc.head.tools.sources import folder_hosts, open_hosts
 
     hosts = None
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < args.bytes_per_s < float("inf"):
             raise ConfigError(f"--bytes-per-s {args.bytes_per_s:.0f}: give a read bandwidth cap above 0 bytes/s "
                               "per host, e.g. --bytes-per-s 52428800 (50 MiB/s)")
+        for name in args.name:  # a name that cannot be a backup's is bad input, wherever the root is
+            parse_backup_name(name)
         missing = missing_local_root(MTCConfig(base_output_directory=args.base_output_directory,
                                                run_name=args.run_name).backup_root)
         if missing:  # nothing to check there, and the hosts would create it
