@@ -192,6 +192,7 @@ def test_verify_backup_refuses_bad_input_with_a_clear_message(ramdisk, capsys):
     with LocalCluster(ramdisk / "c", 1, 1, devices_per_host=2) as cluster:
         rc = main(["verify", "--backup", "--cluster-spec", str(cluster.spec_path), "--run-name", "r"])
         assert rc == 2 and "--base-output-directory and --run-name" in capsys.readouterr().err
+        (ramdisk / "b" / "r" / "mtc").mkdir(parents=True)  # a backup root, without that backup
         rc = main(["verify", "--backup", "--cluster-spec", str(cluster.spec_path), "--base-output-directory",
                    str(ramdisk / "b"), "--run-name", "r", "--name", "not-a-backup"])
         err = capsys.readouterr().err
