@@ -318,7 +318,8 @@ def serve(args: argparse.Namespace) -> int:
         service.start_peer_service(protocol.parse_address(args.peer_listen), token, advertise=args.peer_advertise,
                                    tls=tls_files)
         if args.metrics_port:  # where the control port listens unless --metrics-host says otherwise
-            metrics = serve_metrics(args.metrics_port, service, host if args.metrics_host is None else args.metrics_host)
+            metrics = serve_metrics(args.metrics_port, service,
+                                    host if args.metrics_host is None else args.metrics_host)
         address = daemon.start()
         steps = service.steps()
         log.info("host %s: serving %s (pid %d); committed steps found: %s", args.host_id, root, os.getpid(), steps)
@@ -328,6 +329,9 @@ def serve(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
         log.info("host %s: signal received, shutting down", args.host_id)
+    except ConfigError as e:  # a port taken, an address not of this host: one line, as for the options
+        print(f"mtc sidecar: {e}", file=sys.stderr)
+        return 2
     finally:
         if metrics is not None:
             metrics.close()
