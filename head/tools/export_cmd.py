@@ -124,7 +124,8 @@ def run(args: Any) -> int:
                               "<base_output_directory>/<run_name>/mtc")
         if not str(args.to).strip():
             raise ConfigError("--to is empty; give the folder of the export (the step is written in <folder>/<step>)")
-        _check_target(Path(args.to))
+        if "://" not in str(args.to):  # a gs:// destination is checked by its writer
+            _check_target(Path(args.to))
         from mtc.head.export import _orbax
 
         _orbax()  # refused here, before any sidecar starts, when orbax-checkpoint is missing
