@@ -244,7 +244,7 @@ class SidecarService(ServiceSave, ServiceSteps):
         """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them."""
         tier = self._backup_tier()
         manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
-        out = tier.fetch(list(blobs))
+        out = tier.fetch(list(blobs), manifest.blob_sizes())
         self.index.manifests[manifest.step] = manifest
         return out
 

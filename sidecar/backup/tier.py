@@ -202,12 +202,22 @@ class BackupTier:
     def manifest(self, name: str) -> bytes:
         return self._store.get_bytes(layout.manifest_object(name))
 
-    def fetch(self, blobs: list[str]) -> dict:
-        """Download ``blobs`` the ramdisk lacks, each verified against its name before it counts."""
+    def fetch(self, blobs: list[str], sizes: dict[str, int] | None = None) -> dict:
+        """Download ``blobs`` the ramdisk lacks, each verified against its name before it counts; with
+        ``sizes`` (blob -> its size, from the manifest), an object of another size is corrupt and not
+        downloaded (no object stored under a blob's name can fill the ramdisk)."""
         t0 = time.perf_counter()
         need = sorted({b for b in blobs if not self._ram.has_blob(b)})
 
         def one(blob: str) -> int:
+            want = (sizes or {}).get(blob)
+            if want is not None:
+                n = self._store.size(layout.blob_object(blob))
+                if n is None:
+                    raise ObjectNotFoundError(f"object {layout.blob_object(blob)!r} does not exist in {self.url}")
+                if n != want:
+                    raise CorruptBlobError(f"blob {blob} in {self.url} is {n} bytes, the blob {want}: it is corrupt "
+                                           f"(not downloaded, host {self._host})")
             fd, tmp = self._ram.open_temp_blob()
             os.close(fd)
             try:

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtc.head import CheckpointManager, MTCConfig, metrics
 from mtc.head.tools.cli import main
 from mtc.shared import backup_layout
-from mtc.shared.errors import StepNotFoundError
+from mtc.shared.errors import CorruptBlobError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.shared.objstore import open_store
 from mtc.sidecar.local_cluster import LocalCluster
@@ -286,3 +286,31 @@ def test_a_planted_damaged_mark_is_checked_again_and_removed(ramdisk, tmp_path, 
             assert m.latest_step() == 2
             assert_trees_bitwise_equal(two, m.restore(), check_sharding=True)
             assert m.last_restore_report.source == names[2]
+
+
+def test_a_restore_never_downloads_an_object_larger_than_its_blob(tmpfs16, tmp_path):
+    """Every ramdisk lost, a 64 MiB object under the backup's blob name, 16 MiB ramdisks: the restore
+    says the blob is corrupt (not that the ramdisk is full), and restores once the object is good."""
+    base = local_bucket(tmp_path)
+    st = open_store(f"{base}/run/mtc")
+    one = state(1)
+    with LocalCluster(tmpfs16 / "c", 1, 2, devices_per_host=4) as cluster:
+        cfg = config(cluster, base, backup_scrub_interval_s=0)
+        with CheckpointManager(cfg) as m:
+            m.save(1, one)
+            m.wait_until_finished()
+            assert m.wait_for_backup().error is None
+        victim = max(o[len(backup_layout.BLOBS):] for o in st.list(backup_layout.BLOBS))
+        good_bytes = st.get_bytes(backup_layout.blob_object(victim))
+        big = tmp_path / "big"
+        big.write_bytes(np.random.default_rng(0).bytes(64 << 20))
+        st.delete(backup_layout.blob_object(victim))
+        st.put_file(backup_layout.blob_object(victim), str(big))
+        wipe_all(cluster)
+        with CheckpointManager(cfg.replace(prefetch_on_start=False)) as m:
+            with pytest.raises(CorruptBlobError) as e:
+                m.restore(1)
+            assert victim in str(e.value) and "space" not in str(e.value).lower(), str(e.value)
+            st.delete(backup_layout.blob_object(victim))
+            st.put_bytes(backup_layout.blob_object(victim), good_bytes)
+            assert_trees_bitwise_equal(one, m.restore(1), check_sharding=True)
