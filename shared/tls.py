@@ -11,6 +11,14 @@ Both ends verify the other against the job's CA: a server accepts only clients t
 certificate the CA signed (mutual TLS), a client accepts only such a server. Host names are not
 checked (hosts are addressed by IP); the CA is. The job token's checks (``mtc.shared.auth``, the
 peer token) run inside the encrypted connection as before.
+
+A folder is used only when its files are safe (``TLSFiles.check``, run by ``resolve``), as ssh and
+PostgreSQL require of a private key: ``tls.key`` readable by this user only (0600, 0400), or, when
+root owns it, by its group too (0640, 0440: a Kubernetes Secret volume, whose files root owns, with
+``defaultMode: 0400`` as ``mtc manifests render`` writes it, which a pod's ``fsGroup`` makes 0440);
+no file writable by every user, and no folder on their paths that every user may write unless it
+is sticky (a Secret mount is ``1777``), since whoever replaces ``ca.crt`` chooses whom the job
+trusts. Then the three files must load: a certificate, its key, the CA.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import dataclasses
 import os
 import socket
 import ssl
+import stat
 from pathlib import Path
 from typing import Mapping
 
@@ -54,12 +63,60 @@ class TLSFiles:
                               f"{KEY_FILE} (the keys of the job's TLS Secret; `mtc tls generate DIR` writes them)")
         return files
 
+    def check(self) -> "TLSFiles":
+        """These files, when they are safe to use and load (see the module's text); else ConfigError
+        naming the file or folder and the fix."""
+        euid = os.geteuid()
+        for path in (self.key, self.ca, self.cert):
+            real = os.path.realpath(path)  # a Secret mount's names are links into a folder of its own
+            st = os.stat(real)
+            mode = stat.S_IMODE(st.st_mode)
+            shown = path if real == path else f"{path} (the file {real})"
+            if mode & 0o002:
+                raise ConfigError(f"TLS file {shown} has mode {mode:04o}: every user can change it; "
+                                  f"`chmod 600 {real}` (a Kubernetes Secret: defaultMode: 0400 on its volume)")
+            if path == self.key:
+                loose = (mode & 0o037) if st.st_uid == 0 else (mode & 0o077) if st.st_uid == euid else None
+                if loose is None:
+                    raise ConfigError(f"TLS key {shown} is owned by user {st.st_uid}, not by this user ({euid}) "
+                                      f"or root: `chown {euid} {real} && chmod 600 {real}`")
+                if loose:
+                    who = "its group and other users" if mode & 0o070 and mode & 0o007 else (
+                        "its group" if mode & 0o070 else "other users")
+                    raise ConfigError(f"TLS key {shown} has mode {mode:04o}: {who} can read this job's private "
+                                      f"key; `chmod 600 {real}` (a Kubernetes Secret: defaultMode: 0400 on its "
+                                      "volume, as `mtc manifests render` writes it)")
+            for folder in _folders(path, real):
+                fmode = os.stat(folder).st_mode
+                if fmode & 0o002 and not fmode & stat.S_ISVTX:
+                    raise ConfigError(f"TLS folder {folder} has mode {stat.S_IMODE(fmode):04o}: every user can "
+                                      f"replace {shown} (and so choose, with {CA_FILE}, whom this process "
+                                      f"trusts); `chmod o-w {folder}`, or keep the TLS files in a folder of "
+                                      "your own")
+        client_context(self)  # the files load (ConfigError naming the one that does not)
+        return self
+
+
+def _folders(path: str, real: str) -> list[str]:
+    """The folders of ``path`` as named and of the file it resolves to, up to the root."""
+    out: list[str] = []
+    for p in (os.path.abspath(path), real):
+        d = os.path.dirname(p)
+        while d not in out:
+            out.append(d)
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+    return out
+
 
 def resolve(tls_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> TLSFiles | None:
-    """The TLS files of ``tls_dir`` when given, else of ``MTC_TLS_DIR``; None when neither is set (clear text)."""
+    """The TLS files of ``tls_dir`` when given, else of ``MTC_TLS_DIR``, checked (``TLSFiles.check``);
+    None when neither is set (clear text)."""
     env = os.environ if environ is None else environ
     d = os.fspath(tls_dir) if tls_dir else env.get(ENV_TLS_DIR, "").strip()
-    return TLSFiles.in_dir(d) if d else None
+    return TLSFiles.in_dir(d).check() if d else None
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> TLSFiles | None:

@@ -15,6 +15,7 @@ import argparse
 import datetime
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,10 @@ def generate(directory: str | os.PathLike, *, days: int = DEFAULT_DAYS, force: b
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise ConfigError(f"{d} is not a folder; give a folder to write ca.crt, tls.crt and tls.key into")
+    if d.is_dir() and (mode := d.stat().st_mode) & 0o002 and not mode & stat.S_ISVTX:
+        raise ConfigError(f"{d} has mode {stat.S_IMODE(mode):04o}: every user could replace the files written there "
+                          f"(and with {CA_FILE}, choose whom the job trusts); `chmod o-w {d}`, or choose a folder of "
+                          "your own")
     names = (CA_FILE, CERT_FILE, KEY_FILE)
     there = [n for n in names if (d / n).exists()]
     if there and not force:
@@ -67,7 +72,7 @@ def generate(directory: str | os.PathLike, *, days: int = DEFAULT_DAYS, force: b
     except OSError as e:
         raise ConfigError(f"cannot write the TLS files into {d}: {e.strerror or e}; choose a folder you can "
                           "write") from None
-    return TLSFiles.in_dir(d)
+    return TLSFiles.in_dir(d).check()  # as every process of the job will check them
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -123,8 +123,10 @@ def ramdisk_volume(p: Plan) -> dict:
 
 
 def tls_volume(p: Plan) -> dict:
-    """The job's TLS Secret (made beforehand: ``mtc tls generate`` then ``kubectl create secret generic``)."""
-    return {"name": TLS_VOLUME, "secret": {"secretName": p.tls_secret_name}}
+    """The job's TLS Secret (made beforehand: ``mtc tls generate`` then ``kubectl create secret generic``),
+    its files readable by their owner only (``defaultMode: 0400``; a pod's ``fsGroup`` adds its group's
+    read): mtc refuses a ``tls.key`` that others can read (``mtc.shared.tls``), as the default 0644 is."""
+    return {"name": TLS_VOLUME, "secret": {"secretName": p.tls_secret_name, "defaultMode": 0o400}}
 
 
 def _with_tls(p: Plan, container: dict) -> dict:

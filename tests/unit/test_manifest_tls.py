@@ -55,7 +55,8 @@ def test_tls_is_on_by_default_in_the_head_and_the_sidecar_only_and_the_documents
                             ("worker", "colocated-python-sidecar"): (MOUNT, mount)}
     for pod in _pods(js).values():
         (volume,) = [v for v in pod["volumes"] if v["name"] == "mtc-tls"]
-        assert volume == {"name": "mtc-tls", "secret": {"secretName": "llama-mtc-tls"}}
+        # Owner-only files: a tls.key that others can read is refused (mtc.shared.tls), as 0644 is.
+        assert volume == {"name": "mtc-tls", "secret": {"secretName": "llama-mtc-tls", "defaultMode": 0o400}}
     report = manifest_check.check_documents(docs, params=8e9)
     assert report.problems == [], report
     for rj in js["spec"]["replicatedJobs"]:
