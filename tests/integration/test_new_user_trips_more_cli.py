@@ -88,7 +88,8 @@ def test_status_verify_says_what_it_hashed_and_where_a_copy_is_corrupt(job, caps
         assert main([*args, "--verify"]) == 0
         out = capsys.readouterr().out
         # The marker and the corruption in columns of their own, each with a header.
-        assert re.search(r"restore\s+┃\s+notes\s+┃", out) and re.search(r"<- restore\s+│\s+blob \w+\.\. corrupt", out), out
+        assert re.search(r"restore\s+┃\s+notes\s+┃", out), out
+        assert re.search(r"<- restore\s+│\s+blob \w+\.\. corrupt", out), out
         assert "1 corrupt" in out, out
     finally:
         path.write_bytes(good)

@@ -150,7 +150,9 @@ def _container(docs, job, name):
 
 
 def _set_env(c, key, value):
-    c["env"] = [e for e in c["env"] if e["name"] != key] + ([{"name": key, "value": value}] if value is not None else [])
+    c["env"] = [e for e in c["env"] if e["name"] != key]
+    if value is not None:
+        c["env"].append({"name": key, "value": value})
 
 
 def _grace(d, v):
