@@ -159,7 +159,7 @@ def _commit(args: dict, payloads: Sequence[bytes]) -> Args:
     if digest is not None and (not isinstance(digest, str) or len(digest) > 128):
         raise ProtocolError("commit: 'digest' is not a digest (a string of at most 128 characters)")
     if keepers is not None and not (isinstance(keepers, list) and all(
-            isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) and 0 < len(x) <= 255 and "\0" not in x
+            isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) and len(x) <= 255 and "\0" not in x
                                                         for x in k) for k in keepers)):
         raise ProtocolError("commit: 'keepers' is not a list of [host, peer address]")
     return (step, manifest), {"digest": digest, "keepers": [tuple(k) for k in keepers] if keepers else None}
