@@ -7,6 +7,7 @@ with good arguments they call the same service method and answer the same result
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -136,3 +137,18 @@ def test_good_requests_answer_the_same_in_both_transports(both):
     assert colocated("backup_listing", {"root": None})[0] == cluster("backup_listing", {"root": None})[0] == "ConfigError"
     # A step nobody wrote: the same StepNotFoundError from both.
     assert colocated("manifest", {"step": 9})[0] == cluster("manifest", {"step": 9})[0] == "StepNotFoundError"
+
+
+def test_arguments_past_their_bounds_are_refused_the_same_in_both_transports(both, tmp_path):
+    """Numbers and strings past what a parser accepts (``ops``: steps of 12 digits, device ids of 31
+    bits, absolute roots without NUL): one ProtocolError from either transport, nothing created."""
+    for op, args in (("verify", {"step": 10**12}), ("abort", {"step": 10**13}), ("inventory", {"devices": [2**40]}),
+                     ("claim", {"generation": 5, "head": {"pad": "x" * 5000}}),
+                     ("backup_listing", {"root": "relative/root"}), ("backup_listing", {"root": "/a\x00b"}),
+                     ("backup_manifest", {"root": "/r", "name": "n" * 300}),
+                     ("configure", {"settings": {"backup_url": "relative"}}),
+                     ("backup_listing", {"deadline_s": 10**9})):
+        for serve in both:
+            answer = serve(op, args)
+            assert answer[0] == "ProtocolError", (op, args, answer)
+    assert not (tmp_path / "relative").exists() and not os.path.exists("relative")
