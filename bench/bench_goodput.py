@@ -279,13 +279,17 @@ class Runner:
                     if not pending or time.time() - t_start < pending[0].at_s:
                         continue
                     seg.marks = _read_marks(seg_dir / "marks.jsonl")
-                    if not seg.steps():
+                    logged = [s for s, _ in seg.steps()]
+                    if not logged:
                         continue  # a failure hits a process that trains: it waits for its first step
+                    if max(logged) >= self.a.steps - 1 or seg.first("final") is not None:
+                        pending.clear()  # trained to the end: what is left is its exit
+                        continue
                     f = pending.pop(0)
                     seg.failure, seg.failed_at = f, time.time()
                     hit = self.inject(c, f, proc, cluster, delay, events)
                     if hit == "goes_on":  # the process survives (a sidecar): the next failure may hit it
-                        seg.failure = None
+                        seg.failure, seg.failed_at, hit = None, None, None
                         continue
                     break
                 rc = proc.wait()
@@ -299,8 +303,6 @@ class Runner:
                     if sum(1 for e in events if "by itself" in e["what"]) > 3:
                         raise SystemExit(f"{c.name}: the training process keeps failing; see {seg.log}:\n"
                                          + Path(seg.log).read_text()[-3000:])
-                if hit == "restart_cluster" and cluster is not None:
-                    pass
                 wait = delay - (time.time() - (seg.failed_at or seg.ended))
                 if wait > 0:
                     time.sleep(wait)

@@ -213,6 +213,64 @@ def install() -> None:
     _installed = True
 
 
+class SaveFailures:
+    """Training goes on while a sidecar is briefly gone: the policy for a save whose host was lost.
+
+    A background save that failed because a host stopped answering raises at the next save (the
+    manager's ``check_for_errors``), and MaxText's save path turns any error into
+    ``RuntimeError("Checkpointing failed")``, which ends the job: a sidecar container that
+    restarts in seconds would cost a whole restart. Outside MaxText's elastic mode (where the
+    error is what the elastic retry acts on, and is raised as it is), such a failure is logged
+    and the save is tried again at once, for up to ``MTC_SAVE_FAILURE_GRACE_S`` seconds (default
+    300) from the first failure of a run of them; after that the error is raised. The last
+    committed step stays the restore point meanwhile. Any other save error is raised as before.
+    """
+
+    ENV = "MTC_SAVE_FAILURE_GRACE_S"
+
+    def __init__(self, environ: Any = None) -> None:
+        import os
+
+        raw = (environ if environ is not None else os.environ).get(self.ENV, "300")
+        try:
+            self.grace_s = float(raw)
+        except ValueError:
+            raise ConfigError(f"{self.ENV}={raw!r} is not a number of seconds (e.g. 300; 0 raises at once)") from None
+        if not self.grace_s >= 0:
+            raise ConfigError(f"{self.ENV}={raw!r} must be >= 0 seconds")
+        self.failing_since: float | None = None
+        self.tolerated = 0
+
+    def save(self, manager: Any, step: int, args: Any, force: bool, *, elastic: bool) -> bool:
+        import time
+
+        from mtc.head.elastic import HostLostError
+
+        try:
+            saved = manager.save(step, args=args, force=force)
+        except HostLostError as e:
+            now = time.monotonic()
+            self.failing_since = self.failing_since or now
+            if elastic or now - self.failing_since > self.grace_s:
+                raise
+            self.tolerated += 1
+            log.warning("mtc: a save failed because a host stopped answering (%s); training goes on from the last "
+                        "committed step, and saves go on (for %.0f s more, %s)", e,
+                        self.grace_s - (now - self.failing_since), self.ENV)
+            try:
+                saved = manager.save(step, args=args, force=force)
+            except HostLostError as again:  # the host is still gone: this step is not saved
+                log.warning("mtc: step %d not saved: %s", step, again)
+                return False
+        else:
+            if self.failing_since is not None and saved:
+                self.failing_since = None
+        return saved
+
+
+_saves: SaveFailures | None = None  # made in main() (it reads the environment), else at the first save
+
+
 def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) -> None:
     """The data iterator into mtc's steps and out of them; SIGTERM as a save of the step reached.
 
@@ -242,8 +300,11 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
         iterator = getattr(_call, "data_iterator", None)
         if config is not None and maxtext_data.keeps_position(config, iterator):
             items[maxtext_data.ITEM] = maxtext_data.save_args(config, iterator)
+        global _saves
         force = force or checkpoint_manager.reached_preemption(step)
-        saved = checkpoint_manager.save(step, args=ocp.args.Composite(**items), force=force)
+        _saves = _saves or SaveFailures()
+        saved = _saves.save(checkpoint_manager, step, ocp.args.Composite(**items), force,
+                            elastic=bool(getattr(config, "elastic_enabled", False)))
         if saved and _cache is not None:
             if (report := _cache.first_report()) is not None:
                 log.info("mtc: compilation cache: %s", report)
@@ -317,7 +378,7 @@ def _export_last_step(manager: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global _notice, _cache
+    global _notice, _cache, _saves
     from mtc.head import compile_cache
     from mtc.head.items import DataPositionError
     from mtc.head.preemption import PreemptionNotice
@@ -333,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("enable_multi_tier_checkpointing=True needs one backup interval: set "
                               "multi_tier_checkpointing_backup_interval_minutes or "
                               "multi_tier_checkpointing_backup_interval_steps (MaxText requires exactly one)")
+        _saves = SaveFailures()
         _cache = compile_cache.for_launcher(argv, cfg)
         if _cache is not None:  # filled from the backup while MaxText imports
             _cache.start_fill()

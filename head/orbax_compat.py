@@ -36,7 +36,7 @@ from mtc.head import items as byte_items
 from mtc.head.manager import CheckpointManager
 from mtc.head.restore_plan import AS_SAVED, NothingSavedError
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import MTCError
+from mtc.shared.errors import HostUnreachableError, MTCError
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class OrbaxCompatibleManager:
         self._mgr = manager if manager is not None else CheckpointManager(config, **kwargs)
         self._listed: list[int] | None = None  # the last listing of the tiers ...
         self._listed_at: Any = None  # ... and the save report it saw (a newer commit makes it stale)
+        self._committed: set[int] = set()  # steps this manager's saves committed
 
     # --- what it wraps ---------------------------------------------------------------------
 
@@ -149,8 +150,19 @@ class OrbaxCompatibleManager:
         one listing, not two).
         """
         report = self._mgr.last_save_report
+        if report is not None and report.committed:
+            self._committed.add(report.step)
         if read or self._listed is None or report is not self._listed_at:
-            self._listed, self._listed_at = self._mgr.all_steps(), report
+            try:
+                self._listed, self._listed_at = self._mgr.all_steps(), report
+            except HostUnreachableError as e:
+                if self._listed is None:
+                    raise  # nothing known yet: "unconfirmed" must never read as "no step"
+                # A sidecar is briefly gone while training runs (MaxText asks before each save):
+                # what this manager listed before, and what it has committed since, still hold.
+                log.warning("mtc: the hosts could not all be asked which steps they hold (%s); using the last "
+                            "listing and this run's own commits", e)
+                self._listed = sorted(set(self._listed) | self._committed)
         steps = set(self._listed)
         inflight = self._mgr.in_flight_step
         if inflight is not None:

@@ -1,8 +1,10 @@
-"""The goodput benchmark's accounting, on its smallest configuration: two failures of different
-classes under mtc (cluster mode, real daemons, real MaxText), then the figures checked against
-the run's own logs: each recovery's stages add up to it (failure to first step), the steps
-recomputed are the steps that more than one process logged, and the final state and every
-step's metrics are the uninterrupted run's, bit for bit."""
+"""The goodput benchmark's accounting, on its smallest configuration: three failures of different
+classes under mtc (cluster mode, real daemons, real MaxText): the training process killed, a slice
+lost, a sidecar killed (the training goes on through it: its saves fail until the sidecar is
+back, and the job does not end). Then the figures are checked against the run's own logs: each
+recovery's stages add up to it (failure to first step), the steps recomputed are the steps that
+more than one process logged, and the final state and every step's metrics are the uninterrupted
+run's, bit for bit."""
 
 from __future__ import annotations
 
@@ -22,20 +24,23 @@ import bench_goodput  # noqa: E402
 
 
 def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_path, ramdisk):
-    faults = ["kill_head", "slice_lost"]
-    seed = next(s for s in range(100) if len({f.cls for f in bench_goodput.schedule(s, 15, faults, 1e4)[:2]}) == 2)
+    faults = ["kill_head", "slice_lost", "kill_sidecar"]
+    seed = next(s for s in range(100) if len({f.cls for f in bench_goodput.schedule(s, 15, faults, 1e4)[:3]}) == 3)
     out = tmp_path / "goodput.json"
     work = ramdisk / "work"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_goodput.py"), "--model", "small", "--steps", "40",
-                        "--mtbf", "15", "--seed", str(seed), "--faults", ",".join(faults), "--max-failures", "2",
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_goodput.py"), "--model", "small", "--steps", "60",
+                        "--mtbf", "15", "--seed", str(seed), "--faults", ",".join(faults), "--max-failures", "3",
                         "--contenders", "mtc", "--restart-delay", "2", "--workdir", str(work), "--json", str(out),
                         "--timeline", str(tmp_path / "goodput.png")], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     (mtc,) = doc["contenders"]
     assert mtc["final_equal"] and mtc["metrics_equal"], mtc
-    assert [rec["cls"] for rec in mtc["recoveries"]] == [f["cls"] for f in doc["schedule"][:2]], mtc["recoveries"]
-    assert len({rec["cls"] for rec in mtc["recoveries"]}) == 2
+    restarts = [f["cls"] for f in doc["schedule"][:3] if f["cls"] != "kill_sidecar"]
+    assert [rec["cls"] for rec in mtc["recoveries"]] == restarts, mtc["recoveries"]
+    events = [e["what"] for e in mtc["events"]]
+    assert any(e.startswith("kill -9 sidecar") for e in events), events
+    assert not [e for e in events if "by itself" in e], events  # no process ended that the schedule did not end
     for rec in mtc["recoveries"]:
         st = rec["stages"]
         parts = [st[name] for name in bench_goodput.STAGES]
@@ -50,6 +55,6 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
         logged += sorted({int(m) for m in re.findall(r"completed step: (\d+)", log.read_text(errors="replace"))})
     again = len(logged) - len(set(logged))
     assert mtc["recomputed"] == again, (mtc["recomputed"], again)
-    assert set(logged) == set(range(40))
+    assert set(logged) == set(range(60))
     assert 0 < mtc["ratio"] < 1 and mtc["wall_s"] > mtc["ideal_s"]
     assert (tmp_path / "goodput.png").stat().st_size > 0

@@ -119,6 +119,16 @@ def _restored(log_text: str) -> str:
     return lines[0]
 
 
+def _cache_report(log_text: str) -> dict:
+    """The launcher's first line about the compilation cache: JAX's hits and misses, entries filled."""
+    import re
+
+    m = re.search(r"mtc: compilation cache: (\d+) program\(s\) loaded from the cache, (\d+) compiled; (\d+) entries "
+                  r"from the backup", log_text)
+    assert m, "no compilation cache report in the log"
+    return {"hits": int(m.group(1)), "compiled": int(m.group(2)), "from_backup": int(m.group(3))}
+
+
 def _backups(run: Path) -> list[str]:
     d = run / "out" / "r" / "mtc" / "backups"
     return sorted(p.name for p in d.glob("*.json")) if d.is_dir() else []
@@ -160,6 +170,12 @@ def test_kill_restart_and_backup_restore_match_the_reference(tmp_path, ramdisk, 
         assert m == reference[step], f"step {step}: {m} != reference {reference[step]}"
     assert set(final) == set(range(STEPS))
     assert set(after_restart) - set(seen_first), "the first restart trained no step"
+    # The restarts loaded their programs from the compilation cache instead of compiling them: from
+    # the ramdisk after the kill, from the backup after every ramdisk was lost (JAX's hit events).
+    hits = [_cache_report(text) for text in (first, second, third)]
+    assert hits[0]["hits"] == 0 and hits[0]["compiled"] >= 1, hits
+    assert hits[1]["hits"] >= 1 and hits[1]["compiled"] == 0, hits
+    assert hits[2]["hits"] >= 1 and hits[2]["compiled"] == 0 and hits[2]["from_backup"] >= 1, hits
     assert final_state(run, last) == final_state(ref, last), "final state differs from the reference"
 
 
