@@ -9,8 +9,8 @@ when run as root, else a new folder under --dir):
   --files files of 1 GiB on a tmpfs, written and removed, then --copies numpy copies of 1 GiB,
   made and dropped (``malloc_trim``: their pages go back to the kernel), then --pause seconds;
 - mtc: --saves saves of the state (8 float32 arrays of --gib/8 GiB, each sharded by rows over 8
-  CPU devices) in colocated mode, ``local_max_to_keep=2``, each save waited for before the next,
-  every one with new contents; per save: the time ``save()`` blocked, the CPU seconds of this
+  CPU devices) in colocated mode, ``local_max_to_keep=2``, each save waited for before the next
+  (``--back-to-back``: not waited for), every one with new contents; per save: the time ``save()`` blocked, the CPU seconds of this
   process meanwhile (every thread: below the blocked time x threads, the rest was waiting), the
   blocked part split (``reserve``: the landings made or taken from the pool and mapped; ``copy``:
   the copies into warm maps and the cold fills, each fill's seconds), this process's minor page
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="mtc,raw", help="which parts, in order (default mtc,raw)")
     p.add_argument("--marks", action="store_true",
                    help="print each save's blocked span in CLOCK_MONOTONIC seconds (to cut a perf record by)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="each save right after the last one returned (not waited for: it may wait in the next)")
     p.add_argument("--raw-timeline", action="store_true",
                    help="raw writes at the mtc part's pace (each starts as long after the last as the save did)")
     a = p.parse_args(argv)
@@ -277,10 +279,11 @@ def main(argv: list[str] | None = None) -> int:
                     if a.marks:
                         print(f"mark save {k} {m0:.6f} {time.monotonic():.6f}", flush=True)
                     c.phases = phases.take()
-                    mgr.wait_until_finished()
-                    rep = mgr.last_save_report
-                    rows_out.append((c, rep))
+                    if not a.back_to_back:
+                        mgr.wait_until_finished()
+                    rows_out.append((c, None if a.back_to_back else mgr.last_save_report))
                     del st
+                mgr.wait_until_finished()
                 mgr.close()
             else:
                 threads = staging._THREADS
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             fills = ph.get("fills", [])
             cells += [f"{c.s:.3f}", f"{c.cpu:.2f}", f"{ph.get('reserve', 0):.3f}", f"{ph.get('copy', 0):.3f}",
                       f"{len(fills)}: {min(fills):.3f}-{max(fills):.3f}" if fills else "0", str(c.faults),
-                      str(c.alloc), f"{c.reported / 1024:.0f}", f"{rep.total_s:.3f}"]
+                      str(c.alloc), f"{c.reported / 1024:.0f}", f"{rep.total_s:.3f}" if rep else "-"]
         else:
             cells += ["-"] * 9
         if r is not None:
