@@ -8,8 +8,8 @@ which reads a control file (JSON) at every listing of ``backups/``::
      "error": "transient"}  # ... with TransientStoreError (a store that timed out), or "fatal"
 
 Everything else goes to the real store unchanged. ``LocalCluster(launch=...)`` puts this script in
-front of the daemon's command line (``launch_with(control)``); it installs the wrapper where the
-backup tier opens its store, then runs the daemon's own ``main``.
+front of the daemon's command line (``launch_with(control)``); it installs the wrapper wherever the
+daemon opens a store, then runs the daemon's own ``main``.
 """
 
 from __future__ import annotations
@@ -98,10 +98,13 @@ def main() -> int:
     rest = sys.argv[2:]
     if rest[1:3] != ["-m", "mtc.sidecar"]:
         raise SystemExit(f"expected '<python> -m mtc.sidecar ...' after the control file, got {rest[:3]}")
+    import mtc.shared.objstore.store as store_mod
     import mtc.sidecar.backup.tier as tier
 
-    real = tier.open_store
-    tier.open_store = lambda url, **kw: SlowListing(real(url, **kw), control)
+    # Both places a daemon opens a store: the backup tier's own (the configured root) and the
+    # reader's (a listing asked before the head configured the host, ``mtc status``).
+    real = store_mod.open_store
+    tier.open_store = store_mod.open_store = lambda url, **kw: SlowListing(real(url, **kw), control)
     sys.argv = ["mtc.sidecar", *rest[3:]]
     from mtc.sidecar.daemon import main as daemon_main
 
