@@ -456,7 +456,9 @@ def account(result: dict, ref: dict) -> dict:
     ideal = ref["first_step_s"] + (trained - 1) * ref["step_s"]
     final = next((m for m in reversed(segs[-1].marks) if m["mark"] == "final"), None)
     bad_steps = sorted(s for s, m in ref["metrics"].items() if result["metrics"].get(s) != m)
+    first = stages_of(segs[0], None)
     return {"name": result["contender"].name, "period": result["contender"].period,
+            "startup_s": first["total"],
             "backup_steps": result["contender"].backup_steps, "why": result["contender"].why,
             "wall_s": result["wall_s"], "steps": trained, "ideal_s": ideal, "ratio": ideal / result["wall_s"],
             "recomputed": recomputed_total, "failures": len(recoveries), "recoveries": recoveries,
@@ -467,14 +469,26 @@ def account(result: dict, ref: dict) -> dict:
 
 # --- the planner against the measurement -------------------------------------------------------
 
-def predicted(acc: dict, ref: dict, mtbf_s: float, save_cost_s: float) -> float:
-    """``mtc plan``'s model on this run's own measured costs: one tier at the contender's period,
-    a failure every ``mtbf_s``, each losing half a period, its measured recovery and restart."""
+def predicted(acc: dict, ref: dict, save_cost_s: float) -> float:
+    """``mtc plan``'s model (``plan.waste`` and its restart term) on this run's own measured costs:
+    one tier at the contender's period, its measured save cost, restore and restart, and the
+    failures as they came (the realized MTBF, so that a schedule's luck is not read as a model
+    error: the mean wall time between the failures that hit it, after its first start). The run's
+    first start-up is in the measured ratio's both terms; it is added here too."""
+    from mtc.head.tools import plan as planner
+
     if not acc["recoveries"]:
         return math.nan
+    startup = acc["startup_s"]  # this run's own first start, spawn to first step
+    mtbf = max(acc["wall_s"] - startup, 1e-9) / len(acc["recoveries"])
     tau = acc["period"] * ref["step_s"]
-    recovery = statistics.mean(r["stages"]["total"] for r in acc["recoveries"])
-    return 1 - (save_cost_s / tau + (tau / 2 + recovery) / mtbf_s)
+    restore = statistics.mean(r["stages"]["restore"] or 0.0 for r in acc["recoveries"])
+    restart = statistics.mean(r["stages"]["total"] for r in acc["recoveries"]) - restore
+    goodput = 1 - planner.waste(save_cost_s, tau, restore, mtbf) - restart / mtbf
+    if goodput <= 0:
+        return 0.0
+    train = acc["ideal_s"] - ref["first_step_s"]  # the steps' own time, uninterrupted
+    return acc["ideal_s"] / (startup + train / goodput)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -523,8 +537,13 @@ def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
             if steps:
                 ax.barh(y, (seg.ended or steps[-1][1]) - steps[0][1], left=steps[0][1] - t0, color=colors["training"],
                         height=0.5)
+        first = stages_of(res["segments"][0], None)  # the job's own start, before any failure
+        left = res["segments"][0].spawned - t0
+        for name in STAGES[1:]:
+            if first[name]:
+                ax.barh(y, first[name], left=left, color=colors[name], height=0.5, alpha=0.5)
+                left += first[name]
         for rec in acc["recoveries"]:
-            seg = res["segments"][rec["segment"]]
             prev = res["segments"][rec["segment"] - 1]
             left = (prev.failed_at or prev.ended) - t0
             for name in STAGES:
@@ -535,9 +554,10 @@ def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
             ax.plot([(prev.failed_at or prev.ended) - t0], [y + 0.33], marker="v", color="black")
             ax.text((prev.failed_at or prev.ended) - t0, y + 0.38, rec["cls"], fontsize=7, rotation=20)
     ax.set_yticks(range(len(accs)), [f"{a['name']}\n{a['ratio']:.1%}" for a in accs])
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlim(left=0)
+    ax.set_title("wall time (s); the first start faded; a triangle is a failure", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.legend(handles, list(colors), ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -665,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             accs.append(acc)
             print(f"  {acc['wall_s']:.1f} s, ratio {acc['ratio']:.1%}, {acc['failures']} failures, "
                   f"{acc['recomputed']} steps recomputed", flush=True)
-        preds = {acc["name"]: predicted(acc, ref, a.mtbf, mtc_cost if acc["name"].startswith("mtc") else orbax_cost)
+        preds = {acc["name"]: predicted(acc, ref, mtc_cost if acc["name"].startswith("mtc") else orbax_cost)
                  for acc in accs}
         print_tables(accs, ref, a, preds)
         if a.timeline:

@@ -57,7 +57,7 @@ def test_read_only_commands_create_no_folder_and_say_the_root_does_not_exist(job
         assert not missing.exists() and _tree(tmp / "backup") == before
     (tmp_path / "empty" / "r" / "mtc").mkdir(parents=True)  # a root that exists and holds nothing: a note
     assert main(["status", *spec, "--base-output-directory", str(tmp_path / "empty"), "--run-name", "r"]) == 0
-    assert "holds no backup" in capsys.readouterr().out
+    assert "holds no backup" in " ".join(capsys.readouterr().out.split())  # the table may wrap the note
     before = _tree(tmp / "backup")
     for cmd in (["export", "--to", str(tmp_path / "out"), *spec], ["verify", "--backup", *spec],
                 ["export", "--to", str(tmp_path / "out")]):

@@ -10,6 +10,8 @@ and print its interpreter.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import os
@@ -64,6 +66,21 @@ def ensure(log=sys.stderr) -> Path:
     cache = Path(os.environ.get("MTC_CACHE", os.path.expanduser("~/.cache/mtc")))
     env = cache / f"maxtext-env-{_key(python)}"
     py = env / "bin" / "python"
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(env.with_name(env.name + ".lock")):  # test workers (pytest -n) build it once, in turn
+        _build(python, env, py, log)
+        _install_mtc(py)
+    return py
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _build(python: str, env: Path, py: Path, log) -> None:
     if not (env / ".complete").exists():
         print(f"building the MaxText environment in {env} (once; a few minutes)", file=log, flush=True)
         shutil.rmtree(env, ignore_errors=True)
@@ -74,8 +91,6 @@ def ensure(log=sys.stderr) -> Path:
         subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "-r",
                         str(REQUIREMENTS_NODEPS)], check=True)
         (env / ".complete").write_text(REQUIREMENTS.read_text())
-    _install_mtc(py)
-    return py
 
 
 def _install_mtc(py: Path) -> None:
