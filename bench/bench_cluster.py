@@ -50,8 +50,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
-from mtc.head.cluster import ClusterDispatcher  # noqa: E402
-from mtc.head.colocated import ColocatedDispatcher  # noqa: E402
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher  # noqa: E402
+from mtc.head.dispatch.colocated import ColocatedDispatcher  # noqa: E402
 from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402
 
 NDEV = 64

@@ -115,7 +115,7 @@ class Phases:
     two calls (nothing else changes)."""
 
     def __init__(self):
-        from mtc.head import colocated, staging
+        from mtc.head.dispatch import colocated, staging
 
         self.rows: list[dict] = []
         self.now: dict = {}
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from mtc.head import CheckpointManager, MTCConfig
-    from mtc.head import staging
+    from mtc.head.dispatch import staging
 
     if len(jax.devices()) < N_DEVICES:
         sys.exit(f"needs {N_DEVICES} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")

@@ -34,7 +34,7 @@ import json
 import math
 import time
 
-from mtc.head.dispatch import HostInventory
+from mtc.head.dispatch.interface import HostInventory
 from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares
 from mtc.head.save import choose_keepers
 from mtc.shared import format as fmt

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
-from mtc.head.cluster import ClusterDispatcher  # noqa: E402
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher  # noqa: E402
 from mtc.head.save import flatten  # noqa: E402
 from mtc.head.twin_check import compare, hash_replicas  # noqa: E402
 from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402

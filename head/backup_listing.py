@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from mtc.head.dispatch import Dispatcher
+from mtc.head.dispatch.interface import Dispatcher
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import BackupListingError, HostUnreachableError
 from mtc.shared.objstore.store import TransientStoreError

@@ -17,7 +17,7 @@ from typing import Callable
 
 from mtc.head.backup_plan import assign_uploads, backup_due
 from mtc.head.backup_scrub import ScrubLoop
-from mtc.head.dispatch import Dispatcher
+from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.reports import BackupReport
 from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout

@@ -32,7 +32,7 @@ import time
 from typing import Callable, Sequence
 
 from mtc.head.backup_plan import assign_scrub
-from mtc.head.dispatch import Dispatcher
+from mtc.head.dispatch.interface import Dispatcher
 from mtc.shared import backup_layout as layout
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, MTCError

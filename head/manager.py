@@ -24,7 +24,8 @@ import numpy as np
 
 from mtc.head import head_claim, metrics
 from mtc.head.backup_runner import BackupRunner
-from mtc.head.dispatch import Dispatcher, make_dispatcher
+from mtc.head.dispatch.factory import make_dispatcher
+from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.elastic import as_host_lost, host_lost_as_elastic
 from mtc.head.preemption import PreemptionNotice
 from mtc.head.replication import ReplicationStrategy, summarize

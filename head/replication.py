@@ -18,7 +18,7 @@ import logging
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from mtc.head.dispatch import HostInventory, StepHolding
+from mtc.head.dispatch.interface import HostInventory, StepHolding
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 

@@ -16,8 +16,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from mtc.head.dispatch import Dispatcher
-from mtc.head.dispatch import PullResult
+from mtc.head.dispatch.interface import Dispatcher
+from mtc.head.dispatch.interface import PullResult
 from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.reports import ReplicationReport
 from mtc.head.save import CommittedStep

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from mtc.head import tree as tree_lib
-from mtc.head.dispatch import LoadRequest
+from mtc.head.dispatch.interface import LoadRequest
 from mtc.shared import format as fmt
 from mtc.shared import shardings
 from mtc.shared.errors import TargetMismatchError

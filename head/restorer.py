@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from mtc.head import manifest_gift
 from mtc.head.backup_listing import BackupLister, damaged_note, without_backup
-from mtc.head.dispatch import Dispatcher, LoadRequest
+from mtc.head.dispatch.interface import Dispatcher, LoadRequest
 from mtc.head.replication import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, Pulled, RestoreReport
 from mtc.head.restore_plan import RestorePlan, make_plan, plan_target

@@ -18,7 +18,7 @@ receiver's ``max_payload``. A frame that breaks a limit, is not JSON, has the wr
 another protocol version raises ``ProtocolError`` before anything is allocated for it.
 
 The cluster spec (``ClusterSpec``) is the contract between the launcher that starts the
-daemons (``mtc.sidecar.local_cluster``) and the head that reads it (``mtc.head.topology``).
+daemons (``mtc.sidecar.local_cluster``) and the head that reads it (``mtc.head.dispatch.topology``).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path, metrics_por
     from rich.table import Table
 
     from mtc.head import CheckpointManager, MTCConfig
-    from mtc.head.cluster import ClusterDispatcher
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide enough that the table keeps one row a line,

@@ -104,7 +104,7 @@ def _progress(quiet: bool) -> tuple[Any, Any]:
 def run(args: Any) -> int:
     import jax
 
-    from mtc.head.cluster import ClusterDispatcher
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
     from mtc.head.manager import CheckpointManager
     from mtc.head.tools.cli_common import missing_local_root
     from mtc.head.tools.sources import folder_hosts, open_hosts

@@ -255,7 +255,7 @@ def render_plain(st: Status) -> None:
 def run(args: Any) -> int:
     """``mtc status`` (see cli.py for the options). Exit 0; 1 when a host did not answer or the backup
     root could not be listed (what they hold is not known: the answer may be wrong); 2 on bad input."""
-    from mtc.head.cluster import ClusterDispatcher
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
     from mtc.head.tools.sources import folder_hosts, open_hosts
 
     hosts = None

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import soak_state  # noqa: E402
 from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
-from mtc.head.cluster import ClusterDispatcher  # noqa: E402
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher  # noqa: E402
 
 MODEL = 4  # devices on the "model" axis; "data" is the rest
 

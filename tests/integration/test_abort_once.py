@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import random_array
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.cluster_client import HostConnection
+from mtc.head.dispatch.cluster.client import HostConnection
 from mtc.shared.errors import SaveError
 from mtc.sidecar.local_cluster import LocalCluster
 

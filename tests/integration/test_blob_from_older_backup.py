@@ -67,7 +67,7 @@ def test_a_step_whose_lost_blobs_are_in_an_older_backup_is_still_the_latest(ramd
     chose that older backup, losing the newest committed step."""
     import json
 
-    from mtc.head.cluster import ClusterDispatcher
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 
     rng = np.random.default_rng(1)
     frozen = random_array(rng, (8, 512), np.float32)

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, control_connection, random_array
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.cluster import ClusterDispatcher
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 from mtc.head.restore_plan import plan_target
 from mtc.shared import protocol
 from mtc.shared.errors import CorruptBlobError, HostUnreachableError, SaveError, StepNotFoundError, StepsUnconfirmedError

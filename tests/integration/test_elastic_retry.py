@@ -30,7 +30,7 @@ em = pytest.importorskip("pathwaysutils.elastic.manager")
 
 from helpers import assert_trees_bitwise_equal  # noqa: E402
 from mtc.head import HostLostError, MTCConfig, OrbaxCompatibleManager  # noqa: E402
-from mtc.head.cluster import ClusterDispatcher  # noqa: E402
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher  # noqa: E402
 from mtc.head.manager import CheckpointManager  # noqa: E402
 from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402
 

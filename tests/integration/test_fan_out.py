@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from mtc.head import MTCConfig
-from mtc.head.cluster import _INLINE_BYTES, ClusterDispatcher
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
+from mtc.head.dispatch.cluster.lanes import _INLINE_BYTES
 from mtc.shared.errors import HostUnreachableError
 
 pytestmark = pytest.mark.integration

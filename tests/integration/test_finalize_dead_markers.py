@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.cluster import ClusterDispatcher
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 from mtc.shared import backup_layout as layout
 from mtc.shared.objstore import open_store
 from mtc.sidecar.backup import fence

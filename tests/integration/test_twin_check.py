@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.cluster import ClusterDispatcher
+from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 from mtc.head.twin_check import TwinMismatchError
 from mtc.shared.buffers import byte_view
 from mtc.shared.hashing import blob_name

@@ -3,7 +3,7 @@ alone (no step manifest), and every case where it cannot be told so (then the ma
 
 from __future__ import annotations
 
-from mtc.head.dispatch import HostInventory, StepHolding
+from mtc.head.dispatch.interface import HostInventory, StepHolding
 from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares
 from mtc.shared import protocol
 

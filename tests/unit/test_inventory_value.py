@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtc.head.dispatch import HostInventory
+from mtc.head.dispatch.interface import HostInventory
 from mtc.head.reports import Inventory
 from mtc.head.replication import step_views
 from mtc.shared.hashing import blob_name

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from mtc.head.replication import ReplicationStrategy, Transfer, step_views, summarize
-from mtc.head.dispatch import HostInventory, PullResult
+from mtc.head.dispatch.interface import HostInventory, PullResult
 from mtc.shared import protocol
 from mtc.shared.errors import ProtocolError
 

@@ -1,11 +1,11 @@
-"""Topology (mtc.head.topology): from a cluster spec, and from Pathways-style device attributes."""
+"""Topology (mtc.head.dispatch.topology): from a cluster spec, and from Pathways-style device attributes."""
 
 from __future__ import annotations
 
 import jax
 import pytest
 
-from mtc.head.topology import HostInfo, Topology
+from mtc.head.dispatch.topology import HostInfo, Topology
 from mtc.shared.errors import ConfigError
 from mtc.shared.protocol import ClusterSpec, HostSpec
 

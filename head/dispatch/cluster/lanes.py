@@ -1,9 +1,9 @@
 """``ClusterLanes``: how ``ClusterDispatcher`` reaches its hosts: one call, a job, a fan-out.
 
-A mixin of ``ClusterDispatcher`` (``mtc.head.cluster``), apart from the dispatcher's operations
+A mixin of ``ClusterDispatcher`` (``mtc.head.dispatch.cluster.dispatcher``), apart from the dispatcher's operations
 (save, inventory, restore, backup, peers) because it is their plumbing: the spec's current
 addresses, the aborts queued for hosts that were down, each op's timeout (what a
-``HostConnection`` asks its owner: ``cluster_client.Owner``), and calls on a lane's connections,
+``HostConnection`` asks its owner: ``client.Owner``), and calls on a lane's connections,
 one host at a time, as a polled sidecar job, or on every host at once. It uses the dispatcher's
 ``spec_path``, ``_addresses``, ``_spec_stamp``, ``_spec_lock``, ``_aborts``, ``_aborts_lock``,
 its timeouts, its lanes (``_hosts``, ``_backup_lanes``, ``_peer_lanes``) and their pools.
@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from mtc.head.cluster_client import RemoteFailure, call_each
+from mtc.head.dispatch.cluster.client import RemoteFailure, call_each
 from mtc.shared import protocol
 from mtc.shared.errors import ConfigError, HostUnreachableError, ProtocolError
 
@@ -119,7 +119,7 @@ class ClusterLanes:
         functions of the host id.
 
         Small messages go out from this one thread and the replies are read as they come
-        (``cluster_client.call_each``): one round trip for all hosts, with no thread woken per
+        (``client.call_each``): one round trip for all hosts, with no thread woken per
         host. Requests that carry more than ``_INLINE_BYTES`` to some host go on the pool's
         threads instead, so that no host waits for another's bytes."""
         hosts = list(self._hosts) if hosts is None else list(hosts)

@@ -20,10 +20,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import jax
 import numpy as np
 
-from mtc.head.cluster_client import RemoteFailure, cause, read_errors
-from mtc.head.dispatch import LoadRequest, raise_remote
+from mtc.head.dispatch.cluster.client import RemoteFailure, cause, read_errors
+from mtc.head.dispatch.interface import LoadRequest, raise_remote
 from mtc.head.restore_plan import BoxRead, box_reads
-from mtc.head.topology import Topology
+from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 from mtc.shared.errors import HostUnreachableError, ProtocolError

@@ -18,9 +18,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
+from mtc.head.dispatch.interface import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
 from mtc.head.save import plan_commit
-from mtc.head.staging import HostStaging
+from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request

@@ -17,7 +17,7 @@ could push the last good step out. A host that cannot be reached is reported in
 Connections are kept open and re-made on failure (re-reading the spec, since a restarted
 daemon may listen on a new port). Every new connection checks the host id and the version
 fingerprint before it is used. The calls themselves (one host, a job, every host at once) are
-in ``mtc.head.cluster_lanes``.
+in ``mtc.head.dispatch.cluster.lanes``.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from mtc.head.cluster_reads import ClusterLoader
-from mtc.head.dispatch import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
-from mtc.head.cluster_client import HostConnection, RemoteFailure, cause
-from mtc.head.cluster_lanes import _INLINE_BYTES, ClusterLanes  # noqa: F401 (_INLINE_BYTES: re-exported)
+from mtc.head.dispatch.cluster.reads import ClusterLoader
+from mtc.head.dispatch.interface import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
+from mtc.head.dispatch.cluster.client import HostConnection, RemoteFailure, cause
+from mtc.head.dispatch.cluster.lanes import ClusterLanes
 from mtc.head.save import plan_commit
-from mtc.head.staging import HostStaging
-from mtc.head.topology import Topology
+from mtc.head.dispatch.staging import HostStaging
+from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import auth, protocol, tls, version
 from mtc.shared.config import ENV_TOKEN, MTCConfig

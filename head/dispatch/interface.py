@@ -1,15 +1,14 @@
 """The one interface between the checkpoint manager and the sidecars (docs/architecture.md, "The seam").
 
 Two implementations: ``ColocatedDispatcher`` (colocated Python: Pathways, and in-process on a
-CPU backend) and the cluster dispatcher (sidecar daemons reached over local sockets). The
-manager above it is the same code in both modes.
+CPU backend) and the cluster dispatcher (sidecar daemons reached over local sockets); the
+manager above it is the same code in both modes, and ``mtc.head.dispatch.factory`` picks one.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import os
 from typing import Any, Callable, Mapping
 
 from mtc.shared import errors
@@ -344,20 +343,6 @@ class Dispatcher(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop using the sidecars."""
-
-
-def make_dispatcher(config: Any) -> Dispatcher:
-    """The transport ``config`` asks for: cluster mode with a cluster spec (``MTC_CLUSTER_SPEC``
-    says so without touching the training script), colocated Python otherwise."""
-    if not config.cluster_spec and os.environ.get("MTC_CLUSTER_SPEC"):
-        config = config.replace(cluster_spec=os.environ["MTC_CLUSTER_SPEC"])
-    if config.cluster_spec:
-        from mtc.head.cluster import ClusterDispatcher
-
-        return ClusterDispatcher(config)
-    from mtc.head.colocated import ColocatedDispatcher
-
-    return ColocatedDispatcher(config)
 
 
 def raise_remote(host: str, name: str, message: str) -> None:

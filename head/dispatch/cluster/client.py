@@ -4,7 +4,7 @@ A ``HostConnection`` connects lazily, checks on every new connection that the da
 host it should be and runs the same versions as the head, sends the aborts its owner has
 queued for that host before anything else, stamps every request with the head's generation
 (fencing), and turns transport failures into ``HostUnreachableError`` and a daemon's error
-answers into ``RemoteFailure``. ``ClusterDispatcher`` (``mtc.head.cluster``) owns them.
+answers into ``RemoteFailure``. ``ClusterDispatcher`` (``mtc.head.dispatch.cluster.dispatcher``) owns them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
-from mtc.head.dispatch import raise_remote
+from mtc.head.dispatch.interface import raise_remote
 from mtc.shared import auth, protocol, tls, version
 from mtc.shared.errors import AuthenticationError, HostUnreachableError, MTCError, ProtocolError
 
