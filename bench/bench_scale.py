@@ -35,7 +35,7 @@ import math
 import time
 
 from mtc.head.dispatch.interface import HostInventory
-from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares
+from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares
 from mtc.head.save import choose_keepers
 from mtc.shared import format as fmt
 from mtc.shared import protocol

@@ -257,7 +257,7 @@ def _partial_context(orbax: Any) -> Any:
 def _target(rec: fmt.ArrayRecord, onto: Any) -> Any:
     """The restore target of one saved leaf: its saved sharding where this process has the devices
     (else ``onto``, one device), host arrays as host arrays, scalars as saved."""
-    from mtc.head.restore_plan import scalar_value
+    from mtc.head.restore.plan import scalar_value
 
     if rec.kind == "scalar":
         return scalar_value(rec.value)
@@ -471,7 +471,7 @@ def _release_orbax(before: set) -> None:
 def _file_items(orbax: Any, manager: Any, step: int, file_items: dict[str, tuple]) -> dict[str, Any]:
     """The data-iterator items as Orbax checkpointables of their state files (mtc's own note about
     how to read them back is not one of MaxText's files and stays out)."""
-    from mtc.head.restore_plan import AS_SAVED
+    from mtc.head.restore.plan import AS_SAVED
 
     if not file_items:
         return {}

@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mtc.head import head_claim, metrics
-from mtc.head.backup_runner import BackupRunner
+from mtc.head import lease, metrics
+from mtc.head.backup.runner import BackupRunner
 from mtc.head.dispatch.factory import make_dispatcher
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.elastic import as_host_lost, host_lost_as_elastic
 from mtc.head.preemption import PreemptionNotice
-from mtc.head.replication import ReplicationStrategy, summarize
-from mtc.head.replication_loop import REPLICATION_WAIT_S, Replicator
+from mtc.head.replication.plan import ReplicationStrategy, summarize
+from mtc.head.replication.loop import REPLICATION_WAIT_S, Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
-from mtc.head.restore_plan import uncommit_lone
-from mtc.head.restorer import Restorer
+from mtc.head.restore.plan import uncommit_lone
+from mtc.head.restore.restorer import Restorer
 from mtc.head.save import CommittedStep, TwinMismatchError, build_step, flatten
 from mtc.shared import format as fmt
 from mtc.shared import version
@@ -131,7 +131,7 @@ class CheckpointManager:
             if not self._checked_versions:
                 version.check_fingerprints(version.fingerprint(), self._dispatch.fingerprints())
                 if not self._read_only:
-                    self.head = head_claim.claim(self._dispatch, self._started)
+                    self.head = lease.claim(self._dispatch, self._started)
                 self._checked_versions = True
 
     # --- save ----------------------------------------------------------------------------
@@ -487,7 +487,7 @@ class CheckpointManager:
             self._replicator.close()
             self._backups.close()
             if self.head is not None and self._fenced is None:
-                head_claim.release(self._dispatch, self.head)
+                lease.release(self._dispatch, self.head)
             self._dispatch.close()
 
     def __enter__(self) -> "CheckpointManager":

@@ -34,7 +34,7 @@ import numpy as np
 
 from mtc.head import items as byte_items
 from mtc.head.manager import CheckpointManager
-from mtc.head.restore_plan import AS_SAVED, NothingSavedError
+from mtc.head.restore.plan import AS_SAVED, NothingSavedError
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import HostUnreachableError, MTCError
 

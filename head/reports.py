@@ -125,7 +125,7 @@ class Inventory:
     threads (the start-up pull and a restore) never read each other's answers.
     """
 
-    views: dict  # step -> StepView (mtc.head.replication)
+    views: dict  # step -> StepView (mtc.head.replication.plan)
     unreachable: dict  # host -> why it could not be asked
     backup_unreachable: str | None = None  # why the backup root could not be listed
     damaged: dict = dataclasses.field(default_factory=dict)  # host -> steps whose manifest copy is damaged there

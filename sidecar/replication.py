@@ -1,6 +1,6 @@
 """The receiving side of the peer tier: pull listed blobs from peers into this host's ramdisk.
 
-The head plans (``mtc.head.replication``: which blob goes from which holder to which host,
+The head plans (``mtc.head.replication.plan``: which blob goes from which holder to which host,
 for replication after a save and for a restore onto a host that lacks blobs); the receiving
 sidecar executes its part here. Each pull names the blob, its size and the holders to try in
 order. A copy counts only once it hashes to its name (``PeerClient.get``); a bad copy or an

@@ -75,7 +75,7 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     With ``verify``, every host hashes its blobs of every step, and a copy that fails its hash
     does not count (without it, a corrupt copy is only found when a restore reads it).
     """
-    from mtc.head.replication import step_views
+    from mtc.head.replication.plan import step_views
 
     inv = dispatch.inventories()
     unreachable = {h: i.error for h, i in inv.items() if i.error}

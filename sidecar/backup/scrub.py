@@ -2,7 +2,7 @@
 
 A backup is checked when it is written and when it is restored; the scrub checks it in between,
 so that a blob that rotted in the bucket is found while a good copy may still exist. The head
-picks the backups and gives each blob to one host (``mtc.head.backup_scrub``); a host:
+picks the backups and gives each blob to one host (``mtc.head.backup.scrub``); a host:
 
 - ``check``: downloads each blob it was given into a temporary file of its ramdisk and hashes it
   against its name, one blob at a time, pausing between blobs so that its reads average at most

@@ -48,7 +48,7 @@ def _listing_deadline() -> None:
     mtc's 30 s, so a restart during an outage costs seconds there (the long soak keeps mtc's own)."""
     raw = os.environ.get("MTC_SOAK_LISTING_DEADLINE_S")
     if raw:
-        from mtc.head import restorer
+        from mtc.head.restore import restorer
 
         restorer.LISTING_DEADLINE_S = float(raw)
 

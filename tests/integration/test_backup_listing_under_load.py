@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import mtc.head.restorer as restorer_mod
+import mtc.head.restore.restorer as restorer_mod
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.head.tools.cli import main

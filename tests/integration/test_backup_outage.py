@@ -77,7 +77,7 @@ def test_a_restart_during_a_bucket_outage_comes_back_from_the_ramdisks(ramdisk, 
     (it does not exist) is still an error, not silence."""
     import time
 
-    import mtc.head.restorer as restorer_mod
+    import mtc.head.restore.restorer as restorer_mod
     from mtc.shared.objstore import FatalStoreError
     from mtc.sidecar.local_cluster import LocalCluster
 
@@ -127,7 +127,7 @@ def test_a_restart_during_a_bucket_outage_waits_out_the_listing_deadline_once(ra
     the second waited for the first, then for a whole deadline of its own."""
     import time
 
-    import mtc.head.restorer as restorer_mod
+    import mtc.head.restore.restorer as restorer_mod
     from mtc.sidecar.local_cluster import LocalCluster
 
     monkeypatch.setattr(restorer_mod, "LISTING_DEADLINE_S", 6.0)

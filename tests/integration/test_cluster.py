@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import assert_trees_bitwise_equal, control_connection, random_array
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
-from mtc.head.restore_plan import plan_target
+from mtc.head.restore.plan import plan_target
 from mtc.shared import protocol
 from mtc.shared.errors import CorruptBlobError, HostUnreachableError, SaveError, StepNotFoundError, StepsUnconfirmedError
 from mtc.shared.hashing import blob_name

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.backup_plan import assign_uploads
+from mtc.head.backup.plan import assign_uploads
 from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt

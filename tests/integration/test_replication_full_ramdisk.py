@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import mtc.head.replication_loop as replication_loop
+import mtc.head.replication.loop as replication_loop
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
 from mtc.head.tools.cli import main

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtc.head.backup_plan import assign_uploads, backup_due
+from mtc.head.backup.plan import assign_uploads, backup_due
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 from mtc.shared.hashing import blob_name
@@ -47,7 +47,7 @@ def test_each_blob_once_by_a_holder_spread_by_bytes():
 
 
 def test_assign_scrub_gives_each_blob_to_one_host_and_spreads_the_bytes():
-    from mtc.head.backup_plan import assign_scrub
+    from mtc.head.backup.plan import assign_scrub
 
     sizes = {f"{i:032x}": (i + 1) * 100 for i in range(10)}
     out = assign_scrub(sizes, ["h0", "h1", "h2"])

@@ -4,7 +4,7 @@ alone (no step manifest), and every case where it cannot be told so (then the ma
 from __future__ import annotations
 
 from mtc.head.dispatch.interface import HostInventory, StepHolding
-from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares
+from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares
 from mtc.shared import protocol
 
 TWO_SLICES = {"s0-h0": 0, "s0-h1": 0, "s1-h0": 1, "s1-h1": 1}

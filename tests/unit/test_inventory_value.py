@@ -6,7 +6,7 @@ import pytest
 
 from mtc.head.dispatch.interface import HostInventory
 from mtc.head.reports import Inventory
-from mtc.head.replication import step_views
+from mtc.head.replication.plan import step_views
 from mtc.shared.hashing import blob_name
 
 pytestmark = pytest.mark.unit

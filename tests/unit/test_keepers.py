@@ -85,7 +85,7 @@ def test_without_a_keeper_the_step_is_damaged_not_wrong(services):
 
 def test_the_head_reads_part_rows_with_the_manifest(services):
     from mtc.head.dispatch.interface import HostInventory
-    from mtc.head.replication import step_views
+    from mtc.head.replication.plan import step_views
 
     manifest, digest, _ = _save(services, 4, ["h0"])
     inv = {h: HostInventory.from_wire(h, svc.inventory()) for h, svc in services.items()}

@@ -1,4 +1,4 @@
-"""The peer tier's plan (mtc.head.replication): where copies go, restore pulls, inventory views."""
+"""The peer tier's plan (mtc.head.replication.plan): where copies go, restore pulls, inventory views."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from mtc.head.replication import ReplicationStrategy, Transfer, step_views, summarize
+from mtc.head.replication.plan import ReplicationStrategy, Transfer, step_views, summarize
 from mtc.head.dispatch.interface import HostInventory, PullResult
 from mtc.shared import protocol
 from mtc.shared.errors import ProtocolError

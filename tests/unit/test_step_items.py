@@ -22,7 +22,7 @@ from test_orbax_compat import abstract_of, restore_args_of, train_state  # noqa:
 
 from mtc.head import AS_SAVED, CheckpointManager, DataPositionError, IteratorRestore, IteratorSave, MTCConfig  # noqa: E402
 from mtc.head import OrbaxCompatibleManager  # noqa: E402
-from mtc.head.restore_plan import NothingSavedError  # noqa: E402
+from mtc.head.restore.plan import NothingSavedError  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 """The replication loop (the peer tier, head side): after each commit, bring every blob of the
 step to ``replication_factor`` copies on distinct slices, retrying while hosts are down.
 
-The plan of each attempt is a value (``mtc.head.replication.ReplicationStrategy``); this class
+The plan of each attempt is a value (``mtc.head.replication.plan.ReplicationStrategy``); this class
 runs attempts in the background, with backoff, until the copies exist, a newer step is saved,
 the manager closes, or its patience runs out. It never raises: training must not fail for it.
 Nor does waiting for it block for long: ``wait_for`` comes back after its timeout with what the
@@ -18,7 +18,7 @@ from typing import Callable
 
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.dispatch.interface import PullResult
-from mtc.head.replication import ReplicationStrategy, covered_by_shares, plan_shares, step_views
+from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.reports import ReplicationReport
 from mtc.head.save import CommittedStep
 from mtc.shared import format as fmt

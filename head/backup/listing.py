@@ -19,7 +19,7 @@ from mtc.shared.config import MTCConfig
 from mtc.shared.errors import BackupListingError, HostUnreachableError
 from mtc.shared.objstore.store import TransientStoreError
 
-log = logging.getLogger("mtc.head.restorer")
+log = logging.getLogger("mtc.head.restore.restorer")
 
 # What a listing that could not reach the store (or no host could be asked) raises on the way here.
 _UNREACHABLE = (TransientStoreError, HostUnreachableError)

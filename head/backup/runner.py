@@ -15,8 +15,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from mtc.head.backup_plan import assign_uploads, backup_due
-from mtc.head.backup_scrub import ScrubLoop
+from mtc.head.backup.plan import assign_uploads, backup_due
+from mtc.head.backup.scrub import ScrubLoop
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.reports import BackupReport
 from mtc.head.save import CommittedStep

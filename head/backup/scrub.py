@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from mtc.head.backup_plan import assign_scrub
+from mtc.head.backup.plan import assign_scrub
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.shared import backup_layout as layout
 from mtc.shared.config import MTCConfig

@@ -17,12 +17,12 @@ import re
 import time
 from typing import Any, Callable
 
-from mtc.head import manifest_gift
-from mtc.head.backup_listing import BackupLister, damaged_note, without_backup
+from mtc.head.restore import manifest_gift
+from mtc.head.backup.listing import BackupLister, damaged_note, without_backup
 from mtc.head.dispatch.interface import Dispatcher, LoadRequest
-from mtc.head.replication import ReplicationStrategy, step_views
+from mtc.head.replication.plan import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, Pulled, RestoreReport
-from mtc.head.restore_plan import RestorePlan, make_plan, plan_target
+from mtc.head.restore.plan import RestorePlan, make_plan, plan_target
 from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
