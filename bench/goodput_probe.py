@@ -2,7 +2,7 @@
 
     python bench/goodput_probe.py mtc|orbax <MaxText's train arguments>
 
-``mtc`` runs exactly what ``python3 -m mtc.head.maxtext`` runs (``mtc.head.maxtext.main``);
+``mtc`` runs exactly what ``python3 -m mtc.head.maxtext`` runs (``mtc.head.maxtext.launcher.main``);
 ``orbax`` runs MaxText's own ``maxtext.trainers.pre_train.train`` main (its standard Orbax
 checkpointing). Nothing of either is changed: the probe only wraps a few MaxText functions to
 note when they start and end, and appends one JSON line per mark to ``$GOODPUT_MARKS``
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     import jax  # noqa: F401  (counted in the import stage, as MaxText's train module imports it)
 
     if mode == "mtc":
-        from mtc.head import maxtext as launcher
+        from mtc.head.maxtext import launcher
 
         launcher.install()
         _install_marks()

@@ -3,7 +3,7 @@
 from mtc.head.elastic import HostLostError
 from mtc.head.items import DataPositionError, IteratorRestore, IteratorSave
 from mtc.head.manager import CheckpointManager
-from mtc.head.orbax_compat import OrbaxCompatibleManager
+from mtc.head.orbax.compat import OrbaxCompatibleManager
 from mtc.head.restore.plan import AS_SAVED
 from mtc.shared.config import MTCConfig
 

@@ -40,7 +40,7 @@ from mtc.shared.config import MTCConfig
 from mtc.shared.errors import BackupListingError, ConfigError, FencedError, MTCError, SaveError, cause_in_chain
 
 if TYPE_CHECKING:
-    from mtc.head.export import ExportReport
+    from mtc.head.orbax.export import ExportReport
 
 log = logging.getLogger(__name__)
 
@@ -431,8 +431,8 @@ class CheckpointManager:
         return self._restorer.manifest_of(step)
 
     def export(self, directory: str, step: int | None = None, **kwargs: Any) -> "ExportReport":
-        """``step`` (default: the latest) as MaxText's standard Orbax checkpoint (``mtc.head.export``)."""
-        from mtc.head.export import export
+        """``step`` (default: the latest) as MaxText's standard Orbax checkpoint (``mtc.head.orbax.export``)."""
+        from mtc.head.orbax.export import export
 
         return export(self, directory, step, **kwargs)
 

@@ -1,7 +1,7 @@
 """The compilation cache a restarted process finds: on the ramdisk, or filled from the backup.
 
 Each run is a new process (as a restarted pod is) that compiles one program with JAX's
-persistent cache in ``mtc.head.compile_cache.CompileCache`` and reports JAX's own cache-hit and
+persistent cache in ``mtc.head.maxtext.compile_cache.CompileCache`` and reports JAX's own cache-hit and
 miss events, not a timing. The programs' results are checked too: a cached program computes
 what a compiled one does.
 """
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 RUN = """
 import json, sys
-from mtc.head.compile_cache import CompileCache
+from mtc.head.maxtext.compile_cache import CompileCache
 local, backup, program = sys.argv[1], sys.argv[2] or None, sys.argv[3]
 cache = CompileCache(local, backup)
 cache.start_fill()

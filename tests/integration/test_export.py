@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.export import ExportError, groups_of
+from mtc.head.orbax.export import ExportError, groups_of
 from mtc.shared.errors import StepNotFoundError
 
 pytestmark = pytest.mark.integration
@@ -162,7 +162,7 @@ _FAILED_SAVE = """
 import os, sys, threading
 import numpy as np
 from orbax.checkpoint import v1 as ocp
-from mtc.head.export import _release_orbax
+from mtc.head.orbax.export import _release_orbax
 out = sys.argv[1]
 os.symlink(sys.argv[2], os.path.join(out, "1.orbax-checkpoint-tmp"))  # Orbax's save fails creating its folder
 before = set(threading.enumerate())

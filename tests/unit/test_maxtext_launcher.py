@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from mtc.head import maxtext as launcher
+from mtc.head.maxtext import launcher
 from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit

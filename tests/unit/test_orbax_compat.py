@@ -13,7 +13,7 @@ ocp = pytest.importorskip("orbax.checkpoint")  # in the test extra: runs in CI
 
 from helpers import assert_trees_bitwise_equal, random_array  # noqa: E402
 from mtc.head import MTCConfig, OrbaxCompatibleManager  # noqa: E402
-from mtc.head.orbax_compat import UnsupportedOperationError  # noqa: E402
+from mtc.head.orbax.compat import UnsupportedOperationError  # noqa: E402
 from mtc.shared.errors import TargetMismatchError  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -217,7 +217,7 @@ class _Config:
 
 def test_maxtext_names_and_shard_rules(mngr):
     """The launcher's layout of the iter item follows MaxText's grain_utility rules (one process)."""
-    from mtc.head import maxtext_data
+    from mtc.head.maxtext import data as maxtext_data
 
     one, two = dataset_iterator(), [dataset_iterator(), dataset_iterator()]
     assert maxtext_data.save_args(_Config(), one).names == ["process_0-of-1.json"]

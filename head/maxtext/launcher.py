@@ -21,7 +21,7 @@ with ``enable_multi_tier_checkpointing=True``:
   for GKE's replicator daemon) does nothing: mtc is the replication service;
 - ``emergency_checkpointing.save``/``restore`` (which MaxText's ``save_checkpoint`` and
   ``load_state_if_possible`` call for a multi-tier manager) save and restore the Grain data
-  iterator too, as the ``iter`` item of the same step (``mtc.head.maxtext_data``): a resumed run
+  iterator too, as the ``iter`` item of the same step (``mtc.head.maxtext.data``): a resumed run
   reads the data from where the step left it;
 - a SIGTERM makes ``reached_preemption`` true: MaxText saves the step it reached at the next step
   boundary and stops; the launcher waits for its commit and copies within
@@ -31,7 +31,7 @@ with ``enable_multi_tier_checkpointing=True``:
   and restores through mtc's tiers: a restart resumes from mtc's newest step, not from the path;
 - with ``MTC_EXPORT_ON_FINISH`` set (``1``: MaxText's own ``checkpoint_dir``,
   ``<base_output_directory>/<run_name>/checkpoints``; else a directory), a run that finishes
-  exports its last step as MaxText's standard checkpoint (``mtc.head.export``), ``<dir>/<step>/items``.
+  exports its last step as MaxText's standard checkpoint (``mtc.head.orbax.export``), ``<dir>/<step>/items``.
 
 Those are MaxText internals, so the launcher refuses a MaxText outside ``SUPPORTED``.
 """
@@ -129,7 +129,7 @@ _installed = False
 _managers: list = []  # made for MaxText, which never closes its checkpoint manager: closed at the end
 _notice = None  # the launcher's PreemptionNotice (SIGTERM), given to every manager it makes
 _call = threading.local()  # the data iterator and config of the MaxText save/restore call in progress
-_cache = None  # the run's CompileCache (mtc.head.compile_cache), when the launcher keeps one
+_cache = None  # the run's CompileCache (mtc.head.maxtext.compile_cache), when the launcher keeps one
 _export: dict = {}  # MTC_EXPORT_ON_FINISH: {"to": directory, "custom_metadata": ...} of the run's config
 ENV_EXPORT = "MTC_EXPORT_ON_FINISH"
 
@@ -180,7 +180,7 @@ def install() -> None:
                 f"{module}.{attr} does not exist in this MaxText; the launcher hooks it and supports {SUPPORTED_TEXT}")
     from orbax.checkpoint.experimental.emergency import replicator_checkpoint_manager as rcm
 
-    from mtc.head.orbax_compat import OrbaxCompatibleManager
+    from mtc.head.orbax.compat import OrbaxCompatibleManager
 
     train_utils = modules["maxtext.utils.train_utils"]
     max_utils = modules["maxtext.utils.max_utils"]
@@ -280,7 +280,7 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
     """
     import orbax.checkpoint as ocp
 
-    from mtc.head import maxtext_data
+    from mtc.head.maxtext import data as maxtext_data
 
     save_checkpoint, load_state = checkpointing.save_checkpoint, checkpointing.load_state_if_possible
     emergency_save, emergency_restore = emergency.save, emergency.restore
@@ -379,7 +379,7 @@ def _export_last_step(manager: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     global _notice, _cache, _saves
-    from mtc.head import compile_cache
+    from mtc.head.maxtext import compile_cache
     from mtc.head.items import DataPositionError
     from mtc.head.preemption import PreemptionNotice
 
@@ -432,6 +432,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     app.run(main_then_close, argv=argv)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

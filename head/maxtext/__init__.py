@@ -1,0 +1,7 @@
+"""MaxText's own pre-training with mtc as its multi-tier checkpoint manager:
+``python3 -m mtc.head.maxtext <the arguments of python3 -m maxtext.trainers.pre_train.train>``.
+
+The hooks into MaxText and the run (``launcher``), the data iterator's position in mtc's steps
+(``data``) and the XLA compilation cache a restart finds (``compile_cache``). Nothing here imports
+MaxText until the launcher runs.
+"""
