@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
-from mtc.head.tools.cli_tls import generate  # noqa: E402
+from mtc.head.tools.cli.tls import generate  # noqa: E402
 from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402
 
 MODES = ("clear", "tls")

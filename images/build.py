@@ -358,7 +358,7 @@ def render_lock(resolved: str, requirements: Sequence[str], python: str, mtc: st
 
 # The versions the images are built with, for the renderer (`mtc manifests render` names these tags):
 # written with the lock, from it; `lock --check` checks it.
-IMAGE_VERSIONS = REPO / "head" / "tools" / "image_versions.json"
+IMAGE_VERSIONS = REPO / "head" / "tools" / "k8s" / "image_versions.json"
 
 
 def image_versions_text(lock: Lock) -> str:

@@ -40,7 +40,7 @@ def render(name: str) -> str:
     import contextlib
     import io
 
-    from mtc.head.tools.cli import main
+    from mtc.head.tools.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

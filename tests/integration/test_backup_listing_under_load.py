@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import mtc.head.restore.restorer as restorer_mod
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 from mtc.shared.errors import BackupListingError
 from mtc.sidecar.local_cluster import LocalCluster
 from slow_store_sidecar import launch_with, set_control

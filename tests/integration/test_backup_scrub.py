@@ -23,7 +23,7 @@ from helpers import assert_trees_bitwise_equal, random_array
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtc.head import CheckpointManager, MTCConfig, metrics
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 from mtc.shared import backup_layout
 from mtc.shared.errors import CorruptBlobError, StepNotFoundError
 from mtc.shared.hashing import blob_name

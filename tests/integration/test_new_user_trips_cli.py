@@ -18,7 +18,7 @@ from mtc.sidecar.local_cluster import LocalCluster
 pytestmark = pytest.mark.integration
 
 WITHOUT = "import sys; [sys.modules.__setitem__(m, None) for m in sys.argv[1].split(',')]; " \
-          "from mtc.head.tools.cli import main; sys.exit(main(sys.argv[2:]))"
+          "from mtc.head.tools.cli.main import main; sys.exit(main(sys.argv[2:]))"
 
 
 def cli_without(modules: str, *args: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 from mtc.sidecar.local_cluster import LocalCluster
 from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import mtc.head.replication.loop as replication_loop
 from helpers import assert_trees_bitwise_equal
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 from mtc.shared import backup_layout
 from mtc.shared.objstore import ObjectNotFoundError, open_store
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.tools.cli_tls import generate
+from mtc.head.tools.cli.tls import generate
 from mtc.shared import protocol, version
 from mtc.shared.errors import ProtocolError
 from mtc.shared.tls import TLSFiles

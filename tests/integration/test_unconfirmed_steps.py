@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
-from mtc.head.tools.cli_tls import generate
+from mtc.head.tools.cli.tls import generate
 from mtc.shared.errors import StepsUnconfirmedError
 from mtc.sidecar.local_cluster import LocalCluster
 

@@ -419,7 +419,7 @@ def test_rendered_default_image_tags_are_the_tags_the_build_script_builds():
     import subprocess
     import sys
 
-    from mtc.head.tools import manifests
+    from mtc.head.tools.k8s import manifests
 
     out = subprocess.run([sys.executable, str(build.IMAGES / "build.py"), "tags"], capture_output=True, text=True,
                          check=True, timeout=60).stdout.split()

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mtc.head.tools import manifest_check
-from mtc.head.tools.cli import main
-from mtc.head.tools.manifests import ManifestOptions, render_documents
+from mtc.head.tools.k8s import check as manifest_check
+from mtc.head.tools.cli.main import main
+from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
 
 pytestmark = pytest.mark.unit
 
@@ -243,7 +243,7 @@ def test_the_packaged_jobset_schema_is_the_vendored_crds():
     assert manifest_check.jobset_schema() == v["schema"]["openAPIV3Schema"]
     strict = manifest_check.strict(copy.deepcopy(v["schema"]["openAPIV3Schema"]))
     assert strict["properties"]["spec"]["additionalProperties"] is False
-    assert gzip.decompress((REPO / "head" / "tools" / "schemas" / manifest_check.SCHEMA_FILE).read_bytes()) == \
+    assert gzip.decompress((REPO / "head" / "tools" / "k8s" / "schemas" / manifest_check.SCHEMA_FILE).read_bytes()) == \
         json.dumps(v["schema"]["openAPIV3Schema"], separators=(",", ":"), sort_keys=True).encode()
 
 

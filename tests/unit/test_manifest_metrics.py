@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mtc.head.tools import manifest_check
-from mtc.head.tools.manifests import ManifestOptions, render_documents
+from mtc.head.tools.k8s import check as manifest_check
+from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
 from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -27,7 +27,7 @@ def render(**kw) -> list[dict]:
 
 
 def test_the_shipped_schema_is_the_one_in_tests_data():
-    shipped = resources.files("mtc.head.tools").joinpath("schemas", manifest_check.PODMONITORING_SCHEMA_FILE)
+    shipped = resources.files("mtc.head.tools.k8s").joinpath("schemas", manifest_check.PODMONITORING_SCHEMA_FILE)
     assert json.loads(gzip.decompress(shipped.read_bytes())) == json.loads((DATA / "podmonitoring-v1.schema.json").read_text())
 
 

@@ -10,9 +10,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mtc.head.tools import manifest_check
-from mtc.head.tools.cli import main
-from mtc.head.tools.manifests import ManifestOptions, render_documents
+from mtc.head.tools.k8s import check as manifest_check
+from mtc.head.tools.cli.main import main
+from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
 from mtc.shared import tls
 
 pytestmark = pytest.mark.unit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +92,7 @@ def test_export_without_orbax_names_orbax_and_the_extra():
     import sys
 
     code = ("import sys; [sys.modules.__setitem__(m, None) for m in ('orbax', 'etils')]; "
-            "from mtc.head.tools.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from mtc.head.tools.cli.main import main; sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "export", "--to", "/tmp/mtc-test-no-orbax", "--cluster-spec",
                         "/nonexistent/cluster.json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and one_line(r.stderr), r.stderr
@@ -116,7 +116,7 @@ def test_status_prints_brackets_as_written():
 
     from rich.console import Console
 
-    from mtc.head.tools.status import Status, StepRow, render
+    from mtc.head.tools.cli.status import Status, StepRow, render
 
     why = "pip install 'mtc[gcs]' (ImportError)"
     st = Status(hosts=["h0"], unreachable={}, steps=[StepRow(3, ["h0"], ["h0"], 1, False, [], True, f"[bold]{why}")],
@@ -131,7 +131,7 @@ def test_status_prints_brackets_as_written():
 # ---- mtc manifests check applies render's rules to a hand edit -------------------------------------------
 
 def _rendered() -> list[dict]:
-    from mtc.head.tools.manifests import ManifestOptions, render_documents
+    from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
 
     return render_documents(ManifestOptions(
         name="llama", command="python3 -m maxtext.trainers.pre_train.train model_name=llama3.1-8b",
@@ -196,7 +196,7 @@ def _tls_only_in_head(d):
 def test_manifests_check_refuses_what_render_refuses(capsys, tmp_path, edit, says):
     import yaml
 
-    from mtc.head.tools.manifest_check import check_documents
+    from mtc.head.tools.k8s.check import check_documents
 
     docs = _rendered()
     assert check_documents(docs, params=8e9).problems == []
@@ -257,7 +257,7 @@ def test_demo_metrics_port_taken_and_from_the_environment():
 def test_an_infinite_preemption_grace_is_refused_by_render_and_check(capsys, tmp_path):
     import yaml
 
-    from mtc.head.tools.manifest_check import check_documents
+    from mtc.head.tools.k8s.check import check_documents
 
     assert main(["manifests", "render", "--name", "x", "--base-output-directory", "gs://b/c", "--params", "8e9",
                  "--command", "python3 -m maxtext.trainers.pre_train.train", "--preemption-grace-s", "inf"]) == 2

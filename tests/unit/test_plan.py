@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mtc.head.tools.cli import main
+from mtc.head.tools.cli.main import main
 from mtc.head.tools.plan import Costs, plan
 from mtc.shared.errors import ConfigError
 
@@ -71,7 +71,7 @@ def test_cli_seed_example(capsys):
 
 
 def test_an_mtbf_too_short_for_any_progress_is_refused(capsys):
-    from mtc.head.tools.cli import main
+    from mtc.head.tools.cli.main import main
 
     assert main(["plan", "--params", "8e9", "--hosts", "8", "--mtbf", "1s", "--costs", "1,2,30,5,10,60"]) == 2
     err = capsys.readouterr().err
@@ -79,7 +79,7 @@ def test_an_mtbf_too_short_for_any_progress_is_refused(capsys):
 
 
 def test_advice_with_local_checkpoints_rarer_than_backups_says_so(capsys):
-    from mtc.head.tools.cli import main
+    from mtc.head.tools.cli.main import main
 
     assert main(["plan", "--params", "8e9", "--hosts", "8", "--mtbf", "1h", "--costs", "30,32,10,5,10,60"]) == 0
     assert "local checkpoints would be rarer" in capsys.readouterr().err
@@ -89,7 +89,7 @@ def test_advice_with_local_checkpoints_rarer_than_backups_says_so(capsys):
 def test_measure_gives_the_same_advice_twice(capsys):
     """The device-to-host figure is measured in steady state (the train step done, warm ramdisk files)
     until it is stable: three runs gave periods of 300, 585 and 662 before."""
-    from mtc.head.tools.cli import main
+    from mtc.head.tools.cli.main import main
 
     periods = []
     for _ in range(2):

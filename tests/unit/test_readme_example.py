@@ -92,7 +92,7 @@ def test_a_restart_after_a_clean_exit_is_not_a_takeover(ramdisk, caplog):
 def test_readme_manifests_render_example_runs_as_written(capsys):
     import shlex
 
-    from mtc.head.tools.cli import main
+    from mtc.head.tools.cli.main import main
 
     (line,) = [r for r in README.read_text().splitlines() if r.startswith("| `mtc manifests render")]
     argv = shlex.split(line.split("`")[1])[1:]

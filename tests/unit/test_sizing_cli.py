@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtc.head.tools.cli import build_parser, main
+from mtc.head.tools.cli.main import build_parser, main
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import GIB, MIB, format_bytes, ramdisk_size
 

@@ -11,8 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from mtc.head.tools import cli
-from mtc.head.tools.cli_tls import generate
+from mtc.head.tools.cli.main import main
+from mtc.head.tools.cli.tls import generate
 from mtc.shared import protocol, tls
 from mtc.shared.errors import ConfigError
 
@@ -135,9 +135,9 @@ def test_generate_writes_private_files_that_verify_and_keeps_existing_ones(tmp_p
 
 
 def test_mtc_tls_generate_command(tmp_path, capsys):
-    assert cli.main(["tls", "generate", str(tmp_path / "d")]) == 0
+    assert main(["tls", "generate", str(tmp_path / "d")]) == 0
     assert "kubectl create secret generic" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["ca.crt", "tls.crt", "tls.key"]
-    assert cli.main(["tls", "generate", str(tmp_path / "d")]) == 2
+    assert main(["tls", "generate", str(tmp_path / "d")]) == 2
     assert "--force" in capsys.readouterr().err
-    assert cli.main(["tls", "generate", str(tmp_path / "e"), "--days", "0"]) == 2
+    assert main(["tls", "generate", str(tmp_path / "e"), "--days", "0"]) == 2

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mtc.head.tools import cli
-from mtc.head.tools.cli_tls import generate
+from mtc.head.tools.cli.main import main
+from mtc.head.tools.cli.tls import generate
 from mtc.shared import tls
 from mtc.shared.errors import ConfigError
 
@@ -108,6 +108,6 @@ def test_generate_refuses_a_folder_everyone_can_write(tmp_path, capsys):
     d = tmp_path / "open"
     d.mkdir()
     os.chmod(d, 0o777)
-    assert cli.main(["tls", "generate", str(d)]) == 2
+    assert main(["tls", "generate", str(d)]) == 2
     assert f"{d} has mode 0777" in capsys.readouterr().err
     assert list(d.iterdir()) == []

@@ -18,7 +18,7 @@ from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, MTCError
 
-from mtc.head.tools.cli_common import missing_local_root
+from mtc.head.tools.cli.common import missing_local_root
 
 
 @dataclass

@@ -43,7 +43,7 @@ from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes, ramdisk_size
 
-from mtc.head.tools.manifests import (CSI_DRIVER, DAEMON_IMAGE_NAME, HEAD_IMAGE_NAME, JOBSET_API,
+from mtc.head.tools.k8s.manifests import (CSI_DRIVER, DAEMON_IMAGE_NAME, HEAD_IMAGE_NAME, JOBSET_API,
                                       SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME, image_mismatches,
                                       image_versions, parse_quantity)
 
@@ -84,7 +84,7 @@ def strict(schema: Any) -> Any:
 
 def jobset_schema() -> dict:
     """The JobSet CRD's ``v1alpha2`` openAPIV3Schema, as shipped in this package."""
-    data = resources.files("mtc.head.tools").joinpath("schemas", SCHEMA_FILE).read_bytes()
+    data = resources.files("mtc.head.tools.k8s").joinpath("schemas", SCHEMA_FILE).read_bytes()
     return json.loads(gzip.decompress(data))
 
 
@@ -102,7 +102,7 @@ def podmonitoring_validator():
     fields of the CRD that mtc renders or a user is likely to add, with their types."""
     import jsonschema
 
-    data = resources.files("mtc.head.tools").joinpath("schemas", PODMONITORING_SCHEMA_FILE).read_bytes()
+    data = resources.files("mtc.head.tools.k8s").joinpath("schemas", PODMONITORING_SCHEMA_FILE).read_bytes()
     return jsonschema.Draft7Validator(strict(json.loads(gzip.decompress(data))))
 
 
@@ -361,7 +361,7 @@ def _check_grace(name: str, pods: list[_Pod], where_head: str, head, r: Report) 
 
 def _check_ports(name: str, pods: list[_Pod], where_head: str, head, r: Report) -> None:
     """Every container port in range; the head's MTC_METRICS_PORT a port it declares, clear of the others."""
-    from mtc.head.tools.manifest_options import _RESERVED_PORTS
+    from mtc.head.tools.k8s.options import _RESERVED_PORTS
 
     for p in pods:
         for c in _containers(p):

@@ -9,7 +9,7 @@ import sys
 
 from mtc.shared.errors import ConfigError
 
-from mtc.head.tools.cli_common import last_line
+from mtc.head.tools.cli.common import last_line
 
 
 _LABELS = (("mtc", "mtc.version"), ("protocol", "mtc.protocol"), ("python", "mtc.python"), ("jax", "mtc.jax"),
@@ -45,7 +45,7 @@ def _image_labels(engine: str, ref: str) -> dict[str, str]:
 
 
 def cmd_images_check(args: argparse.Namespace) -> int:
-    from mtc.head.tools import manifests
+    from mtc.head.tools.k8s import manifests
 
     try:
         bad = manifests.image_mismatches(args.head_image, args.sidecar_image)

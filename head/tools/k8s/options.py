@@ -48,7 +48,7 @@ class Machine:
     tpu_version: str
     accelerator: str
     chips_per_host: int
-    topologies: frozenset[str] | None  # None: the v5p rule in manifest_plan._topology_ok
+    topologies: frozenset[str] | None  # None: the v5p rule in plan._topology_ok
 
 
 _V5E_V6E = frozenset({"2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"})

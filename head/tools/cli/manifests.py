@@ -11,11 +11,11 @@ import tempfile
 from mtc.head.preemption import DEFAULT_GRACE_S
 from mtc.shared.errors import ConfigError
 
-from mtc.head.tools.cli_common import last_line
+from mtc.head.tools.cli.common import last_line
 
 
 def cmd_manifests_render(args: argparse.Namespace) -> int:
-    from mtc.head.tools import manifests
+    from mtc.head.tools.k8s import manifests
 
     def fail(message: str) -> int:
         print(f"mtc manifests render: error: {message}", file=sys.stderr)
@@ -75,13 +75,13 @@ def cmd_manifests_check(args: argparse.Namespace) -> int:
     if args.params is not None and args.params <= 0:
         return fail(f"--params={args.params:g} must be more than 0 (the model's parameters, e.g. 8e9)")
     try:
-        from mtc.head.tools import manifest_check
+        from mtc.head.tools.k8s import check
 
         options = {"params": args.params, "peer_token_secret": args.peer_token_secret}
         if args.kubernetes_version:
             options["kubernetes_version"] = args.kubernetes_version
-        report = manifest_check.check_text(text, **options)
-    except ImportError as e:  # manifest_check's own message names what to install
+        report = check.check_text(text, **options)
+    except ImportError as e:  # the check module's own message names what to install
         return fail(str(e) if "mtc[k8s]" in str(e) else f"{e}; checking manifests needs pip install 'mtc[k8s]'")
     except Exception as e:  # e.g. kubernetes-validate without a schema for --kubernetes-version
         return fail(f"{type(e).__name__}: {getattr(e, 'message', None) or last_line(e)}")

@@ -106,7 +106,7 @@ def run(args: Any) -> int:
 
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
     from mtc.head.manager import CheckpointManager
-    from mtc.head.tools.cli_common import missing_local_root
+    from mtc.head.tools.cli.common import missing_local_root
     from mtc.head.tools.sources import folder_hosts, open_hosts
     from mtc.shared.config import MTCConfig
 

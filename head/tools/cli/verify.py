@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from mtc.head.backup.scrub import scrub_backups
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
-    from mtc.head.tools.cli_common import missing_local_root
+    from mtc.head.tools.cli.common import missing_local_root
     from mtc.shared.backup_layout import parse_backup_name
     from mtc.head.tools.sources import folder_hosts, open_hosts
 

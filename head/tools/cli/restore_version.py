@@ -8,7 +8,7 @@ import sys
 
 from mtc.shared.errors import ConfigError
 
-from mtc.head.tools.cli_common import last_line
+from mtc.head.tools.cli.common import last_line
 
 
 def cmd_restore_version(args: argparse.Namespace) -> int:

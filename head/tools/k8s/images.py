@@ -8,7 +8,7 @@ import re
 
 from mtc.shared.errors import ConfigError
 
-from mtc.head.tools.manifest_options import (DAEMON_IMAGE_NAME, HEAD_IMAGE_NAME, SIDECAR_IMAGE_NAME,
+from mtc.head.tools.k8s.options import (DAEMON_IMAGE_NAME, HEAD_IMAGE_NAME, SIDECAR_IMAGE_NAME,
                                              ManifestOptions)
 
 
@@ -18,7 +18,7 @@ def built_versions() -> dict:
     from importlib import resources
 
     try:
-        return json.loads(resources.files("mtc.head.tools").joinpath("image_versions.json").read_text())
+        return json.loads(resources.files("mtc.head.tools.k8s").joinpath("image_versions.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"this mtc has no image_versions.json ({e}), so it cannot name the images that were "
                           "built; pass --image and --sidecar-image") from e

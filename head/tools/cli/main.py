@@ -6,17 +6,17 @@ Subcommands:
   the calculation and a Kubernetes ``sizeLimit``; with ``--ramdisk``, whether DIR fits and is fast.
 - ``mtc demo``: a small training run with a crash and a restore (``mtc.head.tools.demo``).
 - ``mtc restore-version show|set|clear``: list backups and pin the one to restore.
-- ``mtc manifests render ...``: the JobSet of a Pathways job with mtc (``mtc.head.tools.manifests``).
+- ``mtc manifests render ...``: the JobSet of a Pathways job with mtc (``mtc.head.tools.k8s.manifests``).
 - ``mtc manifests check FILE``: a hand-edited JobSet against the schemas and mtc's rules
-  (``mtc.head.tools.manifest_check``).
+  (``mtc.head.tools.k8s.check``).
 - ``mtc images check HEAD SIDECAR [--engine podman]``: the two images' versions (tags, labels).
 - ``mtc verify --backup ...``: re-hash the backups' blobs in the store now, repair or mark damaged
-  ones (``cli_verify``).
-- ``mtc tls generate DIR``: the job's CA and certificate for TLS in transit (``cli_tls``).
+  ones (``verify``).
+- ``mtc tls generate DIR``: the job's CA and certificate for TLS in transit (``tls``).
 
-This module builds the parser; each command's implementation is in a module of its own:
-``cli_size``, ``cli_plan``, ``cli_images``, ``cli_restore_version``, ``cli_manifests``, ``cli_tls`` (``mtc status``
-and ``mtc export``: ``status``, ``export_cmd``).
+This module builds the parser; each command's implementation is in a module of its own in this
+package, named by the command: ``size``, ``plan``, ``images``, ``restore_version``, ``manifests``,
+``tls``, ``status``, ``export``, ``verify``.
 
 ``python -m mtc.head.tools.cli ...`` works the same as ``mtc ...``.
 """
@@ -30,11 +30,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from mtc.head.tools.cli_images import cmd_images_check
-from mtc.head.tools.cli_manifests import cmd_manifests_check, cmd_manifests_render
-from mtc.head.tools.cli_plan import cmd_plan
-from mtc.head.tools.cli_restore_version import cmd_restore_version
-from mtc.head.tools.cli_size import cmd_size
+from mtc.head.tools.cli.images import cmd_images_check
+from mtc.head.tools.cli.manifests import cmd_manifests_check, cmd_manifests_render
+from mtc.head.tools.cli.plan import cmd_plan
+from mtc.head.tools.cli.restore_version import cmd_restore_version
+from mtc.head.tools.cli.size import cmd_size
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
@@ -166,12 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--verify", action="store_true",
                     help="have every host hash its blobs: a corrupt copy does not count (reads every byte)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.set_defaults(func=lambda a: __import__("mtc.head.tools.status", fromlist=["run"]).run(a))
+    st.set_defaults(func=lambda a: __import__("mtc.head.tools.cli.status", fromlist=["run"]).run(a))
 
-    from mtc.head.tools import cli_verify, export_cmd
+    from mtc.head.tools.cli import export, verify
 
-    export_cmd.add_parser(sub)
-    cli_verify.add_parser(sub)
+    export.add_parser(sub)
+    verify.add_parser(sub)
 
     rv = sub.add_parser(
         "restore-version", help="pin restore to one backup (restore.version)",
@@ -186,15 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     rv.set_defaults(func=cmd_restore_version)
 
     _add_manifests_parser(sub)
-    from mtc.head.tools import cli_tls
+    from mtc.head.tools.cli import tls
 
-    cli_tls.add_parser(sub)
+    tls.add_parser(sub)
     return parser
 
 
 def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     """`mtc manifests render`: the JobSet (and peer-token Secret) of a Pathways job with mtc."""
-    from mtc.head.tools.manifests import DEFAULT_PEER_PORT, MACHINES
+    from mtc.head.tools.k8s.manifests import DEFAULT_PEER_PORT, MACHINES
 
     manifests = sub.add_parser("manifests", help="Kubernetes manifests (JobSet) for a Pathways job",
                                description="Kubernetes manifests for a Pathways job that uses mtc.")
@@ -341,6 +341,3 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     rc = demo.main(args)
     return 0 if rc is None else int(rc)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -39,15 +39,15 @@ import secrets
 from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.shared.errors import ConfigError
 
-from mtc.head.tools.manifest_images import built_versions, image_mismatches, image_tag, image_versions
-from mtc.head.tools.manifest_options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, DAEMON_IMAGE_NAME, DEFAULT_PEER_PORT,
+from mtc.head.tools.k8s.images import built_versions, image_mismatches, image_tag, image_versions
+from mtc.head.tools.k8s.options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, DAEMON_IMAGE_NAME, DEFAULT_PEER_PORT,
                                              HEAD_IMAGE_NAME, HEAD_JOB, JOBSET_API, MACHINES, MAXTEXT_TRAIN_MODULE,
                                              MTC_LAUNCHER_MODULE, PATHWAYS_REGISTRY, PROXY_PORT, RAMDISK_VOLUME,
                                              RM_PORT, SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME, TLS_MOUNT, TLS_VOLUME,
                                              TOKEN_KEY, WORKER_JOB, WORKER_PORT, Machine, ManifestOptions, Plan,
                                              launcher_command)
-from mtc.head.tools.manifest_plan import parse_quantity, plan
-from mtc.head.tools.manifest_render import (head_command, head_job, jobset, pod_monitoring, ramdisk_volume, secret,
+from mtc.head.tools.k8s.plan import parse_quantity, plan
+from mtc.head.tools.k8s.render import (head_command, head_job, jobset, pod_monitoring, ramdisk_volume, secret,
                                             termination_grace, tls_volume, worker_job)
 
 __all__ = [

@@ -10,7 +10,7 @@ from typing import Any
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.tls import ENV_TLS_DIR
 
-from mtc.head.tools.manifest_options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, HEAD_JOB, JOBSET_API, PATHWAYS_REGISTRY,
+from mtc.head.tools.k8s.options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, HEAD_JOB, JOBSET_API, PATHWAYS_REGISTRY,
                                              PODMONITORING_API, PROXY_PORT, RAMDISK_VOLUME, RM_PORT, SIDECAR_CONTAINER,
                                              TLS_MOUNT, TLS_VOLUME, TOKEN_KEY, WORKER_JOB, WORKER_PORT, Plan, _chips,
                                              launcher_command)

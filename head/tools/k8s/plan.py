@@ -14,8 +14,8 @@ from mtc.shared.config import MIN_TOKEN_CHARS, MTCConfig
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes, ramdisk_size
 
-from mtc.head.tools.manifest_images import _images
-from mtc.head.tools.manifest_options import (_MANAGED, _RESERVED_PORTS, _V5P_MAX_CHIPS, _V5P_SMALL, DEFAULT_PEER_PORT,
+from mtc.head.tools.k8s.images import _images
+from mtc.head.tools.k8s.options import (_MANAGED, _RESERVED_PORTS, _V5P_MAX_CHIPS, _V5P_SMALL, DEFAULT_PEER_PORT,
                                              HEAD_JOB, MACHINES, WORKER_JOB, Machine, ManifestOptions, Plan, _chips)
 
 
