@@ -44,7 +44,9 @@ every recovery split into stages: restart delay, process start and imports, JAX 
 initialisation, setup until the restore, the restore (with mtc's own report: inventory, pull,
 load, bytes by tier), compilation, and the first step after it. Every contender's final state
 (a SHA-256 of every leaf) and every step's logged metrics are compared with the uninterrupted
-run's: a mismatch fails the run (exit 1). ``mtc plan``'s model, given the costs measured here,
+run's: a mismatch fails the run (exit 1). (MaxText writes a step's metrics when the next step
+ends, so a step restored from, whose process was killed before that, has no line: only such a
+step may lack one.) ``mtc plan``'s model, given the costs measured here,
 predicts each contender's goodput beside the measured one. ``--json`` writes the same figures,
 ``--timeline`` a picture of every contender's run.
 """
@@ -455,7 +457,13 @@ def account(result: dict, ref: dict) -> dict:
     trained = max(seen) + 1 if seen else 0
     ideal = ref["first_step_s"] + (trained - 1) * ref["step_s"]
     final = next((m for m in reversed(segs[-1].marks) if m["mark"] == "final"), None)
-    bad_steps = sorted(s for s, m in ref["metrics"].items() if result["metrics"].get(s) != m)
+    got = result["metrics"]
+    bad_steps = sorted(s for s, m in ref["metrics"].items() if s in got and got[s] != m)
+    # MaxText writes a step's metrics line when the next step ends: a process killed after a step's
+    # save loses that line, and its successor resumes after the step. Only such a step may lack one.
+    restored = {r["resumed_at"] - 1 for r in recoveries if r["resumed_at"]}
+    unlogged = sorted(s for s in ref["metrics"] if s not in got)
+    bad_steps += [s for s in unlogged if s not in restored]
     first = stages_of(segs[0], None)
     return {"name": result["contender"].name, "period": result["contender"].period,
             "startup_s": first["total"],
@@ -464,7 +472,8 @@ def account(result: dict, ref: dict) -> dict:
             "recomputed": recomputed_total, "failures": len(recoveries), "recoveries": recoveries,
             "lost_per_failure_s": (statistics.mean(r["lost_s"] for r in recoveries) if recoveries else 0.0),
             "final_equal": bool(final and final["digest"] == ref["digest"]), "metrics_equal": not bad_steps,
-            "metrics_differ_at": bad_steps[:10], "events": result["events"]}
+            "metrics_differ_at": sorted(bad_steps)[:10], "metrics_unlogged_at": unlogged[:10],
+            "events": result["events"]}
 
 
 # --- the planner against the measurement -------------------------------------------------------
