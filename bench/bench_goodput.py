@@ -564,9 +564,9 @@ def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
             ax.text((prev.failed_at or prev.ended) - t0, y + 0.38, rec["cls"], fontsize=7, rotation=20)
     ax.set_yticks(range(len(accs)), [f"{a['name']}\n{a['ratio']:.1%}" for a in accs])
     ax.set_xlim(left=0)
-    ax.set_title("wall time (s); the first start faded; a triangle is a failure", fontsize=9)
+    ax.set_xlabel("wall time (s); the first start faded; a triangle is a failure", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    ax.legend(handles, list(colors), ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
