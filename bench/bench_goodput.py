@@ -17,9 +17,14 @@ Contenders:
 
 - ``mtc``: ``python3 -m mtc.head.maxtext`` (through ``bench/goodput_probe.py``) in cluster mode,
   2 slices x 2 hosts of real sidecar daemons (one device each), with the local period that
-  ``mtc plan --measure`` recommends for this state and MTBF, backups every ``--backup-steps``;
+  ``mtc plan`` recommends for this state and MTBF, backups every ``--backup-steps``. Its costs
+  are ``mtc plan --measure``'s, but for the save's cost to training: measured in this job, as
+  Orbax's is (a short run saving every step). Here the four sidecars' writes, replication and
+  uploads share the training's two cores, so a save costs the steps far more than the few
+  milliseconds it blocks (``--mtc-cost blocked`` plans with those alone, right on a host whose
+  background work has cores of its own);
 - ``orbax``: MaxText's own standard checkpointing (async Orbax, to a local directory standing for
-  the bucket) at the period Young/Daly gives for its own measured save cost;
+  the bucket) at the period Young/Daly gives for its own save cost, measured the same way;
 - ``orbax-cached``: ``orbax`` with MaxText's ``jax_cache_dir`` in the bucket, where a new pod
   finds it (what a user who knows the compilation cache would pick);
 - ``orbax-every-step``, ``mtc-backup-only`` (mtc's local period as long as the backup's): what a
@@ -465,8 +470,10 @@ def account(result: dict, ref: dict) -> dict:
     unlogged = sorted(s for s in ref["metrics"] if s not in got)
     bad_steps += [s for s in unlogged if s not in restored]
     first = stages_of(segs[0], None)
+    # The steps as they ran under checkpointing: every step after a process's first (which compiles).
+    gaps = [b - a for seg in segs for (_, a), (_, b) in zip(seg.steps()[1:], seg.steps()[2:])]
     return {"name": result["contender"].name, "period": result["contender"].period,
-            "startup_s": first["total"],
+            "startup_s": first["total"], "step_s_run": statistics.mean(gaps) if gaps else ref["step_s"],
             "backup_steps": result["contender"].backup_steps, "why": result["contender"].why,
             "wall_s": result["wall_s"], "steps": trained, "ideal_s": ideal, "ratio": ideal / result["wall_s"],
             "recomputed": recomputed_total, "failures": len(recoveries), "recoveries": recoveries,
@@ -478,22 +485,35 @@ def account(result: dict, ref: dict) -> dict:
 
 # --- the planner against the measurement -------------------------------------------------------
 
-def predicted(acc: dict, ref: dict, save_cost_s: float) -> float:
-    """``mtc plan``'s model (``plan.waste`` and its restart term) on this run's own measured costs:
-    one tier at the contender's period, its measured save cost, restore and restart, and the
+def predicted(acc: dict, ref: dict, save_cost_s: float | None = None, *, first_order: bool = False,
+              as_came: bool = False) -> float:
+    """``mtc plan``'s model (``plan.tier`` and ``plan.goodput``) on this run's own measured costs: one
+    tier at the contender's period, what a save cost its steps, the restore and the restart, and the
     failures as they came (the realized MTBF, so that a schedule's luck is not read as a model
     error: the mean wall time between the failures that hit it, after its first start). The run's
-    first start-up is in the measured ratio's both terms; it is added here too."""
+    first start-up is in the measured ratio's both terms; it is added here too.
+
+    ``save_cost_s``: seconds a save takes from training; by default what the saves took in this
+    run (its steps' mean time against the uninterrupted run's, times the period), else the cost
+    given (the one measured before the run, which chose the period). ``first_order``: the sum of
+    the waste terms instead of the quotient. ``as_came``: the work lost per failure as it came (the
+    steps recomputed) instead of the model's half period."""
     from mtc.head.tools import plan as planner
 
     if not acc["recoveries"]:
         return math.nan
     startup = acc["startup_s"]  # this run's own first start, spawn to first step
     mtbf = max(acc["wall_s"] - startup, 1e-9) / len(acc["recoveries"])
-    tau = acc["period"] * ref["step_s"]
+    tau = acc["period"] * ref["step_s"]  # training seconds between saves
+    if save_cost_s is None:
+        save_cost_s = max(acc["step_s_run"] - ref["step_s"], 0.0) * acc["period"]
     restore = statistics.mean(r["stages"]["restore"] or 0.0 for r in acc["recoveries"])
     restart = statistics.mean(r["stages"]["total"] for r in acc["recoveries"]) - restore
-    goodput = 1 - planner.waste(save_cost_s, tau, restore, mtbf) - restart / mtbf
+    tier = planner.tier(save_cost_s, tau, restore, mtbf)
+    if as_came:
+        lost = acc["recomputed"] / len(acc["recoveries"]) * ref["step_s"]
+        tier = dataclasses.replace(tier, failures=(lost + restore) / mtbf)
+    goodput = (1 - tier.waste - restart / mtbf) if first_order else planner.goodput([tier], restart, mtbf)
     if goodput <= 0:
         return 0.0
     train = acc["ideal_s"] - ref["first_step_s"]  # the steps' own time, uninterrupted
@@ -509,15 +529,28 @@ def print_tables(accs: list[dict], ref: dict, args, preds: dict) -> None:
     con = Console(width=160)
     t = Table(title=f"goodput: {args.steps} steps, MTBF {args.mtbf:g} s, seed {args.seed}, restart delay "
                     f"{args.restart_delay:g} s (uninterrupted: {ref['wall_s']:.1f} s, {ref['step_s']:.3f} s a step)")
-    for col in ("contender", "period", "wall s", "ratio", "predicted", "failures", "lost s/failure", "recomputed",
-                "final state", "metrics"):
+    for col in ("contender", "period", "wall s", "step s", "ratio", "predicted", "failures", "lost s/failure",
+                "recomputed", "final state", "metrics"):
         t.add_column(col, justify="right" if col not in ("contender",) else "left")
     for a in accs:
         t.add_row(a["name"], f"{a['period']}" + (f" (+backup {a['backup_steps']})" if a["backup_steps"] else ""),
-                  f"{a['wall_s']:.1f}", f"{a['ratio']:.1%}", f"{preds.get(a['name'], math.nan):.1%}",
+                  f"{a['wall_s']:.1f}", f"{a['step_s_run']:.3f}", f"{a['ratio']:.1%}",
+                  f"{preds.get(a['name'], {}).get('in_run', math.nan):.1%}",
                   str(a["failures"]), f"{a['lost_per_failure_s']:.1f}", str(a["recomputed"]),
                   "equal" if a["final_equal"] else "DIFFERS", "equal" if a["metrics_equal"] else "DIFFER")
     con.print(t)
+    con.print("step s: a step's mean time under checkpointing (the uninterrupted run's: "
+              f"{ref['step_s']:.3f} s). predicted: mtc plan's model, (1 - F) / (1 + C), on this run's costs: "
+              "what the saves took from the steps (C), the restore, the restart and the MTBF as they came (F).",
+              highlight=False)
+    for a in accs:
+        pr = preds.get(a["name"], {})
+        if pr:
+            con.print(f"  {a['name']}: {pr['in_run']:.1%} predicted; with the save cost measured before the run "
+                      f"({pr['cost_before_s']:.3f} s a save, in the run {pr['cost_in_run_s']:.3f} s): "
+                      f"{pr['cost_before']:.1%}; the first-order sum 1 - C - F: {pr['first_order']:.1%}; "
+                      f"steps recomputed per failure {pr['recomputed_per_failure']:.1f} (the model's half period "
+                      f"{a['period'] / 2:.1f}): with them, {pr['as_came']:.1%}", highlight=False)
     r = Table(title="each recovery, in seconds (the stages add up to the total, failure to first step)")
     for col in ("contender", "fault", *STAGES, "total", "recomputed", "restore"):
         r.add_column(col, justify="left" if col in ("contender", "fault", "restore") else "right")
@@ -574,29 +607,38 @@ def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
 
 # --- main --------------------------------------------------------------------------------------
 
-def measure_save_cost(runner: Runner, c_kind: str, ref: dict, steps: int = 10) -> float:
-    """Seconds a save adds to its step: a short run saving every step, against the uninterrupted one."""
+def measure_save_cost(runner: Runner, c_kind: str, ref: dict, steps: int = 12) -> float:
+    """Seconds a save takes from training in this job: a short run of the contender's kind saving
+    every step (mtc: its sidecar daemons, a backup every 4 saves, as the runs below), its steps'
+    mean time against the uninterrupted run's. What the save blocks and what its background work
+    (writes, replication, uploads, on this machine's cores) takes from the steps, together."""
     d = runner.work / f"calibrate-{c_kind}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     a = runner.a
     saved_steps, a.steps = a.steps, steps
     try:
-        extra = ["enable_checkpointing=True", "async_checkpointing=True", "checkpoint_period=1"]
-        proc = runner.spawn(Contender("cal", "orbax", 1), d / "pod", runner.flags(d / "bucket", d / "m.txt", extra), {})
-        if proc.wait() != 0:
-            raise SystemExit(f"calibration failed:\n{(d / 'pod' / 'log.txt').read_text()[-3000:]}")
+        if c_kind == "mtc":
+            res = runner.run(Contender(f"calibrate-{c_kind}", "mtc", 1, 4), [], 0.0)
+            segs = res["segments"]
+        else:
+            extra = ["enable_checkpointing=True", "async_checkpointing=True", "checkpoint_period=1"]
+            proc = runner.spawn(Contender("cal", "orbax", 1), d / "pod", runner.flags(d / "bucket", d / "m.txt", extra),
+                                {})
+            if proc.wait() != 0:
+                raise SystemExit(f"calibration failed:\n{(d / 'pod' / 'log.txt').read_text()[-3000:]}")
+            segs = [Segment(0, 0.0, _read_marks(d / "pod" / "marks.jsonl"))]
     finally:
         a.steps = saved_steps
-    marks = _read_marks(d / "pod" / "marks.jsonl")
-    st = [t for m in marks if m["mark"] == "step" for t in [m["t"]]]
+    st = [t for _, t in segs[-1].steps()]
     times = [b - a for a, b in zip(st, st[1:])][1:]
     shutil.rmtree(d, ignore_errors=True)
-    return max(0.0, statistics.median(times) - ref["step_s"])
+    return max(0.0, statistics.mean(times) - ref["step_s"])
 
 
-def mtc_period(state_bytes: int, mtbf_s: float, step_s: float) -> tuple[int, str, float]:
-    """The local period ``mtc plan --measure`` recommends for this state over 4 hosts (2 slices)."""
+def mtc_period(state_bytes: int, mtbf_s: float, step_s: float, in_job_cost_s: float | None) -> tuple[int, str, float]:
+    """The local period ``mtc plan`` recommends for this state over 4 hosts (2 slices), with the
+    costs ``--measure`` gives, and the save's cost to training measured in this job where given."""
     from mtc.head.tools import plan as planner
 
     rates = planner.measure_rates()
@@ -605,10 +647,14 @@ def mtc_period(state_bytes: int, mtbf_s: float, step_s: float) -> tuple[int, str
     costs = planner.costs_from_rates(per_host, d2h_gbps=rates["d2h"], write_gbps=rates["write"],
                                      backup_gbps=rates["backup"], ram_read_gbps=rates["ram_read"],
                                      peer_gbps=rates["peer"], backup_read_gbps=rates["backup_read"])
+    blocked = costs.local_blocked_s
+    why = f"mtc plan --measure: blocked {blocked:.3f} s a save"
+    if in_job_cost_s is not None:
+        costs = dataclasses.replace(costs, local_blocked_s=max(blocked, in_job_cost_s))
+        why += f"; in this job a save took {in_job_cost_s:.3f} s from training"
     p = planner.plan(costs, mtbf_s=mtbf_s)
     period = max(1, round(p.local.interval_s / step_s))
-    return period, (f"mtc plan --measure: every {p.local.interval_s:.1f} s (blocked {costs.local_blocked_s:.3f} s a "
-                    f"save, MTBF {mtbf_s:g} s)"), costs.local_blocked_s
+    return period, f"{why}; every {p.local.interval_s:.1f} s at MTBF {mtbf_s:g} s", costs.local_blocked_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -622,6 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--model", choices=sorted(MODELS), default="default")
     p.add_argument("--backup-steps", type=int, default=0, help="mtc's backup interval in steps (default: 4 periods)")
+    p.add_argument("--mtc-cost", choices=("in-job", "blocked"), default="in-job",
+                   help="the save cost mtc's period is planned with: measured in this job, saving every step (what "
+                        "the save and its background work take from the steps), or mtc plan --measure's blocked "
+                        "time alone (right where the background work has cores of its own)")
     p.add_argument("--period", type=int, default=0, help="force every contender's period (default: each its own)")
     p.add_argument("--max-failures", type=int, default=0, help="stop drawing failures after this many (0: no cap)")
     p.add_argument("--budget", type=float, default=1800.0, help="wall-clock cap per contender, seconds (1800)")
@@ -671,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
             if "orbax-every-step" in names:
                 contenders.append(Contender("orbax-every-step", "orbax", 1, why="every step"))
         if any(n.startswith("mtc") for n in names):
-            mp, why, mtc_cost = mtc_period(state_bytes, a.mtbf, ref["step_s"])
+            in_job = measure_save_cost(runner, "mtc", ref) if a.mtc_cost == "in-job" else None
+            mp, why, mtc_cost = mtc_period(state_bytes, a.mtbf, ref["step_s"], in_job)
             mp = a.period or mp
             backup = a.backup_steps or 4 * mp
             if "mtc" in names:
@@ -694,8 +745,17 @@ def main(argv: list[str] | None = None) -> int:
             accs.append(acc)
             print(f"  {acc['wall_s']:.1f} s, ratio {acc['ratio']:.1%}, {acc['failures']} failures, "
                   f"{acc['recomputed']} steps recomputed", flush=True)
-        preds = {acc["name"]: predicted(acc, ref, mtc_cost if acc["name"].startswith("mtc") else orbax_cost)
-                 for acc in accs}
+        preds = {}
+        for acc in accs:
+            if not acc["recoveries"]:
+                continue
+            before = mtc_cost if acc["name"].startswith("mtc") else orbax_cost
+            preds[acc["name"]] = {
+                "in_run": predicted(acc, ref), "first_order": predicted(acc, ref, first_order=True),
+                "as_came": predicted(acc, ref, as_came=True),
+                "cost_before": predicted(acc, ref, before), "cost_before_s": before,
+                "cost_in_run_s": max(acc["step_s_run"] - ref["step_s"], 0.0) * acc["period"],
+                "recomputed_per_failure": acc["recomputed"] / len(acc["recoveries"])}
         print_tables(accs, ref, a, preds)
         if a.timeline:
             timeline(accs, results, a.timeline)

@@ -6,16 +6,22 @@ whole cluster, or both copies of a shard) and needs the backup; the others are r
 the hosts: from RAM (a process or pod restart) or, for a fraction ``peer_fraction`` of them (a
 replaced host, a lost slice), from a peer. For a tier checkpointed every ``tau`` seconds at a
 cost ``c`` to training and recovered in ``r`` seconds, each failure it serves loses on average
-``tau / 2`` of work plus ``r``, so the fraction of time wasted is
+``tau / 2`` of work plus ``r``, so the fraction of time wasted is, to first order,
 
     waste(tau) = c / tau + (tau / 2 + r) / M_tier,      M_tier = mtbf / (share of failures it serves)
 
 minimised at ``tau* = sqrt(2 c M_tier)`` (Young's formula). A tier is never checkpointed more
 often than it takes to write (``tau >= write time``). Every failure also costs ``restart_s``
 besides its restore (detecting it, the new process, its imports, JAX's initialisation and
-compilation, the first step): ``restart_s / mtbf`` more waste, whatever the intervals (so it
-moves no interval). Goodput = 1 - the sum of the tiers' waste - ``restart_s / mtbf``. Measured
-on real MaxText (``bench/bench_goodput.py``), the restart is most of what a failure costs.
+compilation, the first step), whatever the intervals (so it moves no interval).
+
+Goodput is the share of wall time left after the failures, ``1 - F`` with
+``F = sum over tiers of (tau / 2 + r) / M_tier + restart_s / mtbf``, of which the checkpoints
+take their part: ``goodput = (1 - F) / (1 + C)``, ``C = sum over tiers of c / tau`` (each
+``tau`` of training costs ``c`` more). To first order this is ``1 - C - F``, the sum of the
+tiers' waste; the quotient stays right where failures are frequent against the restart and the
+first-order sum runs to zero (``bench/bench_goodput.py`` compares both with real MaxText under
+failures).
 
 Costs are per host (each host writes and reads its own part in parallel, so a job's cost is a
 host's): with mtc the training loop pays only the device-to-host copy of a local save
@@ -56,7 +62,13 @@ class Costs:
 @dataclasses.dataclass(frozen=True)
 class TierPlan:
     interval_s: float
-    waste: float  # fraction of time lost to this tier's saves and the failures it serves
+    saving: float  # c / tau: what its checkpoints add to each second of training
+    failures: float  # (tau / 2 + r) / M_tier: the share of wall time the failures it serves lose
+
+    @property
+    def waste(self) -> float:
+        """The fraction of time lost to this tier's saves and the failures it serves (first order)."""
+        return self.saving + self.failures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +83,24 @@ class Plan:
     blocking_goodput: float
 
 
-def waste(cost: float, interval: float, restore: float, mtbf: float) -> float:
-    """The fraction of time one tier loses: ``cost`` per checkpoint every ``interval`` seconds, and
-    per failure (one every ``mtbf``) half an interval of work plus ``restore``."""
-    return cost / interval + (interval / 2 + restore) / mtbf
+def tier(cost: float, interval: float, restore: float, mtbf: float) -> TierPlan:
+    """One tier checkpointed every ``interval`` seconds at ``cost`` each, serving a failure every
+    ``mtbf`` seconds that loses half an interval of work plus ``restore``."""
+    return TierPlan(interval, cost / interval, (interval / 2 + restore) / mtbf)
+
+
+def goodput(tiers: "list[TierPlan]", restart_s: float, mtbf_s: float) -> float:
+    """The share of wall time that trains: ``(1 - F) / (1 + C)`` (see the module docstring)."""
+    failures = sum(t.failures for t in tiers) + restart_s / mtbf_s
+    return (1 - failures) / (1 + sum(t.saving for t in tiers))
 
 
 def _tier(cost: float, mtbf_tier: float, restore: float, floor: float) -> TierPlan:
     """Young's optimum for one tier, not below ``floor`` (the time one checkpoint takes)."""
     if math.isinf(mtbf_tier):  # the tier serves no failure: it need not be written at all
-        return TierPlan(math.inf, 0.0)
+        return TierPlan(math.inf, 0.0, 0.0)
     tau = max(floor, math.sqrt(2 * cost * mtbf_tier))
-    return TierPlan(tau, waste(cost, tau, restore, mtbf_tier))
+    return tier(cost, tau, restore, mtbf_tier)
 
 
 def plan(costs: Costs, *, mtbf_s: float, backup_fraction: float = 0.05, peer_fraction: float = 0.5,
@@ -111,18 +129,17 @@ def plan(costs: Costs, *, mtbf_s: float, backup_fraction: float = 0.05, peer_fra
     upload = backup_overhead * costs.backup_s
     local = _tier(costs.local_blocked_s, m_local, r_local, costs.local_write_s)
     backup = _tier(upload, m_backup, costs.restore_backup_s, costs.backup_s)
-    restart = costs.restart_s / mtbf_s  # every failure, whichever tier restores it
-    goodput = 1 - local.waste - backup.waste - restart
+    restart = costs.restart_s  # every failure, whichever tier restores it
     # Backup-only: every failure restores from the bucket; saves asynchronous (the copy, plus the
     # upload's overhead), never more often than an upload takes.
     only = _tier(costs.local_blocked_s + upload, mtbf_s, costs.restore_backup_s, costs.backup_s)
     # Blocking saves: both tiers, training waits for each local write and each backup upload.
     b_local = _tier(costs.local_write_s, m_local, r_local, costs.local_write_s)
     b_backup = _tier(costs.backup_s, m_backup, costs.restore_backup_s, costs.backup_s)
-    return Plan(local=local, backup=backup, goodput=goodput, backup_only_interval_s=only.interval_s,
-                backup_only_goodput=1 - only.waste - restart, blocking_local_interval_s=b_local.interval_s,
-                blocking_backup_interval_s=b_backup.interval_s,
-                blocking_goodput=1 - b_local.waste - b_backup.waste - restart)
+    return Plan(local=local, backup=backup, goodput=goodput([local, backup], restart, mtbf_s),
+                backup_only_interval_s=only.interval_s, backup_only_goodput=goodput([only], restart, mtbf_s),
+                blocking_local_interval_s=b_local.interval_s, blocking_backup_interval_s=b_backup.interval_s,
+                blocking_goodput=goodput([b_local, b_backup], restart, mtbf_s))
 
 
 def costs_from_rates(bytes_per_host: float, *, d2h_gbps: float, write_gbps: float, backup_gbps: float,

@@ -30,7 +30,8 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
     work = ramdisk / "work"
     r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_goodput.py"), "--model", "small", "--steps", "60",
                         "--mtbf", "15", "--seed", str(seed), "--faults", ",".join(faults), "--max-failures", "3",
-                        "--contenders", "mtc", "--restart-delay", "2", "--workdir", str(work), "--json", str(out),
+                        "--contenders", "mtc", "--mtc-cost", "blocked", "--restart-delay", "2",
+                        "--workdir", str(work), "--json", str(out),
                         "--timeline", str(tmp_path / "goodput.png")], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -20,19 +20,26 @@ def test_two_tiers_by_hand():
     p = plan(c, mtbf_s=3600, backup_fraction=0.5, peer_fraction=0.5, backup_overhead=0.1)
     # local: M = 3600 / 0.5 = 7200 s; tau = sqrt(2 * 1 * 7200) = 120 s; r = 0.5*10 + 0.5*20 = 15 s
     assert p.local.interval_s == pytest.approx(120.0)
-    assert p.local.waste == pytest.approx(1 / 120 + (60 + 15) / 7200)
+    assert p.local.saving == pytest.approx(1 / 120) and p.local.failures == pytest.approx((60 + 15) / 7200)
     # backup: M = 7200 s; it costs training 0.1 x 50 = 5 s; tau = max(50, sqrt(2 * 5 * 7200)) = 268.33 s
     assert p.backup.interval_s == pytest.approx(math.sqrt(72000))
-    assert p.backup.waste == pytest.approx(5 / math.sqrt(72000) + (math.sqrt(72000) / 2 + 100) / 7200)
-    assert p.goodput == pytest.approx(1 - 0.01875 - (5 / 268.3282 + (134.1641 + 100) / 7200), abs=1e-6)
+    assert p.backup.saving == pytest.approx(5 / math.sqrt(72000))
+    assert p.backup.failures == pytest.approx((math.sqrt(72000) / 2 + 100) / 7200)
+    # goodput = (1 - failures' share) / (1 + checkpoints' share)
+    assert p.goodput == pytest.approx((1 - 75 / 7200 - (134.1641 + 100) / 7200) / (1 + 1 / 120 + 5 / 268.3282),
+                                      abs=1e-6)
     # backup-only: every failure (M = 3600) restores from the bucket; cost 1 + 5 s; tau = sqrt(2*6*3600) = 207.8
     assert p.backup_only_interval_s == pytest.approx(math.sqrt(43200))
-    assert p.backup_only_goodput == pytest.approx(1 - 6 / math.sqrt(43200) - (math.sqrt(43200) / 2 + 100) / 3600)
+    assert p.backup_only_goodput == pytest.approx(
+        (1 - (math.sqrt(43200) / 2 + 100) / 3600) / (1 + 6 / math.sqrt(43200)))
     # blocking: local tau = sqrt(2 * 2 * 7200) = 169.7; backup tau = 848.5 and it costs 50 s of training each
     assert p.blocking_local_interval_s == pytest.approx(math.sqrt(28800))
     assert p.blocking_goodput == pytest.approx(
-        1 - (2 / math.sqrt(28800) + (math.sqrt(28800) / 2 + 15) / 7200)
-        - (50 / math.sqrt(720000) + (math.sqrt(720000) / 2 + 100) / 7200))
+        (1 - (math.sqrt(28800) / 2 + 15) / 7200 - (math.sqrt(720000) / 2 + 100) / 7200)
+        / (1 + 2 / math.sqrt(28800) + 50 / math.sqrt(720000)))
+    # to first order, the tiers' waste: the two differ by about C x (F + C), 0.2 points here
+    first_order = 1 - p.local.waste - p.backup.waste
+    assert 0 < p.goodput - first_order < 2.5e-3
     assert p.goodput > p.blocking_goodput and p.goodput > p.backup_only_goodput
 
 
@@ -43,6 +50,7 @@ def test_a_write_longer_than_youngs_interval_bounds_it():
     # sqrt(2 * 0.01 * 36000) = 26.8 s < 30 s: the next save cannot start before the last one is written
     assert p.local.interval_s == pytest.approx(30.0)
     assert p.local.waste == pytest.approx(0.01 / 30 + (15 + 1) / 36000)
+    assert p.goodput == pytest.approx((1 - (15 + 1) / 36000) / (1 + 0.01 / 30))
     assert math.isinf(p.backup.interval_s) and p.backup.waste == 0  # no failure needs the backup
 
 
@@ -99,11 +107,14 @@ def test_measure_gives_the_same_advice_twice(capsys):
     assert max(periods) <= 1.4 * min(periods), periods
 
 
-def test_a_restart_cost_lowers_every_goodput_by_its_share_of_the_mtbf_and_moves_no_interval():
+def test_a_restart_cost_lowers_every_goodput_by_about_its_share_of_the_mtbf_and_moves_no_interval():
     base = Costs(local_blocked_s=0.1, local_write_s=1, backup_s=30, restore_ram_s=2, restore_peer_s=4,
                  restore_backup_s=40)
     p0 = plan(base, mtbf_s=3600)
     p1 = plan(dataclasses.replace(base, restart_s=36), mtbf_s=3600)
     assert p1.local.interval_s == p0.local.interval_s and p1.backup.interval_s == p0.backup.interval_s
+    # 36 s a failure, one an hour: 1 % more of the wall time lost, of which the checkpoints' share trained
+    saving = p1.local.saving + p1.backup.saving
+    assert p1.goodput == pytest.approx((1 - p1.local.failures - p1.backup.failures - 0.01) / (1 + saving))
     for name in ("goodput", "backup_only_goodput", "blocking_goodput"):
-        assert abs((getattr(p0, name) - getattr(p1, name)) - 0.01) < 1e-12, name
+        assert 0.0095 < getattr(p0, name) - getattr(p1, name) <= 0.01, name

@@ -103,7 +103,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("  multi_tier_checkpointing_backup_interval_minutes=" + (f"{minutes}" if minutes else "none (no failure "
           "needs it)") + (f"  (every {p.backup.interval_s:.0f} s = sqrt(2 x overhead x upload x MTBF_backup), "
                           "at least one upload)" if minutes else ""))
-    print("expected goodput (1 - sum over tiers of cost/tau + (tau/2 + restore)/MTBF_tier - restart/MTBF):")
+    print("expected goodput ((1 - F) / (1 + C): F = sum over tiers of (tau/2 + restore)/MTBF_tier + restart/MTBF, "
+          "C = sum of cost/tau):")
     print(f"  mtc (RAM + peers + backup)  {p.goodput:8.2%}")
     print(f"  backup only                 {p.backup_only_goodput:8.2%}  (checkpoints every "
           f"{p.backup_only_interval_s:.0f} s, every failure restores from the bucket)")
