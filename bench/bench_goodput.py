@@ -239,7 +239,9 @@ class Runner:
         steps = [(m["step"], m["t"]) for m in marks if m["mark"] == "step"]
         times = [b - a for (_, a), (_, b) in zip(steps, steps[1:])]
         final = next(m for m in marks if m["mark"] == "final")
-        return {"spawned": t0, "marks": marks, "wall_s": final["t"] - t0, "step_s": statistics.median(times[1:]),
+        # A step's mean time (some steps are slower than others: the mean is what a run of them takes).
+        return {"spawned": t0, "marks": marks, "wall_s": final["t"] - t0, "step_s": statistics.mean(times[1:]),
+                "step_times": times, "step_at": {s: t - t0 for s, t in steps},
                 "first_step_s": steps[0][1] - t0, "digest": final["digest"], "metrics": metrics(d / "metrics.txt"),
                 "stages": stages_of(Segment(0, t0, marks), None)}
 
@@ -460,7 +462,8 @@ def account(result: dict, ref: dict) -> dict:
                 "resumed_at": first, "restore": restored_line(seg.log)})
         seen |= set(steps)
     trained = max(seen) + 1 if seen else 0
-    ideal = ref["first_step_s"] + (trained - 1) * ref["step_s"]
+    # The uninterrupted run's own time to the same step (spawn to that step's end).
+    ideal = ref["step_at"].get(trained - 1, ref["first_step_s"] + (trained - 1) * ref["step_s"])
     final = next((m for m in reversed(segs[-1].marks) if m["mark"] == "final"), None)
     got = result["metrics"]
     bad_steps = sorted(s for s, m in ref["metrics"].items() if s in got and got[s] != m)
@@ -474,6 +477,7 @@ def account(result: dict, ref: dict) -> dict:
     gaps = [b - a for seg in segs for (_, a), (_, b) in zip(seg.steps()[1:], seg.steps()[2:])]
     return {"name": result["contender"].name, "period": result["contender"].period,
             "startup_s": first["total"], "step_s_run": statistics.mean(gaps) if gaps else ref["step_s"],
+            "step_times_run": gaps,
             "backup_steps": result["contender"].backup_steps, "why": result["contender"].why,
             "wall_s": result["wall_s"], "steps": trained, "ideal_s": ideal, "ratio": ideal / result["wall_s"],
             "recomputed": recomputed_total, "failures": len(recoveries), "recoveries": recoveries,
@@ -761,9 +765,10 @@ def main(argv: list[str] | None = None) -> int:
             timeline(accs, results, a.timeline)
             print(f"timeline: {a.timeline}")
         if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps({
                 "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-                "reference": {k: ref[k] for k in ("wall_s", "step_s", "first_step_s", "stages")},
+                "reference": {k: ref[k] for k in ("wall_s", "step_s", "first_step_s", "stages", "step_times")},
                 "state_bytes": state_bytes, "schedule": [dataclasses.asdict(f) for f in failures],
                 "contenders": [{**acc, "predicted": preds.get(acc["name"])} for acc in accs]}, indent=1, default=str))
         wrong = [acc["name"] for acc in accs if not (acc["final_equal"] and acc["metrics_equal"])]
