@@ -177,7 +177,7 @@ class _SidecarCollector:
                 g.add_metric(host, value)
             return g
 
-        usage = svc.store.usage()
+        usage = svc.store.space.usage()
         yield gauge("mtc_sidecar_ramdisk_used_bytes", "Bytes of mtc's blobs on this host's ramdisk", usage["blob_bytes"])
         yield gauge("mtc_sidecar_ramdisk_free_bytes", "Bytes free on this host's ramdisk", usage["free_bytes"])
         yield gauge("mtc_sidecar_ramdisk_total_bytes", "Size of this host's ramdisk", usage["total_bytes"])
