@@ -67,7 +67,7 @@ from typing import Any, Sequence
 from mtc.shared import auth, protocol, tls, wire_errors
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
-from mtc.sidecar.daemon_ops import ServeOps
+from mtc.sidecar import daemon_ops
 from mtc.sidecar.metrics import serve_metrics
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.ram.landing import LandingSink
@@ -81,7 +81,7 @@ _SHUTDOWN_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
-class SidecarDaemon(ServeOps, ThreadedTCPServer):
+class SidecarDaemon(ThreadedTCPServer):
     """Serve ``service`` on a TCP socket. ``start()`` binds and listens; ``close()`` stops.
 
     Usable as a context manager. ``close()`` lets requests in flight finish (up to 30 s),
@@ -254,7 +254,7 @@ class SidecarDaemon(ServeOps, ThreadedTCPServer):
     def _handle(self, req: Request) -> Reply:
         t0 = time.perf_counter()
         try:
-            result, payloads = self.serve_op(req.op, req.args, req.payloads)
+            result, payloads = daemon_ops.serve(self.service, req.op, req.args, req.payloads)
             log.debug("op %s done in %.3fs", req.op, time.perf_counter() - t0)
             return Reply(req.id, result, None, tuple(payloads))
         except Exception as e:  # reported to the head, which raises it typed (``wire_errors``)

@@ -295,6 +295,13 @@ class SidecarService:
         self.index.keep_manifest(manifest.step, manifest)
         return out
 
+    def backup_scrub_counts(self) -> dict[str, int]:
+        """The backup blobs this sidecar's scrubs hashed (``checked``), found corrupt or missing
+        (``bad``) and re-uploaded (``repaired``), over every backup root it scrubbed."""
+        with self._lock:
+            tiers = list(self._backups.values())
+        return {k: sum(t.scrub_stats[k] for t in tiers) for k in ("checked", "bad", "repaired")}
+
     def backup_scrub(self, root: str | None, blobs: list[str], repair: list[str], damaged: dict[str, str],
                      bytes_per_s: float | None = None, *, ramdisk: Sequence[str] = (),
                      sizes: dict[str, int] | None = None, clear: Sequence[str] = ()) -> dict:
@@ -328,6 +335,11 @@ class SidecarService:
     @property
     def peer_address(self) -> str | None:
         return None if self._peer is None else self._peer.address
+
+    def peer_stats(self) -> dict:
+        """The peer service's counters (blobs and bytes sent and received, connections refused);
+        {} while it is not started."""
+        return {} if self._peer is None else dict(self._peer.stats)
 
     def peer_pull(self, step: int, pulls: Sequence, peers: dict[str, str], manifest_json: bytes | None = None,
                   shares: Sequence[tuple[str, Sequence[str]]] = ()) -> dict:
