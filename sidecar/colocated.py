@@ -85,7 +85,7 @@ class _Zone:
     def reserve(self, sizes):
         with self._lock:
             self._release_locked()
-            self._batch = self._service.land(sizes, cold_ok=True)
+            self._batch = self._service.store.landings.land(sizes, cold_ok=True)
             self._cold = {x.address: x for x in self._batch.landings if x is not None and x.cold}
             return self._batch.buffers
 

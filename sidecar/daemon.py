@@ -41,7 +41,7 @@ Ops (``args`` -> ``result``; payloads in brackets):
 
 Errors come back as ``{"type": class name, "message"}``; the head re-raises them typed.
 
-A ``write``'s payloads are received straight into mapped temp blob files (``SidecarService.land``)
+A ``write``'s payloads are received straight into mapped temp blob files (``Landings.land`` of the store)
 and published where they lie: one copy on this host (``_receive_buffers``).
 
 Every control op is served from the table of operations (``mtc.sidecar.ops``), as in colocated
@@ -67,7 +67,7 @@ from typing import Any, Sequence
 from mtc.shared import auth, protocol, tls, wire_errors
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
-from mtc.sidecar.daemon_ops import ServeOps
+from mtc.sidecar import daemon_ops
 from mtc.sidecar.metrics import serve_metrics
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
 from mtc.sidecar.ram.landing import LandingSink
@@ -81,7 +81,7 @@ _SHUTDOWN_GRACE_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
-class SidecarDaemon(ServeOps, ThreadedTCPServer):
+class SidecarDaemon(ThreadedTCPServer):
     """Serve ``service`` on a TCP socket. ``start()`` binds and listens; ``close()`` stops.
 
     Usable as a context manager. ``close()`` lets requests in flight finish (up to 30 s),
@@ -214,12 +214,12 @@ class SidecarDaemon(ServeOps, ThreadedTCPServer):
 
     def _receive_buffers(self, header: dict, sizes: list[int], batches: list) -> list:
         """Where a request's payloads are received: a write's shards straight into mapped temp blob
-        files (``SidecarService.land``), which ``write_shards`` hashes and publishes in place, so a
+        files (the store's ``Landings.land``), which ``write_shards`` hashes and publishes in place, so a
         shard is copied once on this host; anything else into fresh buffers."""
         if header.get("op") != "write" or not sizes:
             return [protocol.aligned_buffer(n) for n in sizes]
         # A new file on 4 KiB pages is received with pwrite (LandingSink), not through its map.
-        batch = self.service.land(sizes, cold_ok=not self.service.store.huge_pages)
+        batch = self.service.store.landings.land(sizes, cold_ok=not self.service.store.huge_pages)
         batches.append(batch)
         return [protocol.aligned_buffer(n) if x is None else LandingSink(x) if x.cold else x.buffer
                 for x, n in zip(batch.landings, sizes)]
@@ -254,7 +254,7 @@ class SidecarDaemon(ServeOps, ThreadedTCPServer):
     def _handle(self, req: Request) -> Reply:
         t0 = time.perf_counter()
         try:
-            result, payloads = self.serve_op(req.op, req.args, req.payloads)
+            result, payloads = daemon_ops.serve(self.service, req.op, req.args, req.payloads)
             log.debug("op %s done in %.3fs", req.op, time.perf_counter() - t0)
             return Reply(req.id, result, None, tuple(payloads))
         except Exception as e:  # reported to the head, which raises it typed (``wire_errors``)
@@ -321,7 +321,7 @@ def serve(args: argparse.Namespace) -> int:
             metrics = serve_metrics(args.metrics_port, service,
                                     host if args.metrics_host is None else args.metrics_host)
         address = daemon.start()
-        steps = service.steps()
+        steps = service.store.catalog.committed()
         log.info("host %s: serving %s (pid %d); committed steps found: %s", args.host_id, root, os.getpid(), steps)
         if args.ready_file:
             _write_ready(Path(args.ready_file), {"host": args.host_id, "address": address, "pid": os.getpid(),

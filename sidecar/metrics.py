@@ -159,6 +159,10 @@ class _ErrorCounter(logging.Handler):
         with self._count_lock:
             self.counts[record.name] = self.counts.get(record.name, 0) + 1
 
+    def snapshot(self) -> dict[str, int]:
+        with self._count_lock:
+            return dict(self.counts)
+
 
 class _SidecarCollector:
     def __init__(self, service: Any, errors: _ErrorCounter):
@@ -177,7 +181,7 @@ class _SidecarCollector:
                 g.add_metric(host, value)
             return g
 
-        usage = svc.store.usage()
+        usage = svc.store.space.usage()
         yield gauge("mtc_sidecar_ramdisk_used_bytes", "Bytes of mtc's blobs on this host's ramdisk", usage["blob_bytes"])
         yield gauge("mtc_sidecar_ramdisk_free_bytes", "Bytes free on this host's ramdisk", usage["free_bytes"])
         yield gauge("mtc_sidecar_ramdisk_total_bytes", "Size of this host's ramdisk", usage["total_bytes"])
@@ -191,8 +195,7 @@ class _SidecarCollector:
         yield gauge("mtc_sidecar_lease_generation", "Generation of the head holding this host",
                     lease["generation"] if lease else None)
         # The peer service's own counters (its server counts every blob it sends and receives).
-        peer = getattr(svc, "_peer", None)
-        stats = dict(peer.stats) if peer is not None else {}
+        stats = svc.peer_stats()
         nbytes = CounterMetricFamily("mtc_sidecar_peer_bytes", "Blob bytes this host's peer service sent and "
                                      "received", labels=["host", "direction"])
         blobs = CounterMetricFamily("mtc_sidecar_peer_blobs", "Blobs this host's peer service sent and received",
@@ -208,15 +211,12 @@ class _SidecarCollector:
         scrub = CounterMetricFamily("mtc_sidecar_backup_scrub_blobs", "Backup blobs this host's scrubs hashed "
                                     "(checked), found corrupt or missing (bad), re-uploaded good (repaired)",
                                     labels=["host", "outcome"])
-        tiers = list(getattr(svc, "_backups", {}).values())
-        for outcome in ("checked", "bad", "repaired"):
-            scrub.add_metric([*host, outcome], sum(t.scrub_stats[outcome] for t in tiers))
+        for outcome, n in svc.backup_scrub_counts().items():
+            scrub.add_metric([*host, outcome], n)
         yield scrub
         errs = CounterMetricFamily("mtc_sidecar_errors", "Error records of mtc's loggers on this host",
                                    labels=["host", "logger"])
-        with self._errors._count_lock:
-            counts = dict(self._errors.counts)
-        for name, n in sorted(counts.items()):
+        for name, n in sorted(self._errors.snapshot().items()):
             errs.add_metric([*host, name], n)
         yield errs
 

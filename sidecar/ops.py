@@ -354,6 +354,6 @@ def serve(service: Any, name: str, args: dict, payloads: Sequence[bytes], mode: 
     call_args, call_kwargs = op.parse(args, payloads)
     method = getattr(service, op.method)
     if op.long:
-        return {"job": service.start_job(lambda: method(*call_args, **call_kwargs))}, []
+        return {"job": service.jobs.start(lambda: method(*call_args, **call_kwargs))}, []
     return op.answer(method(*call_args, **call_kwargs))
 

@@ -27,7 +27,7 @@ from mtc.sidecar.ram import RamStore
 
 log = logging.getLogger(__name__)
 
-# Shards at least this large are restored by mapping their blob (RamStore.map_blob), not read:
+# Shards at least this large are restored by mapping their blob (BlobFiles.map), not read:
 # smaller ones are cheap to read, and mappings are a limited resource (vm.max_map_count).
 _MAP_MIN = 1 << 20
 
@@ -45,8 +45,8 @@ class BlobStream:
         self.blob = blob
         self._stack = contextlib.ExitStack()
         try:
-            self._stack.enter_context(store.pin([blob]))
-            fd = os.open(store.blob_path(blob), os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: not here
+            self._stack.enter_context(store.pins.hold([blob]))
+            fd = os.open(store.blobs.path(blob), os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: not here
             try:
                 size = os.fstat(fd).st_size
                 if size != nbytes:
@@ -92,7 +92,7 @@ class BoxReader:
         dtype = rec.np_dtype
         if out is None and not as_bytes:
             # A saved shard that is exactly the box comes back as a private mapping of its
-            # blob: no copy, no fresh pages (see RamStore.map_blob for why it never changes).
+            # blob: no copy, no fresh pages (see BlobFiles.map for why it never changes).
             for shard in rec.shards:
                 if shard.box == box:
                     try:
@@ -116,12 +116,12 @@ class BoxReader:
             done.add(shard.box)
             try:
                 if shard.box == box:
-                    self.store.read_blob_into(shard.blob, byte_view(target))
+                    self.store.blobs.read_into(shard.blob, byte_view(target))
                 else:
                     tmp = self._map_shard(shard, dtype)
                     if tmp is None:
                         tmp = aligned_empty(fmt.box_shape(shard.box), dtype)
-                        self.store.read_blob_into(shard.blob, byte_view(tmp))
+                        self.store.blobs.read_into(shard.blob, byte_view(tmp))
                     src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(inter, shard.box))
                     dst = tuple(slice(a - t0, b - t0) for (a, b), (t0, _) in zip(inter, box))
                     target[dst] = tmp[src]
@@ -217,7 +217,7 @@ class BoxReader:
         if nbytes < _MAP_MIN:
             return None
         try:
-            data = self.store.map_blob(shard.blob, nbytes)
+            data = self.store.blobs.map(shard.blob, nbytes)
         except CorruptBlobError:
             raise
         except OSError as e:  # out of mappings (vm.max_map_count) or map locks (descriptors): read instead

@@ -175,7 +175,7 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
     for p in pulls:
         if p.blob in todo:
             continue
-        if store.has_blob(p.blob):
+        if store.blobs.has(p.blob):
             already += 1
         else:
             todo[p.blob] = p
@@ -183,13 +183,13 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
     bad: list[list[str]] = []
     scrubbed: list[list[str]] = []  # [blob, holder]: corrupt copies their holders removed
     try:
-        with store.pin(todo):
+        with store.pins.hold(todo):
             pulled, pulled_bytes = _rounds(store, token, todo, peers, tried, bad, scrubbed, streams_per_holder,
                                            threads, timeout_s)
     except InsufficientSpaceError as e:
         raise _no_room(store, host_id, step, todo, e) from e
     failed = [[b, [list(t) for t in tried[b]]] for b in todo if tried[b] and len(tried[b]) >= len(todo[b].sources)
-              and not store.has_blob(b)]
+              and not store.blobs.has(b)]
     _note(store, step, (f"{len(failed)} blob(s) no holder could give, e.g. {failed[0][0]}: "
                         + "; ".join(f"{h}: {c}" for h, c in failed[0][1])) if failed else None)
     out = {"host": host_id, "pulled": pulled, "pulled_bytes": pulled_bytes, "already": already,
@@ -241,7 +241,7 @@ def _no_room(store: RamStore, host_id: str, step: int | None, todo: dict[str, Pu
              e: InsufficientSpaceError) -> InsufficientSpaceError:
     """The error for pulls this host's ramdisk cannot take: what is still to come, what is free,
     what it lacks (the head reports it as the reason the step is short of copies); remembered."""
-    left = [p.size for b, p in todo.items() if not store.has_blob(b)]
+    left = [p.size for b, p in todo.items() if not store.blobs.has(b)]
     need, free = sum(left), free_bytes(store.root)
     what = f"step {step}" if step is not None else "a step"
     why = (f"ramdisk {store.root} is full: {len(left)} blob(s) of {what} ({format_bytes(need)}) still to come, "

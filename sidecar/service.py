@@ -2,10 +2,15 @@
 
 The head reaches it either through ``jax.experimental.colocated_python`` (see
 ``mtc.sidecar.colocated``) or through the sidecar daemon's control socket. Both wrappers
-call the same methods here, so tiers, formats and policies are one code path.
+call the same methods here (one per operation of ``mtc.sidecar.ops``), so tiers, formats and
+policies are one code path.
 
-Two mixins hold parts of it: the save (phase 1, phase 2, abort) in ``mtc.sidecar.service_save``,
-the committed steps' manifests, records, inventory and verify in ``mtc.sidecar.service_steps``.
+The service composes the parts that own the work: the RAM store (``mtc.sidecar.ram``), the save's
+writer (phase 1, phase 2, abort: ``SaveWriter`` in ``mtc.sidecar.saves``), the committed steps
+(manifests, records, inventory, verify: ``CommittedSteps`` in ``mtc.sidecar.committed``) over one
+``StepIndex`` they share, the box reader, the jobs, the lease, and the peer and backup tiers. It
+holds the head's settings and what spans several parts (a peer pull that adopts a step, a backup
+fetch whose manifest the restore reads by).
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.ops import MUTATING_OPS
 from mtc.sidecar.peer import PeerServer
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.committed import CommittedSteps
 from mtc.sidecar.reads import BoxReader
 from mtc.sidecar.replication import Pull, pull_blobs
-from mtc.sidecar.service_save import ServiceSave
-from mtc.sidecar.service_steps import ServiceSteps
+from mtc.sidecar.saves import SaveWriter
 from mtc.sidecar.step_index import StepIndex
 
 log = logging.getLogger(__name__)
@@ -54,12 +59,22 @@ def _log_ramdisk_advice(store: RamStore) -> None:
 
 HOST_FILE = "host.json"  # in the ramdisk root: {"host": id} of the sidecar that serves it
 
-class SidecarService(ServiceSave, ServiceSteps):
+class SidecarService:
     """One host's worker-side checkpointing: the RAM tier, phase 1/2 of saves, restores.
 
     Methods take and return plain values (ints, bytes, numpy arrays, frozen dataclasses).
     Both transports (the colocated Python object and the daemon) call ``admit`` with each
     request's operation and head generation before they call the method.
+
+    Attributes:
+        host_id: this host's id.
+        settings: the head's settings (``HostSettings``), from its ``configure``.
+        store: the RAM tier (``RamStore``).
+        index: what this sidecar remembers per step (``StepIndex``), shared by ``saves`` and ``committed``.
+        saves: phase 1, phase 2 and abort of saves (``SaveWriter``).
+        committed: the committed steps' manifests, inventory and verify (``CommittedSteps``).
+        jobs: the long operations running here (``Jobs``).
+        lease: the lease of the head that drives this host (``HeadLease``).
     """
 
     def __init__(self, root: str | os.PathLike, *, host_id: str = "host-0", max_to_keep: int = 2,
@@ -79,8 +94,10 @@ class SidecarService(ServiceSave, ServiceSteps):
         _log_ramdisk_advice(self.store)
         self._io = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="mtc-io")
         self._reader = BoxReader(self.store, self._io, self.host_id)
-        self._lock = threading.Lock()
-        self.index = StepIndex()  # what this sidecar remembers per step (parsed manifests, records, ...)
+        self._lock = threading.Lock()  # the settings and the backup tiers
+        self.index = StepIndex()
+        self.saves = SaveWriter(self.store, self.index, self._io, self.host_id)
+        self.committed = CommittedSteps(self.store, self.index, self.host_id)
         self._peer = None  # the peer tier's server (start_peer_service)
         self._peer_token = ""
         self._closed = False
@@ -124,7 +141,7 @@ class SidecarService(ServiceSave, ServiceSteps):
         new = HostSettings.from_wire(settings)
         with self._lock:
             old, self.settings, self._configured = self.settings, new, True
-            self.store.max_to_keep = new.local_max_to_keep
+            self.store.space.max_to_keep = new.local_max_to_keep
         if old.backup_url != new.backup_url:
             log.info("host %s: backup root %s (generation %s)", self.host_id, new.backup_url, generation)
         return {"host": self.host_id, "settings": new.to_wire()}
@@ -134,10 +151,6 @@ class SidecarService(ServiceSave, ServiceSteps):
             raise NotConfiguredError(f"host {self.host_id}: {what} needs the head's settings, which no head has "
                                      "sent since this sidecar started; the head sends them (configure) first")
         return self.settings
-
-    @property
-    def backup_url(self) -> str | None:
-        return self.settings.backup_url
 
     # --- identity ----------------------------------------------------------------------
 
@@ -154,13 +167,51 @@ class SidecarService(ServiceSave, ServiceSteps):
             fp["peer"] = self._peer.address  # how the other sidecars reach this one
         return fp
 
+    # --- save (mtc.sidecar.saves) --------------------------------------------------------
+
+    def write_shards(self, step: int, shards: Sequence[tuple[int, fmt.Box, np.ndarray]], *,
+                     part: int = 0) -> fmt.HostManifest:
+        """Phase 1: write this host's unique shards of ``step`` (part ``part``) as blobs; the host
+        manifest so far (``SaveWriter.write_shards``)."""
+        return self.saves.write_shards(step, shards, part=part)
+
+    def part_bytes(self, step: int) -> bytes:
+        """This host's part of ``step`` so far (its host manifest), as phase 1 answered it."""
+        return self.saves.part_bytes(step)
+
+    def commit(self, step: int, manifest_json: bytes | None, *, digest: str | None = None,
+               keepers: Sequence[tuple[str, str]] | None = None) -> dict:
+        """Phase 2 (``SaveWriter.commit``), once the head's settings came: they say how many steps
+        the commit keeps."""
+        self._settings(f"commit of step {step}")
+        return self.saves.commit(step, manifest_json, digest=digest, keepers=keepers)
+
+    def abort(self, step: int) -> bool:
+        """Forget ``step`` here, committed or pending (``SaveWriter.abort``); True when there was
+        something to remove."""
+        return self.saves.abort(step)
+
+    # --- committed steps (mtc.sidecar.committed) -------------------------------------------
+
+    def inventory(self, devices: Sequence[int] | None = None) -> dict:
+        """What this host holds (``CommittedSteps.inventory``)."""
+        return self.committed.inventory(devices)
+
+    def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
+        """The whole manifest of committed ``step`` (``CommittedSteps.manifest_bytes``)."""
+        return self.committed.manifest_bytes(step, here_only=here_only)
+
+    def verify(self, step: int) -> dict:
+        """Hash every blob of ``step`` this host holds (``CommittedSteps.verify``)."""
+        return self.committed.verify(step)
+
     # --- restore (mtc.sidecar.reads) ---------------------------------------------------
 
     def read_box(self, step: int, key: str, box: fmt.Box | None = None, *, as_bytes: bool = False,
                  out: np.ndarray | None = None) -> np.ndarray:
         """Assemble the part ``box`` of array ``key`` of ``step`` from verified blobs (``as_bytes``:
         the whole array as a flat uint8 buffer, for host numpy leaves)."""
-        return self._reader.read_box(self.manifest(step), key, box, as_bytes=as_bytes, out=out)
+        return self._reader.read_box(self.committed.manifest(step), key, box, as_bytes=as_bytes, out=out)
 
     def read_boxes_each(self, step: int, reads: Sequence[tuple], *, manifest: str | None = None,
                         stream: Sequence[int] = ()) -> tuple[list, list[tuple[int, str, str]]]:
@@ -175,7 +226,7 @@ class SidecarService(ServiceSave, ServiceSteps):
         ``stream``: rows whose receiver hashes what it gets (the daemon's head); one that is a saved
         shard comes back as a ``BlobStream`` to send and close (``BoxReader.read_each``)."""
         rows = [tuple(r) + (False, None)[len(r) - 2:] if len(r) < 4 else tuple(r) for r in reads]
-        mine = self._view_for(step, rows)
+        mine = self.committed.view_for(step, rows)
         if manifest is not None and mine.digest != manifest:
             why = (f"host {self.host_id}: its manifest of step {step} ({mine.digest[:12]}) is not the one the head "
                    f"restores by ({manifest[:12]}); not reading from it")
@@ -183,11 +234,7 @@ class SidecarService(ServiceSave, ServiceSteps):
             return [b"" for _ in rows], [(i, "ManifestError", why) for i in range(len(rows))]
         return self._reader.read_each(mine, rows, stream)
 
-    # --- long operations (mtc.sidecar.jobs) --------------------------------------------
-
-    def start_job(self, fn, *args) -> str:
-        """Run ``fn(*args)`` as a job of this sidecar; the head asks ``job`` for its end."""
-        return self.jobs.start(fn, *args)
+    # --- long operations (mtc.sidecar.jobs: ``ops.serve`` starts them) ----------------------
 
     def job(self, job_id: str, wait_s: float = 0.0) -> dict:
         """{"done": False} while running (after waiting up to ``wait_s``); then the result or the error, once."""
@@ -245,8 +292,15 @@ class SidecarService(ServiceSave, ServiceSteps):
         tier = self._backup_tier()
         manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
         out = tier.fetch(list(blobs), manifest.blob_sizes())
-        self.index.manifests[manifest.step] = manifest
+        self.index.keep_manifest(manifest.step, manifest)
         return out
+
+    def backup_scrub_counts(self) -> dict[str, int]:
+        """The backup blobs this sidecar's scrubs hashed (``checked``), found corrupt or missing
+        (``bad``) and re-uploaded (``repaired``), over every backup root it scrubbed."""
+        with self._lock:
+            tiers = list(self._backups.values())
+        return {k: sum(t.scrub_stats[k] for t in tiers) for k in ("checked", "bad", "repaired")}
 
     def backup_scrub(self, root: str | None, blobs: list[str], repair: list[str], damaged: dict[str, str],
                      bytes_per_s: float | None = None, *, ramdisk: Sequence[str] = (),
@@ -275,11 +329,17 @@ class SidecarService(ServiceSave, ServiceSteps):
         server = PeerServer(self.store, token, host_id=self.host_id, listen=listen, advertise=advertise, tls=tls)
         server.start()
         self._peer, self._peer_token = server, token
+        self.committed.peer_token = token  # a host that committed a record fetches the manifest with it
         return server.address
 
     @property
     def peer_address(self) -> str | None:
         return None if self._peer is None else self._peer.address
+
+    def peer_stats(self) -> dict:
+        """The peer service's counters (blobs and bytes sent and received, connections refused);
+        {} while it is not started."""
+        return {} if self._peer is None else dict(self._peer.stats)
 
     def peer_pull(self, step: int, pulls: Sequence, peers: dict[str, str], manifest_json: bytes | None = None,
                   shares: Sequence[tuple[str, Sequence[str]]] = ()) -> dict:
@@ -296,7 +356,7 @@ class SidecarService(ServiceSave, ServiceSteps):
                               "(MTC_PEER_TOKEN or peer_token)")
         if shares:
             # Copies held for others are kept alive by the whole manifest, which also lists the shares.
-            m = self.manifest(step)
+            m = self.committed.manifest(step)
             sizes = m.blob_sizes()
             pulls = list(pulls)
             for owner, holders in shares:
@@ -304,22 +364,15 @@ class SidecarService(ServiceSave, ServiceSteps):
                 if blobs is None:
                     raise ManifestError(f"host {self.host_id}: step {step}'s manifest has no part of host {owner}")
                 pulls += [Pull(b, sizes[b], tuple(holders)) for b in sorted(blobs)]
-        elif step in self.store.committed_steps():
+        elif step in self.store.catalog.committed():
             # Copies held for others are kept alive by the whole manifest: a host that committed
             # only a record fetches it first (if it cannot, ``manifest_json`` below, or a later try).
             with contextlib.suppress(ManifestError, StepNotFoundError):
-                self.manifest(step)
+                self.committed.manifest(step)
         out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id, step=step)
         out["asked_bytes"] = sum({p.blob: p.size for p in pulls}.values())
-        out["adopted"] = False
-        if manifest_json is not None and not out["failed"] and not self._has_readable(step):
-            manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
-            if manifest.step != step:
-                raise ManifestError(f"peer pull of step {step} carries the manifest of step {manifest.step}")
-            self.store.commit(step, manifest_json)
-            self.index.manifests[step] = manifest
-            out["adopted"] = True
-            log.info("host %s: step %d restored from peers and committed here again", self.host_id, step)
+        out["adopted"] = (manifest_json is not None and not out["failed"]
+                          and self.committed.adopt(step, manifest_json))
         return out
 
     # --- lifecycle ---------------------------------------------------------------------

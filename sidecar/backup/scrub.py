@@ -76,13 +76,13 @@ class Scrubber:
                 log.error("backup scrub: the object of blob %s in %s is %d bytes, the blob %d: not downloaded "
                           "(host %s)", blob, self._store.url, n, size, self._host)
                 return False, 0
-        fd, tmp = self._ram.open_temp_blob()
+        fd, tmp = self._ram.blobs.open_temp()
         os.close(fd)
         try:
             n = self._store.get_to_file(layout.blob_object(blob), str(tmp))
             return hash_file(str(tmp)) == blob, n
         finally:
-            self._ram.discard_temp_blob(tmp)
+            self._ram.blobs.discard_temp(tmp)
 
     def check(self, blobs: list[str], bytes_per_s: float, sizes: dict[str, int] | None = None) -> dict:
         """Hash each of ``blobs`` as the store holds it, at most ``bytes_per_s`` on average; with
@@ -114,7 +114,7 @@ class Scrubber:
 
     def check_ramdisk(self, blobs: list[str]) -> dict:
         """Hash the ramdisk copies of those ``blobs`` this host holds; remove the corrupt ones."""
-        held = [b for b in sorted(set(blobs)) if self._ram.has_blob(b)]
+        held = [b for b in sorted(set(blobs)) if self._ram.blobs.has(b)]
         removed = [b for b in held if self._ram.scrub_blob(b) == "removed"]
         for blob in removed:
             log.error("backup scrub: host %s's ramdisk copy of blob %s was corrupt; removed", self._host, blob)
@@ -125,14 +125,14 @@ class Scrubber:
         repaired (the object checked again afterwards)."""
         repaired = []
         wanted = sorted(set(blobs))
-        with self._ram.pin(wanted):
+        with self._ram.pins.hold(wanted):
             for blob in wanted:
-                if not self._ram.has_blob(blob):
+                if not self._ram.blobs.has(blob):
                     continue
-                if not self._ram.verify_blob(blob):
+                if not self._ram.blobs.verify(blob):
                     log.warning("backup scrub: host %s holds blob %s, but its copy is corrupt too", self._host, blob)
                     continue
-                path = self._ram.blob_path(blob)
+                path = self._ram.blobs.path(blob)
                 self._store.put_file(layout.blob_object(blob), str(path))
                 if self._object_ok(blob, path.stat().st_size)[0]:
                     repaired.append(blob)

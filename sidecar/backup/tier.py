@@ -52,8 +52,8 @@ class BackupTier:
         """Upload those of ``blobs`` the store lacks, from the ramdisk; skip the others."""
         t0 = time.perf_counter()
         blobs = sorted(set(blobs))
-        with self._ram.pin(blobs):
-            missing = [b for b in blobs if not self._ram.has_blob(b)]
+        with self._ram.pins.hold(blobs):
+            missing = [b for b in blobs if not self._ram.blobs.has(b)]
             if missing:
                 raise StepNotFoundError(
                     f"host {self._host}: cannot back up {len(missing)} blob(s) it no longer holds "
@@ -68,8 +68,8 @@ class BackupTier:
                 if blob in present:
                     return 0
                 crash_point("between_uploads")
-                self._store.put_file(name, str(self._ram.blob_path(blob)))
-                return self._ram.blob_size(blob)
+                self._store.put_file(name, str(self._ram.blobs.path(blob)))
+                return self._ram.blobs.size(blob)
 
             with ThreadPoolExecutor(self._threads, thread_name_prefix="mtc-upload") as pool:
                 sizes = list(pool.map(one, blobs))
@@ -207,7 +207,7 @@ class BackupTier:
         ``sizes`` (blob -> its size, from the manifest), an object of another size is corrupt and not
         downloaded (no object stored under a blob's name can fill the ramdisk)."""
         t0 = time.perf_counter()
-        need = sorted({b for b in blobs if not self._ram.has_blob(b)})
+        need = sorted({b for b in blobs if not self._ram.blobs.has(b)})
 
         def one(blob: str) -> int:
             want = (sizes or {}).get(blob)
@@ -218,17 +218,17 @@ class BackupTier:
                 if n != want:
                     raise CorruptBlobError(f"blob {blob} in {self.url} is {n} bytes, the blob {want}: it is corrupt "
                                            f"(not downloaded, host {self._host})")
-            fd, tmp = self._ram.open_temp_blob()
+            fd, tmp = self._ram.blobs.open_temp()
             os.close(fd)
             try:
                 n = self._store.get_to_file(layout.blob_object(blob), str(tmp))
-                self._ram.finalize_temp_blob(tmp, blob, verify=True)
+                self._ram.blobs.finalize_temp(tmp, blob, verify=True)
                 return n
             except BaseException:
-                self._ram.discard_temp_blob(tmp)
+                self._ram.blobs.discard_temp(tmp)
                 raise
 
-        with self._ram.pin(need), ThreadPoolExecutor(self._threads, thread_name_prefix="mtc-fetch") as pool:
+        with self._ram.pins.hold(need), ThreadPoolExecutor(self._threads, thread_name_prefix="mtc-fetch") as pool:
             sizes = list(pool.map(one, need))
         out = {"host": self._host, "downloaded": len(need), "downloaded_bytes": sum(sizes),
                "seconds": time.perf_counter() - t0}

@@ -20,8 +20,8 @@ one, with a malformed blob name, an unknown op, an oversized or garbage frame is
 error reply, logged, and its connection closed. Other connections are served on.
 
 Receiving (``get`` on the client, ``put`` on the server) streams the payload into a temp blob
-(``RamStore.open_temp_blob``), hashing it as it arrives, and publishes it
-(``RamStore.finalize_temp_blob``) only when it hashes to its name: a bad copy is discarded and
+(``BlobFiles.open_temp``), hashing it as it arrives, and publishes it
+(``BlobFiles.finalize_temp``) only when it hashes to its name: a bad copy is discarded and
 never counted. A transfer cut short leaves only a temp file, which never looks
 like a blob and is removed when the store next opens.
 """

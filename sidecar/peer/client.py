@@ -255,8 +255,8 @@ class PeerClient:
     def put(self, store: RamStore, name: str) -> bool:
         """Send blob ``name`` from ``store`` to the peer (``send_blob_file``); whether the peer added it."""
         check_blob_name(name)
-        with store.pin([name]):
-            with open(store.blob_path(name), "rb") as f:
+        with store.pins.hold([name]):
+            with open(store.blobs.path(name), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 rid = self._send("put", {"blob": name}, [size])
                 try:

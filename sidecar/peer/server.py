@@ -201,15 +201,15 @@ class PeerServer(ThreadedTCPServer):
             except ValueError as e:
                 raise _Refused(str(e)) from None
         self._count(have_requests=1)
-        have = [n for n in names if self.store.has_blob(n)]
+        have = [n for n in names if self.store.blobs.has(n)]
         return self._reply(conn, Reply(req.id, {"have": have}))
 
     def _op_get(self, conn: socket.socket, req: Request, sizes: list[int]) -> bool:
         name = self._blob_arg(req)
         # Pinned while the file is open and mapped: collection must not recycle it under the send.
-        with self.store.pin([name]):
+        with self.store.pins.hold([name]):
             try:
-                f = open(self.store.blob_path(name), "rb")
+                f = open(self.store.blobs.path(name), "rb")
             except FileNotFoundError:
                 return self._reply(conn, Reply(req.id, error=RemoteError(
                     "FileNotFoundError", f"host {self.host_id} does not hold blob {name}")))
@@ -247,7 +247,7 @@ class PeerServer(ThreadedTCPServer):
         # A peer got a copy of this blob that failed its hash: check ours, drop it if it is bad.
         # The store decides from the bytes alone, so a request can never remove a good blob.
         name = self._blob_arg(req)
-        with self.store.pin([name]):
+        with self.store.pins.hold([name]):
             state = self.store.scrub_blob(name)
         self._count(verify_requests=1, **({"removed_corrupt": 1} if state == "removed" else {}))
         return self._reply(conn, Reply(req.id, {"blob": name, "state": state}))
@@ -261,7 +261,7 @@ class PeerServer(ThreadedTCPServer):
         if type(step) is not int or step < 0 or not isinstance(digest, str):
             raise _Refused("'manifest' needs a step (integer >= 0) and the digest of its manifest")
         try:
-            data = self.store.read_step(step)
+            data = self.store.catalog.read(step)
         except (MTCError, OSError):
             data = None
         if data is None or fmt.CommitRecord.parse(data) is not None or fmt.step_digest(data) != digest:

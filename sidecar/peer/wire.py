@@ -58,18 +58,18 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
     leaves the connection unusable; the temp file is removed either way.
 
     Local saves come first: a new temp file takes room only as the bytes arrive, and the copy
-    is registered with the store (``RamStore.receiving``), which drops it (shuts its socket
+    is registered with the store (``Arrivals.receiving``), which drops it (shuts its socket
     down) when a local save is short of the room it holds; that raises YieldedCopyError (an
     InsufficientSpaceError), and the sender retries later. StalledTransferError (temp file
     removed) when no byte arrives within the socket's timeout.
     """
-    if not store.fits([nbytes]):  # checked before a byte is reserved or read, as a save checks its own
+    if not store.space.fits([nbytes]):  # checked before a byte is reserved or read, as a save checks its own
         raise InsufficientSpaceError(
             f"ramdisk {store.root} has no room for blob {name} ({nbytes} bytes) from a peer; nothing was "
             "reserved. Size the ramdisk for the peer copies too: see `mtc size`")
     progress = [0]  # bytes received so far, for the messages
-    with store.receiving(name, lambda: sock.shutdown(socket.SHUT_RDWR)) as arrival:
-        fd, tmp = store.open_temp_blob(nbytes)  # reuses a recycled file of that size if there is one
+    with store.arrivals.receiving(name, lambda: sock.shutdown(socket.SHUT_RDWR)) as arrival:
+        fd, tmp = store.blobs.open_temp(nbytes)  # reuses a recycled file of that size if there is one
         arrival.path = tmp
         hasher = new_hasher()
         try:
@@ -81,7 +81,7 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
             finally:
                 os.close(fd)
         except BaseException as e:
-            store.discard_temp_blob(tmp)
+            store.blobs.discard_temp(tmp)
             if arrival.yielded:
                 raise YieldedCopyError(
                     f"ramdisk {store.root}: dropped the incoming copy of blob {name} after {progress[0]} of "
@@ -99,9 +99,9 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
             raise
         actual = hasher.hexdigest()
         if actual != name:
-            store.discard_temp_blob(tmp)
+            store.blobs.discard_temp(tmp)
             raise CorruptBlobError(f"received copy of blob {name} is corrupt: its bytes hash to {actual}; discarded")
-        return store.finalize_temp_blob(tmp, name, verify=False)  # verified above, as the bytes arrived
+        return store.blobs.finalize_temp(tmp, name, verify=False)  # verified above, as the bytes arrived
 
 
 def _cut_short(got: int, nbytes: int, name: str) -> ProtocolError:
@@ -111,7 +111,7 @@ def _cut_short(got: int, nbytes: int, name: str) -> ProtocolError:
 def _receive_written(sock: socket.socket, fd: int, nbytes: int, hasher: Any, name: str, progress: list) -> None:
     """recv into this thread's buffer, hash it, write it: for ramdisks with 4 KiB pages.
 
-    A new temp file is sparse (``RamStore.open_temp_blob``): the writes allocate its pages as
+    A new temp file is sparse (``BlobFiles.open_temp``): the writes allocate its pages as
     the bytes arrive."""
     buf = thread_buffer(_RECV_CHUNK)
     got = 0

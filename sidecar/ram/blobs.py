@@ -72,6 +72,7 @@ class BlobFiles:
         return self.directory / check_name(name)
 
     def has(self, name: str) -> bool:
+        """True when blob ``name`` is committed in this store (ValueError for a malformed name)."""
         try:
             return stat.S_ISREG(os.stat(f"{self._dir_s}/{check_name(name)}").st_mode)
         except OSError as e:  # as Path.is_file: absent is False, other errors are errors
@@ -80,6 +81,7 @@ class BlobFiles:
             raise
 
     def size(self, name: str) -> int:
+        """Size in bytes of blob ``name``; FileNotFoundError when absent."""
         path = self.path(name)
         try:
             return path.stat().st_size
@@ -91,6 +93,10 @@ class BlobFiles:
         return {n for n in os.listdir(self.directory) if valid_name(n)}
 
     def missing_bytes(self, blobs: dict[str, int]) -> int:
+        """Bytes of ``blobs`` ({name: nbytes}) not already present: what a step would add.
+
+        Each size is rounded up to the filesystem block (a tmpfs page), as it is allocated.
+        """
         return sum(self.round(n) for name, n in blobs.items() if not self.has(name))
 
     @contextlib.contextmanager
@@ -205,7 +211,14 @@ class BlobFiles:
         return added
 
     def write(self, data, *, name: str | None = None) -> tuple[str, bool]:
-        """See ``RamStore.write_blob``."""
+        """Store ``data`` (bytes-like or C-contiguous ndarray: its raw bytes) as a blob.
+
+        ``name`` is trusted as the precomputed hash when given. Returns (name, written);
+        written is False when the blob was already present (nothing is written then).
+        A free-pool file of the same size is overwritten when there is one; it is published
+        only once completely written, like a new file. Raises InsufficientSpaceError (temp
+        file removed) when the ramdisk fills up.
+        """
         mv = byte_view(data)
         name = blob_name(mv) if name is None else check_name(name)
         final = f"{self._dir_s}/{name}"
@@ -240,11 +253,15 @@ class BlobFiles:
             return name, self.publish(tmp, final)
 
     def read_into(self, name: str, out) -> None:
-        """See ``RamStore.read_blob_into``."""
+        """Read blob ``name`` into ``out`` (writable buffer or ndarray of exactly its size).
+
+        Raises CorruptBlobError when the blob is missing, has another size, or its bytes do
+        not hash to its name; ``out`` holds garbage then.
+        """
         path = self.path(name)
         mv = byte_view(out)
         if mv.readonly:
-            raise TypeError(f"read_blob_into needs a writable buffer for blob {name}")
+            raise TypeError(f"read_into needs a writable buffer for blob {name}")
         hasher = new_hasher()
         try:
             with self.reading(name) as (fd, size, _):
@@ -266,6 +283,7 @@ class BlobFiles:
             raise CorruptBlobError(f"blob {name} at {path} is corrupt: its bytes hash to {actual}")
 
     def verify(self, name: str) -> bool:
+        """True when blob ``name`` is present and its bytes hash to its name."""
         try:
             with self.reading(name) as (fd, size, _):
                 return _hash_fd(fd, size) == name
@@ -273,7 +291,15 @@ class BlobFiles:
             return False
 
     def map(self, name: str, nbytes: int | None = None) -> np.ndarray:
-        """See ``RamStore.map_blob``."""
+        """Blob ``name`` as a verified uint8 array that maps the file (no copy).
+
+        The mapping is private (copy-on-write): writes to the array never reach the file. The
+        file is registered as in use and locked shared for as long as the mapping lives, so no
+        process recycles it and the array never changes under its holder (a collection unlinks it instead; its
+        pages are freed when the last array using them goes). Raises CorruptBlobError when
+        the blob is missing, is not ``nbytes`` long, or does not hash to its name; OSError
+        when it cannot be mapped (the caller reads it instead).
+        """
         path = self.path(name)
         try:
             with self.reading(name) as (fd, size, key):
@@ -292,7 +318,14 @@ class BlobFiles:
         return np.frombuffer(m, np.uint8)
 
     def open_temp(self, size: int | None = None) -> tuple[int, Path]:
-        """See ``RamStore.open_temp_blob``."""
+        """A new temp file in ``blobs/`` for receiving a blob: (fd open for writing, path).
+
+        The fd is open for reading too, so that the caller may map it (``huge_pages``).
+        Write the bytes, close the fd, then call :meth:`finalize_temp` (or
+        :meth:`discard_temp` on failure). With ``size`` (the exact number of bytes that
+        will be written), a free-pool file of that size is reused when there is one: its
+        pages are overwritten in place, which is much cheaper than allocating new ones.
+        """
         tmp = temp_name(self.directory)
         if size is not None and self.pool.enabled:
             taken = self.pool.take(int(size))
@@ -313,15 +346,20 @@ class BlobFiles:
     def _check_temp(self, temp_path) -> Path:
         tmp = Path(temp_path)
         if tmp.parent != self.directory or not tmp.name.startswith(TMP_PREFIX) or tmp.name.startswith(FREE_PREFIX):
-            raise ValueError(f"{tmp} is not a temp blob of the ramdisk {self.directory.parent} (use open_temp_blob)")
+            raise ValueError(f"{tmp} is not a temp blob of the ramdisk {self.directory.parent} (use open_temp)")
         return tmp
 
     def discard_temp(self, temp_path) -> None:
+        """Remove a temp file from :meth:`open_temp` (a failed transfer)."""
         with contextlib.suppress(FileNotFoundError):
             self._check_temp(temp_path).unlink()
 
     def finalize_temp(self, temp_path, name: str, verify: bool = True) -> bool:
-        """See ``RamStore.finalize_temp_blob``."""
+        """Commit a received temp file as blob ``name``; returns whether it was added.
+
+        With ``verify`` (the default) the bytes are hashed first; a mismatch removes the
+        temp file and raises CorruptBlobError. False when the blob was already present.
+        """
         tmp = self._check_temp(temp_path)
         try:
             check_name(name)
@@ -340,7 +378,7 @@ class BlobFiles:
         return self.publish(tmp, self.directory / name)
 
     def put_file(self, name: str, src_path: str | os.PathLike) -> bool:
-        """See ``RamStore.put_blob_file``."""
+        """Copy the file ``src_path`` in as blob ``name``, verified; returns whether it was added."""
         check_name(name)
         if self.has(name):
             return False

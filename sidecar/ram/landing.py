@@ -1,12 +1,12 @@
 """Landings: blob files mapped for a writer that fills them in place (one copy per save).
 
-A save's bytes land straight in ramdisk pages. ``RamStore.land(sizes)`` takes a free-pool file
+A save's bytes land straight in ramdisk pages. ``Landings.land(sizes)`` takes a free-pool file
 of each size (a collected blob of a pruned step: its pages exist) or makes a new, fallocated
 one, maps it shared and writable, and hands the map out as a uint8 buffer. The writer fills it:
 the head's staging copy in colocated mode on a CPU backend (the sidecar runs in the head's
 process; ``mtc.shared.landing``), or the daemon's socket receive in cluster mode. Then
 ``write_shards`` recognises the buffer by its address, hashes the mapped pages and publishes the
-file under its content name (``RamStore.publish_landed``). Nothing is copied a second time.
+file under its content name (``Landings.publish``). Nothing is copied a second time.
 
 Mapping a file costs a page fault per page, more than the copy itself on a tmpfs with 4 KiB
 pages. So maps are kept (``MapCache``): a landed file becomes a blob, is collected into the

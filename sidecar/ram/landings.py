@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class Landings:
-    """The open landings of one store (see ``RamStore.land``).
+    """The open landings of one store (see ``land``).
 
-    ``fits(sizes)`` says whether new blobs of those sizes fit now (``RamStore.fits``).
+    ``fits(sizes)`` says whether new blobs of those sizes fit now (``StoreSpace.fits``).
     """
 
     def __init__(self, root: Path, blobs: BlobFiles, maps: MapCache, fits: Callable[[list[int]], bool]):
@@ -47,7 +47,19 @@ class Landings:
         self.filled_bytes = 0  # of which from cold landings, written with Landing.fill
 
     def land(self, sizes: Iterable[int], *, cold_ok: bool = False) -> LandingBatch:
-        """``RamStore.land``."""
+        """Mapped temp blob files to fill in place, one per size (None: not landed, see below).
+
+        With ``cold_ok`` the writer can fill a landing with ``Landing.fill`` (``pwrite``): a
+        landing whose map is not warm is then handed out cold (``Landing.cold``) and must be
+        filled that way; without it, every landing is allocated and mapped now, to be written
+        through its buffer (a socket's ``recv_into``).
+
+        Sizes under ``LANDING_MIN`` are not landed. When the others do not all fit as new blobs
+        now (free space plus pool files of their sizes), none is: the caller then stages in its
+        own memory and ``write_shards`` hashes first, so that blobs already present need no
+        space (the space check before any byte is written). Fill each buffer, then publish it
+        with :meth:`publish`; close the batch to remove what was not published.
+        """
         sizes = [int(n) for n in sizes]
         big = [n for n in sizes if n >= LANDING_MIN]
         if not big or not self._fits(big):
@@ -82,7 +94,7 @@ class Landings:
         return since > self._done and time.monotonic() - since < 60.0
 
     def landed(self, data) -> Landing | None:
-        """``RamStore.landed``."""
+        """The unpublished landing whose buffer ``data`` (an ndarray) is exactly, else None."""
         if not isinstance(data, np.ndarray) or not data.flags.c_contiguous:
             return None
         with self._lock:
@@ -90,7 +102,10 @@ class Landings:
         return x if x is not None and x.size == data.nbytes and not x.done else None
 
     def publish(self, landing: Landing, name: str) -> bool:
-        """``RamStore.publish_landed``."""
+        """Publish a filled landing as blob ``name``, its hash; False when the blob was there already.
+
+        Like ``BlobFiles.write``, a writer that may race a commit pins ``name`` first.
+        """
         with self._lock:
             if landing.done or self._open.pop(landing.address, None) is not landing:
                 raise ValueError(f"landing {landing.tmp} was already published or discarded")
@@ -145,7 +160,7 @@ class Arrival:
 
 
 class Arrivals:
-    """The peer copies a store is receiving now (``RamStore.receiving``); ``yield_all`` drops them."""
+    """The peer copies a store is receiving now (``receiving``); ``yield_all`` drops them."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -153,9 +168,13 @@ class Arrivals:
 
     @contextlib.contextmanager
     def receiving(self, name: str, drop: Callable[[], None]) -> Iterator[Arrival]:
-        """Register a copy of blob ``name`` for as long as the context is open; ``drop()`` makes its
-        receive fail soon (it shuts its socket down). Close the context only after the temp file
-        is published or removed: ``yield_all`` waits for that."""
+        """Register a peer copy of blob ``name`` being received, for as long as the context is open.
+
+        ``drop()`` makes the receive fail soon (it shuts the transfer's socket down); a save that
+        is short of room calls it (``StoreSpace.check_space``), and the context's value (an
+        ``Arrival``) then says ``yielded``. Close the context only after the temp file is published
+        or removed: ``yield_all`` waits for that.
+        """
         arrival = Arrival(name, drop)
         with self._cond:
             self._open.add(arrival)

@@ -4,7 +4,7 @@ In this process: a registry by (st_dev, st_ino), across all stores (two stores o
 process share it). Across processes: a mapping also holds a shared ``flock`` on its file for
 as long as it lives, and ``rename_unless_mapped`` (the only way a blob file enters the free
 pool) takes the exclusive lock first. A restored array on a CPU backend is a private map of
-its blob (``RamStore.map_blob``): a file recycled and overwritten in place would change the
+its blob (``BlobFiles.map``): a file recycled and overwritten in place would change the
 array's bytes, whichever process recycled it. Garbage collection unlinks such a file instead;
 its pages go when the last array using them does.
 """

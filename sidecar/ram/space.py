@@ -1,14 +1,13 @@
 """``StoreSpace``: the room in a ``RamStore``: what fits, making room, retention, garbage collection.
 
-A mixin of ``RamStore`` (``mtc.sidecar.ram.store``), apart because it is the one part that
-decides what goes: it works over the store's catalog, free pool, blob files and pins, under
-the store's lock, and holds no state of its own. It uses the store's ``root``,
-``max_to_keep``, ``_lock``, ``_pins``, ``_catalog``, ``_pool``, ``_blobs``, ``_maps``,
-``_arrivals`` and ``_round``, and its ``committed_steps``, ``pending_steps`` and ``list_blobs``.
+The one part of the store that decides what goes. It owns the retention (``max_to_keep``) and
+works over the parts ``RamStore`` (``mtc.sidecar.ram.store``) gives it: the step catalog, the blob
+files, the free pool, the kept maps, the peer copies arriving and the pins (``Pins``: names kept
+out of garbage collection), under the store's one metadata lock.
 
 Local saves come before incoming peer copies. A copy being received takes room only as its
 bytes arrive (``mtc.sidecar.peer.wire``), and when a save is short of room even after what
-retention allows, every copy being received is dropped (``receiving``): the save goes on, and
+retention allows, every copy being received is dropped (``Arrivals``): the save goes on, and
 the senders retry later, as replication does anyway.
 """
 
@@ -17,12 +16,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections import Counter
-from typing import Callable, ContextManager, Iterable
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 from mtc.shared.errors import InsufficientSpaceError, ManifestError
-from mtc.sidecar.ram.common import check_step, format_bytes, free_bytes
-from mtc.sidecar.ram.pool import POOL_MIN
+from mtc.sidecar.ram.blobs import BlobFiles
+from mtc.sidecar.ram.common import check_name, check_step, format_bytes, free_bytes
+from mtc.sidecar.ram.landing import MapCache
+from mtc.sidecar.ram.landings import Arrivals
+from mtc.sidecar.ram.pool import POOL_MIN, FreePool
+from mtc.sidecar.ram.steps import StepCatalog
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +35,66 @@ log = logging.getLogger(__name__)
 _YIELD_WAIT_S = 5.0
 
 
+class Pins:
+    """Blob names kept out of garbage collection while a writer or reader holds them (counted).
+
+    Changed under the store's lock, which every collection holds from its listing of what is live
+    to its last unlink: a name pinned before its blob is written is never collected.
+    """
+
+    def __init__(self, lock: threading.RLock):
+        self._lock = lock
+        self._counts: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def hold(self, names: Iterable[str]) -> Iterator[None]:
+        """Keep ``names`` out of garbage collection while the context is open.
+
+        For blobs written before anything references them (between ``BlobFiles.write`` and
+        ``RamStore.write_pending``, or received from a peer): pin first, then write.
+        """
+        names = [check_name(n) for n in names]
+        with self._lock:
+            self._counts.update(names)
+        try:
+            yield
+        finally:
+            with self._lock:
+                counts = self._counts
+                for n in names:  # no zero counts kept
+                    c = counts.get(n, 0)
+                    if c > 1:
+                        counts[n] = c - 1
+                    else:
+                        counts.pop(n, None)
+
+    def names(self) -> set[str]:
+        """The pinned names now (call it holding the store's lock, as a collection does)."""
+        return set(self._counts)
+
+
 class StoreSpace:
-    """Space accounting, retention and garbage collection of ``RamStore`` (a mixin)."""
+    """Space accounting, retention and garbage collection of one ``RamStore``.
+
+    Attributes:
+        max_to_keep: the number of committed steps kept (the head's ``local_max_to_keep``).
+    """
+
+    def __init__(self, root: Path, *, max_to_keep: int, lock: threading.RLock, catalog: StepCatalog,
+                 blobs: BlobFiles, pool: FreePool, maps: MapCache, arrivals: Arrivals, pins: Pins,
+                 round: Callable[[int], int]):
+        """``lock``: the store's metadata lock; ``round``: a size rounded up to what the
+        filesystem allocates for it (a tmpfs page)."""
+        self.root = root
+        self.max_to_keep = max_to_keep
+        self._lock = lock
+        self._catalog = catalog
+        self._blobs = blobs
+        self._pool = pool
+        self._maps = maps
+        self._arrivals = arrivals
+        self._pins = pins
+        self._round = round
 
     # --- space -------------------------------------------------------------------------
 
@@ -63,19 +126,19 @@ class StoreSpace:
             free = free_bytes(self.root)
             if needed - self._pool.reuse(sizes) <= free:
                 return
-            steps = self.committed_steps()
+            steps = self._catalog.committed()
             keep = max(1, self.max_to_keep - 1)
             drop = steps[:-keep] if len(steps) > keep else []
             kept = steps[len(drop):]
             live_pending = self._catalog.live_pending(kept)
             try:
-                live = self._catalog.live_blobs(kept, live_pending, self._pins)
+                live = self._catalog.live_blobs(kept, live_pending, self._pins.names())
             except ManifestError as e:
                 log.error("ramdisk %s: cannot free space safely: %s", self.root, e)
                 live = None
             reclaim = self._pool.stats()[1]
             if live is not None:
-                reclaim += self._blobs.allocated(self.list_blobs() - live)
+                reclaim += self._blobs.allocated(self._blobs.names() - live)
             if free + reclaim < needed <= free + reclaim + self._arrivals.held():
                 names = self._arrivals.yield_all(_YIELD_WAIT_S)
                 free = free_bytes(self.root)
@@ -93,19 +156,10 @@ class StoreSpace:
             # the others are freed. Either way the space counts: reused or free.
             want = Counter(n for n in sizes if n >= POOL_MIN)
             self._pool.drain(want)
-            self._gc_locked(frozenset(), want=want)
+            self._collect(frozenset(), want=want)
             free = free_bytes(self.root)
             if needed - self._pool.reuse(sizes) > free:
                 raise self._space_error(step, needed, free, 0)
-
-    def receiving(self, name: str, drop: Callable[[], None]) -> ContextManager:
-        """Register a peer copy of blob ``name`` being received, for as long as the context is open.
-
-        ``drop()`` makes the receive fail soon (it shuts the transfer's socket down); a save that
-        is short of room calls it (``check_space``), and the context's value (an ``Arrival``) then
-        says ``yielded``. Close the context only after the temp file is published or removed.
-        """
-        return self._arrivals.receiving(name, drop)
 
     def _space_error(self, step: int, needed: int, free: int, reclaim: int) -> InsufficientSpaceError:
         return InsufficientSpaceError(
@@ -119,26 +173,27 @@ class StoreSpace:
 
     def prune(self) -> None:
         """Keep the newest ``max_to_keep`` steps, drop stale pending manifests, then gc()."""
-        with self._lock:
-            _, dropped, collected = self._prune_locked()
+        _, dropped, collected = self.retain()
         for s in dropped:
             log.info("ramdisk %s: removed step %d (local_max_to_keep=%d)", self.root, s, self.max_to_keep)
         if collected:
             log.info("ramdisk %s: %s", self.root, collected.lstrip("; "))
 
-    def _prune_locked(self) -> tuple[list[int], list[int], str]:
-        """``prune`` under the lock, from one listing of steps/ and pending/: (steps kept, steps
-        removed, what garbage collection removed, as words for a log line: "" for nothing)."""
-        steps = self.committed_steps()
-        drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
-        dirs = self._catalog.pending_dirs()
-        for s in drop:
-            self._catalog.remove(s, pending=dirs.pop(s, None) is not None)
-        kept = steps[len(drop):]
-        self._catalog.remove_stale_pending(self._catalog.live_pending(kept, dirs), dirs)
-        collected = []
-        self._gc_locked(frozenset(), recycle=True, steps=kept, pending=dirs, report=collected)
-        return kept, drop, collected[0] if collected else ""
+    def retain(self) -> tuple[list[int], list[int], str]:
+        """``prune`` without its log lines (the caller says it: a commit, in one line), from one
+        listing of steps/ and pending/ under the lock: (steps kept, steps removed, what garbage
+        collection removed, as words for a log line: "" for nothing)."""
+        with self._lock:
+            steps = self._catalog.committed()
+            drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
+            dirs = self._catalog.pending_dirs()
+            for s in drop:
+                self._catalog.remove(s, pending=dirs.pop(s, None) is not None)
+            kept = steps[len(drop):]
+            self._catalog.remove_stale_pending(self._catalog.live_pending(kept, dirs), dirs)
+            collected = []
+            self._collect(frozenset(), recycle=True, steps=kept, pending=dirs, report=collected)
+            return kept, drop, collected[0] if collected else ""
 
     # --- garbage -----------------------------------------------------------------------
 
@@ -149,9 +204,9 @@ class StoreSpace:
         (an error is logged): deleting blindly could destroy a good step.
         """
         with self._lock:
-            return self._gc_locked(frozenset(extra_live))
+            return self._collect(frozenset(extra_live))
 
-    def _gc_locked(self, extra_live: frozenset, *, recycle: bool = False, want: Counter | None = None,
+    def _collect(self, extra_live: frozenset, *, recycle: bool = False, want: Counter | None = None,
                    steps: list[int] | None = None, pending: dict | None = None, report: list | None = None) -> int:
         """Collect unused blobs; returns their bytes.
 
@@ -161,15 +216,15 @@ class StoreSpace:
         ``pending_dirs`` as the caller listed them under this lock (else they are listed here).
         With ``report``, what was removed is appended to it as words instead of logged.
         """
-        steps = self.committed_steps() if steps is None else steps
+        steps = self._catalog.committed() if steps is None else steps
         dirs = self._catalog.pending_dirs() if pending is None else pending
         try:
-            live = self._catalog.live_blobs(steps, sorted(dirs), self._pins, dirs)
+            live = self._catalog.live_blobs(steps, sorted(dirs), self._pins.names(), dirs)
         except ManifestError as e:
             log.error("ramdisk %s: garbage collection skipped, a manifest is unreadable: %s", self.root, e)
             return 0
         live |= extra_live
-        garbage = self.list_blobs() - live
+        garbage = self._blobs.names() - live
         cap = None  # the pool's bound: worked out for the first file big enough to be pooled
         freed = count = pooled = 0
         directory = str(self._blobs.directory)
@@ -180,7 +235,7 @@ class StoreSpace:
                 if want is not None and want[st.st_size] > 0 and self._pool.recycle(path, st, None):
                     want[st.st_size] -= 1
                     pooled += 1
-                elif recycle and self.free_pool and st.st_size >= POOL_MIN:
+                elif recycle and self._pool.enabled and st.st_size >= POOL_MIN:
                     if cap is None:
                         cap = self._pool_cap(steps)
                     if self._pool.recycle(path, st, cap):
@@ -233,7 +288,7 @@ class StoreSpace:
         ``free_bytes`` plus the pool.
         """
         blob_bytes = count = 0
-        for name in self.list_blobs():
+        for name in self._blobs.names():
             with contextlib.suppress(FileNotFoundError):
                 blob_bytes += (self._blobs.directory / name).stat().st_size
                 count += 1
@@ -247,6 +302,6 @@ class StoreSpace:
             "free_pool_count": pool_count,
             "reclaimable_bytes": st.f_bavail * st.f_frsize + pool_bytes,
             "total_bytes": st.f_blocks * st.f_frsize,
-            "committed_steps": self.committed_steps(),
-            "pending_steps": self.pending_steps(),
+            "committed_steps": self._catalog.committed(),
+            "pending_steps": self._catalog.pending_steps(),
         }

@@ -32,7 +32,7 @@ DRIVER = textwrap.dedent(f"""
         return np.random.default_rng(step * 10 + i).integers(0, 256, {BLOB}, dtype=np.uint8)
 
     def save(store, step):
-        names = [store.write_blob(data(step, i))[0] for i in range(2)]
+        names = [store.blobs.write(data(step, i))[0] for i in range(2)]
         m = json.dumps({{"step": step, "shards": [{{"blob": n}} for n in names]}}).encode()
         store.write_pending(step, m)
         store.commit(step, m)
@@ -41,7 +41,7 @@ DRIVER = textwrap.dedent(f"""
     store = RamStore(root, max_to_keep=1)
     for step in (1, 2, 3):
         save(store, step)
-    print("pool", store.usage()["free_pool_count"], flush=True)
+    print("pool", store.space.usage()["free_pool_count"], flush=True)
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
     if mode == "idle":
         die()
@@ -85,21 +85,21 @@ def test_kill_with_free_pool_files(tmp_path, mode):
 
     store = RamStore(root, max_to_keep=1)
     assert [p for p in root.rglob(".tmp-*")] == []
-    assert store.committed_steps() == [3]
-    for sh in json.loads(store.read_step(3))["shards"]:
+    assert store.catalog.committed() == [3]
+    for sh in json.loads(store.catalog.read(3))["shards"]:
         assert sh["blob"] in {blob_name(expected(3, i)) for i in range(2)}
     # No visible blob has bytes other than its name says; the torn one is not visible.
-    for name in store.list_blobs():
-        assert store.verify_blob(name), name
+    for name in store.blobs.names():
+        assert store.blobs.verify(name), name
     torn = blob_name(expected(4, 0))
-    assert store.has_blob(torn) == (mode == "after_link")
-    assert store.usage()["free_pool_count"] == 0
+    assert store.blobs.has(torn) == (mode == "after_link")
+    assert store.space.usage()["free_pool_count"] == 0
     # Carrying on: step 4 saves, step 3 goes, and everything left verifies.
-    names = [store.write_blob(expected(4, i))[0] for i in range(2)]
+    names = [store.blobs.write(expected(4, i))[0] for i in range(2)]
     m = json.dumps({"step": 4, "shards": [{"blob": n} for n in names]}).encode()
     store.write_pending(4, m)
     store.commit(4, m)
-    assert store.committed_steps() == [4]
-    assert store.list_blobs() == set(names)
+    assert store.catalog.committed() == [4]
+    assert store.blobs.names() == set(names)
     for i, n in enumerate(names):
         assert store.read_blob(n) == expected(4, i)

@@ -39,12 +39,12 @@ DRIVER = textwrap.dedent(f"""
         for i in range({BLOBS_PER_STEP}):
             if i:
                 # Another I/O thread would be half-way through the next blob right now.
-                fd, tmp = store.open_temp_blob()
+                fd, tmp = store.blobs.open_temp()
                 os.write(fd, data(step, i)[: {BLOB} // 2].tobytes())
                 crash_point("between_blobs")
                 os.close(fd)
-                store.discard_temp_blob(tmp)
-            names.append(store.write_blob(data(step, i))[0])
+                store.blobs.discard_temp(tmp)
+            names.append(store.blobs.write(data(step, i))[0])
         m = json.dumps({{"step": step, "shards": [{{"blob": n, "i": i}} for i, n in enumerate(names)]}}).encode()
         store.write_pending(step, m)
         crash_point("before_commit")
@@ -66,16 +66,16 @@ def temps(root: Path) -> list[Path]:
 def check_reopened(root: Path, committed: list[int], killed: int | None) -> RamStore:
     store = RamStore(root, max_to_keep=2)
     assert temps(root) == []
-    assert store.committed_steps() == committed
+    assert store.catalog.committed() == committed
     if killed is not None:
         with pytest.raises(StepNotFoundError, match=f"step {killed} "):
-            store.read_step(killed)
+            store.catalog.read(killed)
     for s in committed:
-        shards = json.loads(store.read_step(s))["shards"]
+        shards = json.loads(store.catalog.read(s))["shards"]
         assert len(shards) == BLOBS_PER_STEP
         for sh in shards:
             buf = np.empty(BLOB, np.uint8)
-            store.read_blob_into(sh["blob"], buf)
+            store.blobs.read_into(sh["blob"], buf)
             assert buf.tobytes() == expected(s, sh["i"])
     return store
 
@@ -108,13 +108,13 @@ def test_kill_at_a_crash_point(tmp_path, crash_at, committed, torn_temp, new_blo
     store = check_reopened(root, committed, killed)
 
     # Carrying on after the crash: the next commit collects the killed step's leftovers.
-    names = [store.write_blob(expected(3, i))[0] for i in range(BLOBS_PER_STEP)]
+    names = [store.blobs.write(expected(3, i))[0] for i in range(BLOBS_PER_STEP)]
     store.commit(3, json.dumps({"step": 3, "shards": [{"blob": n, "i": i} for i, n in enumerate(names)]}).encode())
-    kept = store.committed_steps()
+    kept = store.catalog.committed()
     assert kept == [committed[-1], 3]
     live = {blob_name(expected(s, i)) for s in kept for i in range(BLOBS_PER_STEP)}
-    assert store.list_blobs() == live
-    assert store.pending_steps() == []
+    assert store.blobs.names() == live
+    assert store.catalog.pending_steps() == []
     check_reopened(root, kept, None)
 
 
@@ -141,7 +141,7 @@ def test_kill_at_an_arbitrary_moment(tmp_path, kill_after):
         proc.stdout.close()
         proc.stderr.close()
     store = RamStore(root, max_to_keep=2)
-    steps = store.committed_steps()
+    steps = store.catalog.committed()
     # The kill lands wherever the driver is (a later step may have committed meanwhile): what is
     # visible must be the newest max_to_keep steps, whole.
     newest = steps[-1] if steps else None

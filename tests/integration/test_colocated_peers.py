@@ -44,10 +44,10 @@ def test_colocated_sidecar_pulls_lost_blobs_from_a_peer(ramdisk, tmp_path):
             sizes = manifest.blob_sizes()
             local = RamStore(ramdisk / "mtc")
             for b in sizes:  # the peer holds a copy of every blob
-                other.write_blob(local.read_blob(b))
+                other.blobs.write(local.read_blob(b))
             lost = sorted(sizes)[:3]
             for b in lost:  # this host loses three blobs
-                local.blob_path(b).unlink()
+                local.blobs.path(b).unlink()
             assert m._cluster_steps() == []
             rows = [(b, sizes[b], ["ghost", "other"]) for b in lost]  # the first holder is unreachable
             out = m._dispatch.peer_pull(1, {host: rows}, peers={"other": server.address,

@@ -226,8 +226,8 @@ def test_sidecar_metrics_of_a_real_daemon(inprocess_daemon, ramdisk):
                 m.wait_until_finished()
             got = scrape_at(server.port)
             assert val(got, "mtc_sidecar_lease_generation", **h) == svc.lease.current()["generation"]
-        names = sorted(svc.store.list_blobs())
-        on_disk = sum(svc.store.blob_path(n).stat().st_size for n in names)
+        names = sorted(svc.store.blobs.names())
+        on_disk = sum(svc.store.blobs.path(n).stat().st_size for n in names)
         assert val(got, "mtc_sidecar_ramdisk_used_bytes", **h) == on_disk > 0
         st = os.statvfs(svc.store.root)
         assert 0 < val(got, "mtc_sidecar_ramdisk_free_bytes", **h) <= val(got, "mtc_sidecar_ramdisk_total_bytes", **h)
@@ -240,13 +240,13 @@ def test_sidecar_metrics_of_a_real_daemon(inprocess_daemon, ramdisk):
         with PeerClient(svc.peer_address, token) as c:
             pulled = sum(c.get(other, n) for n in names)
             lost = names[0]
-            svc.store.blob_path(lost).unlink()
+            svc.store.blobs.path(lost).unlink()
             assert c.put(other, lost)
         after = scrape_at(server.port)
         into = {"host": "s0-h0", "direction": "in"}
         assert val(after, "mtc_sidecar_peer_bytes_total", **into) - val(got, "mtc_sidecar_peer_bytes_total", **into) == (
-            other.blob_size(lost))
-        assert svc.store.blob_path(lost).stat().st_size == other.blob_size(lost)
+            other.blobs.size(lost))
+        assert svc.store.blobs.path(lost).stat().st_size == other.blobs.size(lost)
         assert pulled == on_disk
         out = {"host": "s0-h0", "direction": "out"}
         assert val(after, "mtc_sidecar_peer_bytes_total", **out) - val(got, "mtc_sidecar_peer_bytes_total", **out) == pulled

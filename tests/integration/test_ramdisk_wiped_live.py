@@ -59,11 +59,11 @@ def test_every_ramdisk_emptied_under_live_daemons_restores_from_backup_and_saves
 
 def test_ram_store_recreates_its_layout_once_after_a_wipe(ramdisk):
     store = RamStore(ramdisk / "mtc")
-    name, _ = store.write_blob(b"x" * 100_000)
+    name, _ = store.blobs.write(b"x" * 100_000)
     assert not store.check_layout()  # nothing missing: nothing done
     shutil.rmtree(ramdisk / "mtc")
     assert store.check_layout()
     assert not store.check_layout()
-    assert store.list_blobs() == set() and store.committed_steps() == []
-    assert store.write_blob(b"x" * 100_000) == (name, True)
+    assert store.blobs.names() == set() and store.catalog.committed() == []
+    assert store.blobs.write(b"x" * 100_000) == (name, True)
     assert store.read_blob(name) == b"x" * 100_000

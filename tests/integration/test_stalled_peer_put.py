@@ -135,7 +135,7 @@ def test_a_stalled_put_holds_no_room_a_local_save_needs(host):
     with CheckpointManager(cfg) as m:
         free0 = _free(root)
         declared = free0 - 20 * MIB  # most of the ramdisk: the put is accepted, the save then fits only
-        assert svc.store.fits([declared]) and declared + SAVE_BYTES > free0  # beside the room it declared
+        assert svc.store.space.fits([declared]) and declared + SAVE_BYTES > free0  # beside the room it declared
         sock = _start_put(server, name, declared, b"\x01")
         try:
             _poll("the stalled copy's temp file", lambda: _temp_files(svc))
@@ -152,7 +152,7 @@ def test_a_stalled_put_holds_no_room_a_local_save_needs(host):
             sock.close()
         # The sender goes away: its partial copy goes too.
         _poll("the partial copy's removal", lambda: not _temp_files(svc))
-    assert not svc.store.has_blob(name)
+    assert not svc.store.blobs.has(name)
 
 
 def test_a_put_without_progress_is_dropped_after_the_receive_deadline(host, caplog):
@@ -176,7 +176,7 @@ def test_a_put_without_progress_is_dropped_after_the_receive_deadline(host, capl
         assert sock.recv(1) == b""
     _poll("the partial copy's removal", lambda: not _temp_files(svc))
     assert _free(root) >= free0 - MIB, f"{(free0 - _free(root)) / MIB:.1f} MiB still held after the drop"
-    assert not svc.store.has_blob(name)
+    assert not svc.store.blobs.has(name)
     lines = [r.getMessage() for r in caplog.records if "dropped a put" in r.getMessage()]
     assert len(lines) == 1, lines  # logged once, with the peer and the blob
     assert name in lines[0] and str(port) in lines[0] and "after 1 of" in lines[0], lines[0]
@@ -209,4 +209,4 @@ def test_a_copy_that_arrived_in_part_gives_its_room_back_to_a_local_save(host):
             assert_trees_bitwise_equal(state, m.restore(1))
         finally:
             sock.close()
-        assert not _temp_files(svc) and not svc.store.has_blob(name)
+        assert not _temp_files(svc) and not svc.store.blobs.has(name)

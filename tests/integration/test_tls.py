@@ -196,10 +196,10 @@ def test_a_colocated_sidecar_serves_and_pulls_over_tls_from_mtc_tls_dir(ramdisk,
             sizes = m._dispatch.manifest(1).blob_sizes()
             local = RamStore(ramdisk / "mtc")
             for b in sizes:
-                other.write_blob(local.read_blob(b))
+                other.blobs.write(local.read_blob(b))
             lost = sorted(sizes)[:2]
             for b in lost:
-                local.blob_path(b).unlink()
+                local.blobs.path(b).unlink()
             res = m._dispatch.peer_pull(1, {host: [(b, sizes[b], ["other"]) for b in lost]},
                                         peers={"other": server.address})[host]
             assert res.error is None and not res.failed and res.pulled_bytes == sum(sizes[b] for b in lost), res

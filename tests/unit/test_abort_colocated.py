@@ -63,7 +63,7 @@ def test_service_inventory_share_and_per_box_fallback(ramdisk):
         assert (whole["step"], whole["blobs"], whole["local_blobs"]) == (1, 9, 9)  # 8 row blocks + the replica
         (share,) = svc.inventory(devices=[0, 1])["steps"]
         assert share["blobs"] == 3  # two row blocks and the replicated array
-        manifest = svc.manifest(1)
+        manifest = svc.committed.manifest(1)
         w = next(a for a in manifest.arrays if a.key == "['w']")
         bad = w.shards[3]
         path = ramdisk / "mtc" / "blobs" / bad.blob

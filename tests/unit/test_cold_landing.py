@@ -46,7 +46,7 @@ def fill_step(store: RamStore, step: int, blobs: list[np.ndarray]) -> list[bool]
     """Save ``blobs`` as ``step`` through landings as the colocated head does (fill the cold
     ones, copy into the warm ones); whether each landing was cold."""
     names, colds = [], []
-    with store.land([b.nbytes for b in blobs], cold_ok=True) as batch:
+    with store.landings.land([b.nbytes for b in blobs], cold_ok=True) as batch:
         for data, x in zip(blobs, batch.landings):
             colds.append(x.cold)
             if x.cold:
@@ -55,7 +55,7 @@ def fill_step(store: RamStore, step: int, blobs: list[np.ndarray]) -> list[bool]
             else:
                 np.copyto(x.buffer, data)
                 name = blob_name(x.buffer)
-            store.publish_landed(x, name)
+            store.landings.publish(x, name)
             names.append(name)
     store.write_pending(step, manifest(step, names))
     store.commit(step, manifest(step, names))
@@ -67,17 +67,17 @@ def test_cold_landings_are_filled_then_come_back_from_the_pool_warm(tmp_path):
     store = RamStore(tmp_path / "mtc", max_to_keep=1)
     steps = {s: [rand(256 * KiB, 10 * s + i) for i in range(3)] for s in range(1, 5)}
     assert fill_step(store, 1, steps[1]) == [True, True, True]  # a fresh ramdisk: nothing is warm
-    assert store.warmer.drain(timeout=30)
-    assert store.warmer.warmed == 3
+    assert store.landings.warmer.drain(timeout=30)
+    assert store.landings.warmer.warmed == 3
     assert fill_step(store, 2, steps[2]) == [True, True, True]  # step 1 is still kept: no pool yet
-    assert store.warmer.drain(timeout=30)
+    assert store.landings.warmer.drain(timeout=30)
     # Committing 2 pruned 1: its files (warmed) are the pool; this save copies into their maps.
     assert fill_step(store, 3, steps[3]) == [False, False, False]
     assert fill_step(store, 4, steps[4]) == [False, False, False]
-    assert store.filled_bytes == 6 * 256 * KiB and store.landed_bytes == 12 * 256 * KiB
+    assert store.landings.filled_bytes == 6 * 256 * KiB and store.landings.landed_bytes == 12 * 256 * KiB
     for s in (4,):
         for d in steps[s]:
-            assert store.read_blob(blob_name(d)) == d.tobytes() and store.verify_blob(blob_name(d))
+            assert store.read_blob(blob_name(d)) == d.tobytes() and store.blobs.verify(blob_name(d))
     assert temps(store) == []
 
 
@@ -85,13 +85,13 @@ def test_cold_landings_are_filled_then_come_back_from_the_pool_warm(tmp_path):
 def test_the_warmer_holds_off_while_a_save_is_landing(tmp_path):
     store = RamStore(tmp_path / "mtc", max_to_keep=2)
     fill_step(store, 1, [rand(256 * KiB, 20)])
-    with store.land([256 * KiB], cold_ok=True) as batch:  # the next save is landing
+    with store.landings.land([256 * KiB], cold_ok=True) as batch:  # the next save is landing
         (x,) = batch.landings
         x.fill(rand(256 * KiB, 21))
-        assert not store.warmer.drain(timeout=1.0)  # step 1's map waits for it
-        assert store.warmer.warmed == 0
-        store.publish_landed(x, x.name)
-    assert store.warmer.drain(timeout=30) and store.warmer.warmed == 2
+        assert not store.landings.warmer.drain(timeout=1.0)  # step 1's map waits for it
+        assert store.landings.warmer.warmed == 0
+        store.landings.publish(x, x.name)
+    assert store.landings.warmer.drain(timeout=30) and store.landings.warmer.warmed == 2
 
 
 @pytest.mark.unit
@@ -104,9 +104,9 @@ def test_a_kernel_that_refuses_populate_write_gets_the_fallback_logged_once(tmp_
     store = RamStore(tmp_path / "mtc", max_to_keep=1)
     a, b, c = ([rand(128 * KiB, 100 * s + i) for i in range(2)] for s in range(3))
     fill_step(store, 1, a)
-    assert store.warmer.drain(timeout=30)  # before committing 2 renames step 1's files into the pool
+    assert store.landings.warmer.drain(timeout=30)  # before committing 2 renames step 1's files into the pool
     fill_step(store, 2, b)
-    assert store.warmer.drain(timeout=30) and store.warmer.warmed == 4
+    assert store.landings.warmer.drain(timeout=30) and store.landings.warmer.warmed == 4
     assert fill_step(store, 3, c) == [False, False]  # warm, through the remapped maps
     for d in c:
         assert store.read_blob(blob_name(d)) == d.tobytes()
@@ -136,7 +136,7 @@ def test_a_fill_that_runs_out_of_room_is_declined_and_leaves_nothing(tmpfs16):
         gc.collect()
         hog.unlink()
         # A landing filled by hand past the room raises the OSError itself.
-        with svc.store.land([6 * MiB], cold_ok=True) as batch:
+        with svc.store.landings.land([6 * MiB], cold_ok=True) as batch:
             (x,) = batch.landings
             with open(hog, "wb") as f:
                 f.write(b"\0" * (11 * MiB))
@@ -171,12 +171,12 @@ def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(pages, 
         for step, host in enumerate(plan):
             mgr.latest_step()  # the sidecar (and its landing zone) is up
             store = landing.find(cfg.ramdisk_root)._service.store
-            before = (store.filled_bytes, store.landed_bytes)
+            before = (store.landings.filled_bytes, store.landings.landed_bytes)
             mgr.save(step, {"w": jax.device_put(host, sharding)}, force=True)
             mgr.wait_until_finished()
-            assert store.warmer.drain(timeout=30)
-            filled.append((store.filled_bytes - before[0], store.landed_bytes - before[1]))
-            names[step] = fmt.collect_blob_names(store.read_step(step))
+            assert store.landings.warmer.drain(timeout=30)
+            filled.append((store.landings.filled_bytes - before[0], store.landings.landed_bytes - before[1]))
+            names[step] = fmt.collect_blob_names(store.catalog.read(step))
             out = mgr.restore(step, target=target)
             assert np.asarray(out["w"]).tobytes() == host.tobytes()
         assert filled[0] == (hosts[0].nbytes, hosts[0].nbytes)  # cold: every shard written with write()
@@ -205,11 +205,11 @@ def test_a_daemon_receives_a_fresh_ramdisks_first_saves_with_write_then_into_war
     moved = []
     with CheckpointManager(cfg) as mgr:
         for step, host in enumerate(hosts):
-            before = (svc.store.filled_bytes, svc.store.landed_bytes)
+            before = (svc.store.landings.filled_bytes, svc.store.landings.landed_bytes)
             mgr.save(step, {"w": jax.device_put(host, sharding)}, force=True)
             mgr.wait_until_finished()
-            assert svc.store.warmer.drain(timeout=30)
-            moved.append((svc.store.filled_bytes - before[0], svc.store.landed_bytes - before[1]))
+            assert svc.store.landings.warmer.drain(timeout=30)
+            moved.append((svc.store.landings.filled_bytes - before[0], svc.store.landings.landed_bytes - before[1]))
             assert np.asarray(mgr.restore(step, target=target)["w"]).tobytes() == host.tobytes()
     n = hosts[0].nbytes
     assert moved[0] == (n, n) and moved[1] == (n, n)  # new files: received with pwrite
@@ -227,7 +227,7 @@ def test_a_receive_that_finds_the_ramdisk_full_goes_on_into_memory(tmpfs16):
     data = rand(6 * MiB, 90)
     a, b = socket.socketpair()
     try:
-        with store.land([data.nbytes], cold_ok=True) as batch:
+        with store.landings.land([data.nbytes], cold_ok=True) as batch:
             (x,) = batch.landings
             assert x.cold
             with open(tmpfs16 / "hog", "wb") as f:  # the room goes to another writer first

@@ -60,15 +60,15 @@ def _save(svcs, step: int, keepers: list[str]) -> tuple[bytes, str, np.ndarray]:
 
 def test_a_host_that_is_not_a_keeper_commits_a_record_and_fetches_the_manifest_when_needed(services):
     manifest, digest, data = _save(services, 1, ["h0"])
-    assert fmt.CommitRecord.parse(services["h0"].store.read_step(1)) is None  # the keeper: the manifest
-    rec = fmt.CommitRecord.parse(services["h2"].store.read_step(1))
+    assert fmt.CommitRecord.parse(services["h0"].store.catalog.read(1)) is None  # the keeper: the manifest
+    rec = fmt.CommitRecord.parse(services["h2"].store.catalog.read(1))
     assert rec.digest == digest and rec.keepers == (("h0", services["h0"].peer_address),)
     # Its own blobs are kept alive by the record alone (garbage collection reads it).
-    assert fmt.collect_blob_names(services["h2"].store.read_step(1)) == rec.host_manifest().blob_names()
-    assert services["h2"].store.committed_steps() == [1]
+    assert fmt.collect_blob_names(services["h2"].store.catalog.read(1)) == rec.host_manifest().blob_names()
+    assert services["h2"].store.catalog.committed() == [1]
     # First need of the whole manifest: fetched from the keeper, checked, and it replaces the record.
-    m = services["h2"].manifest(1)
-    assert m.digest == digest and services["h2"].store.read_step(1) == manifest
+    m = services["h2"].committed.manifest(1)
+    assert m.digest == digest and services["h2"].store.catalog.read(1) == manifest
     got = services["h2"].read_box(1, "['w']", ((4, 6), (0, 4)))
     assert np.asarray(got).tobytes() == data[4:6].tobytes()
 
@@ -77,7 +77,7 @@ def test_without_a_keeper_the_step_is_damaged_not_wrong(services):
     _save(services, 2, ["h0"])
     services["h0"].close()  # the only keeper is gone
     with pytest.raises(ManifestError, match="no keeper could give its manifest.*h0"):
-        services["h1"].manifest(2)
+        services["h1"].committed.manifest(2)
     # Its inventory needs no manifest: it reports its own part, which the head reads with the manifest.
     (row,) = services["h1"].inventory()["steps"]
     assert row["part"] and row["step"] == 2 and row["blobs"] == row["local_blobs"] == 1
@@ -99,7 +99,7 @@ def test_the_head_reads_part_rows_with_the_manifest(services):
     blind = step_views(inv)[4]
     assert not blind.restorable and blind.hosts == ("h0",)
     # Records never fetched anything for an inventory.
-    assert fmt.CommitRecord.parse(services["h2"].store.read_step(4)) is not None
+    assert fmt.CommitRecord.parse(services["h2"].store.catalog.read(4)) is not None
 
 
 def test_a_keeper_whose_copy_was_changed_is_not_believed(services):
@@ -108,8 +108,8 @@ def test_a_keeper_whose_copy_was_changed_is_not_believed(services):
     header, *parts = path.read_bytes().split(b"\n")
     parts[0] = parts[0].replace(b'"seconds":', b'"seconds": ')  # valid JSON, same header claim
     path.write_bytes(b"\n".join([header, *parts]))
-    m = services["h2"].manifest(3)  # h0's copy fails its check; h1's is taken
-    assert m.digest == digest and services["h2"].store.read_step(3) == manifest
+    m = services["h2"].committed.manifest(3)  # h0's copy fails its check; h1's is taken
+    assert m.digest == digest and services["h2"].store.catalog.read(3) == manifest
 
 
 def _flip_a_part_digit(path) -> None:
@@ -133,7 +133,7 @@ def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services)
     assert inv["damaged"] == [5] and inv["steps"] == []
     # The head gives it the manifest the others agree on: it replaces the damaged record.
     assert services["h2"].peer_pull(5, [], {}, manifest)["adopted"]
-    assert services["h2"].store.read_step(5) == manifest
+    assert services["h2"].store.catalog.read(5) == manifest
     assert [s["step"] for s in services["h2"].inventory()["steps"]] == [5]
 
 
@@ -159,8 +159,8 @@ def test_a_record_host_reads_its_own_shards_by_its_local_view_without_the_other_
     # own part suffice; the step file stays a record (the whole manifest was not fetched).
     bufs, errors = h1.read_boxes_each(6, [("['w']", ((2, 4), (0, 4)))], manifest=digest)
     assert not errors and np.asarray(bufs[0]).tobytes() == data[2:4].tobytes()
-    assert fmt.CommitRecord.parse(h1.store.read_step(6)) is not None
-    view = h1._view_for(6, [("['w']", ((2, 4), (0, 4)))])
+    assert fmt.CommitRecord.parse(h1.store.catalog.read(6)) is not None
+    view = h1.committed.view_for(6, [("['w']", ((2, 4), (0, 4)))])
     assert view.local_part == "h1" and view.digest == digest
     assert [s.box for a in view.arrays for s in a.shards] == [((2, 4), (0, 4))]
     with pytest.raises(ManifestError, match="never written or sent"):
@@ -168,7 +168,7 @@ def test_a_record_host_reads_its_own_shards_by_its_local_view_without_the_other_
     # A box that is not one of its shards (a resharded restore): it reads by the whole manifest,
     # fetched (it replaces the record); the rows of h0 and h2 are not here, which the error names.
     bufs, errors = h1.read_boxes_each(6, [("['w']", ((0, 6), (0, 4)))], manifest=digest)
-    assert h1.store.read_step(6) == manifest
+    assert h1.store.catalog.read(6) == manifest
     assert [e[:2] for e in errors] == [(0, "CorruptBlobError")] and "shard [0:2, 0:4]" in errors[0][2], errors
 
 
@@ -206,7 +206,7 @@ def test_a_sidecar_keeps_no_manifest_of_a_step_it_pruned(services):
         for svc in services.values():
             svc.inventory()  # the keepers load their manifests
     for svc in services.values():
-        committed = svc.store.committed_steps()
+        committed = svc.store.catalog.committed()
         assert committed == [5, 6]
         assert set(svc.index.manifests) <= set(committed) and set(svc.index.committed) == set(committed)
 
@@ -242,6 +242,6 @@ def test_an_inventory_beside_a_commit_that_prunes_is_not_an_error(tmp_path):
         svc.index.manifests.pop(1, None)
         inv = svc.inventory()
         assert [r["step"] for r in inv["steps"]] == [2] and inv["damaged"] == []
-        assert svc.store.committed_steps() == [2]  # a pruned step is never brought back
+        assert svc.store.catalog.committed() == [2]  # a pruned step is never brought back
     finally:
         svc.close()

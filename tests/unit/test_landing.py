@@ -38,14 +38,14 @@ def manifest(step: int, names) -> bytes:
 
 def land_step(store: RamStore, step: int, blobs: list[np.ndarray]) -> tuple[list[str], list[int]]:
     """Save ``blobs`` as ``step`` through landings; (names, buffer addresses)."""
-    batch = store.land([b.nbytes for b in blobs])
+    batch = store.landings.land([b.nbytes for b in blobs])
     assert all(buf is not None for buf in batch.buffers), "every shard should have landed"
     names, addresses = [], []
     with batch:
         for data, x in zip(blobs, batch.landings):
             np.copyto(x.buffer, data)
             name = blob_name(x.buffer)
-            store.publish_landed(x, name)
+            store.landings.publish(x, name)
             names.append(name)
             addresses.append(x.address)
     store.write_pending(step, manifest(step, names))
@@ -77,15 +77,15 @@ def test_a_landing_is_published_under_its_hash_whole(tmp_path):
     names, _ = land_step(store, 1, data)
     for name, d in zip(names, data):
         assert store.read_blob(name) == d.tobytes()
-        assert store.verify_blob(name)
-    assert store.landed_bytes == sum(d.nbytes for d in data)
+        assert store.blobs.verify(name)
+    assert store.landings.landed_bytes == sum(d.nbytes for d in data)
     assert temps(store) == []
 
 
 @pytest.mark.unit
 def test_small_shards_are_not_landed(tmp_path):
     store = RamStore(tmp_path / "mtc")
-    with store.land([LANDING_MIN - 1, 0, LANDING_MIN]) as batch:
+    with store.landings.land([LANDING_MIN - 1, 0, LANDING_MIN]) as batch:
         assert [b is None for b in batch.buffers] == [True, True, False]
     assert temps(store) == []
 
@@ -95,27 +95,27 @@ def test_an_equal_blob_that_exists_is_not_written_again(tmp_path):
     store = RamStore(tmp_path / "mtc")
     d = rand(128 * KiB, 3)
     (name,), _ = land_step(store, 1, [d])
-    before = store.blob_path(name).stat().st_ino
-    with store.land([d.nbytes]) as batch:
+    before = store.blobs.path(name).stat().st_ino
+    with store.landings.land([d.nbytes]) as batch:
         (x,) = batch.landings
         np.copyto(x.buffer, d)
-        assert store.publish_landed(x, blob_name(x.buffer)) is False
-    assert store.blob_path(name).stat().st_ino == before  # the committed file was not replaced
+        assert store.landings.publish(x, blob_name(x.buffer)) is False
+    assert store.blobs.path(name).stat().st_ino == before  # the committed file was not replaced
     assert temps(store) == []
-    assert store.landed_bytes == d.nbytes
+    assert store.landings.landed_bytes == d.nbytes
 
 
 @pytest.mark.unit
 def test_a_failed_save_leaves_no_visible_file(tmp_path):
     store = RamStore(tmp_path / "mtc")
     with pytest.raises(RuntimeError):
-        with store.land([256 * KiB, 256 * KiB]) as batch:
+        with store.landings.land([256 * KiB, 256 * KiB]) as batch:
             np.copyto(batch.buffers[0], rand(256 * KiB, 4))
             raise RuntimeError("the save failed half way")
-    assert temps(store) == [] and store.list_blobs() == set()
+    assert temps(store) == [] and store.blobs.names() == set()
     # A landing given up cannot be published afterwards.
     with pytest.raises(ValueError, match="already published or discarded"):
-        store.publish_landed(batch.landings[0], blob_name(batch.buffers[0]))
+        store.landings.publish(batch.landings[0], blob_name(batch.buffers[0]))
 
 
 @pytest.mark.unit
@@ -123,10 +123,10 @@ def test_landings_reuse_pruned_files_and_their_maps(tmp_path):
     store = RamStore(tmp_path / "mtc", max_to_keep=1)
     size = 512 * KiB
     names1, addr1 = land_step(store, 1, [rand(size, 10), rand(size, 11)])
-    inodes1 = {store.blob_path(n).stat().st_ino for n in names1}
+    inodes1 = {store.blobs.path(n).stat().st_ino for n in names1}
     land_step(store, 2, [rand(size, 12), rand(size, 13)])  # step 1 is pruned into the pool
     names3, addr3 = land_step(store, 3, [rand(size, 14), rand(size, 15)])
-    assert {store.blob_path(n).stat().st_ino for n in names3} == inodes1  # its pages, rewritten in place
+    assert {store.blobs.path(n).stat().st_ino for n in names3} == inodes1  # its pages, rewritten in place
     assert set(addr3) == set(addr1)  # and the same maps: no page faults the second time
     for n, seed in zip(names3, (14, 15)):
         assert store.read_blob(n) == rand(size, seed).tobytes()
@@ -138,7 +138,7 @@ def test_a_deleted_blob_is_not_held_by_a_kept_map(tmp_path):
     store = RamStore(root, max_to_keep=1, free_pool=False)  # collected files are unlinked, not pooled
     (n1,), _ = land_step(store, 1, [rand(256 * KiB, 20)])
     gc.collect()
-    first = store.blob_path(n1).stat().st_ino
+    first = store.blobs.path(n1).stat().st_ino
     assert mapped_inodes(root) == {first}  # kept for the next save
     land_step(store, 2, [rand(256 * KiB, 21)])  # step 1's blob is unlinked: its map must go
     gc.collect()
@@ -151,7 +151,7 @@ def test_a_restored_map_is_never_landed_in(tmp_path):
     store = RamStore(tmp_path / "mtc", max_to_keep=1)
     d = rand(256 * KiB, 30)
     (name,), _ = land_step(store, 1, [d])
-    restored = store.map_blob(name, d.nbytes)  # what a restore holds
+    restored = store.blobs.map(name, d.nbytes)  # what a restore holds
     for step in range(2, 5):  # same sizes: the pool would love that file
         land_step(store, step, [rand(256 * KiB, 30 + step)])
         assert restored.tobytes() == d.tobytes(), f"the restored array changed at step {step}"
@@ -162,7 +162,7 @@ def test_closing_the_store_lets_go_of_its_maps(tmp_path):
     root = tmp_path / "mtc"
     store = RamStore(root)
     land_step(store, 1, [rand(256 * KiB, 40)])
-    with store.land([256 * KiB]):
+    with store.landings.land([256 * KiB]):
         store.close()  # also drops a landing in flight
     gc.collect()
     assert mapped_inodes(root) == set() and temps(store) == []
@@ -171,12 +171,12 @@ def test_closing_the_store_lets_go_of_its_maps(tmp_path):
 @pytest.mark.integration
 def test_no_room_for_every_shard_lands_none(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
-    with store.land([6 * MiB, 6 * MiB, 6 * MiB]) as batch:  # 18 MiB do not fit in 16
+    with store.landings.land([6 * MiB, 6 * MiB, 6 * MiB]) as batch:  # 18 MiB do not fit in 16
         assert batch.buffers == [None, None, None]
-    assert temps(store) == [] and store.usage()["blob_bytes"] == 0
-    with store.land([6 * MiB, 6 * MiB]) as batch:
+    assert temps(store) == [] and store.space.usage()["blob_bytes"] == 0
+    with store.landings.land([6 * MiB, 6 * MiB]) as batch:
         assert all(b is not None for b in batch.buffers)
-        assert store.usage()["free_bytes"] < 5 * MiB  # fallocated: the space is taken before any byte
+        assert store.space.usage()["free_bytes"] < 5 * MiB  # fallocated: the space is taken before any byte
 
 
 @pytest.mark.integration
@@ -186,13 +186,13 @@ def test_write_shards_hashes_first_when_only_dedupe_makes_the_step_fit(tmpfs16):
     svc = SidecarService(tmpfs16 / "mtc", max_to_keep=1)
     try:
         shards = [(0, ((0, 6 * MiB),), rand(6 * MiB, 50)), (1, ((0, 6 * MiB),), rand(6 * MiB, 51))]
-        with svc.land([s[2].nbytes for s in shards]) as batch:
+        with svc.store.landings.land([s[2].nbytes for s in shards]) as batch:
             for (a, box, d), buf in zip(shards, batch.buffers):
                 np.copyto(buf, d)
             m = svc.write_shards(1, [(a, box, buf) for (a, box, _), buf in zip(shards, batch.buffers)])
         # Step 1 stays pending: its host manifest keeps its blobs alive.
-        assert m.written_bytes == 12 * MiB and svc.store.landed_bytes == 12 * MiB
-        with svc.land([6 * MiB, 6 * MiB]) as batch:
+        assert m.written_bytes == 12 * MiB and svc.store.landings.landed_bytes == 12 * MiB
+        with svc.store.landings.land([6 * MiB, 6 * MiB]) as batch:
             assert batch.buffers == [None, None]  # 12 MiB more do not fit
         m2 = svc.write_shards(2, shards)
         assert m2.written_bytes == 0 and {s.blob for s in m2.shards} == {s.blob for s in m.shards}
@@ -226,7 +226,7 @@ def test_a_colocated_save_lands_its_shards_and_donation_after_save_is_safe(ramdi
         jax.block_until_ready(state)
         mgr.wait_until_finished()
         store = landing.find(cfg.ramdisk_root)._service.store
-        assert store.landed_bytes == saved.nbytes + LANDING_MIN * 4  # every shard and the numpy leaf, in place
+        assert store.landings.landed_bytes == saved.nbytes + LANDING_MIN * 4  # every shard and the numpy leaf, in place
         assert [p for p in (cfg.ramdisk_root / "blobs").iterdir() if p.name.startswith(".tmp-")
                 and not p.name.startswith(ram.FREE_PREFIX)] == []
         target = {"w": jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=sharding), "n": np.zeros(LANDING_MIN, np.int32), "k": 0}
@@ -260,19 +260,19 @@ def test_a_daemon_receives_a_write_into_landings_and_a_refused_one_leaves_nothin
     with CheckpointManager(cfg) as mgr:
         mgr.save(1, {"w": jax.device_put(host, sharding)}, force=True)
         mgr.wait_until_finished()
-        assert svc.store.landed_bytes == host.nbytes  # received in place, not copied again
+        assert svc.store.landings.landed_bytes == host.nbytes  # received in place, not copied again
         assert np.asarray(mgr.restore(1, target=target)["w"]).tobytes() == host.tobytes()
         # A newer head takes the host; the old one's next write is received, refused, and
         # the landings it filled are removed.
         with CheckpointManager(cfg) as newer:
             newer.save(2, {"w": jax.device_put(host + 1, sharding)}, force=True)
             newer.wait_until_finished()
-            landed = svc.store.landed_bytes
+            landed = svc.store.landings.landed_bytes
             mgr.save(3, {"w": jax.device_put(host + 2, sharding)}, force=True)
             with pytest.raises(FencedError):  # the news that matters: another head drives the host
                 mgr.wait_until_finished()
-            assert svc.store.landed_bytes == landed
+            assert svc.store.landings.landed_bytes == landed
             assert [p for p in svc.store.root.joinpath("blobs").iterdir()
                     if p.name.startswith(".tmp-") and not p.name.startswith(ram.FREE_PREFIX)] == []
-            assert svc.steps() == [1, 2]
+            assert svc.store.catalog.committed() == [1, 2]
 

@@ -1,4 +1,4 @@
-"""Incoming peer copies yield to local saves (``RamStore.receiving``, ``check_space``).
+"""Incoming peer copies yield to local saves (``Arrivals.receiving``, ``check_space``).
 
 A copy received into a recycled pool file holds the whole file from its first byte; when a save
 is short of that room, the copy is dropped (its socket shut down, its temp file removed) and the
@@ -34,7 +34,7 @@ def manifest(step: int, names) -> bytes:
 
 
 def save_step(store: RamStore, step: int, blobs: list[bytes]) -> None:
-    names = [store.write_blob(b)[0] for b in blobs]
+    names = [store.blobs.write(b)[0] for b in blobs]
     store.write_pending(step, manifest(step, names))
     store.commit(step, manifest(step, names))
 
@@ -46,7 +46,7 @@ def temps(store: RamStore) -> list[Path]:
 
 
 def pool_bytes(store: RamStore) -> int:
-    return store.usage()["free_pool_bytes"]
+    return store.space.usage()["free_pool_bytes"]
 
 
 class StalledCopy:
@@ -100,16 +100,16 @@ def test_a_copy_in_a_recycled_file_yields_its_room_to_a_save(store):
     copy = StalledCopy(store, 6 * MiB)
     try:
         _wait_for("the copy to take the pool file", lambda: temps(store) and pool_bytes(store) == 0)
-        free = store.usage()["free_bytes"]
+        free = store.space.usage()["free_bytes"]
         assert free < 8 * MiB  # a step of 8 MiB fits only with the copy's room
-        store.check_space(8 * MiB, step=3)  # before: InsufficientSpaceError (the copy held the file)
+        store.space.check_space(8 * MiB, step=3)  # before: InsufficientSpaceError (the copy held the file)
         assert copy.done.wait(10)
         assert isinstance(copy.error, YieldedCopyError), copy.error
         assert isinstance(copy.error, InsufficientSpaceError)  # what replication already retries on
         msg = str(copy.error)
         assert copy.name in msg and "local save" in msg and "retries later" in msg, msg
-        assert not temps(store) and not store.has_blob(copy.name)
-        assert store.usage()["free_bytes"] >= 8 * MiB
+        assert not temps(store) and not store.blobs.has(copy.name)
+        assert store.space.usage()["free_bytes"] >= 8 * MiB
     finally:
         copy.close()
 
@@ -119,7 +119,7 @@ def test_a_save_that_would_not_fit_anyway_drops_no_copy(store):
     try:
         _wait_for("the copy to take the pool file", lambda: temps(store) and pool_bytes(store) == 0)
         with pytest.raises(InsufficientSpaceError, match="step 3 does not fit"):
-            store.check_space(15 * MiB, step=3)
+            store.space.check_space(15 * MiB, step=3)
         assert not copy.done.is_set() and len(temps(store)) == 1  # still being received
     finally:
         copy.close()
@@ -130,13 +130,13 @@ def test_a_save_that_would_not_fit_anyway_drops_no_copy(store):
 def test_a_copy_into_a_fresh_file_holds_only_what_arrived(small_huge_tmpfs):
     s = RamStore(small_huge_tmpfs / "mtc", max_to_keep=1)
     assert s.huge_pages  # received straight into a map of the temp file
-    free0 = s.usage()["free_bytes"]
+    free0 = s.space.usage()["free_bytes"]
     copy = StalledCopy(s, 6 * MiB)  # most of the 8 MiB ramdisk
     try:
         _wait_for("the copy's temp file", lambda: temps(s))
-        held = free0 - s.usage()["free_bytes"]
+        held = free0 - s.space.usage()["free_bytes"]
         assert held <= 4 * MiB, f"a copy that sent 1 byte holds {held / MiB:.0f} MiB"  # before: all 6
-        s.check_space(2 * MiB, step=1)  # fits beside it: nothing to take back
+        s.space.check_space(2 * MiB, step=1)  # fits beside it: nothing to take back
         assert not copy.done.is_set()
     finally:
         copy.close()

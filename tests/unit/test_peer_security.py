@@ -43,7 +43,7 @@ def server(stores):
 
 def blobs(store: RamStore, n: int = 3, size: int = 1 << 20, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
-    return [store.write_blob(rng.integers(0, 256, size + i, dtype=np.uint8))[0] for i in range(n)]
+    return [store.blobs.write(rng.integers(0, 256, size + i, dtype=np.uint8))[0] for i in range(n)]
 
 
 def connect(server: PeerServer) -> socket.socket:
@@ -80,13 +80,13 @@ def tree(store: RamStore) -> set[str]:
 
 def test_get_put_and_have_move_blobs_bit_for_bit(server, stores):
     a, b = stores
-    names = blobs(a) + [a.write_blob(b"")[0]]
+    names = blobs(a) + [a.blobs.write(b"")[0]]
     with PeerClient(server.address, TOKEN, peer="a") as c:
         assert c.have(names + [blob_name(b"absent")]) == set(names)
         for n in names:
-            assert c.get(b, n, size=a.blob_size(n)) == a.blob_size(n)
+            assert c.get(b, n, size=a.blobs.size(n)) == a.blobs.size(n)
             assert b.read_blob(n) == a.read_blob(n)
-        mine = b.write_blob(b"pushed by b" * 1000)[0]
+        mine = b.blobs.write(b"pushed by b" * 1000)[0]
         assert c.put(b, mine) is True
         assert a.read_blob(mine) == b.read_blob(mine)
         assert c.put(b, mine) is False  # already there: nothing added
@@ -106,14 +106,14 @@ def test_have_is_batched_for_long_lists(server, stores):
 def test_a_corrupt_copy_on_the_server_is_detected_and_not_kept(server, stores):
     a, b = stores
     (name,) = blobs(a, 1)
-    path = a.blob_path(name)
+    path = a.blobs.path(name)
     data = bytearray(path.read_bytes())
     data[12345] ^= 0x40
     path.write_bytes(bytes(data))
     with PeerClient(server.address, TOKEN, peer="a") as c:
         with pytest.raises(BadCopyError, match="corrupt"):
             c.get(b, name, size=len(data))
-        assert not b.has_blob(name)
+        assert not b.blobs.has(name)
         assert c.have([name]) == {name}  # the same connection still serves
         with pytest.raises(BadCopyError, match="sizes"):
             c.get(b, name, size=len(data) + 1)  # not the size the manifest says
@@ -125,9 +125,9 @@ def test_a_corrupt_copy_on_the_server_is_detected_and_not_kept(server, stores):
 def test_verify_removes_a_corrupt_copy_at_its_holder_and_never_a_good_one(server, stores):
     a, b = stores
     bad, good = blobs(a, 2)
-    flipped = bytearray(a.blob_path(bad).read_bytes())
+    flipped = bytearray(a.blobs.path(bad).read_bytes())
     flipped[999] ^= 0x01
-    a.blob_path(bad).write_bytes(bytes(flipped))
+    a.blobs.path(bad).write_bytes(bytes(flipped))
     with PeerClient(server.address, TOKEN, peer="a") as c:
         assert c.verify(good) == "ok"  # a request alone removes nothing
         assert c.verify(bad) == "removed"
@@ -135,8 +135,8 @@ def test_verify_removes_a_corrupt_copy_at_its_holder_and_never_a_good_one(server
         assert c.have([bad, good]) == {good}
         with pytest.raises(CorruptBlobError, match="does not hold"):
             c.get(b, bad)
-        assert c.get(b, good) == a.blob_size(good)
-    assert a.verify_blob(good) and not a.blob_path(bad).exists()
+        assert c.get(b, good) == a.blobs.size(good)
+    assert a.blobs.verify(good) and not a.blobs.path(bad).exists()
     assert (server.stats["verify_requests"], server.stats["removed_corrupt"]) == (3, 1)
     with connect(server) as s:  # like every op: a token first, a valid name
         s.sendall(request("verify", {"blob": good}))
@@ -144,7 +144,7 @@ def test_verify_removes_a_corrupt_copy_at_its_holder_and_never_a_good_one(server
     with connect(server) as s:
         s.sendall(request("verify", {"blob": "../steps/000000000001.json", "token": TOKEN, **V}))
         refused(s, "blob name")
-    assert a.verify_blob(good)
+    assert a.blobs.verify(good)
 
 
 def test_a_put_whose_bytes_do_not_match_its_name_is_not_kept(server, stores):
@@ -157,7 +157,7 @@ def test_a_put_whose_bytes_do_not_match_its_name_is_not_kept(server, stores):
         assert reply.error.type == "CorruptBlobError"
         protocol.send_request(s, protocol.Request("have", 2, {"blobs": [name], "token": TOKEN, **V}))
         assert protocol.recv_reply(s).result == {"have": []}  # same connection, nothing kept
-    assert not a.has_blob(name)
+    assert not a.blobs.has(name)
 
 
 def test_a_put_cut_short_leaves_no_blob_and_no_temp_file(server, stores):
@@ -170,7 +170,7 @@ def test_a_put_cut_short_leaves_no_blob_and_no_temp_file(server, stores):
     while [p for p in (a.root / "blobs").iterdir() if p.name.startswith(".tmp-")]:
         assert time.monotonic() < deadline, "the partial temp file was not removed"
         time.sleep(0.01)
-    assert not a.has_blob(name)
+    assert not a.blobs.has(name)
 
 
 # --- refusals ----------------------------------------------------------------------------------------
@@ -298,7 +298,7 @@ def test_idle_unauthenticated_connections_never_lock_a_peer_out(server, stores):
         with PeerClient(server.address, TOKEN, peer="a") as c:
             for n in names:
                 assert c.get(b, n) > 0
-        assert all(b.verify_blob(n) for n in names)
+        assert all(b.blobs.verify(n) for n in names)
         assert server.refused_connections >= 100 - 16
     finally:
         for s in idle:
@@ -315,12 +315,12 @@ def test_a_put_larger_than_the_free_space_reserves_nothing(ramdisk):
         store = RamStore(mnt / "mtc")
         with PeerServer(store, TOKEN, host_id="a", max_blob_bytes=1 << 30) as srv:
             srv.start()
-            free = store.usage()["free_bytes"]
+            free = store.space.usage()["free_bytes"]
             with connect(srv) as s:  # claims 1 GiB, sends 10 bytes
                 args = {"token": TOKEN, "blob": "ab" * 16, "mtc": version.MTC_VERSION, "protocol": version.PROTOCOL_VERSION}
                 s.sendall(protocol.frame_head(protocol.Request("put", 1, args).header(), [1 << 30]) + b"x" * 10)
                 refused(s, "no room for blob", kind="InsufficientSpaceError")
-            assert store.usage()["free_bytes"] == free  # nothing reserved
+            assert store.space.usage()["free_bytes"] == free  # nothing reserved
             assert not [p for p in (store.root / "blobs").iterdir()]
             fits = blobs(RamStore(ramdisk / "src"), 1, size=1 << 20)[0]
             with PeerClient(srv.address, TOKEN, peer="a") as c:  # a blob that fits still goes in

@@ -57,15 +57,15 @@ def store(tmp_path) -> RamStore:
 def test_array_round_trip_bit_for_bit(store, dtype):
     rng = np.random.default_rng(7)
     a = rng.standard_normal((13, 7, 3)).astype(dtype)
-    name, written = store.write_blob(a)
+    name, written = store.blobs.write(a)
     assert written
     assert name == blob_name(a.tobytes())
     out = np.empty_like(a)
-    store.read_blob_into(name, out)
+    store.blobs.read_into(name, out)
     assert out.tobytes() == a.tobytes()
     assert store.read_blob(name) == a.tobytes()
-    assert store.blob_size(name) == a.nbytes
-    assert store.list_blobs() == {name}
+    assert store.blobs.size(name) == a.nbytes
+    assert store.blobs.names() == {name}
 
 
 @pytest.mark.unit
@@ -74,41 +74,41 @@ def test_multi_chunk_round_trip(store, monkeypatch):
     monkeypatch.setattr(ram_blobs, "_WRITE_CHUNK", 4096)
     monkeypatch.setattr(ram_blobs, "_READ_CHUNK", 1000)
     data = rand_bytes(100_003, 1)
-    name, written = store.write_blob(memoryview(data))
+    name, written = store.blobs.write(memoryview(data))
     assert written and name == blob_name(data)
     buf = bytearray(len(data))
-    store.read_blob_into(name, buf)
+    store.blobs.read_into(name, buf)
     assert bytes(buf) == data
-    assert store.verify_blob(name)
+    assert store.blobs.verify(name)
 
 
 @pytest.mark.unit
 def test_empty_blob(store):
-    name, written = store.write_blob(b"")
-    assert written and store.blob_size(name) == 0
+    name, written = store.blobs.write(b"")
+    assert written and store.blobs.size(name) == 0
     assert store.read_blob(name) == b""
-    assert store.verify_blob(name)
+    assert store.blobs.verify(name)
 
 
 @pytest.mark.unit
 def test_refuses_non_contiguous_and_object_arrays(store):
     a = np.arange(20, dtype=np.float32).reshape(4, 5)
     with pytest.raises(ValueError, match="C-contiguous"):
-        store.write_blob(a[:, ::2])
+        store.blobs.write(a[:, ::2])
     with pytest.raises(TypeError, match="object"):
-        store.write_blob(np.array([object()]))
-    assert store.list_blobs() == set()
+        store.blobs.write(np.array([object()]))
+    assert store.blobs.names() == set()
 
 
 @pytest.mark.unit
 def test_dedupe_does_not_touch_the_file(store):
     data = rand_bytes(50_000, 2)
-    name, written = store.write_blob(data)
+    name, written = store.blobs.write(data)
     assert written
-    before = os.stat(store.blob_path(name))
-    name2, written2 = store.write_blob(bytearray(data))
+    before = os.stat(store.blobs.path(name))
+    name2, written2 = store.blobs.write(bytearray(data))
     assert (name2, written2) == (name, False)
-    after = os.stat(store.blob_path(name))
+    after = os.stat(store.blobs.path(name))
     assert (after.st_ino, after.st_mtime_ns, after.st_nlink) == (before.st_ino, before.st_mtime_ns, before.st_nlink)
     assert temps(store.root) == []
 
@@ -116,10 +116,10 @@ def test_dedupe_does_not_touch_the_file(store):
 @pytest.mark.unit
 def test_precomputed_name_is_trusted_and_a_wrong_one_is_caught_on_read(store):
     data = rand_bytes(4096, 3)
-    name, _ = store.write_blob(data, name=blob_name(data))
+    name, _ = store.blobs.write(data, name=blob_name(data))
     assert store.read_blob(name) == data
     wrong = "0" * 32
-    assert store.write_blob(data, name=wrong) == (wrong, True)
+    assert store.blobs.write(data, name=wrong) == (wrong, True)
     with pytest.raises(CorruptBlobError, match=wrong):
         store.read_blob(wrong)
 
@@ -133,7 +133,7 @@ def test_concurrent_writes_of_one_blob(store):
     def worker():
         try:
             barrier.wait()
-            results.append(store.write_blob(data))
+            results.append(store.blobs.write(data))
         except BaseException as e:  # surfaced below
             errors.append(e)
 
@@ -146,7 +146,7 @@ def test_concurrent_writes_of_one_blob(store):
     assert {n for n, _ in results} == {blob_name(data)}
     assert sum(w for _, w in results) == 1  # exactly one writer wins
     assert store.read_blob(blob_name(data)) == data
-    assert store.list_blobs() == {blob_name(data)}
+    assert store.blobs.names() == {blob_name(data)}
     assert temps(store.root) == []
 
 
@@ -157,14 +157,14 @@ def test_concurrent_writes_of_different_blobs(store):
 
     def worker(d):
         barrier.wait()
-        store.write_blob(d)
+        store.blobs.write(d)
 
     threads = [threading.Thread(target=worker, args=(d,)) for d in datas]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert store.list_blobs() == {blob_name(d) for d in datas}
+    assert store.blobs.names() == {blob_name(d) for d in datas}
     for d in datas:
         assert store.read_blob(blob_name(d)) == d
 
@@ -174,42 +174,42 @@ def test_concurrent_writes_of_different_blobs(store):
 @pytest.mark.unit
 def test_flipped_byte_is_detected(store):
     data = rand_bytes(10_000, 5)
-    name, _ = store.write_blob(data)
-    path = store.blob_path(name)
+    name, _ = store.blobs.write(data)
+    path = store.blobs.path(name)
     raw = bytearray(path.read_bytes())
     raw[1234] ^= 0x01
     path.write_bytes(raw)
     out = bytearray(len(data))
     with pytest.raises(CorruptBlobError) as ei:
-        store.read_blob_into(name, out)
+        store.blobs.read_into(name, out)
     assert name in str(ei.value) and str(path) in str(ei.value)
     with pytest.raises(CorruptBlobError, match=name):
         store.read_blob(name)
-    assert not store.verify_blob(name)
+    assert not store.blobs.verify(name)
 
 
 @pytest.mark.unit
 def test_wrong_size_and_missing_are_corrupt(store):
     data = rand_bytes(1000, 6)
-    name, _ = store.write_blob(data)
+    name, _ = store.blobs.write(data)
     with pytest.raises(CorruptBlobError, match="1000 bytes"):
-        store.read_blob_into(name, bytearray(999))
-    store.blob_path(name).write_bytes(data[:500])  # truncated on disk
+        store.blobs.read_into(name, bytearray(999))
+    store.blobs.path(name).write_bytes(data[:500])  # truncated on disk
     with pytest.raises(CorruptBlobError, match=name):
-        store.read_blob_into(name, bytearray(1000))
+        store.blobs.read_into(name, bytearray(1000))
     missing = blob_name(b"not stored")
     with pytest.raises(CorruptBlobError, match="missing"):
-        store.read_blob_into(missing, bytearray(10))
-    assert not store.verify_blob(missing)
+        store.blobs.read_into(missing, bytearray(10))
+    assert not store.blobs.verify(missing)
     with pytest.raises(FileNotFoundError):
-        store.blob_size(missing)
+        store.blobs.size(missing)
 
 
 @pytest.mark.unit
 def test_read_into_readonly_buffer_is_refused(store):
-    name, _ = store.write_blob(b"abc")
+    name, _ = store.blobs.write(b"abc")
     with pytest.raises(TypeError, match="writable"):
-        store.read_blob_into(name, b"xyz")
+        store.blobs.read_into(name, b"xyz")
 
 
 # --- receiving blobs -----------------------------------------------------------------------
@@ -218,41 +218,41 @@ def test_read_into_readonly_buffer_is_refused(store):
 def test_temp_blob_good_and_corrupt(store):
     data = rand_bytes(70_000, 8)
     name = blob_name(data)
-    fd, tmp = store.open_temp_blob()
+    fd, tmp = store.blobs.open_temp()
     assert tmp.name.startswith(".tmp-") and tmp.parent == store.root / "blobs"
     os.write(fd, data)
     os.close(fd)
-    assert store.list_blobs() == set()  # a temp file is not a blob
-    assert store.finalize_temp_blob(tmp, name) is True
+    assert store.blobs.names() == set()  # a temp file is not a blob
+    assert store.blobs.finalize_temp(tmp, name) is True
     assert not tmp.exists()
     assert store.read_blob(name) == data
 
     bad = bytearray(rand_bytes(5000, 9))
     good_name = blob_name(bytes(bad))
     bad[10] ^= 0xFF
-    fd, tmp = store.open_temp_blob()
+    fd, tmp = store.blobs.open_temp()
     os.write(fd, bad)
     os.close(fd)
     with pytest.raises(CorruptBlobError, match=good_name):
-        store.finalize_temp_blob(tmp, good_name)
+        store.blobs.finalize_temp(tmp, good_name)
     assert not tmp.exists()
-    assert not store.has_blob(good_name)
+    assert not store.blobs.has(good_name)
     assert temps(store.root) == []
 
 
 @pytest.mark.unit
 def test_finalize_existing_blob_and_foreign_paths(store, tmp_path):
     data = b"same bytes"
-    name, _ = store.write_blob(data)
-    fd, tmp = store.open_temp_blob()
+    name, _ = store.blobs.write(data)
+    fd, tmp = store.blobs.open_temp()
     os.write(fd, data)
     os.close(fd)
-    assert store.finalize_temp_blob(tmp, name) is False
+    assert store.blobs.finalize_temp(tmp, name) is False
     assert not tmp.exists()
     outside = tmp_path / ".tmp-elsewhere"
     outside.write_bytes(data)
     with pytest.raises(ValueError, match="not a temp blob"):
-        store.finalize_temp_blob(outside, name)
+        store.blobs.finalize_temp(outside, name)
     assert outside.exists()
 
 
@@ -261,14 +261,14 @@ def test_put_blob_file(store, tmp_path):
     data = rand_bytes(300_000, 11)
     src = tmp_path / "download"
     src.write_bytes(data)
-    assert store.put_blob_file(blob_name(data), src) is True
+    assert store.blobs.put_file(blob_name(data), src) is True
     assert store.read_blob(blob_name(data)) == data
-    assert store.put_blob_file(blob_name(data), src) is False
+    assert store.blobs.put_file(blob_name(data), src) is False
     src.write_bytes(data[:-1] + b"\x00")
     other = blob_name(b"something else")
     with pytest.raises(CorruptBlobError, match=other):
-        store.put_blob_file(other, src)
-    assert not store.has_blob(other)
+        store.blobs.put_file(other, src)
+    assert not store.blobs.has(other)
     assert temps(store.root) == []
 
 
@@ -283,18 +283,18 @@ BAD_NAMES = ["../x", "A" * 32, "", "a" * 31, "a" * 33, "0" * 32 + "\n", "../" + 
 def test_malformed_names_are_refused(store, tmp_path, bad):
     (store.root / "x").write_bytes(b"outside the blob dir")
     before = tree(store.root)
-    for call in (store.blob_path, store.has_blob, store.read_blob, store.verify_blob, store.blob_size,
-                 lambda n: store.read_blob_into(n, bytearray(20)),
-                 lambda n: store.put_blob_file(n, store.root / "x")):
+    for call in (store.blobs.path, store.blobs.has, store.read_blob, store.blobs.verify, store.blobs.size,
+                 lambda n: store.blobs.read_into(n, bytearray(20)),
+                 lambda n: store.blobs.put_file(n, store.root / "x")):
         with pytest.raises(ValueError, match="invalid blob name"):
             call(bad)
     if bad is not None:  # name=None means "hash it yourself"
         with pytest.raises(ValueError, match="invalid blob name"):
-            store.write_blob(b"data", name=bad)
-    fd, tmp = store.open_temp_blob()
+            store.blobs.write(b"data", name=bad)
+    fd, tmp = store.blobs.open_temp()
     os.close(fd)
     with pytest.raises(ValueError, match="invalid blob name"):
-        store.finalize_temp_blob(tmp, bad)
+        store.blobs.finalize_temp(tmp, bad)
     assert not tmp.exists()
     assert tree(store.root) == before
 
@@ -314,7 +314,7 @@ def test_collect_blob_names():
 # --- commit, retention, GC -----------------------------------------------------------------
 
 def save_step(store: RamStore, step: int, blobs: list[bytes], *, commit: bool = True) -> list[str]:
-    names = [store.write_blob(b)[0] for b in blobs]
+    names = [store.blobs.write(b)[0] for b in blobs]
     store.write_pending(step, manifest(step, names))
     if commit:
         store.commit(step, manifest(step, names))
@@ -324,16 +324,16 @@ def save_step(store: RamStore, step: int, blobs: list[bytes], *, commit: bool = 
 @pytest.mark.unit
 def test_step_visible_only_after_commit(store):
     names = save_step(store, 5, [rand_bytes(1000, 20)], commit=False)
-    assert store.committed_steps() == []
+    assert store.catalog.committed() == []
     assert store.latest_step() is None
-    assert store.pending_steps() == [5]
+    assert store.catalog.pending_steps() == [5]
     with pytest.raises(StepNotFoundError, match=r"step 5 .*committed steps: \[\]"):
-        store.read_step(5)
+        store.catalog.read(5)
     store.commit(5, manifest(5, names))
-    assert store.committed_steps() == [5]
+    assert store.catalog.committed() == [5]
     assert store.latest_step() == 5
-    assert json.loads(store.read_step(5))["shards"][0]["blob"] == names[0]
-    assert store.pending_steps() == [] and store.read_pending(5) is None
+    assert json.loads(store.catalog.read(5))["shards"][0]["blob"] == names[0]
+    assert store.catalog.pending_steps() == [] and store.catalog.read_pending(5) is None
     assert temps(store.root) == []
 
 
@@ -343,8 +343,8 @@ def test_commit_rejects_a_manifest_of_another_step(store):
     for bad in (manifest(4, names), b"not json", b"[1, 2]", json.dumps({"step": True}).encode()):
         with pytest.raises(ManifestError, match="step 3"):
             store.commit(3, bad)
-    assert store.committed_steps() == []
-    assert store.read_pending(3) == manifest(3, names)
+    assert store.catalog.committed() == []
+    assert store.catalog.read_pending(3) == manifest(3, names)
 
 
 @pytest.mark.unit
@@ -356,14 +356,14 @@ def test_malformed_step_files_are_ignored(store, caplog):
     (steps / "notes.txt").write_text("hello")
     (steps / "7.json").write_text('{"step": 7}')
     with caplog.at_level(logging.WARNING, logger="mtc.sidecar.ram"):
-        assert store.committed_steps() == [1]
+        assert store.catalog.committed() == [1]
     warned = " ".join(r.getMessage() for r in caplog.records)
     for f in ("000000000002.json", "000000000003.json", "notes.txt", "7.json"):
         assert f in warned
     with pytest.raises(StepNotFoundError, match=r"committed steps: \[1\]"):
-        store.read_step(2)
+        store.catalog.read(2)
     with pytest.raises(StepNotFoundError):
-        store.read_step(3)
+        store.catalog.read(3)
 
 
 @pytest.mark.unit
@@ -372,32 +372,32 @@ def test_prune_keeps_max_to_keep_and_gc_keeps_shared_blobs(tmp_path):
     shared = rand_bytes(20_000, 30)
     uniq = {s: rand_bytes(10_000, 30 + s) for s in (1, 2, 3)}
     names = {s: save_step(store, s, [shared, uniq[s]]) for s in (1, 2)}
-    assert store.committed_steps() == [1, 2]
-    assert store.list_blobs() == {blob_name(shared), blob_name(uniq[1]), blob_name(uniq[2])}
+    assert store.catalog.committed() == [1, 2]
+    assert store.blobs.names() == {blob_name(shared), blob_name(uniq[1]), blob_name(uniq[2])}
     names[3] = save_step(store, 3, [shared, uniq[3]])
-    assert store.committed_steps() == [2, 3]
-    assert store.list_blobs() == {blob_name(shared), blob_name(uniq[2]), blob_name(uniq[3])}
+    assert store.catalog.committed() == [2, 3]
+    assert store.blobs.names() == {blob_name(shared), blob_name(uniq[2]), blob_name(uniq[3])}
     for s in (2, 3):
-        m = json.loads(store.read_step(s))
+        m = json.loads(store.catalog.read(s))
         got = [store.read_blob(sh["blob"]) for sh in m["shards"]]
         assert got == [shared, uniq[s]]
     with pytest.raises(StepNotFoundError, match=r"\[2, 3\]"):
-        store.read_step(1)
+        store.catalog.read(1)
 
 
 @pytest.mark.unit
 def test_gc_spares_pending_pinned_and_extra_live(store):
     save_step(store, 1, [b"committed"])
     pending = save_step(store, 2, [b"pending step 2"], commit=False)
-    orphan, _ = store.write_blob(b"orphan")
-    pinned, _ = store.write_blob(b"pinned")
-    extra, _ = store.write_blob(b"extra")
-    with store.pin([pinned]):
-        freed = store.gc(extra_live={extra})
+    orphan, _ = store.blobs.write(b"orphan")
+    pinned, _ = store.blobs.write(b"pinned")
+    extra, _ = store.blobs.write(b"extra")
+    with store.pins.hold([pinned]):
+        freed = store.space.gc(extra_live={extra})
         assert freed == len(b"orphan")
-        assert store.list_blobs() == {blob_name(b"committed"), pending[0], pinned, extra}
-    store.gc()
-    assert store.list_blobs() == {blob_name(b"committed"), pending[0]}
+        assert store.blobs.names() == {blob_name(b"committed"), pending[0], pinned, extra}
+    store.space.gc()
+    assert store.blobs.names() == {blob_name(b"committed"), pending[0]}
     assert store.read_blob(pending[0]) == b"pending step 2"
 
 
@@ -408,15 +408,15 @@ def test_gc_with_an_unreadable_manifest_deletes_nothing(tmp_path):
 
     store = RamStore(tmp_path / "mtc", blobs_of=strict)
     save_step(store, 1, [b"one"])
-    orphan, _ = store.write_blob(b"orphan")
+    orphan, _ = store.blobs.write(b"orphan")
     store.write_pending(2, json.dumps({"step": 2}).encode())
-    assert store.gc() == 0
-    assert orphan in store.list_blobs()
+    assert store.space.gc() == 0
+    assert orphan in store.blobs.names()
     # A later commit drops the stale pending manifest; collection works again.
     save_step(store, 3, [b"three"])
-    assert store.committed_steps() == [1, 3]
-    assert store.pending_steps() == []
-    assert store.list_blobs() == {blob_name(b"one"), blob_name(b"three")}
+    assert store.catalog.committed() == [1, 3]
+    assert store.catalog.pending_steps() == []
+    assert store.blobs.names() == {blob_name(b"one"), blob_name(b"three")}
 
 
 @pytest.mark.unit
@@ -424,8 +424,8 @@ def test_prune_drops_stale_pending(store):
     save_step(store, 1, [b"a"], commit=False)  # abandoned: older than the next commit
     save_step(store, 3, [b"c"], commit=False)  # in flight: newer than the next commit
     save_step(store, 2, [b"b"])
-    assert store.pending_steps() == [3]
-    assert store.list_blobs() == {blob_name(b"b"), blob_name(b"c")}
+    assert store.catalog.pending_steps() == [3]
+    assert store.blobs.names() == {blob_name(b"b"), blob_name(b"c")}
 
 
 @pytest.mark.unit
@@ -437,41 +437,41 @@ def test_reopen_removes_leftover_temps_and_keeps_steps(tmp_path):
                  store.root / "pending" / "000000000002" / ".tmp-host.json-y"]
     for p in leftovers:
         p.write_bytes(b"partial")
-    fd, tmp = store.open_temp_blob()
+    fd, tmp = store.blobs.open_temp()
     os.close(fd)
     store2 = RamStore(tmp_path / "mtc")
     assert temps(store2.root) == []
-    assert store2.committed_steps() == [1]
+    assert store2.catalog.committed() == [1]
     assert store2.read_blob(names[0]) == b"kept"
-    assert store2.pending_steps() == [2]
+    assert store2.catalog.pending_steps() == [2]
 
 
 @pytest.mark.unit
 def test_delete_step_wipe_usage(store):
     save_step(store, 1, [b"one"])
     save_step(store, 2, [b"two"])
-    u = store.usage()
+    u = store.space.usage()
     assert u["blob_bytes"] == 6 and u["blob_count"] == 2 and u["committed_steps"] == [1, 2]
     assert 0 < u["free_bytes"] <= u["total_bytes"]
     assert store.delete_step(1) is True
     assert store.delete_step(1) is False
-    assert store.committed_steps() == [2]
-    assert store.list_blobs() == {blob_name(b"two")}
+    assert store.catalog.committed() == [2]
+    assert store.blobs.names() == {blob_name(b"two")}
     (store.root / "stray").write_text("x")
     store.wipe()
     assert tree(store.root) == {}
     assert sorted(p.name for p in store.root.iterdir()) == ["blobs", "pending", "steps"]
     save_step(store, 3, [b"three"])
-    assert store.committed_steps() == [3]
+    assert store.catalog.committed() == [3]
 
 
 @pytest.mark.unit
 def test_missing_bytes(store):
     block = os.statvfs(store.root).f_frsize
-    have, _ = store.write_blob(b"x" * 10)
+    have, _ = store.blobs.write(b"x" * 10)
     new1, new2 = blob_name(b"new1"), blob_name(b"new2")
-    assert store.missing_bytes({have: 10, new1: block, new2: block + 1}) == 3 * block
-    assert store.missing_bytes({have: 10}) == 0
+    assert store.blobs.missing_bytes({have: 10, new1: block, new2: block + 1}) == 3 * block
+    assert store.blobs.missing_bytes({have: 10}) == 0
 
 
 @pytest.mark.unit
@@ -483,7 +483,7 @@ def test_invalid_arguments(tmp_path):
         with pytest.raises(ValueError, match="invalid step"):
             store.write_pending(bad, b"{}")
     with pytest.raises(ValueError, match="needed_bytes"):
-        store.check_space(-1, step=1)
+        store.space.check_space(-1, step=1)
 
 
 @pytest.mark.unit
@@ -505,9 +505,9 @@ def test_step_that_does_not_fit_writes_nothing(tmpfs16):
         save_step(store, s, [d])
     before = tree(store.root)
     big = {blob_name(b"a big step"): 20 * MiB}
-    needed = store.missing_bytes(big)
+    needed = store.blobs.missing_bytes(big)
     with pytest.raises(InsufficientSpaceError) as ei:
-        store.check_space(needed, step=3)
+        store.space.check_space(needed, step=3)
     msg = str(ei.value)
     free = os.statvfs(store.root).f_bavail * os.statvfs(store.root).f_frsize
     assert "step 3" in msg and "20.00 MiB" in msg and f"({needed} bytes)" in msg
@@ -515,9 +515,9 @@ def test_step_that_does_not_fit_writes_nothing(tmpfs16):
     assert "mtc size" in msg and "local_max_to_keep" in msg
     assert isinstance(ei.value, OSError)
     assert tree(store.root) == before  # not even the old step was sacrificed in vain
-    assert store.committed_steps() == [1, 2]
+    assert store.catalog.committed() == [1, 2]
     for s, d in data.items():
-        assert store.read_blob(json.loads(store.read_step(s))["shards"][0]["blob"]) == d
+        assert store.read_blob(json.loads(store.catalog.read(s))["shards"][0]["blob"]) == d
 
 
 @pytest.mark.integration
@@ -528,15 +528,15 @@ def test_step_fits_after_policy_frees_the_oldest(tmpfs16):
     for s in (1, 2):
         save_step(store, s, [shared, data[s]])
     sizes = {blob_name(shared): len(shared), blob_name(data[3]): len(data[3])}
-    needed = store.missing_bytes(sizes)
+    needed = store.blobs.missing_bytes(sizes)
     assert needed > os.statvfs(store.root).f_bavail * os.statvfs(store.root).f_frsize
-    store.check_space(needed, step=3)
-    assert store.committed_steps() == [2]  # the newest survives; step 1 went early
+    store.space.check_space(needed, step=3)
+    assert store.catalog.committed() == [2]  # the newest survives; step 1 went early
     assert store.read_blob(blob_name(shared)) == shared
     save_step(store, 3, [shared, data[3]])
-    assert store.committed_steps() == [2, 3]
+    assert store.catalog.committed() == [2, 3]
     for s in (2, 3):
-        got = [store.read_blob(sh["blob"]) for sh in json.loads(store.read_step(s))["shards"]]
+        got = [store.read_blob(sh["blob"]) for sh in json.loads(store.catalog.read(s))["shards"]]
         assert got == [shared, data[s]]
 
 
@@ -545,8 +545,8 @@ def test_check_space_never_removes_the_newest_step(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
     save_step(store, 1, [rand_bytes(10 * MiB, 60)])
     with pytest.raises(InsufficientSpaceError, match="step 2"):
-        store.check_space(store.missing_bytes({blob_name(b"z"): 10 * MiB}), step=2)
-    assert store.committed_steps() == [1]
+        store.space.check_space(store.blobs.missing_bytes({blob_name(b"z"): 10 * MiB}), step=2)
+    assert store.catalog.committed() == [1]
 
 
 @pytest.mark.integration
@@ -554,16 +554,16 @@ def test_disk_full_during_a_write_is_typed_and_leaves_no_temp(tmpfs16):
     store = RamStore(tmpfs16 / "mtc")
     save_step(store, 1, [b"small"])
     with pytest.raises(InsufficientSpaceError, match="mtc size"):
-        store.write_blob(np.zeros(20 * MiB, np.uint8))
+        store.blobs.write(np.zeros(20 * MiB, np.uint8))
     assert temps(store.root) == []
-    assert store.list_blobs() == {blob_name(b"small")}
+    assert store.blobs.names() == {blob_name(b"small")}
     big = b"\1" * (20 * MiB)
     src = tmpfs16.parent / "download"  # outside the ramdisk
     src.write_bytes(big)
     with pytest.raises(InsufficientSpaceError, match="mtc size"):
-        store.put_blob_file(blob_name(big), src)
+        store.blobs.put_file(blob_name(big), src)
     assert temps(store.root) == []
-    assert store.committed_steps() == [1]
+    assert store.catalog.committed() == [1]
 
 
 # --- crash points (in-process behaviour; the kill itself is in tests/chaos) ----------------
@@ -609,8 +609,8 @@ def test_a_commit_lists_each_folder_once_and_reads_back_nothing_it_wrote(store, 
     assert sorted(listed) == ["blobs", "pending", "steps"]
     assert read == []  # not the step file it wrote, nor the ones it checked before
     monkeypatch.undo()
-    assert store.committed_steps() == [2, 3]
-    assert len(store.list_blobs()) == 2 and set(names) <= store.list_blobs()  # step 1's blob collected
+    assert store.catalog.committed() == [2, 3]
+    assert len(store.blobs.names()) == 2 and set(names) <= store.blobs.names()  # step 1's blob collected
     assert not (store.root / "pending" / f"{3:012d}").exists()
 
 
@@ -620,4 +620,4 @@ def test_a_pending_dir_with_a_stray_file_still_goes_at_commit(store):
     stray = store.root / "pending" / f"{4:012d}" / ".tmp-host.json-left"
     stray.write_bytes(b"an interrupted writer's temp file")
     store.commit(4, manifest(4, names))
-    assert not stray.parent.exists() and store.committed_steps() == [4]
+    assert not stray.parent.exists() and store.catalog.committed() == [4]

@@ -80,16 +80,16 @@ def test_blobs_get_huge_pages_on_a_huge_page_ramdisk(huge_tmpfs):
     store = RamStore(huge_tmpfs / "a")
     before = _shmem_huge_bytes()
     data = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8)
-    name, _ = store.write_blob(data)
-    fd, tmp = store.open_temp_blob(8 << 20)  # a receive: sized before its first byte
+    name, _ = store.blobs.write(data)
+    fd, tmp = store.blobs.open_temp(8 << 20)  # a receive: sized before its first byte
     try:
         assert os.fstat(fd).st_size == 8 << 20 and os.fstat(fd).st_blocks == 0  # sparse: nothing allocated yet
     finally:
         os.close(fd)
-        store.discard_temp_blob(tmp)
+        store.blobs.discard_temp(tmp)
     if _shmem_huge_bytes() - before < 8 << 20:  # other processes may free some meanwhile: ask for half
         pytest.fail(f"a 16 MiB blob on {huge_tmpfs} got {(_shmem_huge_bytes() - before) >> 20} MiB of huge pages")
-    assert store.blob_path(name).read_bytes() == data.tobytes()
+    assert store.blobs.path(name).read_bytes() == data.tobytes()
 
 
 def test_save_restore_and_peer_fetch_are_bit_for_bit_on_a_huge_page_ramdisk(huge_tmpfs):
@@ -109,13 +109,13 @@ def test_save_restore_and_peer_fetch_are_bit_for_bit_on_a_huge_page_ramdisk(huge
     # A blob that is not a multiple of 2 MiB crosses from huge pages to small ones at its tail.
     a, b = RamStore(huge_tmpfs / "a"), RamStore(huge_tmpfs / "b")
     data = np.random.default_rng(1).integers(0, 256, (5 << 20) + 12345, dtype=np.uint8)
-    name, _ = a.write_blob(data)
+    name, _ = a.blobs.write(data)
     token = "t" * 32
     with PeerServer(a, token, host_id="a") as srv:
         srv.start()
         with PeerClient(srv.address, token, peer="a") as c:
             assert c.get(b, name, size=data.nbytes) == data.nbytes
-    assert b.blob_path(name).read_bytes() == data.tobytes()
+    assert b.blobs.path(name).read_bytes() == data.tobytes()
 
 
 def _serve(store: RamStore):
@@ -129,22 +129,22 @@ def test_receiving_into_a_map_on_a_huge_page_ramdisk_keeps_every_guarantee(huge_
     dst = RamStore(huge_tmpfs / "dst")
     assert dst.huge_pages and not RamStore(ramdisk / "other").huge_pages
     rng = np.random.default_rng(7)
-    good, bad, big = (src.write_blob(rng.integers(0, 256, n, dtype=np.uint8))[0]
+    good, bad, big = (src.blobs.write(rng.integers(0, 256, n, dtype=np.uint8))[0]
                       for n in ((3 << 20) + 5, 4 << 20, 12 << 20))
-    flipped = bytearray(src.blob_path(bad).read_bytes())
+    flipped = bytearray(src.blobs.path(bad).read_bytes())
     flipped[(3 << 20) + 17] ^= 0x08  # in the second MiB-sized hash chunk of the map
-    src.blob_path(bad).write_bytes(bytes(flipped))
+    src.blobs.path(bad).write_bytes(bytes(flipped))
     with _serve(src) as srv, PeerClient(srv.address, "t" * 32, peer="src") as c:
-        assert c.get(dst, good, size=src.blob_size(good)) == src.blob_size(good)
-        assert dst.blob_path(good).read_bytes() == src.blob_path(good).read_bytes()
+        assert c.get(dst, good, size=src.blobs.size(good)) == src.blobs.size(good)
+        assert dst.blobs.path(good).read_bytes() == src.blobs.path(good).read_bytes()
         with pytest.raises(CorruptBlobError, match="corrupt"):
             c.get(dst, bad, size=len(flipped))
-        assert not dst.has_blob(bad)
+        assert not dst.blobs.has(bad)
         # A ramdisk too small for the blob: a clear error before the map is written (never SIGBUS),
         # no partial file, and this process and the server go on.
         full = RamStore(small_huge_tmpfs / "dst")
         with pytest.raises(InsufficientSpaceError, match="no room for blob|full while receiving blob"):
-            c.get(full, big, size=src.blob_size(big))
+            c.get(full, big, size=src.blobs.size(big))
         assert c.have([good]) == {good}
     for store in (dst, full):
         assert [p.name for p in (store.root / "blobs").iterdir() if p.name.startswith(".tmp")] == []
@@ -179,7 +179,7 @@ def test_a_mapped_receive_cut_short_keeps_nothing(huge_tmpfs, ramdisk):
             c.get(dst, name, size=len(data))
     t.join()
     srv.close()
-    assert not dst.has_blob(name)
+    assert not dst.blobs.has(name)
     assert list((dst.root / "blobs").iterdir()) == []
 
 

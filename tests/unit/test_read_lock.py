@@ -17,10 +17,10 @@ pytestmark = pytest.mark.unit
 def test_a_read_blob_cannot_be_recycled_and_a_blob_being_recycled_is_not_read(tmp_path):
     store = RamStore(tmp_path / "mtc", max_to_keep=1)
     data = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
-    name, _ = store.write_blob(data)
-    path = store.blob_path(name)
+    name, _ = store.blobs.write(data)
+    path = store.blobs.path(name)
     key = (os.stat(path).st_dev, os.stat(path).st_ino)
-    with store._blobs.reading(name) as (fd, size, got):
+    with store.blobs.reading(name) as (fd, size, got):
         assert got == key and size == len(data)
         # Another process's collection (its own open file description): the exclusive lock fails.
         assert not readers.rename_unless_mapped(path, tmp_path / "moved", key)
@@ -31,8 +31,8 @@ def test_a_read_blob_cannot_be_recycled_and_a_blob_being_recycled_is_not_read(tm
     try:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(FileNotFoundError):
-            with store._blobs.reading(name):
+            with store.blobs.reading(name):
                 pass
     finally:
         os.close(other)
-    assert store.read_blob(name) == data and store.verify_blob(name)
+    assert store.read_blob(name) == data and store.blobs.verify(name)

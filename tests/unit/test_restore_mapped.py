@@ -121,7 +121,7 @@ def test_a_blob_that_cannot_be_mapped_is_read(ramdisk, monkeypatch):
     def no_maps(self, name, nbytes=None):
         raise OSError(errno.ENOMEM, "Cannot allocate memory (vm.max_map_count)")
 
-    monkeypatch.setattr(ram.RamStore, "map_blob", no_maps)
+    monkeypatch.setattr(ram.blobs.BlobFiles, "map", no_maps)
     saved = big_state(5)
     with manager(ramdisk) as m:
         m.save(1, saved)

@@ -1,11 +1,11 @@
-"""``ServiceSteps``: the committed steps of one host as its sidecar knows them: manifests,
+"""``CommittedSteps``: the committed steps of one host as its sidecar knows them: manifests,
 commit records, local views, the inventory and verification.
 
-A mixin of ``SidecarService`` (``mtc.sidecar.service``), apart because it is the read side of
-the step catalog: where a step file holds only a commit record, the manifest (or just its
-header, for a restore onto the same topology) is fetched from a keeper and checked against the
-digest; what this sidecar committed repairs a step file damaged under it. It uses the service's
-``host_id``, ``store``, ``_peer_token`` and the per-step caches (``index``: a ``StepIndex``).
+The read side of the step catalog: where a step file holds only a commit record, the manifest (or
+just its header, for a restore onto the same topology) is fetched from a keeper and checked against
+the digest; what this sidecar committed repairs a step file damaged under it. ``SidecarService``
+(``mtc.sidecar.service``) makes one over its RAM store and the step index it shares with the save
+(``mtc.sidecar.saves``), and gives it the job's peer token once its peer tier starts.
 """
 
 from __future__ import annotations
@@ -19,43 +19,55 @@ from mtc.shared import format as fmt
 from mtc.shared import protocol
 from mtc.shared.errors import ManifestError, MTCError, RecordOnlyError, StepNotFoundError
 from mtc.sidecar.peer import PeerClient
+from mtc.sidecar.ram import RamStore
 from mtc.sidecar.replication import held_bits, pull_notes
+from mtc.sidecar.step_index import StepIndex
 
 log = logging.getLogger(__name__)
 
 
-class ServiceSteps:
-    """The committed steps' manifests, records and views, inventory and verify of ``SidecarService``
-    (a mixin)."""
+class CommittedSteps:
+    """The committed steps' manifests, records and views, inventory and verify of one host.
 
-    # --- inventory ---------------------------------------------------------------------
+    Attributes:
+        host_id: the host whose steps these are.
+        store: its RAM store (``RamStore``): the step files and blobs.
+        index: the per-step memory (``StepIndex``) parsed manifests, records and views are kept in.
+        peer_token: the job's peer secret, with which a manifest is fetched from a keeper ("" until
+            the service's peer tier starts: no fetch).
+    """
 
-    def steps(self) -> list[int]:
-        return self.store.committed_steps()
+    def __init__(self, store: RamStore, index: StepIndex, host_id: str):
+        self.host_id = host_id
+        self.store = store
+        self.index = index
+        self.peer_token = ""
+
+    # --- manifests -----------------------------------------------------------------------
 
     def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
         """The whole manifest of committed ``step`` (fetched from a keeper first if need be;
         with ``here_only``, RecordOnlyError instead when this host committed only a record)."""
-        if here_only and step not in self.index.manifests and self._record(step) is not None:
+        if here_only and self.index.manifest(step) is None and self._record(step) is not None:
             raise RecordOnlyError(f"host {self.host_id} keeps only a record of step {step}, not its manifest")
         return self.manifest(step).to_json()
 
-    def _has_readable(self, step: int) -> bool:
+    def has_readable(self, step: int) -> bool:
         """Whether ``step`` is committed here with a manifest that passes its checks."""
         try:
             self.manifest(step)
             return True
         except (ManifestError, StepNotFoundError):
-            self.index.manifests.pop(step, None)
+            self.index.drop_manifest(step)
             return False
 
     def manifest(self, step: int) -> fmt.StepManifest:
         """The whole manifest of committed ``step``. Where this host committed only a record
         (``fmt.CommitRecord``), it is fetched from a keeper, checked against the digest, and
         replaces the record (ManifestError if no keeper could give it)."""
-        m = self.index.manifests.get(step)
+        m = self.index.manifest(step)
         if m is None:
-            data = self.store.read_step(step)
+            data = self.store.catalog.read(step)
             try:
                 rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} commit record")
                 if rec is not None:
@@ -64,7 +76,7 @@ class ServiceSteps:
             except ManifestError:
                 # Changed under this live sidecar (bit rot, a stray write): it committed the step
                 # itself, so it rewrites the file from the bytes it committed.
-                good = self.index.committed.get(step)
+                good = self.index.committed_bytes(step)
                 if good is None or good == data or not self.store.rewrite_step(step, good):
                     raise
                 log.warning("host %s: the file of step %d failed its checks; rewrote it from what this sidecar "
@@ -72,8 +84,23 @@ class ServiceSteps:
                 return self.manifest(step)
             if rec is not None:
                 self.store.upgrade_step(step, data, rec.digest)
-            self.index.manifests[step] = m
+            self.index.keep_manifest(step, m)
         return m
+
+    def adopt(self, step: int, manifest_json: bytes) -> bool:
+        """Commit ``step`` here from the whole manifest the head gives (a restore onto a host that
+        lost the step, once its blobs were pulled), unless a readable manifest of it is here
+        already; True when it was committed, so that its blobs are kept and the host counts as
+        holding the step again."""
+        if self.has_readable(step):
+            return False
+        manifest = fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest from head")
+        if manifest.step != step:
+            raise ManifestError(f"peer pull of step {step} carries the manifest of step {manifest.step}")
+        self.store.commit(step, manifest_json)
+        self.index.keep_manifest(step, manifest)
+        log.info("host %s: step %d restored from peers and committed here again", self.host_id, step)
+        return True
 
     def _record(self, step: int) -> fmt.CommitRecord | None:
         """The commit record of ``step`` here, if that is what this host committed (else None)."""
@@ -83,29 +110,29 @@ class ServiceSteps:
         """(the commit record of ``step`` here or None, the blob names of its part). The file is
         read each time (a damaged one must show); bytes read as before are not parsed again."""
         try:
-            data = self.store.read_step(step)
+            data = self.store.catalog.read(step)
         except (ManifestError, StepNotFoundError, OSError):
             return None, None
-        hit = self.index.records.get(step)
-        if hit is not None and hit[0] == data:
-            return hit[1], hit[2]
+        hit = self.index.record(step, data)
+        if hit is not None:
+            return hit
         try:
             rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} record")
             own = None if rec is None else frozenset(rec.host_manifest().blob_names())
         except (ManifestError, OSError):
             return None, None
-        self.index.records[step] = (data, rec, own)
+        self.index.keep_record(step, data, rec, own)
         return rec, own
 
     def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False) -> bytes:
         what = "the header of its manifest" if header_only else "its manifest"
         causes = []
         for host, address in rec.keepers:
-            if host == self.host_id or not self._peer_token:
+            if host == self.host_id or not self.peer_token:
                 causes.append(f"{host}: {'this host' if host == self.host_id else 'no peer token here'}")
                 continue
             try:
-                with PeerClient(address, self._peer_token, peer=host, timeout_s=60.0) as client:
+                with PeerClient(address, self.peer_token, peer=host, timeout_s=60.0) as client:
                     data = client.manifest(rec.step, rec.digest, header_only=header_only)
                 log.info("host %s: fetched %s (step %d) from keeper %s", self.host_id, what, rec.step, host)
                 return data
@@ -114,7 +141,7 @@ class ServiceSteps:
         raise ManifestError(f"host {self.host_id}: step {rec.step} is committed here as a record, and no keeper "
                             f"could give {what} ({'; '.join(causes)}); the head gives it back at restore")
 
-    def _view_for(self, step: int, rows: Sequence[tuple]) -> fmt.StepManifest:
+    def view_for(self, step: int, rows: Sequence[tuple]) -> fmt.StepManifest:
         """The manifest to read ``rows`` (key, box, ...) of ``step`` by.
 
         Where this host keeps the whole manifest, that one. Where it committed a record and every
@@ -123,12 +150,13 @@ class ServiceSteps:
         checked against the digest it committed; the other hosts' parts, which grow with hosts x
         shards, are not fetched. Any other read (a resharded restore) fetches the whole manifest.
         """
-        if step in self.index.manifests:
-            return self.index.manifests[step]
+        whole = self.index.manifest(step)
+        if whole is not None:
+            return whole
         rec = self._record(step)
         if rec is None:
             return self.manifest(step)
-        held = self.index.views.get(step)
+        held = self.index.view(step)
         if held is None or held[0].digest != rec.digest:
             try:
                 view = fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True), self.host_id, rec.part,
@@ -140,7 +168,8 @@ class ServiceSteps:
                 return self.manifest(step)
             boxes = {a.key: {s.box for s in a.shards} for a in view.arrays if a.shards}
             shapes = {a.key: a.shape for a in view.arrays}
-            held = self.index.views[step] = (view, boxes, shapes)
+            held = (view, boxes, shapes)
+            self.index.keep_view(step, held)
         view, boxes, shapes = held
         for key, box, *_ in rows:
             if key not in shapes:
@@ -149,6 +178,8 @@ class ServiceSteps:
             if want not in boxes.get(key, ()):
                 return self.manifest(step)
         return view
+
+    # --- inventory and verify --------------------------------------------------------------
 
     def inventory(self, devices: Sequence[int] | None = None) -> dict:
         """What this host holds: committed steps, and for each which of its blobs are here.
@@ -160,22 +191,21 @@ class ServiceSteps:
         cover every blob of the step (of the own share, for a host that committed a record).
         """
         mine = set(devices) if devices is not None else None
-        have = self.store.list_blobs()
+        have = self.store.blobs.names()
         out, damaged = [], []
-        committed = self.store.committed_steps()
-        kept = set(self.index.manifests) | set(self.index.committed)
-        for s in sorted(kept - set(committed)):  # a step file no longer JSON is rewritten
+        committed = self.store.catalog.committed()
+        for s in sorted(self.index.known_steps() - set(committed)):  # a step file no longer JSON is rewritten
             # (A commit on another thread may prune the step meanwhile: then there is nothing to repair.)
-            m = self.index.manifests.get(s)
-            data = self.index.committed.get(s) if m is None else None
+            m = self.index.manifest(s)
+            data = self.index.committed_bytes(s) if m is None else None
             with contextlib.suppress(ManifestError, OSError):
                 if m is not None:
                     data = m.to_json()
                 if data is not None and self.store.repair_step(s, data):
-                    committed = self.store.committed_steps()
+                    committed = self.store.catalog.committed()
         self.index.prune(committed)  # pruned or aborted (or not repairable)
         for s in committed:
-            rec, own = (None, None) if s in self.index.manifests else self._read_record(s)
+            rec, own = (None, None) if self.index.manifest(s) is not None else self._read_record(s)
             if rec is not None:
                 # Committed here as a record: this host's own part is all it holds of the step,
                 # and all it reports (the head maps it with the manifest): no fetch for an inventory.
@@ -209,19 +239,14 @@ class ServiceSteps:
         """The digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own
         and the copies it keeps for others, as the head's replication counts them
         (``covered_by_shares``)."""
-        key = (m.step, m.digest)
-        with self.index.lock:  # inventories may run on several threads at once
-            digests = self.index.share_digests.get(key)
-        if digests is None:
-            digests = {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()}
-            with self.index.lock:
-                self.index.share_digests[key] = digests
+        digests = self.index.share_digests_of(
+            m.step, m.digest, lambda: {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()})
         return sorted({d for h, d in digests.items() if m.part_blobs[h] <= have})
 
     def verify(self, step: int) -> dict:
         """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}."""
-        names = sorted(self.manifest(step).blob_names() & self.store.list_blobs())
-        bad = [n for n in names if not self.store.verify_blob(n)]
+        names = sorted(self.manifest(step).blob_names() & self.store.blobs.names())
+        bad = [n for n in names if not self.store.blobs.verify(n)]
         if bad:
             log.warning("host %s: step %d: %d blobs fail their hash: %s", self.host_id, step, len(bad), bad[:3])
         return {"host": self.host_id, "checked": len(names), "bad": bad}

@@ -1,10 +1,10 @@
-"""``ServiceSave``: a save on one host, phase 1 (write the shards as blobs) and phase 2 (commit), or its abort.
+"""``SaveWriter``: a save on one host, phase 1 (write the shards as blobs) and phase 2 (commit), or its abort.
 
-A mixin of ``SidecarService`` (``mtc.sidecar.service``), apart from the rest of the service
-because it is the write path, the one a save's time goes into: shards are deduplicated, hashed
-and written (or their landings published) on the I/O threads, recorded as this host's part
-(``pending/``), then committed. It uses the service's ``host_id``, ``store``, ``_io``,
-``_lock`` and per-step state (``index``: a ``StepIndex``).
+The write path, the one a save's time goes into: shards are deduplicated, hashed and written (or
+their landings published) on the I/O threads, recorded as this host's part (``pending/``), then
+committed. ``SidecarService`` (``mtc.sidecar.service``) makes one and serves phase 1, phase 2 and
+abort through it; it is given the RAM store, the step index it shares with the committed steps
+(``mtc.sidecar.committed``) and the service's I/O threads.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from concurrent.futures import wait
+from concurrent.futures import Executor, wait
 from typing import Sequence
 
 import numpy as np
@@ -23,6 +23,8 @@ from mtc.shared.buffers import byte_view
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.faults import crash_point
+from mtc.sidecar.ram import RamStore
+from mtc.sidecar.step_index import StepIndex
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +32,27 @@ log = logging.getLogger(__name__)
 _INLINE_BYTES = 1 << 20
 
 
-class ServiceSave:
-    """Phase 1, phase 2 and abort of ``SidecarService`` (a mixin)."""
+class SaveWriter:
+    """Phase 1, phase 2 and abort of the saves of one host.
+
+    Attributes:
+        host_id: the host whose part of each step this writes.
+        store: its RAM store (``RamStore``), where the blobs, parts and commits go.
+        index: the per-step memory (``StepIndex``) this writer keeps a save's parts in, and notes
+            commits and aborts in.
+    """
+
+    def __init__(self, store: RamStore, index: StepIndex, io: Executor, host_id: str):
+        """``io``: the threads that hash and write shards (the service's I/O pool, shared with reads)."""
+        self.host_id = host_id
+        self.store = store
+        self.index = index
+        self._io = io
+        # Serialises the recording of a part (its pending host manifest is rewritten whole) and the
+        # space check a save makes before its first byte.
+        self._lock = threading.Lock()
 
     # --- save: phase 1 -----------------------------------------------------------------
-
-    def land(self, sizes: Sequence[int], *, cold_ok: bool = False):
-        """Mapped temp blob files for the shards of the next ``write_shards``, one per size
-        (``RamStore.land``: None for a size not landed; with ``cold_ok``, some cold: filled with
-        ``Landing.fill``). The bytes written into them are not copied again: ``write_shards``
-        hashes (unless the fill did) and publishes them where they are."""
-        return self.store.land(sizes, cold_ok=cold_ok)
 
     def write_shards(self, step: int, shards: Sequence[tuple[int, fmt.Box, np.ndarray]], *,
                      part: int = 0) -> fmt.HostManifest:
@@ -51,7 +63,7 @@ class ServiceSave:
         add to the same step (one per device group). Returns the host manifest so far, which
         is also kept under ``pending/`` so garbage collection spares its blobs.
 
-        Data that is a buffer of ``land`` (the usual case: the head's staging copy or the
+        Data that is a buffer of ``Landings.land`` (the usual case: the head's staging copy or the
         daemon's receive put it there) is hashed and published in place; other data (on
         Pathways: the sidecar's own host memory) is written with one copy.
         """
@@ -63,23 +75,22 @@ class ServiceSave:
             if key not in unique:
                 data = np.ascontiguousarray(data)
                 unique[key] = byte_view(data)
-                landed[key] = self.store.landed(data)
+                landed[key] = self.store.landings.landed(data)
         rest = [len(buf) for key, buf in unique.items() if landed[key] is None]
         # When every shard not landed fits as a new blob (the usual case), nothing has to be freed
         # and the names are not needed up front: each I/O thread hashes a shard, then writes
         # (or publishes) it, so hashing overlaps the writes of the other thread.
-        if self.store.fits(rest):
-            with self._lock:
-                self._start_part(step, part)
+        if self.store.space.fits(rest):
+            self.index.start_part(step, part)
             crash_point("before_blobs")
             return self._hash_and_write(step, unique, landed, t0, part)
         names = dict(zip(unique, self._io.map(
             lambda k: landed[k].name if landed[k] is not None and landed[k].name else blob_name(unique[k]), unique)))
         sizes = {names[k]: len(buf) for k, buf in unique.items() if landed[k] is None}
-        missing = {n: size for n, size in sizes.items() if not self.store.has_blob(n)}
+        missing = {n: size for n, size in sizes.items() if not self.store.blobs.has(n)}
         with self._lock:
-            self._start_part(step, part)
-            self.store.check_space(self.store.missing_bytes(missing), step=step, sizes=missing.values())
+            self.index.start_part(step, part)
+            self.store.space.check_space(self.store.blobs.missing_bytes(missing), step=step, sizes=missing.values())
         crash_point("before_blobs")
         todo = {}
         for key, buf in unique.items():
@@ -87,7 +98,7 @@ class ServiceSave:
         entries = [fmt.HostShard(a, box, names[(a, box)], len(unique[(a, box)])) for (a, box) in unique]
         # Pinned until the pending host manifest references them: a concurrent commit's
         # garbage collection must not take blobs of a step still being written.
-        with self.store.pin(todo):
+        with self.store.pins.hold(todo):
             futures = []
             for i, (name, (buf, land)) in enumerate(todo.items()):
                 if i == 1:
@@ -103,14 +114,8 @@ class ServiceSave:
     def _put(self, buf: memoryview, land, name: str) -> bool:
         """Store one shard as blob ``name``: publish its landing, or write it; whether it was added."""
         if land is not None:
-            return self.store.publish_landed(land, name)
-        return self.store.write_blob(buf, name=name)[1]
-
-    def _start_part(self, step: int, part: int) -> None:
-        if part == 0:
-            self.index.partial[step] = ([], 0, 0.0)
-        elif step not in self.index.partial:
-            raise ManifestError(f"step {step}: part {part} of a save arrived before part 0")
+            return self.store.landings.publish(land, name)
+        return self.store.blobs.write(buf, name=name)[1]
 
     def _hash_and_write(self, step: int, unique: dict[tuple[int, fmt.Box], memoryview], landed: dict,
                         t0: float, part: int) -> fmt.HostManifest:
@@ -127,7 +132,7 @@ class ServiceSave:
                     if first:
                         claimed.add(name)
                         # Pinned until the pending host manifest references it (see write_shards).
-                        pins.enter_context(self.store.pin([name]))
+                        pins.enter_context(self.store.pins.hold([name]))
                 if not first:
                     return name, 0  # an equal shard's landing is removed when its batch closes
                 return name, len(buf) if self._put(buf, land, name) else 0
@@ -158,20 +163,17 @@ class ServiceSave:
 
     def _record_part(self, step: int, entries: list[fmt.HostShard], written: int, t0: float) -> fmt.HostManifest:
         with self._lock:
-            done, done_bytes, done_s = self.index.partial[step]
-            done.extend(entries)
-            self.index.partial[step] = (done, done_bytes + written, done_s + time.perf_counter() - t0)
-            manifest = fmt.HostManifest(step, self.host_id, tuple(done), done_bytes + written,
-                                        done_s + time.perf_counter() - t0)
+            shards, nbytes, seconds = self.index.add_to_part(step, entries, written, time.perf_counter() - t0)
+            manifest = fmt.HostManifest(step, self.host_id, shards, nbytes, seconds)
             data = manifest.to_json()
-            self.index.parts.pop(step, None)
+            self.index.drop_written(step)
             self.store.write_pending(step, data)
-            self.index.parts[step] = (data, manifest)
+            self.index.keep_written(step, data, manifest)
         return manifest
 
     def part_bytes(self, step: int) -> bytes:
         """This host's part of ``step`` so far (its host manifest), as phase 1 answered it."""
-        data = self.store.read_pending(step)
+        data = self.store.catalog.read_pending(step)
         if data is None:
             raise StepNotFoundError(f"host {self.host_id}: step {step} has no part here (phase 1 did not run "
                                     "or the step was committed or aborted)")
@@ -187,14 +189,11 @@ class ServiceSave:
         replicas equal, this host's part the one it wrote) and writes it. Every other host
         gets only the decision: the manifest's ``digest`` and the ``keepers`` (host, peer
         address); it writes a ``fmt.CommitRecord`` with its own part, and fetches the manifest
-        from a keeper when it first needs it. Retention is the head's ``local_max_to_keep``
-        (``configure``). Returns what this host wrote for the step (blobs, bytes, seconds) for
-        the save report.
+        from a keeper when it first needs it. Retention is the store's (``StoreSpace.max_to_keep``).
+        Returns what this host wrote for the step (blobs, bytes, seconds) for the save report.
         """
-        self._settings(f"commit of step {step}")
-        pending = self.store.read_pending(step)
-        with self._lock:
-            self.index.partial.pop(step, None)
+        pending = self.store.catalog.read_pending(step)
+        self.index.end_part(step)
         if pending is None:
             raise StepNotFoundError(
                 f"host {self.host_id}: cannot commit step {step}: this host did not write it "
@@ -222,22 +221,16 @@ class ServiceSave:
             data = fmt.CommitRecord(step, digest, tuple((str(h), str(a)) for h, a in keepers), pending).to_json()
         else:
             raise ManifestError(f"commit of step {step} needs the step manifest, or its digest and its keepers")
-        written = self.index.parts.get(step)
-        for s in [s for s in self.index.parts if s <= step]:  # committed now, or abandoned before it
-            self.index.parts.pop(s, None)
+        written = self.index.take_written(step)
         host = written[1] if written is not None and written[0] == pending else fmt.HostManifest.from_json(
             pending, source=f"host {self.host_id} step {step} pending manifest")
-        missing = sorted({s.blob for s in host.shards if not self.store.has_blob(s.blob)})
+        missing = sorted({s.blob for s in host.shards if not self.store.blobs.has(s.blob)})
         if missing:
             raise CorruptBlobError(f"host {self.host_id}: step {step} is missing {len(missing)} of its "
                                    f"blobs ({missing[0]}, ...); not committing")
         crash_point("before_commit")
-        kept = set(self.store.commit(step, data))
-        self.index.committed[step] = data
-        for s in [s for s in self.index.committed if s not in kept]:  # pruned by this commit
-            self.index.forget(s)
-        if manifest is not None:
-            self.index.manifests[step] = manifest
+        kept = self.store.commit(step, data)
+        self.index.note_commit(step, data, kept, manifest)  # what this commit pruned is forgotten
         crash_point("after_commit")
         return {"host": self.host_id, "blobs": len(host.blob_names()), "written_bytes": host.written_bytes,
                 "write_s": host.seconds, "keeper": manifest_json is not None}
