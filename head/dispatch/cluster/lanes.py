@@ -3,11 +3,11 @@
 Each host has three connections (``client.HostConnection``), one per lane: ``control``
 (saves, inventories, restores), ``backup`` and ``peer``, so that an upload stuck on a dead
 bucket or a slow peer pull never holds up the next save; each lane fans out on a thread pool of
-its own for the same reason. ``HostLanes`` makes the connections and what they share (the
-aborts store, the peer tier's address book, the head's stamp) and runs the calls on them: one
+its own for the same reason. ``HostLanes`` makes the connections and the state they share and
+that it owns (the aborts store, the peer tier's address book), and runs the calls on them: one
 host, a polled sidecar job, or every host at once. ``ClusterDispatcher``
 (``mtc.head.dispatch.cluster.dispatcher``) builds it and hands it its hosts, their addresses,
-the timeouts, the credentials and the stamp.
+the timeouts, the credentials and the head's stamp.
 """
 
 from __future__ import annotations
