@@ -8,7 +8,7 @@ device). Measured: daemon start-up and resident memory; the median head cost of 
 phase 1 and phase 2 on every host: dispatch and round trips); the same per host; its growth
 against N; the CPU time the head and the daemons spend per save; and one control round trip to
 every host, one host after another (serial) and at once. Saves and pings are timed both ways
-in turn: from one thread with a selector (the dispatcher's ``_call_each``) and with a pool
+in turn: from one thread with a selector (``HostLanes.call_each``) and with a pool
 thread per host (the way before it). Growth below N and parallel below serial say that the
 fan-out is parallel.
 
@@ -93,7 +93,7 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                 step = 3
                 for _ in range(saves):
                     for mode, inline in (("inline", True), ("threads", False)):
-                        disp.inline_calls = inline
+                        disp.lanes.inline_calls = inline
                         state = tiny_state(step)
                         # Timed alone: the background replication of the previous save would share the cores
                         # (64 daemons on this machine's few; on a cluster each host has its own).
@@ -111,17 +111,17 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                         step += 1
                 for _ in range(saves):
                     for mode, inline in (("inline", True), ("threads", False)):
-                        disp.inline_calls = inline
+                        disp.lanes.inline_calls = inline
                         t = time.perf_counter()
-                        _, failures = disp._call_each("ping")
+                        _, failures = disp.lanes.call_each("ping")
                         r.setdefault(mode + "_ping", []).append(time.perf_counter() - t)
                         if failures:
                             raise SystemExit(f"ping failed: {failures}")
                     t = time.perf_counter()
                     for h in disp.hosts():
-                        disp.call(h, "ping")
+                        disp.lanes.call(h, "ping")
                     r.setdefault("serial_ping", []).append(time.perf_counter() - t)
-                disp.inline_calls = True
+                disp.lanes.inline_calls = True
         shutil.rmtree(root, ignore_errors=True)
         # CPU times tick in 10 ms: their mean; the times' median.
         rows.append({k: (statistics.fmean(v) if k.endswith("_cpu") else statistics.median(v)) if isinstance(v, list)

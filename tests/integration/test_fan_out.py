@@ -1,4 +1,4 @@
-"""The head's one-thread fan-out (``ClusterDispatcher._call_each``) against real daemons: every
+"""The head's one-thread fan-out (``HostLanes.call_each``) against real daemons: every
 host's failure is its own, a hung host costs its deadline and no more, a restarted one is
 reconnected within the same call, and a large request still goes out on threads."""
 
@@ -29,7 +29,7 @@ def dispatcher(cluster, **kw) -> ClusterDispatcher:
 def test_a_hung_host_fails_alone_at_its_deadline(local_cluster):
     d = dispatcher(local_cluster, control_timeout_s=1.0)
     try:
-        replies, failures = d._call_each("ping")
+        replies, failures = d.lanes.call_each("ping")
         assert not failures and {h: r.result["host"] for h, r in replies.items()} == {h: h for h in d.hosts()}
         local_cluster.kill("s1-h0", signal.SIGSTOP, wait=False)
         stopped = psutil.Process(local_cluster.pid("s1-h0"))
@@ -39,14 +39,14 @@ def test_a_hung_host_fails_alone_at_its_deadline(local_cluster):
             time.sleep(0.01)
         try:
             t = time.monotonic()
-            replies, failures = d._call_each("ping")
+            replies, failures = d.lanes.call_each("ping")
             took = time.monotonic() - t
         finally:
             local_cluster.kill("s1-h0", signal.SIGCONT, wait=False)
         assert set(failures) == {"s1-h0"} and set(replies) == set(d.hosts()) - {"s1-h0"}
         assert isinstance(failures["s1-h0"], HostUnreachableError) and "no answer within 1s" in str(failures["s1-h0"])
         assert took < 10, took  # its deadline, not one per host
-        replies, failures = d._call_each("ping")  # the late answer went with the dropped connection
+        replies, failures = d.lanes.call_each("ping")  # the late answer went with the dropped connection
         assert not failures and all(r.result["host"] == h for h, r in replies.items())
     finally:
         d.close()
@@ -55,16 +55,16 @@ def test_a_hung_host_fails_alone_at_its_deadline(local_cluster):
 def test_a_restarted_host_is_reconnected_in_the_same_call(local_cluster):
     d = dispatcher(local_cluster)
     try:
-        assert not d._call_each("ping")[1]
+        assert not d.lanes.call_each("ping")[1]
         old = local_cluster.pid("s0-h1")
         local_cluster.kill("s0-h1")
         local_cluster.restart("s0-h1")
         # Its connection is stale: the call makes a new one (authenticated, fingerprinted) and tries once more.
-        replies, failures = d._call_each("ping")
+        replies, failures = d.lanes.call_each("ping")
         assert not failures, failures
         assert replies["s0-h1"].result["pid"] == local_cluster.pid("s0-h1") != old
         local_cluster.kill("s0-h1")
-        replies, failures = d._call_each("ping")
+        replies, failures = d.lanes.call_each("ping")
         assert set(failures) == {"s0-h1"} and "connection refused" in str(failures["s0-h1"])
         assert set(replies) == set(d.hosts()) - {"s0-h1"}
     finally:
@@ -79,9 +79,9 @@ def test_large_requests_go_out_on_threads_and_small_ones_inline(local_cluster):
     try:
         small, big = np.zeros(16, np.uint8), np.zeros(_INLINE_BYTES + 1, np.uint8)
         # "ping" takes no payload: the daemon answers whatever it was sent with.
-        assert not d._call_each("ping", payloads=lambda h: [small])[1]
+        assert not d.lanes.call_each("ping", payloads=lambda h: [small])[1]
         assert pool_threads() == 0  # the pool makes its threads when first used
-        assert not d._call_each("ping", payloads=lambda h: [big])[1]
+        assert not d.lanes.call_each("ping", payloads=lambda h: [big])[1]
         assert pool_threads() > 0
     finally:
         d.close()

@@ -1,47 +1,137 @@
-"""The cluster mode's socket client: one connection per (host, lane) to a sidecar daemon.
+"""The cluster mode's socket client: one connection per (host, lane) to a sidecar daemon, and
+what its connections are handed.
 
 A ``HostConnection`` connects lazily, checks on every new connection that the daemon is the
-host it should be and runs the same versions as the head, sends the aborts its owner has
-queued for that host before anything else, stamps every request with the head's generation
-(fencing), and turns transport failures into ``HostUnreachableError`` and a daemon's error
-answers into ``RemoteFailure``. ``ClusterDispatcher`` (``mtc.head.dispatch.cluster.dispatcher``) owns them.
+host it should be and runs the same versions as the head, sends the aborts queued for that
+host (``PendingAborts``) before anything else, then the head's settings once it claimed its
+hosts, stamps every request with the head's generation (fencing; ``HeadStamp``), and turns
+transport failures into ``HostUnreachableError`` and a daemon's error answers into
+``RemoteFailure``. It is given its collaborators: where its host listens (``AddressBook``),
+how long to wait (``Timeouts``), how to prove it is the job's head (``Credentials``), what it
+stamps (``HeadStamp``), the aborts store and the peer tier's address book it fills in.
+``HostLanes`` (``mtc.head.dispatch.cluster.lanes``) makes them and owns them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import selectors
 import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from mtc.head.dispatch.interface import raise_remote
 from mtc.shared import auth, protocol, tls, version
-from mtc.shared.errors import AuthenticationError, HostUnreachableError, MTCError, ProtocolError
+from mtc.shared.errors import AuthenticationError, ConfigError, HostUnreachableError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
 
 
-class Owner(Protocol):
-    """What a connection needs from the dispatcher that owns it."""
+# Ops whose answer may take as long as moving a host's share of a step.
+_DATA_OPS = frozenset({"write", "commit", "read"})
 
-    generation: int | None
-    spec_path: str
-    head_fingerprint: dict
-    connect_timeout_s: float
-    control_timeout_s: float
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """How long a connection waits, in seconds.
+
+    ``data_s`` bounds each wait for a daemon's bytes (not a whole request) in the data ops
+    (write, commit, read), ``control_s`` in the others (inventory, manifest, version check,
+    abort), so that ``latest_step()`` does not hang on a hung host; ``backup_s`` and ``peer_s``
+    bound one backup or peer job from start to end (``HostLanes.run_job``)."""
+
+    data_s: float
+    control_s: float
+    connect_s: float
+    backup_s: float
+    peer_s: float
+
+    def for_op(self, op: str) -> float:
+        if op.startswith("backup_"):
+            return self.backup_s
+        if op.startswith("peer_"):
+            return self.peer_s
+        return self.data_s if op in _DATA_OPS else self.control_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """How a connection proves it is the job's head (``mtc.shared.auth``) and whether it speaks TLS."""
+
     control_key: bytes
-    tls: ssl.SSLContext | None  # a client context of mtc.shared.tls (None: clear text)
-    peer_addresses: dict[str, str]
-    settings: dict | None  # the head's settings for its hosts, once it claimed them
+    tls: ssl.SSLContext | None = None  # a client context of mtc.shared.tls (None: clear text)
 
-    def timeout_for(self, op: str) -> float: ...
-    def address_of(self, host_id: str) -> str: ...
-    def take_aborts(self, host_id: str) -> list[int]: ...
-    def add_aborts(self, host_id: str, steps: Sequence[int]) -> None: ...
+
+@dataclasses.dataclass
+class HeadStamp:
+    """What every connection carries of its head: the versions checked against each daemon's,
+    the generation stamped on every request once the head claimed its hosts (sidecars refuse
+    changes from an older head), and the settings a new connection sends first from then on."""
+
+    fingerprint: dict
+    generation: int | None = None
+    settings: dict | None = None
+
+
+class AddressBook:
+    """The hosts' current addresses, from the cluster spec: re-read when the file changed on
+    disk, since a restarted daemon may listen on a new port. The set of hosts is fixed."""
+
+    def __init__(self, spec_path: str, addresses: dict[str, str]):
+        self.spec_path = spec_path
+        self._addresses = dict(addresses)
+        self._lock = threading.Lock()
+        self._stamp = self._file_stamp()
+
+    def _file_stamp(self) -> tuple | None:
+        try:
+            st = os.stat(self.spec_path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def of(self, host_id: str) -> str:
+        """The host's current address."""
+        with self._lock:
+            stamp = self._file_stamp()
+            if stamp is not None and stamp != self._stamp:
+                try:
+                    spec = protocol.ClusterSpec.read(self.spec_path)
+                except ConfigError as e:
+                    log.warning("cluster spec changed but cannot be read (%s); keeping the old addresses", e)
+                else:
+                    self._stamp = stamp
+                    new = {h.id: h.address for h in spec.hosts}
+                    if set(new) != set(self._addresses):
+                        log.warning("cluster spec %s now lists hosts %s (was %s); the topology of this "
+                                    "manager is fixed: create a new CheckpointManager to use them",
+                                    self.spec_path, sorted(new), sorted(self._addresses))
+                    for h in self._addresses:
+                        if h in new:
+                            self._addresses[h] = new[h]
+            return self._addresses[host_id]
+
+
+class PendingAborts:
+    """Steps to abort on hosts that could not be asked: a host's are sent first on its next new
+    connection (after its restart), so that a failed step is never left committed there."""
+
+    def __init__(self) -> None:
+        self._steps: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, host_id: str) -> list[int]:
+        with self._lock:
+            return sorted(self._steps.pop(host_id, set()))
+
+    def add(self, host_id: str, steps: Sequence[int]) -> None:
+        with self._lock:
+            self._steps.setdefault(host_id, set()).update(steps)
 
 
 class RemoteFailure(MTCError):
@@ -73,9 +163,15 @@ class HostConnection:
     connection on its own thread.
     """
 
-    def __init__(self, owner: Owner, host_id: str, lane: str = "control"):
-        self.owner = owner
+    def __init__(self, host_id: str, lane: str = "control", *, addresses: AddressBook, timeouts: Timeouts,
+                 credentials: Credentials, stamp: HeadStamp, aborts: PendingAborts, peer_addresses: dict[str, str]):
         self.id = host_id
+        self.addresses = addresses
+        self.timeouts = timeouts
+        self.credentials = credentials
+        self.stamp = stamp
+        self.aborts = aborts
+        self.peer_addresses = peer_addresses  # host -> its peer service's address: filled from fingerprints
         self.lane = lane
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
@@ -91,7 +187,7 @@ class HostConnection:
                 fresh = self.sock is None
                 if fresh:
                     self._connect()
-                timeout = self.owner.timeout_for(op)
+                timeout = self.timeouts.for_op(op)
                 try:
                     self.sock.settimeout(timeout)
                     reply = self._receive(op, self._send(op, args or {}, payloads), alloc)
@@ -110,8 +206,8 @@ class HostConnection:
         """Send one request; returns its id."""
         self._next_id += 1
         rid = self._next_id
-        if stamp and self.owner.generation is not None:  # fencing: sidecars refuse changes from an older head
-            args = {**args, "gen": self.owner.generation}
+        if stamp and self.stamp.generation is not None:  # fencing: sidecars refuse changes from an older head
+            args = {**args, "gen": self.stamp.generation}
         protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
         return rid
 
@@ -135,21 +231,22 @@ class HostConnection:
         return HostUnreachableError(f"host {self.id} at {self.address}: {transport_cause(e, timeout)}")
 
     def _connect(self) -> None:
-        address = self.owner.address_of(self.id)
+        address = self.addresses.of(self.id)
         self.address = address
         try:
-            sock = socket.create_connection(protocol.parse_address(address), timeout=self.owner.connect_timeout_s)
+            sock = socket.create_connection(protocol.parse_address(address), timeout=self.timeouts.connect_s)
         except OSError as e:
-            raise HostUnreachableError(f"host {self.id} at {address}: {transport_cause(e, self.owner.connect_timeout_s)}"
+            raise HostUnreachableError(f"host {self.id} at {address}: {transport_cause(e, self.timeouts.connect_s)}"
                                        ) from e
-        if self.owner.tls is not None:  # mutual TLS: the daemon must hold a certificate of the job's CA, and so must we
+        # Mutual TLS: the daemon must hold a certificate of the job's CA, and so must we.
+        if self.credentials.tls is not None:
             try:
-                sock = self.owner.tls.wrap_socket(sock)
+                sock = self.credentials.tls.wrap_socket(sock)
             except OSError as e:
                 sock.close()
                 raise HostUnreachableError(f"host {self.id} at {address}: "
-                                           f"{transport_cause(e, self.owner.connect_timeout_s)}") from e
-        sock.settimeout(self.owner.control_timeout_s)
+                                           f"{transport_cause(e, self.timeouts.connect_s)}") from e
+        sock.settimeout(self.timeouts.control_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         try:
@@ -161,29 +258,29 @@ class HostConnection:
             if fp.get("host") != self.id:
                 raise HostUnreachableError(
                     f"host {self.id}: the daemon at {address} answers as host {fp.get('host')!r}; the cluster "
-                    f"spec {self.owner.spec_path} is stale or wrong")
-            version.check_fingerprints(self.owner.head_fingerprint, {self.id: fp})
+                    f"spec {self.addresses.spec_path} is stale or wrong")
+            version.check_fingerprints(self.stamp.fingerprint, {self.id: fp})
             if isinstance(fp.get("peer"), str):  # the address book the head hands to the peer tier
-                self.owner.peer_addresses[self.id] = fp["peer"]
+                self.peer_addresses[self.id] = fp["peer"]
             # A save that failed while this host was away may have left its step here.
-            for step in self.owner.take_aborts(self.id):
+            for step in self.aborts.take(self.id):
                 try:
                     r = self._roundtrip("abort", {"step": step}, (), None)
                 except BaseException:
-                    self.owner.add_aborts(self.id, [step])
+                    self.aborts.add(self.id, [step])
                     raise
                 if r.error is not None:
-                    self.owner.add_aborts(self.id, [step])
+                    self.aborts.add(self.id, [step])
                     raise RemoteFailure(self.id, r.error.type, r.error.message)
                 log.info("host %s: aborted step %d left by a failed save", self.id, step)
-            if self.owner.settings is not None:  # a restarted sidecar has none: it follows this head's
-                r = self._roundtrip("configure", {"settings": self.owner.settings}, (), None)
+            if self.stamp.settings is not None:  # a restarted sidecar has none: it follows this head's
+                r = self._roundtrip("configure", {"settings": self.stamp.settings}, (), None)
                 if r.error is not None:
                     raise RemoteFailure(self.id, r.error.type, r.error.message)
         except (OSError, ProtocolError) as e:
             self._drop()
             raise HostUnreachableError(f"host {self.id} at {address}: "
-                                       f"{transport_cause(e, self.owner.control_timeout_s)}") from e
+                                       f"{transport_cause(e, self.timeouts.control_s)}") from e
         except BaseException:
             self._drop()
             raise
@@ -195,7 +292,7 @@ class HostConnection:
         try:
             hello = self._roundtrip("hello", {"nonce": client_nonce}, (), None, stamp=False)
         except (OSError, ProtocolError) as e:
-            if self.owner.tls is None and not isinstance(e, TimeoutError):  # a TLS daemon closes on clear text
+            if self.credentials.tls is None and not isinstance(e, TimeoutError):  # a TLS daemon closes on clear text
                 raise ProtocolError(f"closed before the hello answer ({e}); if the sidecars serve TLS "
                                     f"(--tls-dir), give the head the job's TLS folder too ({tls.ENV_TLS_DIR} "
                                     "or tls_dir)") from e
@@ -205,7 +302,7 @@ class HostConnection:
         server_nonce = hello.result.get("nonce") if isinstance(hello.result, dict) else None
         if not auth.valid_nonce(server_nonce):
             raise ProtocolError(f"host {self.id}: malformed hello answer")
-        key = self.owner.control_key
+        key = self.credentials.control_key
         done = self._roundtrip("auth", {"proof": auth.proof(key, "client", server_nonce, client_nonce)}, (), None,
                                stamp=False)
         if done.error is not None:
@@ -264,7 +361,7 @@ def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], di
         for c in order:
             if c.id in failures:
                 continue
-            timeout = c.owner.timeout_for(op)
+            timeout = c.timeouts.for_op(op)
             try:
                 c.sock.settimeout(timeout)
                 rid = c._send(op, args(c.id), payloads(c.id) if payloads is not None else ())

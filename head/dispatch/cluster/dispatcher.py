@@ -16,8 +16,10 @@ could push the last good step out. A host that cannot be reached is reported in
 
 Connections are kept open and re-made on failure (re-reading the spec, since a restarted
 daemon may listen on a new port). Every new connection checks the host id and the version
-fingerprint before it is used. The calls themselves (one host, a job, every host at once) are
-in ``mtc.head.dispatch.cluster.lanes``.
+fingerprint before it is used. The dispatcher owns the connections through a ``HostLanes``
+(``mtc.head.dispatch.cluster.lanes``: the connections per host and lane and the calls over
+them) that it builds, and runs the restore reads through a ``ClusterLoader``
+(``mtc.head.dispatch.cluster.reads``) handed those lanes and the topology.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from mtc.head.dispatch.cluster.client import AddressBook, Credentials, HeadStamp, RemoteFailure, Timeouts, cause
+from mtc.head.dispatch.cluster.lanes import HostLanes
 from mtc.head.dispatch.cluster.reads import ClusterLoader
 from mtc.head.dispatch.interface import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
-from mtc.head.dispatch.cluster.client import HostConnection, RemoteFailure, cause
-from mtc.head.dispatch.cluster.lanes import ClusterLanes
 from mtc.head.save import plan_commit
 from mtc.head.dispatch.staging import HostStaging
 from mtc.head.dispatch.topology import Topology
@@ -68,7 +70,7 @@ class _Staged:
     nbytes: int
 
 
-class ClusterDispatcher(ClusterLanes, Dispatcher):
+class ClusterDispatcher(Dispatcher):
     """Reach sidecar daemons over TCP, as described by the cluster spec of ``config``.
 
     ``devices`` are the head devices mapped onto the hosts (default ``jax.devices()``).
@@ -76,8 +78,12 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
     (write, commit, read); ``control_timeout_s`` in the others (inventory, manifest, version
     check, abort), so that ``latest_step()`` does not hang on a hung host. The long operations
     (uploads, downloads, peer pulls) run as sidecar jobs on their own connections
-    (``_run_job``); ``backup_timeout_s`` and ``peer_timeout_s`` bound one such job from start
-    to end: a backup may wait out a bucket outage (the sidecar retries with backoff).
+    (``HostLanes.run_job``); ``backup_timeout_s`` and ``peer_timeout_s`` bound one such job from
+    start to end: a backup may wait out a bucket outage (the sidecar retries with backoff).
+
+    Attributes:
+        topology: the hosts, their slices and devices (``Topology.from_spec``).
+        lanes: the connections to the hosts and the calls over them (``HostLanes``).
     """
 
     def __init__(self, config: MTCConfig, devices: Sequence[Any] | None = None, *,
@@ -87,45 +93,38 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         if not spec:
             raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
                               "MTCConfig.from_env): the path of the spec LocalCluster wrote")
-        self.spec_path = os.fspath(spec)
+        spec_path = os.fspath(spec)
         # The settings every sidecar follows: sent with the claim, and first on each new connection.
         self._host_settings = HostSettings.from_config(config).to_wire()
-        self.settings: dict | None = None
         # Hosts that keep each step's whole manifest (on distinct slices; the others commit its digest).
         self._keepers = max(2, int(config.replication_factor))
-        self._devices = list(devices if devices is not None else jax.devices())
-        self.topology = Topology.from_spec(self.spec_path, self._devices)
-        self.timeout_s = float(timeout_s)
-        self.control_timeout_s = float(control_timeout_s)
-        self.backup_timeout_s = float(backup_timeout_s)
-        self.peer_timeout_s = float(peer_timeout_s)
-        self.connect_timeout_s = float(connect_timeout_s)
-        self.head_fingerprint = version.fingerprint()
+        self.topology = Topology.from_spec(spec_path, list(devices if devices is not None else jax.devices()))
         token = auth.resolve_token(config.peer_token)
         if not token:
             raise ConfigError(f"cluster mode needs the job token: set {ENV_TOKEN} (or peer_token) in the head's "
                               "environment to the secret the sidecars were started with; the sidecars refuse "
                               "every control request without it")
-        self.control_key = auth.control_key(token)
-        self.tls = tls.client_context_for(config.tls_dir)  # None: clear text
-        self._addresses = {h.id: h.address for h in self.topology.hosts}
-        self._spec_stamp = self._stamp()
-        self._spec_lock = threading.Lock()
-        self._hosts = {h: HostConnection(self, h) for h in self.topology.host_ids}
-        self._backup_lanes = {h: HostConnection(self, h, "backup") for h in self.topology.host_ids}
-        self._peer_lanes = {h: HostConnection(self, h, "peer") for h in self.topology.host_ids}
-        self.peer_addresses: dict[str, str] = {}  # host -> peer service address, from fingerprints
-        self._aborts: dict[str, set[int]] = {}
-        self._aborts_lock = threading.Lock()
+        self.lanes = HostLanes(
+            self.topology.host_ids,
+            AddressBook(spec_path, {h.id: h.address for h in self.topology.hosts}),
+            Timeouts(data_s=float(timeout_s), control_s=float(control_timeout_s), connect_s=float(connect_timeout_s),
+                     backup_s=float(backup_timeout_s), peer_s=float(peer_timeout_s)),
+            Credentials(auth.control_key(token), tls.client_context_for(config.tls_dir)),
+            HeadStamp(version.fingerprint()))
         self._unreached: dict[int, set[str]] = {}  # step -> hosts its failed save could not reach
-        workers = max(1, min(64, len(self._hosts)))
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster")
-        # The backup tier fans out on its own threads too: a stuck upload holds none of the saves'.
-        self._backup_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-backup")
-        self._peer_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mtc-cluster-peer")
+        self._unreached_lock = threading.Lock()  # _save_error writes it, abort() (the manager's next call) reads it
         self._staging = HostStaging()
-        self._loader = ClusterLoader(self)
+        self._loader = ClusterLoader(self.lanes, self.topology)
         self._closed = False
+
+    @property
+    def generation(self) -> int | None:
+        """The head's generation once it claimed its hosts: every request carries it (fencing)."""
+        return self.lanes.stamp.generation
+
+    @generation.setter
+    def generation(self, value: int | None) -> None:
+        self.lanes.stamp.generation = value
 
     # --- Dispatcher: identity --------------------------------------------------------------
 
@@ -134,7 +133,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
 
     def fingerprints(self) -> dict[str, dict]:
         """Fingerprints of the reachable hosts (each connection checks its own host's too)."""
-        replies, failures = self._call_each("fingerprint")
+        replies, failures = self.lanes.call_each("fingerprint")
         results = {h: r.result for h, r in replies.items()}
         for h, e in failures.items():
             if isinstance(e, RemoteFailure):
@@ -203,7 +202,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
                                     f"shards for {len(items)} sent)")
             return info, bytes(reply.payloads[0])
 
-        replies, failures = self._call_each("write", None, args, lambda h: [buf for _, _, buf in staged.shards[h]])
+        replies, failures = self.lanes.call_each("write", None, args, lambda h: [buf for _, _, buf in staged.shards[h]])
         results: dict[str, tuple[dict, bytes]] = {}
         for h, reply in replies.items():
             try:
@@ -215,16 +214,16 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         info = {h: {"written_bytes": r.get("written_bytes", 0), "blobs": r.get("blobs", 0),
                     "write_s": r.get("seconds", 0.0), "devices": list(self.topology.host(h).devices)}
                 for h, (r, _) in results.items()}
-        return WriteResult([(h, results[h][1]) for h in self._hosts], info)
+        return WriteResult([(h, results[h][1]) for h in self.topology.host_ids], info)
 
     def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
         """Phase 2: the whole manifest to the keepers only; the decision (digest, keepers) to the others."""
-        keep, where = plan_commit(list(self._hosts), self.topology.slice_of, step, self._keepers,
-                                  dict(self.peer_addresses))
+        keep, where = plan_commit(self.topology.host_ids, self.topology.slice_of, step, self._keepers,
+                                  dict(self.lanes.peer_addresses))
         args = {"step": step, "digest": digest}
         decision = {**args, "keepers": where}
-        replies, failures = self._call_each("commit", None, lambda h: args if h in keep else decision,
-                                            lambda h: [manifest] if h in keep else [])
+        replies, failures = self.lanes.call_each("commit", None, lambda h: args if h in keep else decision,
+                                                 lambda h: [manifest] if h in keep else [])
         results = {h: r.result for h, r in replies.items()}
         if failures:
             raise self._save_error(step, "phase 2 (commit)", failures)
@@ -233,25 +232,24 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
     def abort(self, step: int) -> None:
         """Forget ``step`` everywhere: now on the hosts that answer, on reconnect on the others
         (those the failed save could not reach are not asked now: their abort waits for them)."""
-        with self._aborts_lock:
+        with self._unreached_lock:
             away = self._unreached.pop(step, set())
         for h in away:
-            self.add_aborts(h, [step])
-            self._hosts[h].close()  # so that the next call reconnects and aborts first
-        _, failures = self._call_each("abort", [h for h in self._hosts if h not in away], {"step": step})
+            self.lanes.abort_later(h, [step])
+        _, failures = self.lanes.call_each("abort", [h for h in self.topology.host_ids if h not in away],
+                                           {"step": step})
         for h, e in failures.items():
             log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, cause(e))
-            self.add_aborts(h, [step])
-            self._hosts[h].close()
+            self.lanes.abort_later(h, [step])
 
     def verify(self, step: int) -> dict[str, dict]:
         """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
-        replies, failures = self._call_each("verify", args={"step": step})
+        replies, failures = self.lanes.call_each("verify", args={"step": step})
         return {**{h: r.result for h, r in replies.items()}, **{h: {"error": cause(e)} for h, e in failures.items()}}
 
     def leases(self) -> dict[str, dict | None]:
         """The reachable hosts' leases (a host that is down is asked again when it is back)."""
-        replies, failures = self._call_each("lease")
+        replies, failures = self.lanes.call_each("lease")
         for h, e in sorted(failures.items()):
             if not isinstance(e, HostUnreachableError):
                 raise e
@@ -260,11 +258,11 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
     def claim(self, generation: int, head: dict) -> None:
         """Every reachable host takes ``head``, then its settings (``configure``); one that is down
         adopts it with its first request, and is configured first on its new connection."""
-        _, failures = self._call_each("claim", args={"generation": generation, "head": head})
+        _, failures = self.lanes.call_each("claim", args={"generation": generation, "head": head})
         self.generation = generation
-        self.settings = self._host_settings
-        _, more = self._call_each("configure", [h for h in self._hosts if h not in failures],
-                                  {"settings": self.settings})
+        self.lanes.stamp.settings = self._host_settings
+        _, more = self.lanes.call_each("configure", [h for h in self.topology.host_ids if h not in failures],
+                                       {"settings": self._host_settings})
         failures.update(more)
         for h, e in sorted(failures.items()):
             if isinstance(e, HostUnreachableError):
@@ -276,11 +274,11 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
             raise e
 
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
-        with self._aborts_lock:  # for abort(), which the manager calls next
+        with self._unreached_lock:
             self._unreached[step] = {h for h, e in failures.items() if isinstance(e, HostUnreachableError)}
         hosts = {h: cause(e) for h, e in sorted(failures.items())}
         lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
-        err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self._hosts)} hosts "
+        err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self.topology.host_ids)} hosts "
                         f"({lines}); step {step} is not committed and is aborted on every host; "
                         "earlier steps are unaffected, and the next save retries the failed hosts",
                         step=step, hosts=hosts)
@@ -307,8 +305,8 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         return self._inventories("peer")
 
     def _inventories(self, lane: str) -> dict[str, HostInventory]:
-        replies, failures = self._call_each("inventory", None, lambda h: {"devices": list(self.topology.host(h).devices)},
-                                            lane=lane)
+        replies, failures = self.lanes.call_each("inventory", None,
+                                                 lambda h: {"devices": list(self.topology.host(h).devices)}, lane=lane)
         results: dict[str, HostInventory] = {}
         for h, r in replies.items():
             try:
@@ -318,11 +316,11 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         for h, e in failures.items():
             log.warning("inventory: %s; its steps cannot be confirmed", cause(e))
             results[h] = HostInventory.unreachable(h, cause(e))
-        return {h: results[h] for h in self._hosts}
+        return {h: results[h] for h in self.topology.host_ids}
 
     def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
         try:
-            reply = self.call(host, "manifest", {"step": step, "here_only": here_only})
+            reply = self.lanes.call(host, "manifest", {"step": step, "here_only": here_only})
         except RemoteFailure as e:
             e.reraise()
         if len(reply.payloads) != 1:
@@ -334,12 +332,6 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
              manifest: str | None = None) -> list[Any]:
         return self._loader.load(step, requests, holders, manifest)
-
-    def host_or_none(self, device_id: int) -> str | None:
-        try:
-            return self.topology.host_of(device_id)
-        except ConfigError:  # a device of the saving mesh that this one does not have
-            return None
 
     def host_of_device(self, device_id: int) -> str:
         return self.topology.host_of(device_id)
@@ -361,9 +353,9 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
     def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""
         failures: dict[str, BaseException] = {}
-        for h in self._hosts:
+        for h in self.topology.host_ids:
             try:
-                return h, self.call(h, op, args)
+                return h, self.lanes.call(h, op, args)
             except HostUnreachableError as e:
                 failures[h] = e
             except RemoteFailure as e:
@@ -375,15 +367,15 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self.fan_out(lambda h: self._run_job(
-            h, "backup_upload", {"blobs": list(assignments.get(h, []))}), pool=self._backup_pool)
+        results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
+            h, "backup_upload", {"blobs": list(assignments.get(h, []))}), lane="backup")
         if failures:
             self._raise_failures("backup upload", failures)
         return results
 
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         try:
-            return self.call(host, "backup_finalize", {"name": name}, [manifest.to_json()]).result
+            return self.lanes.call(host, "backup_finalize", {"name": name}, [manifest.to_json()]).result
         except RemoteFailure as e:
             e.reraise()
 
@@ -397,8 +389,8 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"backup {name} (via {h})")
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self.fan_out(lambda h: self._run_job(
-            h, "backup_fetch", {"name": name, "blobs": list(needs.get(h, []))}), pool=self._backup_pool)
+        results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
+            h, "backup_fetch", {"name": name, "blobs": list(needs.get(h, []))}), lane="backup")
         if failures:
             self._raise_failures(f"fetch of backup {name}", failures)
         return results
@@ -407,7 +399,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         root = self._host_settings["backup_url"]
         # Threads of its own: a scrub runs for minutes, and on the backup pool it would hold up the uploads.
         with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="mtc-cluster-scrub") as pool:
-            results, failures = self.fan_out(lambda h: self._run_job(
+            results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
                 h, "backup_scrub", {**work[h], "root": root, "bytes_per_s": bytes_per_s}), sorted(work), pool=pool)
         if failures:
             self._raise_failures("backup scrub", failures)
@@ -426,7 +418,7 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         host -> what it pulled (an ``error`` when the host could not be asked or failed as a whole). With ``manifest``, a host that
         lacks the step commits it once all its pulls succeeded (restore onto a wiped host).
         """
-        peers = dict(self.peer_addresses)
+        peers = dict(self.lanes.peer_addresses)
         data = [manifest.to_json()] if manifest is not None else []
         shares = shares or {}
 
@@ -434,9 +426,9 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
             args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, ())], "peers": peers}
             if h in shares:
                 args["shares"] = [[owner, list(srcs)] for owner, srcs in shares[h]]
-            return PullResult.from_wire(h, self._run_job(h, "peer_pull", args, data))
+            return PullResult.from_wire(h, self.lanes.run_job(h, "peer_pull", args, data))
 
-        results, failures = self.fan_out(one, sorted(set(pulls) | set(shares)), pool=self._peer_pool)
+        results, failures = self.lanes.fan_out(one, sorted(set(pulls) | set(shares)), lane="peer")
         for h, e in failures.items():
             log.warning("peer pull of step %d on %s failed: %s", step, h, cause(e))
             results[h] = PullResult.unreachable(h, cause(e))
@@ -448,9 +440,5 @@ class ClusterDispatcher(ClusterLanes, Dispatcher):
         if self._closed:
             return
         self._closed = True
-        for h in [*self._hosts.values(), *self._backup_lanes.values(), *self._peer_lanes.values()]:
-            h.close()
-        self._pool.shutdown(wait=True)
-        self._backup_pool.shutdown(wait=True)
-        self._peer_pool.shutdown(wait=True)
+        self.lanes.close()
         self._staging.close()

@@ -8,25 +8,28 @@ file as it is (from a map of it, no hash there) and the head hashes the bytes as
 gives. So the bytes are verified end to end, the socket included, and the daemon reads them
 once. A stream that does not hash to its name is read again from the same host without
 streaming: that host then hashes its copy itself, removes it if it is the copy that is bad, and
-answers with the error, after which the read moves on as for any other failure."""
+answers with the error, after which the read moves on as for any other failure.
+
+``ClusterLoader`` is handed the connections it reads over (``lanes.HostLanes``) and the
+topology that maps devices to hosts."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 
 from mtc.head.dispatch.cluster.client import RemoteFailure, cause, read_errors
+from mtc.head.dispatch.cluster.lanes import HostLanes
 from mtc.head.dispatch.interface import LoadRequest, raise_remote
 from mtc.head.restore.plan import BoxRead, box_reads
 from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import protocol
-from mtc.shared.errors import HostUnreachableError, ProtocolError
+from mtc.shared.errors import ConfigError, HostUnreachableError, ProtocolError
 from mtc.shared.hashing import new_hasher
 
 log = logging.getLogger(__name__)
@@ -61,29 +64,16 @@ class _Read:
         return int(self.dest.nbytes)
 
 
-class ReadHosts(Protocol):
-    """What the reads need of the dispatcher (``ClusterDispatcher``'s public calls)."""
-
-    topology: Topology
-
-    def call(self, host_id: str, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
-             alloc: protocol.Alloc | None = None, *, lane: str | None = None) -> protocol.Reply: ...
-
-    def fan_out(self, fn: Callable[[str], Any], hosts: Sequence[str] | None = None, *,
-                pool: ThreadPoolExecutor | None = None) -> tuple[dict[str, Any], dict[str, BaseException]]: ...
-
-    def host_or_none(self, device_id: int) -> str | None: ...
-
-
 class ClusterLoader:
-    """Runs the restore reads over a ``ClusterDispatcher``'s connections and thread pool."""
+    """Runs the restore reads over the hosts' control connections and their lane's thread pool."""
 
     # False: the read path before streams (every box hashed on its host and sent from a map);
     # bench/bench_cluster.py times both in one run.
     stream_reads = True
 
-    def __init__(self, dispatcher: ReadHosts):
-        self._d = dispatcher
+    def __init__(self, lanes: HostLanes, topology: Topology):
+        self._lanes = lanes
+        self._topology = topology
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
              manifest: str | None = None) -> list[Any]:
@@ -108,7 +98,7 @@ class ClusterLoader:
                 buf = bufs[box] = protocol.aligned_buffer(nbytes).view(dtype).reshape(shape)
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
-                    for plan in box_reads(rec, box, owners, self._d.topology.host_ids, holders, self._d.host_or_none):
+                    for plan in box_reads(rec, box, owners, self._topology.host_ids, holders, self._host_or_none):
                         reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()], exact.get(plan.region)))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
         self._run_reads(step, reads, manifest)
@@ -126,7 +116,13 @@ class ClusterLoader:
         return out
 
     def _owner(self, device: Any) -> str:
-        return self._d.topology.host_of(int(device.id))
+        return self._topology.host_of(int(device.id))
+
+    def _host_or_none(self, device_id: int) -> str | None:
+        try:
+            return self._topology.host_of(device_id)
+        except ConfigError:  # a device of the saving mesh that this one does not have
+            return None
 
     def _run_reads(self, step: int, reads: list[_Read], manifest: str | None) -> None:
         """Run every read, batched per host and in parallel; a failed read moves on to its next
@@ -136,7 +132,8 @@ class ClusterLoader:
             by_host: dict[str, list[_Read]] = {}
             for r in pending:
                 by_host.setdefault(r.candidates[len(r.tried)], []).append(r)
-            results, failures = self._d.fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest), list(by_host))
+            results, failures = self._lanes.fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest),
+                                                    list(by_host))
             pending = []
             for h, batch in by_host.items():
                 if h in failures:
@@ -191,7 +188,7 @@ class ClusterLoader:
             args["manifest"] = manifest
         if stream:
             args["stream"] = stream
-        reply = self._d.call(h, "read", args, alloc=alloc)
+        reply = self._lanes.call(h, "read", args, alloc=alloc)
         failed: dict[int, tuple[str | None, str]] = {
             i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
         for i, hasher in hashers.items():
