@@ -232,18 +232,17 @@ class ColocatedSidecar:
         import jax
 
         req = _request(request)
-        step = ops.step_arg(req)
         svc = self._svc()
         svc.admit("read", req.get("gen"))
+        step, arrays, manifest = ops.parse_load(req)
         devices_by_id = {d.id: d for d in _device_list(request)}
         # Every distinct box is read once, all of them on the sidecar's I/O threads.
         plans = []
         reads: dict[tuple[int, fmt.Box], int] = {}
         jobs = []
-        for i, spec in enumerate(req["arrays"]):
-            shape = tuple(spec["shape"])
+        for i, spec in enumerate(arrays):
+            shape, dtype = spec["shape"], spec["dtype"]
             sharding = shardings.rebuild(spec["sharding"], devices_by_id)
-            dtype = fmt.dtype_from_name(spec["dtype"])
             placed = []
             for dev, idx in sharding.addressable_devices_indices_map(shape).items():
                 box = fmt.box_from_index(idx, shape)
@@ -255,7 +254,7 @@ class ColocatedSidecar:
                         jobs.append((spec["key"], box, False, None))
                 placed.append((dev, reads[(i, box)]))
             plans.append((shape, sharding, placed))
-        bufs, errors = svc.read_boxes_each(step, jobs, manifest=req.get("manifest"))
+        bufs, errors = svc.read_boxes_each(step, jobs, manifest=manifest)
         if errors:  # on this host no other holder can stand in: the first failure, typed
             _, name, message = errors[0]
             raise wire_errors.decode(svc.host_id, name, message)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
-from mtc.shared.errors import ProtocolError
+from mtc.shared.errors import ManifestError, ProtocolError
 from mtc.shared.hashing import is_blob_name
 from mtc.sidecar.jobs import MAX_WAIT_S
 from mtc.sidecar.ram.common import MAX_STEP
@@ -295,6 +295,45 @@ def parse_read(args: dict) -> tuple[int, list[tuple[str, fmt.Box | None]], str |
     if not isinstance(stream, list) or not all(type(i) is int and 0 <= i < len(boxes) for i in stream):
         raise ProtocolError("read: 'stream' must list indices into 'reads' (the boxes the head hashes itself)")
     return step, boxes, manifest, stream
+
+
+def parse_load(args: dict) -> tuple[int, list[dict], str | None]:
+    """A colocated ``load``'s header: (step, the arrays to build, manifest digest or None).
+
+    Each array is ``{"key", "shape", "dtype", "sharding", "as_bytes"?}``: its shape and dtype are
+    checked here (the dtype returned as a ``numpy.dtype``); its sharding where it is rebuilt on
+    this host's devices."""
+    step = step_arg(args)
+    arrays = args.get("arrays")
+    if not isinstance(arrays, list):
+        raise ProtocolError("load: 'arrays' must be a list of {key, shape, dtype, sharding}")
+    out = []
+    for i, spec in enumerate(arrays):
+        where = f"load: arrays[{i}]"
+        if not (isinstance(spec, dict) and isinstance(spec.get("key"), str)):
+            raise ProtocolError(f"{where} is not an object with a 'key' (text)")
+        shape = spec.get("shape")
+        if not (isinstance(shape, list) and len(shape) <= 64
+                and all(type(n) is int and 0 <= n <= MAX_SETTING for n in shape)):
+            raise ProtocolError(f"{where}: 'shape' must be a list of at most 64 sizes (integers >= 0)")
+        if not isinstance(spec.get("dtype"), str):
+            raise ProtocolError(f"{where}: 'dtype' must be a dtype's name")
+        try:
+            dtype = fmt.dtype_from_name(spec["dtype"])
+        except (ManifestError, TypeError, ValueError) as e:
+            raise ProtocolError(f"{where}: {e}") from None
+        if not isinstance(spec.get("sharding"), dict):
+            raise ProtocolError(f"{where}: 'sharding' must be an object (a sharding's description)")
+        as_bytes = spec.get("as_bytes", False)
+        if type(as_bytes) is not bool:
+            raise ProtocolError(f"{where}: 'as_bytes' must be true or false")
+        out.append({"key": spec["key"], "shape": tuple(shape), "dtype": dtype, "sharding": spec["sharding"],
+                    "as_bytes": as_bytes})
+    manifest = args.get("manifest")
+    if manifest is not None and (not isinstance(manifest, str) or len(manifest) > 128):
+        raise ProtocolError("load: 'manifest' must be the step manifest's digest (a string of at most 128 "
+                            "characters) or null")
+    return step, out, manifest
 
 
 def _bytes_answer(data: bytes) -> tuple[Any, list]:

@@ -117,6 +117,35 @@ def test_the_colocated_data_operations_check_their_headers_as_the_daemon_does(tm
         ops.parse_read(BAD_DATA["read"])
 
 
+@pytest.mark.parametrize("args,match", [
+    ({"step": "one", "arrays": []}, "'step' must be an integer"),
+    ({"step": 1, "arrays": "all"}, "'arrays' must be a list"),
+    ({"step": 1, "arrays": [{"key": 3}]}, r"arrays\[0\] is not an object with a 'key'"),
+    ({"step": 1, "arrays": [{"key": "a", "shape": [-1], "dtype": "float32", "sharding": {}}]}, "'shape'"),
+    ({"step": 1, "arrays": [{"key": "a", "shape": [2], "dtype": "no-such-type", "sharding": {}}]}, "no-such-type"),
+    ({"step": 1, "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": "all"}]}, "'sharding'"),
+    ({"step": 1, "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": {}, "as_bytes": 1}]},
+     "'as_bytes'"),
+    ({"step": 1, "arrays": [], "manifest": 5}, "'manifest'"),
+])
+def test_the_colocated_load_checks_its_header_with_the_table(tmp_path, args, match):
+    """The colocated ``load`` (the ``read`` of colocated mode), driven as the head drives it: a request
+    array on a device, decoded and checked by the table's ``parse_load`` before anything is read."""
+    import jax
+    import numpy as np
+
+    from mtc.shared.colocated_codec import encode_request
+    from mtc.shared.errors import ProtocolError
+
+    col = ColocatedSidecar(f'{{"ramdisk_root": "{tmp_path / "col"}", "host_id": "h0"}}')
+    try:
+        request = jax.device_put(np.ascontiguousarray(encode_request(args)[None, :]), jax.devices()[0])
+        with pytest.raises(ProtocolError, match=match):
+            col.load(request)
+    finally:
+        col._dispatch({"op": "close"})
+
+
 def test_good_requests_answer_the_same_in_both_transports(both):
     colocated, cluster = both
     # Unconfigured sidecars refuse what needs the head's settings, with one type.
