@@ -160,9 +160,9 @@ class PeakRSS:
 def _warmer_drain(mgr) -> bool:
     """Wait for the sidecar in this process to finish warming its maps (colocated mode on a CPU
     backend); False where it cannot be reached."""
-    from mtc.shared import landing
+    from mtc.shared import landing_zones
 
-    zone = landing.find(mgr.config.ramdisk_root)
+    zone = landing_zones.find(mgr.config.ramdisk_root)
     service = getattr(zone, "_service", None)
     warmer = getattr(getattr(service, "store", None), "warmer", None)
     return warmer is not None and warmer.drain(timeout=120)

@@ -11,7 +11,7 @@ array codec around ``SidecarService``:
 - ``write`` takes the staged state and answers the xxh3 digest of every shard, per device,
   in a fixed-shape uint8 array, from which the head builds the step manifest;
 - on a CPU backend (this object in the head's process) the service also registers a landing
-  zone (``mtc.shared.landing``): the head's staging copy lands in mapped ramdisk files, and
+  zone (``mtc.shared.landing_zones``): the head's staging copy lands in mapped ramdisk files, and
   ``write`` hashes and publishes them in place (one copy per save). On Pathways the arrays
   arrive in this process's own host memory and ``write_shards`` writes them with one copy;
 - ``load`` returns the target arrays, built on the host's devices from verified blobs.
@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 
 from mtc.shared import format as fmt
-from mtc.shared import landing, shardings, tls, wire_errors
+from mtc.shared import landing_zones, shardings, tls, wire_errors
 from mtc.shared.buffers import aligned_empty
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
 from mtc.shared.errors import ConfigError, ProtocolError
 from mtc.sidecar import ops
 from mtc.sidecar.peer import resolve_token
-from mtc.sidecar.ram.landing import is_no_space
+from mtc.sidecar.ram.mapped import is_no_space
 from mtc.sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def _request(x) -> dict:
 
 
 class _Zone:
-    """The service's landing zone for a head in this process (``mtc.shared.landing.LandingZone``).
+    """The service's landing zone for a head in this process (``mtc.shared.landing_zones.LandingZone``).
 
     The head stages one save at a time (the next stage waits for the previous write), so the
     zone holds one batch: reserving again, or closing, removes what the last one left unwritten.
@@ -148,7 +148,7 @@ class ColocatedSidecar:
                         raise ConfigError(f"peer_port={port}: the peer service cannot start: {e}") from e
                 self._service = service
                 self._zone = _Zone(service)
-                landing.register(c["ramdisk_root"], self._zone)
+                landing_zones.register(c["ramdisk_root"], self._zone)
             return self._service
 
     # --- control -----------------------------------------------------------------------
@@ -196,7 +196,7 @@ class ColocatedSidecar:
             with self._lock:
                 zone, self._zone, self._service = self._zone, None, None
             if zone is not None:
-                landing.unregister(self._config["ramdisk_root"], zone)
+                landing_zones.unregister(self._config["ramdisk_root"], zone)
                 zone.release()
         return ops.serve(svc, name, args, payloads, "colocated")
 

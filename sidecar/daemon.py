@@ -5,39 +5,9 @@ This is the cluster mode (docs/architecture.md, "The seam"): each worker host is
 frames of ``mtc.shared.protocol``. One thread per connection (``mtc.sidecar.tcpserver``); requests
 on one connection are answered in order.
 
-Ops (``args`` -> ``result``; payloads in brackets):
-
-- ``ping`` -> ``{"host", "pid"}``
-- ``fingerprint`` -> the version fingerprint, with ``"host"``
-- ``inventory {devices?}`` -> ``{"host", "steps": [{"step", "blobs", "local_blobs", "step_blobs", "digest",
-  "held"}]}``; ``held`` is a bitmap over the step's sorted blob names: which of them this host holds.
-  With ``devices`` (the head's device ids this host holds), ``blobs`` counts only the blobs of
-  shards saved from those devices (this host's share), so a host is whole when it holds its
-  own share; without it, every blob of the step.
-- ``manifest {step, here_only}`` -> ``{"step"}`` [step manifest; ``here_only``: only from a host that keeps it]
-- ``write {step, part, shards: [[array, box], ...]}`` [one payload per shard] -> ``{step, host, shards, blobs,
-  written_bytes, seconds}`` [host manifest JSON: this host's part of the step manifest]
-- ``part {step}`` -> ``{step}`` [this host's part of the step being saved, as ``write`` answered it]
-- ``configure {settings}`` -> the settings this host now follows (``HostSettings``: retention, backup root);
-  the head sends it after ``claim`` and first on every new connection
-- ``commit {step, digest, keepers}`` [step manifest, for a keeper only] -> what the host wrote
-  for the step (a host without the manifest commits a record of the decision: ``fmt.CommitRecord``)
-- ``abort {step}`` -> ``{"removed"}``: forget a step whose save failed (committed or pending)
-- ``backup_upload {blobs}``, ``backup_finalize {name}`` [manifest], ``backup_listing {deadline_s}``,
-  ``backup_manifest {name}`` -> [manifest], ``backup_fetch {name, blobs}``: the backup tier of
-  ``SidecarService``, on the backup root the head configured.
-- ``read {step, reads: [[key, box or null], ...], stream?: [index, ...]}`` -> ``{"errors": [[index, type,
-  message], ...], "streamed": [index, ...]}`` [the raw bytes of each assembled box; empty for a box that
-  failed]. A box listed in ``stream`` that is exactly one saved shard is sent straight from a map of
-  its blob's file without being hashed here, and listed in ``streamed``: the head hashes it as it
-  arrives. Every other box is verified here before it is sent.
-- ``peer_pull {step, pulls: [[blob, size, [holder, ...]], ...], peers: {host: address}, shares: [[owner, [holder, ...]], ...]}`` [step manifest,
-  optional: commit the step here once every pull succeeded] -> what was pulled (``mtc.sidecar.replication``).
-  Its own peer service (``mtc.sidecar.peer``) is what the other sidecars pull from; its address is
-  in the ``fingerprint`` answer (``"peer"``).
-- The long ones (``backup_upload``, ``backup_fetch``, ``peer_pull``) answer ``{"job": id}`` at once;
-  ``job {job, wait_s}`` -> ``{"done": false}`` or, once, ``{"done": true, "result"}`` /
-  ``{"done": true, "error", "message"}`` (``mtc.sidecar.jobs``: the same model as the colocated transport).
+The operations, their arguments and their checks are the table in ``mtc.sidecar.ops`` (and
+docs/architecture.md, "The seam", one row each). Long ones (``LONG_OPS``) answer ``{"job": id}`` at
+once; ``job`` reports their end (``mtc.sidecar.jobs``, as in colocated mode).
 
 Errors come back as ``{"type": class name, "message"}``; the head re-raises them typed.
 
@@ -70,7 +40,7 @@ from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar import daemon_ops
 from mtc.sidecar.metrics import serve_metrics
 from mtc.sidecar.peer import ENV_TOKEN, resolve_token
-from mtc.sidecar.ram.landing import LandingSink
+from mtc.sidecar.ram.mapped import LandingSink
 from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.service import SidecarService
 from mtc.sidecar.tcpserver import ThreadedTCPServer

@@ -37,7 +37,7 @@ from mtc.shared.errors import (
 )
 from mtc.shared.hashing import is_blob_name
 from mtc.sidecar.peer import BadCopyError, PeerClient
-from mtc.sidecar.ram import RamStore, format_bytes
+from mtc.sidecar.ram import RamStore, format_binary_bytes
 from mtc.sidecar.ram.common import free_bytes
 
 log = logging.getLogger(__name__)
@@ -244,8 +244,8 @@ def _no_room(store: RamStore, host_id: str, step: int | None, todo: dict[str, Pu
     left = [p.size for b, p in todo.items() if not store.blobs.has(b)]
     need, free = sum(left), free_bytes(store.root)
     what = f"step {step}" if step is not None else "a step"
-    why = (f"ramdisk {store.root} is full: {len(left)} blob(s) of {what} ({format_bytes(need)}) still to come, "
-           f"{format_bytes(free)} free, it lacks {format_bytes(max(need - free, 1))}")
+    why = (f"ramdisk {store.root} is full: {len(left)} blob(s) of {what} ({format_binary_bytes(need)}) still to come, "
+           f"{format_binary_bytes(free)} free, it lacks {format_binary_bytes(max(need - free, 1))}")
     _note(store, step, why)
     return InsufficientSpaceError(
         f"host {host_id}: {why}. Free room on it, or size the ramdisks for the peer copies too "

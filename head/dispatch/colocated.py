@@ -22,7 +22,7 @@ from mtc.head.dispatch.interface import Dispatcher, HostInventory, Leaf, LoadReq
 from mtc.head.save import plan_commit
 from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
-from mtc.shared import landing
+from mtc.shared import landing_zones
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
 from mtc.shared import shardings
 from mtc.shared.config import MTCConfig
@@ -227,10 +227,10 @@ class ColocatedDispatcher(Dispatcher):
 
     def _host_buffers(self, wants: list) -> list[np.ndarray]:
         """Where each host copy goes: mapped ramdisk files of the sidecar in this process, which
-        publishes them as blobs where they lie (``mtc.shared.landing``: one copy per save), or
+        publishes them as blobs where they lie (``mtc.shared.landing_zones``: one copy per save), or
         reused staging buffers (Pathways, small shards, a ramdisk without room for every shard
         as a new blob: the sidecar then writes them)."""
-        self._zone = landing.find(self._ramdisk_root) if self._same_memory and wants else None
+        self._zone = landing_zones.find(self._ramdisk_root) if self._same_memory and wants else None
         sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for _, shape, dtype, _ in wants]
         landed = self._zone.reserve(sizes) if self._zone is not None else [None] * len(wants)
         out = []

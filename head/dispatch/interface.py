@@ -46,7 +46,7 @@ class LoadRequest:
     sharding: Any  # target jax Sharding, or None for a host numpy leaf
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class WriteResult:
     """Phase 1 across all hosts: each host's part of the step manifest, and what each host did.
 

@@ -3,7 +3,7 @@
 Both dispatchers copy every unique shard once (so that a train step that donates its inputs
 cannot touch what is being written), on several threads: ``np.copyto`` releases the GIL, and
 one thread does not reach memory bandwidth. The destination is what makes it the only copy:
-in colocated mode on a CPU backend, the sidecar's mapped ramdisk files (``mtc.shared.landing``),
+in colocated mode on a CPU backend, the sidecar's mapped ramdisk files (``mtc.shared.landing_zones``),
 which it publishes as blobs where they lie; otherwise (cluster mode, which then sends them, and
 shards the sidecar does not land) reused, 64-byte aligned buffers of ``HostStaging``, which
 become CPU jax.Arrays without another copy.

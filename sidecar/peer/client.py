@@ -25,7 +25,7 @@ from mtc.shared.hashing import check_blob_name
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.shared.tls import TLSFiles, client_context, describe
 from mtc.sidecar.ram import RamStore
-from mtc.sidecar.peer.wire import HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, BadCopyError, cause, receive_blob, send_blob_file
+from mtc.sidecar.peer.wire import HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, BadCopyError, peer_failure, receive_blob, send_blob_file
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +107,13 @@ class PeerClient:
             try:
                 sock = socket.create_connection(self._addr, timeout=self._connect_timeout)
             except OSError as e:
-                raise HostUnreachableError(f"{self._where()}: cannot connect ({cause(e)})") from e
+                raise HostUnreachableError(f"{self._where()}: cannot connect ({peer_failure(e)})") from e
             if self._tls is not None:
                 try:
                     sock = self._tls.wrap_socket(sock)
                 except OSError as e:
                     sock.close()
-                    why = describe(e) if isinstance(e, ssl.SSLError) else cause(e)
+                    why = describe(e) if isinstance(e, ssl.SSLError) else peer_failure(e)
                     raise HostUnreachableError(f"{self._where()}: {why}") from e
             sock.settimeout(self._timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -132,7 +132,7 @@ class PeerClient:
                 sock.sendall(protocol.frame_head(req.header(), payload_sizes))
         except OSError as e:
             self.close()
-            raise HostUnreachableError(f"{self._where()}: {op} failed ({cause(e)})") from e
+            raise HostUnreachableError(f"{self._where()}: {op} failed ({peer_failure(e)})") from e
         return req.id
 
     def _reply_header(self, op: str, rid: int, max_payload: int) -> dict:
@@ -140,7 +140,7 @@ class PeerClient:
             header = protocol.recv_header(self._sock, max_header=MAX_PEER_HEADER, max_payload=max_payload)
         except (OSError, ProtocolError) as e:
             self.close()
-            raise HostUnreachableError(f"{self._where()}: {op} failed ({cause(e)})") from e
+            raise HostUnreachableError(f"{self._where()}: {op} failed ({peer_failure(e)})") from e
         if header is None:
             self.close()
             raise HostUnreachableError(f"{self._where()}: connection closed before the {op} reply "
@@ -216,7 +216,7 @@ class PeerClient:
                 self.close()
                 raise
             self.close()
-            raise HostUnreachableError(f"{self._where()}: get of blob {name} failed ({cause(e)})") from e
+            raise HostUnreachableError(f"{self._where()}: get of blob {name} failed ({peer_failure(e)})") from e
         return sizes[0]
 
     def manifest(self, step: int, digest: str, *, header_only: bool = False, max_bytes: int = 1 << 34) -> bytes:
@@ -239,7 +239,7 @@ class PeerClient:
                 got += n
         except OSError as e:
             self.close()
-            raise HostUnreachableError(f"{self._where()}: manifest of step {step} failed ({cause(e)})") from e
+            raise HostUnreachableError(f"{self._where()}: manifest of step {step} failed ({peer_failure(e)})") from e
         data = bytes(buf)
         if header_only:
             return data
@@ -263,7 +263,7 @@ class PeerClient:
                     send_blob_file(self._sock, f.fileno(), size)
                 except OSError as e:
                     self.close()
-                    raise HostUnreachableError(f"{self._where()}: put of blob {name} failed ({cause(e)})") from e
+                    raise HostUnreachableError(f"{self._where()}: put of blob {name} failed ({peer_failure(e)})") from e
         result = Reply.from_frame(self._reply_header("put", rid, 0), ()).result
         return bool(isinstance(result, dict) and result.get("added"))
 

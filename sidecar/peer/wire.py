@@ -16,7 +16,7 @@ from mtc.shared.errors import (
 )
 from mtc.shared.hashing import new_hasher
 from mtc.sidecar.ram import RamStore
-from mtc.sidecar.ram.landing import thread_buffer
+from mtc.sidecar.ram.mapped import thread_buffer
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def send_blob_file(sock: socket.socket, fd: int, size: int) -> None:
                 sock.sendall(part)
 
 
-def cause(e: BaseException) -> str:
+def peer_failure(e: BaseException) -> str:
     if isinstance(e, ConnectionRefusedError):
         return "connection refused: peer service not running?"
     if isinstance(e, TimeoutError):

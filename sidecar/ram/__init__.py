@@ -2,9 +2,9 @@
 
 ``RamStore`` (``store``) makes the parts and hands each its collaborators; callers use the parts
 as its attributes: ``blobs`` (``BlobFiles``: write, publish, read verified, map), ``catalog``
-(``StepCatalog`` of ``steps``: pending host manifests and commits), ``landings`` (``Landings``: the
-store's open landings, over ``landing``: mapped temp blob files that a save's copy lands in, one
-copy per save; ``Arrivals``: the peer copies being received), ``space`` (``StoreSpace``: what fits,
+(``StepCatalog`` of ``steps``: pending host manifests and commits), ``landings`` (``Landings`` of
+``ledger``: the store's open landings, over ``mapped``: mapped temp blob files that a save's copy
+lands in, one copy per save; ``Arrivals``: the peer copies being received), ``space`` (``StoreSpace``: what fits,
 retention, garbage collection; ``Pins``: names kept from it). Beside them: ``pool`` (the free
 pool), ``readers`` (which files this process reads or maps), ``common`` (names, limits).
 
@@ -40,8 +40,8 @@ maps a blob never changes. Code that opens blob files itself (uploads,
 peer sends) must keep the names pinned while the file is open.
 """
 
-from mtc.sidecar.ram.common import FREE_PREFIX, TMP_PREFIX, format_bytes
+from mtc.sidecar.ram.common import FREE_PREFIX, TMP_PREFIX, format_binary_bytes
 from mtc.sidecar.ram.readers import in_use
 from mtc.sidecar.ram.store import RamStore
 
-__all__ = ["RamStore", "format_bytes", "in_use", "TMP_PREFIX", "FREE_PREFIX"]
+__all__ = ["RamStore", "format_binary_bytes", "in_use", "TMP_PREFIX", "FREE_PREFIX"]

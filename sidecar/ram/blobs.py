@@ -25,7 +25,7 @@ from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError
 from mtc.shared.hashing import blob_name, new_hasher
 from mtc.sidecar.ram import readers
 from mtc.sidecar.ram.common import FREE_PREFIX, HUGE_PAGE, TMP_PREFIX, check_name, temp_name, temp_path, valid_name
-from mtc.sidecar.ram.landing import Landing, MapCache
+from mtc.sidecar.ram.mapped import Landing, MapCache
 from mtc.sidecar.ram.pool import FreePool
 
 # Large enough that syscall overhead vanishes; small enough that hashing a chunk right after
@@ -157,7 +157,7 @@ class BlobFiles:
         return True
 
     def land(self, size: int, *, cold_ok: bool = False) -> Landing:
-        """A temp file of ``size`` bytes, mapped for writing (``mtc.sidecar.ram.landing``).
+        """A temp file of ``size`` bytes, mapped for writing (``mtc.sidecar.ram.mapped``).
 
         A pool file of that size when there is one (its pages, and usually its map, exist), else
         a new file. With ``cold_ok``, a file without a warm map (a new one, or a pool file never

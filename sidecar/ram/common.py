@@ -18,7 +18,7 @@ HUGE_PAGE = 2 << 20  # a tmpfs huge page (x86-64, arm64 with 4 KiB base pages)
 MAX_STEP = 10**12 - 1
 
 
-def format_bytes(n: int) -> str:
+def format_binary_bytes(n: int) -> str:
     """``n`` bytes in binary units with two decimals, e.g. ``"1.20 GiB"``."""
     if abs(n) < 1024:
         return f"{int(n)} B"
@@ -101,11 +101,11 @@ def free_bytes(root: Path) -> int:
 def no_space(root: Path, what: str, step: int | None, needed: int | None, err: OSError) -> InsufficientSpaceError:
     """The error for a write of ``what`` that ran out of ramdisk (its partial file removed)."""
     free = free_bytes(root)
-    need = f"{format_bytes(needed)} ({needed} bytes)" if needed is not None else "more space"
+    need = f"{format_binary_bytes(needed)} ({needed} bytes)" if needed is not None else "more space"
     step_s = f"step {step}" if step is not None else "a step"
     return InsufficientSpaceError(
         f"ramdisk {root} is full while writing {what} of {step_s}: needed {need}, "
-        f"{format_bytes(free)} ({free} bytes) free ({err.strerror}); the partial file was removed. "
+        f"{format_binary_bytes(free)} ({free} bytes) free ({err.strerror}); the partial file was removed. "
         f"Make the ramdisk larger: see `mtc size --params ... --hosts ...`, or lower local_max_to_keep")
 
 

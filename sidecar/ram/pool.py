@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from mtc.sidecar.ram import readers
 from mtc.sidecar.ram.common import temp_name
-from mtc.sidecar.ram.landing import MapCache
+from mtc.sidecar.ram.mapped import MapCache
 
 # Collected files smaller than this are unlinked, not pooled: cheap to free and to write anew.
 POOL_MIN = 64 << 10

@@ -23,9 +23,9 @@ from typing import Callable, Iterable, Iterator
 
 from mtc.shared.errors import InsufficientSpaceError, ManifestError
 from mtc.sidecar.ram.blobs import BlobFiles
-from mtc.sidecar.ram.common import check_name, check_step, format_bytes, free_bytes
-from mtc.sidecar.ram.landing import MapCache
-from mtc.sidecar.ram.landings import Arrivals
+from mtc.sidecar.ram.common import check_name, check_step, format_binary_bytes, free_bytes
+from mtc.sidecar.ram.mapped import MapCache
+from mtc.sidecar.ram.ledger import Arrivals
 from mtc.sidecar.ram.pool import POOL_MIN, FreePool
 from mtc.sidecar.ram.steps import StepCatalog
 
@@ -163,9 +163,9 @@ class StoreSpace:
 
     def _space_error(self, step: int, needed: int, free: int, reclaim: int) -> InsufficientSpaceError:
         return InsufficientSpaceError(
-            f"step {step} does not fit in the ramdisk {self.root}: it needs {format_bytes(needed)} "
-            f"({needed} bytes), {format_bytes(free)} ({free} bytes) are free, and removing the old steps "
-            f"that local_max_to_keep={self.max_to_keep} allows would free only {format_bytes(reclaim)} more. "
+            f"step {step} does not fit in the ramdisk {self.root}: it needs {format_binary_bytes(needed)} "
+            f"({needed} bytes), {format_binary_bytes(free)} ({free} bytes) are free, and removing the old steps "
+            f"that local_max_to_keep={self.max_to_keep} allows would free only {format_binary_bytes(reclaim)} more. "
             f"Nothing of step {step} was written. Make the ramdisk larger: see "
             f"`mtc size --params ... --hosts ...`, or lower local_max_to_keep")
 
@@ -250,8 +250,8 @@ class StoreSpace:
             count += 1
         self._maps.sweep()  # maps of files unlinked here (or by anyone) would hold their pages
         if count:
-            words = (f"garbage collection removed {count} blob{'s' if count != 1 else ''}, {format_bytes(freed)} "
-                     f"({pooled} kept in the free pool)")
+            words = (f"garbage collection removed {count} blob{'s' if count != 1 else ''}, "
+                     f"{format_binary_bytes(freed)} ({pooled} kept in the free pool)")
             if report is not None:
                 report.append("; " + words)
             else:

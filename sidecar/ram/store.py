@@ -2,7 +2,7 @@
 
 The store makes the parts and hands each its collaborators; callers use the parts directly for what
 is one part's work (``store.blobs``: ``mtc.sidecar.ram.blobs``; ``store.catalog``: the step files,
-``mtc.sidecar.ram.steps``; ``store.landings`` and ``store.arrivals``: ``mtc.sidecar.ram.landings``;
+``mtc.sidecar.ram.steps``; ``store.landings`` and ``store.arrivals``: ``mtc.sidecar.ram.ledger``;
 ``store.space`` and ``store.pins``: what fits, retention, garbage collection,
 ``mtc.sidecar.ram.space``). The store itself keeps what spans parts under its one metadata lock:
 the layout, commits (a step file, then retention), repairs, deletes, a wipe.
@@ -24,8 +24,8 @@ from mtc.shared import ramdisk
 from mtc.shared.errors import CorruptBlobError, MTCError
 from mtc.sidecar.ram.blobs import BlobFiles
 from mtc.sidecar.ram.common import TMP_PREFIX, check_name, check_step, no_space, page_rounder
-from mtc.sidecar.ram.landing import MapCache
-from mtc.sidecar.ram.landings import Arrivals, Landings
+from mtc.sidecar.ram.mapped import MapCache
+from mtc.sidecar.ram.ledger import Arrivals, Landings
 from mtc.sidecar.ram.pool import FreePool
 from mtc.sidecar.ram.space import Pins, StoreSpace
 from mtc.sidecar.ram.steps import BlobsOf, StepCatalog, parse_step

@@ -22,7 +22,7 @@ from mtc.shared import format as fmt
 from mtc.shared.hashing import blob_name
 from mtc.sidecar import ram
 from mtc.sidecar.ram import RamStore
-from mtc.sidecar.ram import landing as landing_mod
+from mtc.sidecar.ram import mapped as landing_mod
 from mtc.sidecar.service import SidecarService
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -156,7 +156,7 @@ def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(pages, 
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from mtc.head import CheckpointManager, MTCConfig
-    from mtc.shared import landing
+    from mtc.shared import landing_zones
 
     devices = jax.devices()
     sharding = NamedSharding(Mesh(np.array(devices), ("d",)), P("d", None))
@@ -170,7 +170,7 @@ def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(pages, 
         filled, names = [], {}
         for step, host in enumerate(plan):
             mgr.latest_step()  # the sidecar (and its landing zone) is up
-            store = landing.find(cfg.ramdisk_root)._service.store
+            store = landing_zones.find(cfg.ramdisk_root)._service.store
             before = (store.landings.filled_bytes, store.landings.landed_bytes)
             mgr.save(step, {"w": jax.device_put(host, sharding)}, force=True)
             mgr.wait_until_finished()
@@ -221,7 +221,7 @@ def test_a_receive_that_finds_the_ramdisk_full_goes_on_into_memory(tmpfs16):
     import socket
     import threading
 
-    from mtc.sidecar.ram.landing import LandingSink
+    from mtc.sidecar.ram.mapped import LandingSink
 
     store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
     data = rand(6 * MiB, 90)

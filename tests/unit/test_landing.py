@@ -22,7 +22,7 @@ import pytest
 from mtc.shared.hashing import blob_name
 from mtc.sidecar import ram
 from mtc.sidecar.ram import RamStore
-from mtc.sidecar.ram.landing import LANDING_MIN
+from mtc.sidecar.ram.mapped import LANDING_MIN
 from mtc.sidecar.service import SidecarService
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -209,7 +209,7 @@ def test_a_colocated_save_lands_its_shards_and_donation_after_save_is_safe(ramdi
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from mtc.head import CheckpointManager, MTCConfig
-    from mtc.shared import landing
+    from mtc.shared import landing_zones
 
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("d",))
@@ -225,7 +225,7 @@ def test_a_colocated_save_lands_its_shards_and_donation_after_save_is_safe(ramdi
         state = bump({"w": state["w"]})  # the train step donates the saved buffers at once
         jax.block_until_ready(state)
         mgr.wait_until_finished()
-        store = landing.find(cfg.ramdisk_root)._service.store
+        store = landing_zones.find(cfg.ramdisk_root)._service.store
         assert store.landings.landed_bytes == saved.nbytes + LANDING_MIN * 4  # every shard and the numpy leaf, in place
         assert [p for p in (cfg.ramdisk_root / "blobs").iterdir() if p.name.startswith(".tmp-")
                 and not p.name.startswith(ram.FREE_PREFIX)] == []
@@ -233,7 +233,7 @@ def test_a_colocated_save_lands_its_shards_and_donation_after_save_is_safe(ramdi
         out = mgr.restore(1, target=target)
         assert np.asarray(out["w"]).tobytes() == saved.tobytes()
         assert np.array_equal(out["n"], np.arange(LANDING_MIN, dtype=np.int32)) and out["k"] == 7
-    assert landing.find(cfg.ramdisk_root) is None  # closing the manager unregisters the zone
+    assert landing_zones.find(cfg.ramdisk_root) is None  # closing the manager unregisters the zone
     assert os.path.isdir(cfg.ramdisk_root)
 
 

@@ -16,7 +16,7 @@ from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError, Manifest
 from mtc.shared.hashing import blob_name
 from mtc.sidecar import faults, ram
 from mtc.shared.format import collect_blob_names
-from mtc.sidecar.ram import RamStore, format_bytes
+from mtc.sidecar.ram import RamStore, format_binary_bytes
 from mtc.sidecar.ram import blobs as ram_blobs
 
 MiB = 1 << 20
@@ -488,11 +488,11 @@ def test_invalid_arguments(tmp_path):
 
 @pytest.mark.unit
 def test_format_bytes():
-    assert format_bytes(0) == "0 B"
-    assert format_bytes(1023) == "1023 B"
-    assert format_bytes(1536) == "1.50 KiB"
-    assert format_bytes(int(1.2 * 2**30)) == "1.20 GiB"
-    assert format_bytes(5 * 2**40) == "5.00 TiB"
+    assert format_binary_bytes(0) == "0 B"
+    assert format_binary_bytes(1023) == "1023 B"
+    assert format_binary_bytes(1536) == "1.50 KiB"
+    assert format_binary_bytes(int(1.2 * 2**30)) == "1.20 GiB"
+    assert format_binary_bytes(5 * 2**40) == "5.00 TiB"
 
 
 # --- space (size-limited tmpfs) ------------------------------------------------------------
@@ -511,7 +511,7 @@ def test_step_that_does_not_fit_writes_nothing(tmpfs16):
     msg = str(ei.value)
     free = os.statvfs(store.root).f_bavail * os.statvfs(store.root).f_frsize
     assert "step 3" in msg and "20.00 MiB" in msg and f"({needed} bytes)" in msg
-    assert f"{format_bytes(free)} ({free} bytes) are free" in msg
+    assert f"{format_binary_bytes(free)} ({free} bytes) are free" in msg
     assert "mtc size" in msg and "local_max_to_keep" in msg
     assert isinstance(ei.value, OSError)
     assert tree(store.root) == before  # not even the old step was sacrificed in vain

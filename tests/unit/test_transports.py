@@ -181,3 +181,17 @@ def test_arguments_past_their_bounds_are_refused_the_same_in_both_transports(bot
             answer = serve(op, args)
             assert answer[0] == "ProtocolError", (op, args, answer)
     assert not (tmp_path / "relative").exists() and not os.path.exists("relative")
+
+
+def test_every_operation_of_the_table_has_a_row_in_the_architecture():
+    """docs/architecture.md lists the operations; a new one in the table needs its row there."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    rows = {line.split("`")[1] for line in doc.splitlines() if line.startswith("| `")}
+    missing = [name for name in [*ops.OPS, *ops.DATA_OPS] if name not in rows]
+    assert not missing, f"operations without a row in docs/architecture.md: {missing}"
+    for name, op in ops.OPS.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}` |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert (cells[2] == "yes") == op.mutating and (cells[3] == "yes") == op.long, (name, cells)

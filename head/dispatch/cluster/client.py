@@ -145,7 +145,7 @@ class RemoteFailure(MTCError):
         raise_remote(self.host, self.type_name, self.message)
 
 
-def cause(e: BaseException) -> str:
+def host_failure(e: BaseException) -> str:
     """One line that says why a host failed, for error messages and SaveError.hosts."""
     if isinstance(e, RemoteFailure):
         return str(e)

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from mtc.head.dispatch.cluster.client import AddressBook, Credentials, HeadStamp, RemoteFailure, Timeouts, cause
+from mtc.head.dispatch.cluster.client import AddressBook, Credentials, HeadStamp, RemoteFailure, Timeouts, host_failure
 from mtc.head.dispatch.cluster.lanes import HostLanes
 from mtc.head.dispatch.cluster.reads import ClusterLoader
 from mtc.head.dispatch.interface import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
@@ -140,7 +140,7 @@ class ClusterDispatcher(Dispatcher):
                 e.reraise()
             if not isinstance(e, HostUnreachableError):
                 raise e
-            log.warning("version check: %s; it is checked when the host comes back", cause(e))
+            log.warning("version check: %s; it is checked when the host comes back", host_failure(e))
         return results
 
     # --- save ------------------------------------------------------------------------------
@@ -239,13 +239,14 @@ class ClusterDispatcher(Dispatcher):
         _, failures = self.lanes.call_each("abort", [h for h in self.topology.host_ids if h not in away],
                                            {"step": step})
         for h, e in failures.items():
-            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, cause(e))
+            log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, host_failure(e))
             self.lanes.abort_later(h, [step])
 
     def verify(self, step: int) -> dict[str, dict]:
         """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
         replies, failures = self.lanes.call_each("verify", args={"step": step})
-        return {**{h: r.result for h, r in replies.items()}, **{h: {"error": cause(e)} for h, e in failures.items()}}
+        return {**{h: r.result for h, r in replies.items()},
+                **{h: {"error": host_failure(e)} for h, e in failures.items()}}
 
     def leases(self) -> dict[str, dict | None]:
         """The reachable hosts' leases (a host that is down is asked again when it is back)."""
@@ -276,7 +277,7 @@ class ClusterDispatcher(Dispatcher):
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
         with self._unreached_lock:
             self._unreached[step] = {h for h, e in failures.items() if isinstance(e, HostUnreachableError)}
-        hosts = {h: cause(e) for h, e in sorted(failures.items())}
+        hosts = {h: host_failure(e) for h, e in sorted(failures.items())}
         lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
         err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self.topology.host_ids)} hosts "
                         f"({lines}); step {step} is not committed and is aborted on every host; "
@@ -314,8 +315,8 @@ class ClusterDispatcher(Dispatcher):
             except Exception as e:  # a malformed answer: this host's failure, like any other
                 failures[h] = e
         for h, e in failures.items():
-            log.warning("inventory: %s; its steps cannot be confirmed", cause(e))
-            results[h] = HostInventory.unreachable(h, cause(e))
+            log.warning("inventory: %s; its steps cannot be confirmed", host_failure(e))
+            results[h] = HostInventory.unreachable(h, host_failure(e))
         return {h: results[h] for h in self.topology.host_ids}
 
     def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
@@ -348,7 +349,7 @@ class ClusterDispatcher(Dispatcher):
         kinds = {e.type_name if isinstance(e, RemoteFailure) else type(e).__name__ for e in failures.values()}
         error = CorruptBlobError if kinds == {"CorruptBlobError"} else MTCError
         raise error(f"{what} failed on {len(failures)} hosts: "
-                    + "; ".join(f"{h}: {cause(e)}" for h, e in sorted(failures.items())))
+                    + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(failures.items())))
 
     def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""
@@ -362,7 +363,7 @@ class ClusterDispatcher(Dispatcher):
                 e.reraise()
         if len(failures) > 1:  # no host could be asked: that type, so that a listing reads as "not known"
             raise HostUnreachableError(f"{op}: no host could be asked: "
-                                       + "; ".join(f"{h}: {cause(e)}" for h, e in sorted(failures.items())))
+                                       + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(failures.items())))
         self._raise_failures(op, failures)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -430,8 +431,8 @@ class ClusterDispatcher(Dispatcher):
 
         results, failures = self.lanes.fan_out(one, sorted(set(pulls) | set(shares)), lane="peer")
         for h, e in failures.items():
-            log.warning("peer pull of step %d on %s failed: %s", step, h, cause(e))
-            results[h] = PullResult.unreachable(h, cause(e))
+            log.warning("peer pull of step %d on %s failed: %s", step, h, host_failure(e))
+            results[h] = PullResult.unreachable(h, host_failure(e))
         return results
 
     # --- lifecycle -------------------------------------------------------------------------

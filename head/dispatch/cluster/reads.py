@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from mtc.head.dispatch.cluster.client import RemoteFailure, cause, read_errors
+from mtc.head.dispatch.cluster.client import RemoteFailure, host_failure, read_errors
 from mtc.head.dispatch.cluster.lanes import HostLanes
 from mtc.head.dispatch.interface import LoadRequest, raise_remote
 from mtc.head.restore.plan import BoxRead, box_reads
@@ -139,7 +139,7 @@ class ClusterLoader:
                 if h in failures:
                     e = failures[h]
                     kind = e.type_name if isinstance(e, RemoteFailure) else type(e).__name__
-                    bad = [(r, kind, cause(e)) for r in batch]
+                    bad = [(r, kind, host_failure(e)) for r in batch]
                 else:
                     bad = results[h]
                 for r, kind, why in bad:

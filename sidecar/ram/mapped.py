@@ -4,7 +4,7 @@ A save's bytes land straight in ramdisk pages. ``Landings.land(sizes)`` takes a 
 of each size (a collected blob of a pruned step: its pages exist) or makes a new, fallocated
 one, maps it shared and writable, and hands the map out as a uint8 buffer. The writer fills it:
 the head's staging copy in colocated mode on a CPU backend (the sidecar runs in the head's
-process; ``mtc.shared.landing``), or the daemon's socket receive in cluster mode. Then
+process; ``mtc.shared.landing_zones``), or the daemon's socket receive in cluster mode. Then
 ``write_shards`` recognises the buffer by its address, hashes the mapped pages and publishes the
 file under its content name (``Landings.publish``). Nothing is copied a second time.
 

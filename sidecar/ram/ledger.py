@@ -1,6 +1,6 @@
 """``Landings``: a store's ledger of the landings it handed out and has not yet published.
 
-``landing`` is the mechanism (mapped temp blob files, the kept maps, the warmer); this is the
+``mapped`` is the mechanism (mapped temp blob files, the kept maps, the warmer); this is the
 bookkeeping ``RamStore`` keeps over it: which landings are open (by buffer address, so that
 ``write_shards`` recognises a buffer), publishing and dropping them, the bytes published and
 whether a save is landing now (the warmer holds off meanwhile). It has its own lock and state,
@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from mtc.sidecar.ram.blobs import BlobFiles
-from mtc.sidecar.ram.landing import LANDING_MIN, Landing, LandingBatch, MapCache, MapWarmer, discard, is_no_space
+from mtc.sidecar.ram.mapped import LANDING_MIN, Landing, LandingBatch, MapCache, MapWarmer, discard, is_no_space
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Landings:
             with self._lock:
                 self.landed_bytes += landing.size
                 self.filled_bytes += landing.size if landing.filled else 0
-            if landing.cold:  # its map comes back from the pool warm, later (mtc.sidecar.ram.landing)
+            if landing.cold:  # its map comes back from the pool warm, later (mtc.sidecar.ram.mapped)
                 self.warmer.submit(landing.st)
         return added
 
