@@ -223,7 +223,9 @@ class SaveFailures:
     error is what the elastic retry acts on, and is raised as it is), such a failure is logged
     and the save is tried again at once, for up to ``MTC_SAVE_FAILURE_GRACE_S`` seconds (default
     300) from the first failure of a run of them; after that the error is raised. The last
-    committed step stays the restore point meanwhile. Any other save error is raised as before.
+    committed step stays the restore point meanwhile. A forced save (the run's last step, a
+    preemption's) is waited for and saved again until it commits, within the same grace: no later
+    save would retry it. Any other save error is raised as before.
     """
 
     ENV = "MTC_SAVE_FAILURE_GRACE_S"
@@ -265,7 +267,38 @@ class SaveFailures:
         else:
             if self.failing_since is not None and saved:
                 self.failing_since = None
+        if saved and force and not elastic:
+            saved = self._finish_forced(manager, step, args)
         return saved
+
+    def _finish_forced(self, manager: Any, step: int, args: Any) -> bool:
+        """A forced save (the run's last step, or the step a preemption notice found) is waited
+        for: no later save would retry it. One whose host was lost is saved again, once a second,
+        until it commits or the grace has passed since the first failure (then the error is
+        raised, as MaxText's own final save would raise it)."""
+        import time
+
+        from mtc.head.elastic import HostLostError
+
+        while True:
+            try:
+                manager.wait_until_finished()
+                self.failing_since = None
+                return True
+            except HostLostError as e:
+                now = time.monotonic()
+                self.failing_since = self.failing_since or now
+                left = self.grace_s - (now - self.failing_since)
+                if left <= 0:
+                    raise
+                self.tolerated += 1
+                log.warning("mtc: the forced save of step %d failed because a host stopped answering (%s); "
+                            "saving it again (for %.0f s more, %s)", step, e, left, self.ENV)
+                time.sleep(min(1.0, left))
+                try:
+                    manager.save(step, args=args, force=True)
+                except HostLostError:
+                    continue  # still gone: wait and try again
 
 
 _saves: SaveFailures | None = None  # made in main() (it reads the environment), else at the first save
