@@ -243,6 +243,20 @@ class SaveFailures:
         self.failing_since: float | None = None
         self.tolerated = 0
 
+    def tolerate(self, e: BaseException, *, elastic: bool) -> bool:
+        """Whether training goes on after ``e``, a save's lost host (logged), or it is raised."""
+        import time
+
+        now = time.monotonic()
+        self.failing_since = self.failing_since or now
+        if elastic or now - self.failing_since > self.grace_s:
+            return False
+        self.tolerated += 1
+        log.warning("mtc: a save failed because a host stopped answering (%s); training goes on from the last "
+                    "committed step, and saves go on (for %.0f s more, %s)", e,
+                    self.grace_s - (now - self.failing_since), self.ENV)
+        return True
+
     def save(self, manager: Any, step: int, args: Any, force: bool, *, elastic: bool) -> bool:
         import time
 
@@ -320,9 +334,21 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
     should_save = checkpointing._should_save_checkpoint_at_step
 
     def save_checkpoint_noting(checkpoint_manager, step, state, config=None, data_iterator=None, force=False):
+        from mtc.head.elastic import HostLostError
+
+        global _saves
         _call.data_iterator = data_iterator
         try:
-            return save_checkpoint(checkpoint_manager, step, state, config, data_iterator, force)
+            try:
+                return save_checkpoint(checkpoint_manager, step, state, config, data_iterator, force)
+            except HostLostError as e:
+                # MaxText waits for the previous save before it saves: that wait raises a background
+                # save's lost host. Within the grace (outside elastic mode) this save goes on.
+                _saves = _saves or SaveFailures()
+                if not isinstance(checkpoint_manager, ours) or not _saves.tolerate(
+                        e, elastic=bool(getattr(config, "elastic_enabled", False))):
+                    raise
+                return save_checkpoint(checkpoint_manager, step, state, config, data_iterator, force)
         finally:
             _call.data_iterator = None
 
