@@ -276,6 +276,14 @@ def parse_write(args: dict, count: int) -> tuple[int, int, list[tuple[int, fmt.B
     return step, part, out
 
 
+def _manifest_digest(args: dict, op: str) -> str | None:
+    manifest = args.get("manifest")
+    if manifest is not None and (not isinstance(manifest, str) or len(manifest) > 128):
+        raise ProtocolError(f"{op}: 'manifest' must be the step manifest's digest (a string of at most 128 "
+                            "characters) or null")
+    return manifest
+
+
 def parse_read(args: dict) -> tuple[int, list[tuple[str, fmt.Box | None]], str | None, list[int]]:
     """A ``read``'s header: (step, [(key, box or None)], manifest digest or None, indices to stream)."""
     step = step_arg(args)
@@ -287,10 +295,7 @@ def parse_read(args: dict) -> tuple[int, list[tuple[str, fmt.Box | None]], str |
         if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)):
             raise ProtocolError(f"read: reads[{i}] is not [key, box or null]")
         boxes.append((row[0], None if row[1] is None else box_arg(row[1], f"read: reads[{i}]")))
-    manifest = args.get("manifest")
-    if manifest is not None and (not isinstance(manifest, str) or len(manifest) > 128):
-        raise ProtocolError("read: 'manifest' must be the step manifest's digest (a string of at most 128 "
-                            "characters) or null")
+    manifest = _manifest_digest(args, "read")
     stream = args.get("stream", [])
     if not isinstance(stream, list) or not all(type(i) is int and 0 <= i < len(boxes) for i in stream):
         raise ProtocolError("read: 'stream' must list indices into 'reads' (the boxes the head hashes itself)")
@@ -329,10 +334,7 @@ def parse_load(args: dict) -> tuple[int, list[dict], str | None]:
             raise ProtocolError(f"{where}: 'as_bytes' must be true or false")
         out.append({"key": spec["key"], "shape": tuple(shape), "dtype": dtype, "sharding": spec["sharding"],
                     "as_bytes": as_bytes})
-    manifest = args.get("manifest")
-    if manifest is not None and (not isinstance(manifest, str) or len(manifest) > 128):
-        raise ProtocolError("load: 'manifest' must be the step manifest's digest (a string of at most 128 "
-                            "characters) or null")
+    manifest = _manifest_digest(args, "load")
     return step, out, manifest
 
 

@@ -258,21 +258,13 @@ class SaveFailures:
         return True
 
     def save(self, manager: Any, step: int, args: Any, force: bool, *, elastic: bool) -> bool:
-        import time
-
         from mtc.head.elastic import HostLostError
 
         try:
             saved = manager.save(step, args=args, force=force)
         except HostLostError as e:
-            now = time.monotonic()
-            self.failing_since = self.failing_since or now
-            if elastic or now - self.failing_since > self.grace_s:
+            if not self.tolerate(e, elastic=elastic):
                 raise
-            self.tolerated += 1
-            log.warning("mtc: a save failed because a host stopped answering (%s); training goes on from the last "
-                        "committed step, and saves go on (for %.0f s more, %s)", e,
-                        self.grace_s - (now - self.failing_since), self.ENV)
             try:
                 saved = manager.save(step, args=args, force=force)
             except HostLostError as again:  # the host is still gone: this step is not saved
