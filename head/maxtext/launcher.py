@@ -225,7 +225,9 @@ class SaveFailures:
     300) from the first failure of a run of them; after that the error is raised. The last
     committed step stays the restore point meanwhile. A forced save (the run's last step, a
     preemption's) is waited for and saved again until it commits, within the same grace: no later
-    save would retry it. Any other save error is raised as before.
+    save would retry it. MaxText's own waits for the pending save (after a forced save, and when
+    training ends) go through ``wait``, under the same rule. Any other save error is raised as
+    before.
     """
 
     ENV = "MTC_SAVE_FAILURE_GRACE_S"
@@ -242,6 +244,8 @@ class SaveFailures:
             raise ConfigError(f"{self.ENV}={raw!r} must be >= 0 seconds")
         self.failing_since: float | None = None
         self.tolerated = 0
+        self._last: tuple[int, Any] | None = None  # the last save started: (step, its args)
+        self._elastic = False  # whether that save was made in MaxText's elastic mode
 
     def tolerate(self, e: BaseException, *, elastic: bool) -> bool:
         """Whether training goes on after ``e``, a save's lost host (logged), or it is raised."""
@@ -249,7 +253,7 @@ class SaveFailures:
 
         now = time.monotonic()
         self.failing_since = self.failing_since or now
-        if elastic or now - self.failing_since > self.grace_s:
+        if elastic or now - self.failing_since >= self.grace_s:
             return False
         self.tolerated += 1
         log.warning("mtc: a save failed because a host stopped answering (%s); training goes on from the last "
@@ -260,6 +264,7 @@ class SaveFailures:
     def save(self, manager: Any, step: int, args: Any, force: bool, *, elastic: bool) -> bool:
         from mtc.head.elastic import HostLostError
 
+        self._last, self._elastic = (step, args), elastic
         try:
             saved = manager.save(step, args=args, force=force)
         except HostLostError as e:
@@ -267,27 +272,57 @@ class SaveFailures:
                 raise
             try:
                 saved = manager.save(step, args=args, force=force)
-            except HostLostError as again:  # the host is still gone: this step is not saved
-                log.warning("mtc: step %d not saved: %s", step, again)
-                return False
+            except HostLostError as again:  # the host is still gone: this step is not saved now
+                if not force or elastic:
+                    log.warning("mtc: step %d not saved: %s", step, again)
+                    return False
+                return self._finish_forced(manager, step, args, resave=True)
         else:
             if self.failing_since is not None and saved:
                 self.failing_since = None
         if saved and force and not elastic:
-            saved = self._finish_forced(manager, step, args)
+            saved = self._finish_forced(manager, step, args, resave=False)
         return saved
 
-    def _finish_forced(self, manager: Any, step: int, args: Any) -> bool:
+    def wait(self, manager: Any) -> None:
+        """MaxText's wait for the pending save (after a forced save, and when training ends).
+
+        A lost host's error there is a background save's. When that save was the last one this
+        run started and its step is not committed (the run's last step, saved by the loop), it
+        is saved again until it commits, as a forced save is; an older step's failure is
+        tolerated within the grace (a later step committed, or will). In elastic mode (as the
+        last save was made) it is raised as it is."""
+        from mtc.head.elastic import HostLostError
+
+        try:
+            manager.wait_until_finished()
+        except HostLostError as e:
+            if self._elastic:
+                raise
+            last = self._last
+            if last is not None and not manager.mtc_manager.has_step(last[0]) and _alive(last[1]):
+                log.warning("mtc: the save of step %d failed because a host stopped answering (%s); saving it "
+                            "again", last[0], e)
+                self._finish_forced(manager, *last, resave=True)
+            elif not self.tolerate(e, elastic=False):
+                raise
+        else:
+            self.failing_since = None
+
+    def _finish_forced(self, manager: Any, step: int, args: Any, *, resave: bool) -> bool:
         """A forced save (the run's last step, or the step a preemption notice found) is waited
-        for: no later save would retry it. One whose host was lost is saved again, once a second,
-        until it commits or the grace has passed since the first failure (then the error is
-        raised, as MaxText's own final save would raise it)."""
+        for: no later save would retry it. One whose host was lost (or, with ``resave``, one that
+        could not start) is saved again, once a second, until it commits or the grace has passed
+        since the first failure; then the error is raised, as MaxText's own final save would
+        raise it."""
         import time
 
         from mtc.head.elastic import HostLostError
 
         while True:
             try:
+                if resave:
+                    manager.save(step, args=args, force=True)
                 manager.wait_until_finished()
                 self.failing_since = None
                 return True
@@ -301,10 +336,16 @@ class SaveFailures:
                 log.warning("mtc: the forced save of step %d failed because a host stopped answering (%s); "
                             "saving it again (for %.0f s more, %s)", step, e, left, self.ENV)
                 time.sleep(min(1.0, left))
-                try:
-                    manager.save(step, args=args, force=True)
-                except HostLostError:
-                    continue  # still gone: wait and try again
+                resave = True
+
+
+def _alive(args: Any) -> bool:
+    """Whether every array of a save's ``args`` (a Composite of PyTreeSave) still holds its buffers:
+    a train step that donated its inputs deletes those of an older state."""
+    import jax
+
+    items = [args[k].item for k in args.keys()] if hasattr(args, "keys") else [args]
+    return not any(getattr(a, "is_deleted", lambda: False)() for a in jax.tree.leaves(items))
 
 
 _saves: SaveFailures | None = None  # made in main() (it reads the environment), else at the first save
@@ -322,6 +363,7 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
     from mtc.head.maxtext import data as maxtext_data
 
     save_checkpoint, load_state = checkpointing.save_checkpoint, checkpointing.load_state_if_possible
+    wait_until_finished = checkpointing.wait_until_finished
     emergency_save, emergency_restore = emergency.save, emergency.restore
     should_save = checkpointing._should_save_checkpoint_at_step
 
@@ -410,7 +452,15 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
             return True  # the step a SIGTERM found the job at, whatever the periods say
         return should_save(checkpoint_manager, step, config, force)
 
+    def wait_for_saves(checkpoint_manager):
+        if not isinstance(checkpoint_manager, ours):
+            return wait_until_finished(checkpoint_manager)
+        global _saves
+        _saves = _saves or SaveFailures()
+        return _saves.wait(checkpoint_manager)
+
     checkpointing.save_checkpoint = save_checkpoint_noting
+    checkpointing.wait_until_finished = wait_for_saves
     checkpointing.load_state_if_possible = load_state_if_possible
     checkpointing._should_save_checkpoint_at_step = should_save_at
     emergency.save, emergency.restore = save, restore

@@ -66,3 +66,48 @@ def test_the_last_save_whose_host_stays_gone_raises_after_the_grace(tmp_path):
             _save_then_lose_a_host(m, policy, states, cluster)
             with pytest.raises(HostLostError, match="s0-h1"):
                 policy.save(m, 1, ocp.args.Composite(state=ocp.args.PyTreeSave(item=states[1])), True, elastic=False)
+
+
+def test_the_last_step_saved_by_the_loop_is_saved_again_at_the_final_wait(tmp_path):
+    # MaxText's loop saved the run's last step (not forced: it fell on the period) and skips the
+    # final save as "already being saved"; its host dies during that save. MaxText's wait when
+    # training ends must not end the run with the lost host's error: the step is saved again
+    # once the host is back.
+    states = _states()
+    with LocalCluster(tmp_path / "c", 1, 2, devices_per_host=4) as cluster:
+        policy = SaveFailures({SaveFailures.ENV: "60"})
+        with OrbaxCompatibleManager(_config(tmp_path, cluster)) as m:
+            _save_then_lose_a_host(m, policy, states, cluster)
+            assert policy.save(m, 1, ocp.args.Composite(state=ocp.args.PyTreeSave(item=states[1])), False,
+                               elastic=False)
+            threading.Timer(2.0, cluster.restart, ("s0-h1",)).start()
+            policy.wait(m)
+            assert policy.tolerated >= 1
+        with OrbaxCompatibleManager(_config(tmp_path, cluster)) as again:
+            assert again.latest_step() == 1
+            target = jax.tree.map(lambda a: ocp.type_handlers.ArrayRestoreArgs(sharding=a.sharding), states[1])
+            got = again.restore(1, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=states[1], restore_args=target))).state
+    assert np.asarray(got["w"]).tobytes() == np.asarray(states[1]["w"]).tobytes()
+
+
+@pytest.mark.parametrize("grace_s", ["60", "0"])
+def test_a_failed_save_whose_state_is_gone_is_tolerated_at_the_final_wait_within_the_grace(tmp_path, grace_s):
+    # The failed save's arrays were donated to a later train step (deleted): it cannot be saved
+    # again. Within the grace the wait goes on (the last committed step stays the restore point);
+    # with no grace it raises the lost host's error.
+    states = _states()
+    with LocalCluster(tmp_path / "c", 1, 2, devices_per_host=4) as cluster:
+        policy = SaveFailures({SaveFailures.ENV: grace_s})
+        with OrbaxCompatibleManager(_config(tmp_path, cluster)) as m:
+            _save_then_lose_a_host(m, policy, states, cluster)
+            assert policy.save(m, 1, ocp.args.Composite(state=ocp.args.PyTreeSave(item=states[1])), False,
+                               elastic=False)
+            states[1]["w"].delete()
+            if grace_s == "0":
+                with pytest.raises(HostLostError, match="s0-h1"):
+                    policy.wait(m)
+            else:
+                policy.wait(m)
+                assert policy.tolerated == 1
+                assert not m.mtc_manager.has_step(1)
