@@ -73,7 +73,7 @@ COLS = 1024
 GB = 1e9
 GiB = 1 << 30
 
-# Targets (issue 15; the Orbax checkpointer ones from issue 2).
+# Targets: each ratio the run prints is checked against one of these (its row shows the target and whether it was met).
 T_SAVE_VS_RAW = 1.05
 T_RESTORE_VS_RAW = 0.6
 T_VS_RCM_DEFAULT = 0.2

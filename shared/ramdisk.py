@@ -1,8 +1,8 @@
 """What filesystem holds a ramdisk directory, and whether its page size slows mtc down.
 
 A tmpfs allocates, fills and maps its pages one at a time. With the default 4 KiB pages,
-writing a blob into a tmpfs costs per-page work that 2 MiB pages avoid: on the 2-core
-development machine, a raw 1 GiB write ran at 5 GB/s with 4 KiB pages and 13 GB/s with 2 MiB
+writing a blob into a tmpfs costs per-page work that 2 MiB pages avoid: on a 2-core VM, a raw
+1 GiB write ran at 5 GB/s with 4 KiB pages and 13 GB/s with 2 MiB
 ones, and a peer fetch between two daemons at 0.38-0.45x of a raw loopback copy between memory
 buffers against 0.71-0.89x on a tmpfs mounted ``huge=within_size`` (``bench/bench_peer.py``). So the ramdisk should be a
 tmpfs with ``huge=within_size``; ``mount -o remount,huge=within_size DIR`` changes a live

@@ -172,8 +172,8 @@ def send_blob_file(sock: socket.socket, fd: int, size: int) -> None:
     Not ``sendfile``: on loopback and veth (sidecars of one machine, the tests, the benchmark)
     the receiver then copies out of the sender's 4 KiB page-cache fragments, and two streams
     moved 0.55-0.60x of a memory-to-memory copy; from a map the kernel copies once into its own
-    large socket buffers, 0.87-0.88x (measured on the 2-core development VM, 1 GiB, 2 streams, both
-    page sizes). Between hosts that costs the sender one memory copy (~0.1 core-second per GiB).
+    large socket buffers, 0.87-0.88x (1 GiB, 2 streams, either page size; ``bench/bench_peer.py``
+    measures it). Between hosts that costs the sender one memory copy (~0.1 core-second per GiB).
     The caller pins the blob, so nothing truncates or recycles the file under the map.
     """
     if size == 0:
