@@ -207,7 +207,8 @@ class Runner:
                 "skip_jax_distributed_system=True", *extra]
 
     def env(self, home: Path, marks: Path, extra: dict | None = None) -> dict:
-        e = {k: v for k, v in os.environ.items() if not k.startswith(("MTC_", "XLA_", "JAX_"))}
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("MTC_", "XLA_", "JAX_"))
+             or k == "MTC_CHECKOUT"}  # which checkout's mtc the MaxText environment imports (tests/maxtext/env.py)
         e.update(HOME=str(home), XLA_FLAGS=f"--xla_force_host_platform_device_count={SLICES * HOSTS}",
                  JAX_PLATFORMS="cpu", GOODPUT_MARKS=str(marks), PYTHONUNBUFFERED="1", TMPDIR=str(home))
         e.update(extra or {})

@@ -39,18 +39,12 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
     assert mtc["final_equal"] and mtc["metrics_equal"], mtc
     restarts = [f["cls"] for f in doc["schedule"][:3] if f["cls"] != "kill_sidecar"]
     events = [e["what"] for e in mtc["events"]]
-    # No process ends that the schedule did not end. One known exception, still open: under load, a
-    # sidecar killed during a process's last saves can end it with the lost host's error (DATA_LOSS)
-    # although the launcher tolerates such saves; then the job restarts, as a pod would, and must
-    # still end exact. Any other exit fails the test.
-    selves = [e for e in mtc["events"] if "by itself" in e["what"]]
-    for e in selves:
+    # No process ends that the schedule did not end: a sidecar killed during saves (the last ones
+    # included) costs failed saves, never the training process.
+    for e in [e for e in mtc["events"] if "by itself" in e["what"]]:
         log = (work / "mtc" / f"pod{e['segment']}" / "log.txt").read_text(errors="replace")
-        errors = [ln for ln in log.splitlines() if "Error" in ln and "CLEANUP" not in ln][-5:]
-        assert "DATA_LOSS" in log and "kill -9 sidecar" in " ".join(events), (e, errors)
-    assert len(selves) <= 1, selves
-    got = [rec["cls"] for rec in mtc["recoveries"] if not rec["cls"].startswith("exit ")]
-    assert got == restarts, mtc["recoveries"]
+        raise AssertionError((e, [ln for ln in log.splitlines() if "Error" in ln and "CLEANUP" not in ln][-5:]))
+    assert [rec["cls"] for rec in mtc["recoveries"]] == restarts, mtc["recoveries"]
     assert any(e.startswith("kill -9 sidecar") for e in events), events
     for rec in mtc["recoveries"]:
         st = rec["stages"]
