@@ -371,8 +371,8 @@ def parse_write(args: dict, carried: int, mode: str) -> WriteHeader:
     for i, row in enumerate(shards):
         where = f"write: shards[{i}]"
         if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and 0 <= row[0] < len(arrays)):
-            raise ProtocolError(f"{where} is not [array, box], array a position in 'arrays' (0 to "
-                                f"{len(arrays) - 1}), got {row!r:.80}")
+            raise ProtocolError(f"{where} is not [array, box] with array a position in 'arrays' (which has "
+                                f"{len(arrays)} rows), got {row!r:.80}")
         spec, box = arrays[row[0]], box_arg(row[1], where)
         if len(box) != len(spec.shape) or any(stop > n for (_, stop), n in zip(box, spec.shape)):
             raise ProtocolError(f"{where}: box {fmt.box_str(box)} does not lie in the array's 'shape' "
