@@ -29,12 +29,12 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones, shardings, tls, wire_errors
+from mtc.shared.auth import resolve_token
 from mtc.shared.buffers import aligned_empty
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
 from mtc.shared.errors import ConfigError, ProtocolError
+from mtc.shared.ramdisk import is_no_space
 from mtc.sidecar import ops
-from mtc.sidecar.peer import resolve_token
-from mtc.sidecar.ram.mapped import is_no_space
 from mtc.sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
