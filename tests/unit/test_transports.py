@@ -197,3 +197,22 @@ def test_every_operation_of_the_table_has_a_row_in_the_architecture():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert (cells[2] == "yes") == op.mutating and (cells[3] == "yes") == op.long, (name, cells)
         assert cells[1].startswith("(data") == op.data and cells[4:6] == [op.lane, op.timeout], (name, cells)
+
+
+def test_the_cluster_head_takes_each_operations_lane_and_timeout_from_the_table():
+    """``lane_of`` and ``Timeouts.for_op`` read the rows of ``mtc.shared.op_table``, which
+    ``ops.OPS`` is built on; an operation outside the table is a control one."""
+    from mtc.head.dispatch.cluster.client import Timeouts
+    from mtc.head.dispatch.cluster.lanes import LANES, lane_of
+    from mtc.shared import op_table
+
+    assert set(op_table.SPECS) == set(ops.OPS) and set(LANES) == {op.lane for op in ops.OPS.values()}
+    timeouts = Timeouts(data_s=1.0, control_s=2.0, connect_s=3.0, backup_s=4.0, peer_s=5.0)
+    seconds = {"data": 1.0, "control": 2.0, "backup": 4.0, "peer": 5.0}
+    for name, op in ops.OPS.items():
+        assert op.spec is op_table.SPECS[name]
+        assert lane_of(name) == op.lane and timeouts.for_op(name) == seconds[op.timeout], name
+    assert {n for n, op in ops.OPS.items() if op.timeout == "data"} == {"write", "commit", "read"}
+    assert {n for n, op in ops.OPS.items() if op.lane == "backup"} == {n for n in ops.OPS if n.startswith("backup_")}
+    assert {n for n, op in ops.OPS.items() if op.lane == "peer"} == {"peer_pull"}
+    assert lane_of("no_such_op") == "control" and timeouts.for_op("no_such_op") == 2.0
