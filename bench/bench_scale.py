@@ -97,7 +97,11 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         if h == "h0":
             host_part_s = time.process_time() - t
         parts.append((h, part))
-        args = {"step": 1, "part": 0, "shards": [[s.array, [list(p) for p in s.box]] for s in shards]}
+        at: dict[int, int] = {}
+        for s in shards:
+            at.setdefault(s.array, len(at))
+        args = {"step": 1, "part": 0, "arrays": [{"index": a, "shape": list(records[a].shape)} for a in at],
+                "shards": [[at[s.array], [list(p) for p in s.box]] for s in shards]}
         sent1 += len(json.dumps(args, separators=(",", ":")))
         summaries.append(json.dumps({"step": 1, "host": h, "shards": len(shards), "blobs": len(shards),
                                      "written_bytes": 0, "seconds": 0.0}).encode())

@@ -15,6 +15,7 @@ logs at start and ``mtc size --ramdisk`` prints, or None when there is nothing t
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,3 +114,8 @@ def advice_for(path: str | os.PathLike, m: Mount) -> str | None:
                 "copies into it pay per-page costs that 2 MiB pages avoid (peer fetch 0.38-0.45x vs 0.71-0.89x of a "
                 f"raw socket copy in bench/bench_peer.py). Remount it: mount -o remount,huge=within_size {m.mountpoint}")
     return None
+
+
+def is_no_space(e: BaseException) -> bool:
+    """Whether ``e`` is a write that found the ramdisk (or the user's quota on it) full."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)

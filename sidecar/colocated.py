@@ -29,12 +29,12 @@ import numpy as np
 
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones, shardings, tls, wire_errors
+from mtc.shared.auth import resolve_token
 from mtc.shared.buffers import aligned_empty
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
 from mtc.shared.errors import ConfigError, ProtocolError
+from mtc.shared.ramdisk import is_no_space
 from mtc.sidecar import ops
-from mtc.sidecar.peer import resolve_token
-from mtc.sidecar.ram.mapped import is_no_space
 from mtc.sidecar.service import SidecarService
 
 log = logging.getLogger(__name__)
@@ -203,27 +203,29 @@ class ColocatedSidecar:
     # --- data --------------------------------------------------------------------------
 
     def write(self, request, *arrays):
-        """Phase 1: write this host's shards of the staged state; answer digests per device."""
+        """Phase 1: write this host's shards of the staged state; answer digests per device.
+
+        The header (``ops.parse_write``) names each array's leaf and shape; the arrays are
+        checked against it before anything is written."""
         req = _request(request)
-        self._svc().admit("write", req.get("gen"))
-        step, part, _ = ops.parse_write(req, len(arrays))
-        leaves = list(req["leaves"])
-        numpy_shapes = {int(k): tuple(v) for k, v in (req.get("numpy") or {}).items()}
+        svc = self._svc()
+        header = ops.data_header(svc, "write", req, len(arrays), "colocated")
+        header.check_arrays([(arr.shape, arr.dtype) for arr in arrays])
         shards = []
         per_device: dict[Any, list[tuple[int, fmt.Box]]] = {}
-        for i, arr in enumerate(arrays):
-            logical = numpy_shapes.get(leaves[i])
+        for i, (arr, spec) in enumerate(zip(arrays, header.arrays)):
+            whole = tuple((0, n) for n in spec.shape)
             for sh in arr.addressable_shards:
-                box = fmt.box_from_index(sh.index, arr.shape) if logical is None else tuple((0, n) for n in logical)
-                shards.append((leaves[i], box, np.asarray(sh.data)))
+                box = whole if spec.as_bytes else fmt.box_from_index(sh.index, arr.shape)
+                shards.append((spec.index, box, np.asarray(sh.data)))
                 per_device.setdefault(sh.device, []).append((i, box))
-        manifest = self._svc().write_shards(step, shards, part=part)
+        manifest = svc.write_shards(header.step, shards, part=header.part)
         digest = {(s.array, s.box): bytes.fromhex(s.blob) for s in manifest.shards}
         rows = {}
         for dev in request.sharding.addressable_devices:
             row = np.zeros((len(arrays), DIGEST_LEN), np.uint8)
             for i, box in per_device.get(dev, []):
-                row[i] = np.frombuffer(digest[(leaves[i], box)], np.uint8)
+                row[i] = np.frombuffer(digest[(header.arrays[i].index, box)], np.uint8)
             rows[dev] = row
         return _rows(request, rows, (len(arrays), DIGEST_LEN), np.uint8)
 
@@ -233,8 +235,7 @@ class ColocatedSidecar:
 
         req = _request(request)
         svc = self._svc()
-        svc.admit("read", req.get("gen"))
-        step, arrays, manifest = ops.parse_load(req)
+        step, arrays, manifest = ops.data_header(svc, "read", req, 0, "colocated")
         devices_by_id = {d.id: d for d in _device_list(request)}
         # Every distinct box is read once, all of them on the sidecar's I/O threads.
         plans = []

@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mtc.shared import auth, protocol, tls, wire_errors
+from mtc.shared.auth import resolve_token
+from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar import daemon_ops
 from mtc.sidecar.metrics import serve_metrics
-from mtc.sidecar.peer import ENV_TOKEN, resolve_token
-from mtc.sidecar.ram.mapped import LandingSink
 from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.service import SidecarService
 from mtc.sidecar.tcpserver import ThreadedTCPServer
@@ -188,11 +188,10 @@ class SidecarDaemon(ThreadedTCPServer):
         shard is copied once on this host; anything else into fresh buffers."""
         if header.get("op") != "write" or not sizes:
             return [protocol.aligned_buffer(n) for n in sizes]
-        # A new file on 4 KiB pages is received with pwrite (LandingSink), not through its map.
+        # A new file on 4 KiB pages is received with pwrite (a cold landing's sink), not through its map.
         batch = self.service.store.landings.land(sizes, cold_ok=not self.service.store.huge_pages)
         batches.append(batch)
-        return [protocol.aligned_buffer(n) if x is None else LandingSink(x) if x.cold else x.buffer
-                for x, n in zip(batch.landings, sizes)]
+        return [protocol.aligned_buffer(n) if r is None else r for r, n in zip(batch.receivers(), sizes)]
 
     def _serve_request(self, req: Request) -> Reply:
         """Answer one request (or refuse it while shutting down)."""

@@ -12,7 +12,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mtc.shared.errors import ProtocolError
 from mtc.sidecar import ops
 from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.service import SidecarService
@@ -23,27 +22,27 @@ def serve(service: SidecarService, op: str, args: dict, payloads: Sequence) -> t
     data = _DATA.get(op)
     if data is None:
         return ops.serve(service, op, args, payloads, "cluster")
-    service.admit(op, args.get("gen"))
-    return data(service, args, payloads)
+    return data(service, ops.data_header(service, op, args, len(payloads), "cluster"), payloads)
 
 
-def _write(service: SidecarService, args: dict, payloads: Sequence) -> tuple[Any, list]:
-    step, part, rows = ops.parse_write(args, len(payloads))
-    if rows is None:
-        raise ProtocolError(f"write: 'shards' must list one [array, box] per payload ({len(payloads)} payloads)")
-    shards = [(a, box, np.asarray(data).reshape(-1)) for (a, box), data in zip(rows, payloads)]
-    manifest = service.write_shards(step, shards, part=part)
-    summary = {"step": step, "host": manifest.host, "shards": len(manifest.shards),
+def _write(service: SidecarService, header: ops.WriteHeader, payloads: Sequence) -> tuple[Any, list]:
+    shards = [(header.arrays[k].index, box, np.asarray(data).reshape(-1))
+              for (k, box), data in zip(header.shards, payloads)]
+    manifest = service.write_shards(header.step, shards, part=header.part)
+    summary = {"step": header.step, "host": manifest.host, "shards": len(manifest.shards),
                "blobs": len(manifest.blob_names()), "written_bytes": manifest.written_bytes,
                "seconds": manifest.seconds}
     return summary, [manifest.to_json()]
 
 
-def _read(service: SidecarService, args: dict, payloads: Sequence) -> tuple[Any, list]:
-    step, boxes, manifest, stream = ops.parse_read(args)
+def _read(service: SidecarService, header: tuple, payloads: Sequence) -> tuple[Any, list]:
+    step, boxes, manifest, stream = header
     out, errors = service.read_boxes_each(step, boxes, manifest=manifest, stream=stream)
     streamed = [i for i, p in enumerate(out) if isinstance(p, BlobStream)]
     return {"step": step, "errors": [list(e) for e in errors], "streamed": streamed}, out
 
 
+# The table's data operations (``ops.DATA_OPS``), as a daemon serves them.
 _DATA = {"write": _write, "read": _read}
+if set(_DATA) != ops.DATA_OPS:
+    raise ImportError(f"the daemon serves the data operations {sorted(_DATA)}, the table has {sorted(ops.DATA_OPS)}")

@@ -1,5 +1,10 @@
 """The table of sidecar operations: what each one calls, how its arguments are checked, what it may change.
 
+Each operation's row of plain facts (fencing, job, data, modes, lane, timeout class) is
+``mtc.shared.op_table``, which the head reads too; ``OPS`` here attaches to each its
+``SidecarService`` method and its parser, and refuses to load if the two tables name different
+operations.
+
 Both transports serve control requests through ``serve``: the colocated wrapper
 (``mtc.sidecar.colocated``) and the daemon (``mtc.sidecar.daemon``) only decode a request into
 (op, args, payloads), call ``serve`` and encode what it returns. So an operation exists in both
@@ -9,10 +14,15 @@ A request is ``args`` (a JSON object) and ``payloads`` (byte strings: manifests;
 them as binary frames, the colocated transport as JSON text). An answer is (result, payloads)
 the same way.
 
-Two operations carry array data, which each transport moves its own way (``DATA_OPS``): ``write``
+Two operations carry arrays (``Op.data``), which each transport moves its own way: ``write``
 (jax.Arrays in colocated mode, one payload per shard to a daemon) and ``read`` (the colocated
-``load`` builds jax.Arrays on the host's devices; the daemon sends raw bytes). Their headers are
-checked here (``parse_write``, ``parse_read``) and they call the same service methods.
+``load`` builds jax.Arrays on the host's devices; the daemon sends raw bytes). ``serve`` refuses
+them (a ``ProtocolError`` that names the data path); a transport's data path calls ``data_header``
+first, which checks the operation, fences it and parses its header with the row's parser, before
+anything is read or written. ``write`` has one header in both modes (``parse_write``): the arrays,
+each ``{"index", "shape", "as_bytes"?}``, and in cluster mode ``shards``, one [array, box] per
+payload (in colocated mode each array's shards are its own). ``read`` is ``parse_read`` (the boxes
+a daemon sends) and, in colocated mode, ``parse_load`` (the arrays to build).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import dataclasses
 import json
 from typing import Any, Callable, Sequence
 
-from mtc.shared import backup_layout
+from mtc.shared import backup_layout, op_table
 from mtc.shared import format as fmt
 from mtc.shared.errors import ManifestError, ProtocolError
 from mtc.shared.hashing import is_blob_name
@@ -34,15 +44,30 @@ Args = tuple[tuple, dict]  # the positional and keyword arguments of the service
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One operation: the ``SidecarService`` method it calls and how its request becomes the call."""
+    """One operation: the ``SidecarService`` method it calls, how its request becomes the call, and
+    its row of ``mtc.shared.op_table`` (fencing, job, data, modes, lane, timeout class).
+
+    A control operation's ``parse`` is (args, payloads) -> the method's arguments; a data
+    operation's is (args, carried, mode) -> its header, ``carried`` the number of payloads (cluster)
+    or array arguments (colocated) the request came with; ``parse_colocated``, where the colocated
+    header differs (``read``: ``load`` names the arrays to build)."""
 
     method: str
-    parse: Callable[[dict, Sequence[bytes]], Args]
+    parse: Callable[..., Any]
     answer: Callable[[Any], tuple[Any, list]] = lambda result: (result, [])
-    mutating: bool = False  # changes the host: only the head holding the lease may send it (fencing)
-    long: bool = False  # runs as a job of the sidecar: answers {"job": id} at once, ``job`` tells its end
-    modes: tuple[str, ...] = ("colocated", "cluster")
-    why: str = ""  # why an operation is not in both modes
+    parse_colocated: Callable[..., Any] | None = None
+    spec: op_table.OpSpec = op_table.OpSpec()
+
+    mutating = property(lambda self: self.spec.mutating)
+    long = property(lambda self: self.spec.long)
+    data = property(lambda self: self.spec.data)
+    lane = property(lambda self: self.spec.lane)
+    timeout = property(lambda self: self.spec.timeout)
+    modes = property(lambda self: self.spec.modes)
+    why = property(lambda self: self.spec.why)
+
+    def parser(self, mode: str) -> Callable[..., Any]:
+        return self.parse_colocated if mode == "colocated" and self.parse_colocated is not None else self.parse
 
 
 # --- argument checks (shared by both transports) ---------------------------------------------
@@ -257,23 +282,106 @@ def _peer_pull(args: dict, payloads: Sequence[bytes]) -> Args:
             parse_shares(args.get("shares"))), {}
 
 
-def parse_write(args: dict, count: int) -> tuple[int, int, list[tuple[int, fmt.Box]] | None]:
-    """A ``write``'s header: (step, part, [(array index, box)] when the request lists its shards)."""
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    if not (isinstance(value, list) and len(value) <= 64 and all(type(n) is int and 0 <= n <= MAX_SETTING
+                                                                  for n in value)):
+        raise ProtocolError(f"{where}: 'shape' must be a list of at most 64 sizes (integers in [0, 2**53]), "
+                            f"got {value!r:.80}")
+    return tuple(value)
+
+
+def _flag(spec: dict, key: str, where: str) -> bool:
+    value = spec.get(key, False)
+    if type(value) is not bool:
+        raise ProtocolError(f"{where}: '{key}' must be true or false, got {value!r:.50}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteArray:
+    """One array of a ``write``: the leaf's index in the state and its shape, which every box of
+    its shards lies in; ``as_bytes``: it travels as its flat bytes (a host numpy leaf), so its one
+    box is its whole shape."""
+
+    index: int
+    shape: tuple[int, ...]
+    as_bytes: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteHeader:
+    """A ``write``'s header, checked (``parse_write``). ``shards``: in cluster mode, (position in
+    ``arrays``, box) per payload; None in colocated mode, where each array's shards are its own."""
+
+    step: int
+    part: int
+    arrays: tuple[WriteArray, ...]
+    shards: tuple[tuple[int, fmt.Box], ...] | None
+
+    def check_arrays(self, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> None:
+        """The colocated transport's array arguments, as (shape, dtype) each, against ``arrays``:
+        an array of another shape than its row's, or one ``as_bytes`` that is not flat uint8
+        bytes, is a ProtocolError naming the row."""
+        import numpy as np
+
+        for i, ((shape, dtype), spec) in enumerate(zip(shapes, self.arrays)):
+            if spec.as_bytes:
+                if len(shape) != 1 or np.dtype(dtype) != np.uint8:
+                    raise ProtocolError(f"write: arrays[{i}] is 'as_bytes' but the array sent is not flat bytes "
+                                        f"(shape {list(shape)}, dtype {np.dtype(dtype).name}); send the leaf's "
+                                        "bytes as a 1-D uint8 array, or leave 'as_bytes' out")
+            elif tuple(shape) != spec.shape:
+                raise ProtocolError(f"write: arrays[{i}]: 'shape' {list(spec.shape)} is not the shape of the array "
+                                    f"sent ({list(shape)}); give each array's own shape")
+
+
+def parse_write(args: dict, carried: int, mode: str) -> WriteHeader:
+    """A ``write``'s header: ``{"step", "part", "arrays": [{"index", "shape", "as_bytes"?}]}`` and,
+    in cluster mode, ``"shards"``: one [position in "arrays", box] per payload. ``carried``: the
+    payloads (cluster) or array arguments (colocated) the request came with."""
     step = step_arg(args)
     part = args.get("part", 0)
     if not _index(part):
         raise ProtocolError(f"write: 'part' must be an integer in [0, {MAX_INDEX}], got {part!r:.50}")
-    rows = args.get("shards")
-    if rows is None:
-        return step, part, None
-    if not isinstance(rows, list) or len(rows) != count:
-        raise ProtocolError(f"write: 'shards' must list one [array, box] per payload ({count} payloads)")
-    out = []
+    rows = args.get("arrays")
+    if not isinstance(rows, list):
+        raise ProtocolError(f"write: 'arrays' must be a list of {{index, shape, as_bytes?}}, got {rows!r:.50}")
+    arrays, seen = [], set()
     for i, row in enumerate(rows):
-        if not (isinstance(row, list) and len(row) == 2 and _index(row[0])):
-            raise ProtocolError(f"write: shards[{i}] is not [array index, box]")
-        out.append((row[0], box_arg(row[1], f"write: shards[{i}]")))
-    return step, part, out
+        where = f"write: arrays[{i}]"
+        if not (isinstance(row, dict) and _index(row.get("index"))):
+            raise ProtocolError(f"{where}: 'index' must be the leaf's index, an integer in [0, {MAX_INDEX}], got "
+                                f"{(row.get('index') if isinstance(row, dict) else row)!r:.50}")
+        if row["index"] in seen:
+            raise ProtocolError(f"{where}: 'index' {row['index']} is listed twice; list each array once")
+        seen.add(row["index"])
+        arrays.append(WriteArray(row["index"], _shape(row.get("shape"), where), _flag(row, "as_bytes", where)))
+    shards = args.get("shards")
+    if mode == "colocated":
+        if len(arrays) != carried:
+            raise ProtocolError(f"write: 'arrays' must list one row per array sent ({carried} arrays), "
+                                f"got {len(arrays)}")
+        if shards is not None:
+            raise ProtocolError("write: 'shards' is not sent in colocated mode: each array's shards are its own")
+        return WriteHeader(step, part, tuple(arrays), None)
+    if not isinstance(shards, list) or len(shards) != carried:
+        raise ProtocolError(f"write: 'shards' must list one [array, box] per payload ({carried} payloads), "
+                            f"got {shards!r:.50}")
+    out = []
+    for i, row in enumerate(shards):
+        where = f"write: shards[{i}]"
+        if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and 0 <= row[0] < len(arrays)):
+            raise ProtocolError(f"{where} is not [array, box] with array a position in 'arrays' (which has "
+                                f"{len(arrays)} rows), got {row!r:.80}")
+        spec, box = arrays[row[0]], box_arg(row[1], where)
+        if len(box) != len(spec.shape) or any(stop > n for (_, stop), n in zip(box, spec.shape)):
+            raise ProtocolError(f"{where}: box {fmt.box_str(box)} does not lie in the array's 'shape' "
+                                f"{list(spec.shape)}")
+        if spec.as_bytes and box != tuple((0, n) for n in spec.shape):
+            raise ProtocolError(f"{where}: array {spec.index} is 'as_bytes': its one box is its whole 'shape' "
+                                f"{list(spec.shape)}, got {fmt.box_str(box)}")
+        out.append((row[0], box))
+    return WriteHeader(step, part, tuple(arrays), tuple(out))
 
 
 def _manifest_digest(args: dict, op: str) -> str | None:
@@ -284,8 +392,15 @@ def _manifest_digest(args: dict, op: str) -> str | None:
     return manifest
 
 
-def parse_read(args: dict) -> tuple[int, list[tuple[str, fmt.Box | None]], str | None, list[int]]:
+def _no_payloads(op: str, carried: int) -> None:
+    if carried:
+        raise ProtocolError(f"{op}: the request carries no payloads, got {carried}")
+
+
+def parse_read(args: dict, carried: int = 0, mode: str = "cluster"
+               ) -> tuple[int, list[tuple[str, fmt.Box | None]], str | None, list[int]]:
     """A ``read``'s header: (step, [(key, box or None)], manifest digest or None, indices to stream)."""
+    _no_payloads("read", carried)
     step = step_arg(args)
     reads = args.get("reads")
     if not isinstance(reads, list):
@@ -302,12 +417,13 @@ def parse_read(args: dict) -> tuple[int, list[tuple[str, fmt.Box | None]], str |
     return step, boxes, manifest, stream
 
 
-def parse_load(args: dict) -> tuple[int, list[dict], str | None]:
+def parse_load(args: dict, carried: int = 0, mode: str = "colocated") -> tuple[int, list[dict], str | None]:
     """A colocated ``load``'s header: (step, the arrays to build, manifest digest or None).
 
     Each array is ``{"key", "shape", "dtype", "sharding", "as_bytes"?}``: its shape and dtype are
     checked here (the dtype returned as a ``numpy.dtype``); its sharding where it is rebuilt on
     this host's devices."""
+    _no_payloads("load", carried)
     step = step_arg(args)
     arrays = args.get("arrays")
     if not isinstance(arrays, list):
@@ -317,10 +433,7 @@ def parse_load(args: dict) -> tuple[int, list[dict], str | None]:
         where = f"load: arrays[{i}]"
         if not (isinstance(spec, dict) and isinstance(spec.get("key"), str)):
             raise ProtocolError(f"{where} is not an object with a 'key' (text)")
-        shape = spec.get("shape")
-        if not (isinstance(shape, list) and len(shape) <= 64
-                and all(type(n) is int and 0 <= n <= MAX_SETTING for n in shape)):
-            raise ProtocolError(f"{where}: 'shape' must be a list of at most 64 sizes (integers >= 0)")
+        shape = _shape(spec.get("shape"), where)
         if not isinstance(spec.get("dtype"), str):
             raise ProtocolError(f"{where}: 'dtype' must be a dtype's name")
         try:
@@ -329,10 +442,8 @@ def parse_load(args: dict) -> tuple[int, list[dict], str | None]:
             raise ProtocolError(f"{where}: {e}") from None
         if not isinstance(spec.get("sharding"), dict):
             raise ProtocolError(f"{where}: 'sharding' must be an object (a sharding's description)")
-        as_bytes = spec.get("as_bytes", False)
-        if type(as_bytes) is not bool:
-            raise ProtocolError(f"{where}: 'as_bytes' must be true or false")
-        out.append({"key": spec["key"], "shape": tuple(shape), "dtype": dtype, "sharding": spec["sharding"],
+        as_bytes = _flag(spec, "as_bytes", where)
+        out.append({"key": spec["key"], "shape": shape, "dtype": dtype, "sharding": spec["sharding"],
                     "as_bytes": as_bytes})
     manifest = _manifest_digest(args, "load")
     return step, out, manifest
@@ -342,55 +453,69 @@ def _bytes_answer(data: bytes) -> tuple[Any, list]:
     return {}, [bytes(data)]
 
 
-# Every control operation. The data operations (``DATA_OPS``) are served by each transport itself.
-OPS: dict[str, Op] = {
-    "ping": Op("ping", _none),
-    "fingerprint": Op("fingerprint", _none),
-    "inventory": Op("inventory", _inventory),
-    "manifest": Op("manifest_bytes", _manifest, answer=_bytes_answer),
-    "part": Op("part_bytes", _step_only, answer=_bytes_answer),
-    "commit": Op("commit", _commit, mutating=True),
-    "abort": Op("abort", _step_only, answer=lambda removed: ({"removed": removed}, []), mutating=True),
-    "verify": Op("verify", _step_only),
-    "lease": Op("current_lease", _none, answer=lambda lease: ({"lease": lease}, [])),
-    "claim": Op("claim", _claim),  # generation-checked by the lease itself (a newer head takes over)
-    "configure": Op("configure", _configure, mutating=True),
-    "job": Op("job", _job),
-    "backup_upload": Op("backup_upload", _backup_upload, mutating=True, long=True),
-    "backup_finalize": Op("backup_finalize", _backup_finalize, mutating=True),
-    "backup_listing": Op("backup_listing", _backup_listing),
-    "backup_manifest": Op("backup_manifest", _backup_manifest, answer=_bytes_answer),
-    "backup_fetch": Op("backup_fetch", _backup_fetch, mutating=True, long=True),
-    "peer_pull": Op("peer_pull", _peer_pull, mutating=True, long=True),
-    # Not fenced: it writes only bytes that hash to the object's name, and marks only backups it found
-    # bad, so `mtc verify --backup` may run it beside the head that drives the hosts.
-    "backup_scrub": Op("backup_scrub", _backup_scrub, long=True),
-    "close": Op("close", _none, answer=lambda _: (True, []), modes=("colocated",),
-                why="a daemon's service lives as long as its process: SIGTERM stops it"),
-}
+def _op(name: str, method: str, parse: Callable[..., Any], **kwargs: Any) -> tuple[str, Op]:
+    return name, Op(method, parse, spec=op_table.SPECS[name], **kwargs)
 
-# The operations that carry arrays, with the service method each calls (see the module's text).
-DATA_OPS = {"write": "write_shards", "read": "read_boxes_each"}
 
-MUTATING_OPS = frozenset({name for name, op in OPS.items() if op.mutating} | {"write"})
+# Every operation, with its row of ``mtc.shared.op_table``.
+OPS: dict[str, Op] = dict([
+    _op("ping", "ping", _none),
+    _op("fingerprint", "fingerprint", _none),
+    _op("inventory", "inventory", _inventory),
+    _op("manifest", "manifest_bytes", _manifest, answer=_bytes_answer),
+    _op("part", "part_bytes", _step_only, answer=_bytes_answer),
+    _op("write", "write_shards", parse_write),
+    _op("read", "read_boxes_each", parse_read, parse_colocated=parse_load),
+    _op("commit", "commit", _commit),
+    _op("abort", "abort", _step_only, answer=lambda removed: ({"removed": removed}, [])),
+    _op("verify", "verify", _step_only),
+    _op("lease", "current_lease", _none, answer=lambda lease: ({"lease": lease}, [])),
+    _op("claim", "claim", _claim),
+    _op("configure", "configure", _configure),
+    _op("job", "job", _job),
+    _op("backup_upload", "backup_upload", _backup_upload),
+    _op("backup_finalize", "backup_finalize", _backup_finalize),
+    _op("backup_listing", "backup_listing", _backup_listing),
+    _op("backup_manifest", "backup_manifest", _backup_manifest, answer=_bytes_answer),
+    _op("backup_fetch", "backup_fetch", _backup_fetch),
+    _op("peer_pull", "peer_pull", _peer_pull),
+    _op("backup_scrub", "backup_scrub", _backup_scrub),
+    _op("close", "close", _none, answer=lambda _: (True, [])),
+])
+if set(OPS) != set(op_table.SPECS):
+    raise ImportError(f"mtc.sidecar.ops and mtc.shared.op_table name different operations: "
+                      f"{sorted(set(OPS) ^ set(op_table.SPECS))}")
+
+DATA_OPS = frozenset(name for name, op in OPS.items() if op.data)
+MUTATING_OPS = frozenset(name for name, op in OPS.items() if op.mutating)
 LONG_OPS = frozenset(name for name, op in OPS.items() if op.long)
-SERVICE_METHODS = {**{name: op.method for name, op in OPS.items()}, **DATA_OPS}
+SERVICE_METHODS = {name: op.method for name, op in OPS.items()}
 
 
 def check(name: str, mode: str) -> Op:
     """The operation ``name`` as served in ``mode`` ("colocated" or "cluster"), or ProtocolError."""
     op = OPS.get(name)
     if op is None:
-        known = sorted({n for n, o in OPS.items() if mode in o.modes} | set(DATA_OPS))
+        known = sorted(n for n, o in OPS.items() if mode in o.modes)
         raise ProtocolError(f"unknown op {name!r}; known ops: {', '.join(known)}")
     if mode not in op.modes:
         raise ProtocolError(f"operation {name!r} is not served in {mode} mode: {op.why}")
     return op
 
 
+_DATA_PATH = {"colocated": "the ColocatedSidecar method of that name, with the arrays as arguments "
+                           "(read: load)",
+              "cluster": "a request whose payloads are the shards (write) or that answers them (read)"}
+
+
 def serve(service: Any, name: str, args: dict, payloads: Sequence[bytes], mode: str) -> tuple[Any, list]:
-    """Serve one control request on ``service``: (result, payloads). Raises what the call raised."""
+    """Serve one control request on ``service``: (result, payloads). Raises what the call raised.
+
+    A data operation is refused: its arrays travel on the transport's data path (``data_header``)."""
     op = check(name, mode)
+    if op.data:
+        raise ProtocolError(f"{name!r} carries arrays, so it is not a control request in {mode} mode; send it as "
+                            f"{_DATA_PATH[mode]}")
     service.admit(name, gen_arg(args))
     call_args, call_kwargs = op.parse(args, payloads)
     method = getattr(service, op.method)
@@ -398,3 +523,14 @@ def serve(service: Any, name: str, args: dict, payloads: Sequence[bytes], mode: 
         return {"job": service.jobs.start(lambda: method(*call_args, **call_kwargs))}, []
     return op.answer(method(*call_args, **call_kwargs))
 
+
+def data_header(service: Any, name: str, args: dict, carried: int, mode: str) -> Any:
+    """The checked header of data operation ``name`` (the row's parser for ``mode``), once the
+    operation is known in ``mode`` and admitted (fencing): what a transport's data path calls
+    before it reads or writes anything. ``carried``: the payloads (cluster) or array arguments
+    (colocated) the request came with."""
+    op = check(name, mode)
+    if not op.data:
+        raise ProtocolError(f"{name!r} is a control request, not a data operation")
+    service.admit(name, gen_arg(args))
+    return op.parser(mode)(args, carried, mode)

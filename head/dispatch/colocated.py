@@ -245,11 +245,12 @@ class ColocatedDispatcher(Dispatcher):
         for part, g in enumerate(staged):
             sharding = _row_sharding(g.devices)
             n = len(g.arrays)
-            req = self._request_array(
-                {"step": step, "part": part, "gen": self.generation, "leaves": [leaf.index for leaf in g.leaves],
-                 # host numpy leaves travel as flat bytes: their boxes are those of their own shape
-                 "numpy": {str(leaf.index): list(leaf.shape) for leaf in g.leaves if leaf.kind == "numpy"}},
-                g.devices)
+            # The header of a write in both modes (docs/architecture.md, "The seam"): each array's
+            # leaf and shape; a host numpy leaf travels as its flat bytes, its box its own shape.
+            arrays = [{"index": leaf.index, "shape": list(leaf.shape), "as_bytes": True} if leaf.kind == "numpy"
+                      else {"index": leaf.index, "shape": list(arr.shape)} for leaf, arr in zip(g.leaves, g.arrays)]
+            req = self._request_array({"step": step, "part": part, "gen": self.generation, "arrays": arrays},
+                                      g.devices)
             fn = self._obj.write.specialize(out_specs_fn=lambda *a: jax.ShapeDtypeStruct(
                 (len(g.devices), n, DIGEST_LEN), np.uint8, sharding=sharding))
             jax.block_until_ready(fn(req, *g.arrays))

@@ -23,7 +23,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from mtc.sidecar.ram.blobs import BlobFiles
-from mtc.sidecar.ram.mapped import LANDING_MIN, Landing, LandingBatch, MapCache, MapWarmer, discard, is_no_space
+from mtc.shared.ramdisk import is_no_space
+from mtc.sidecar.ram.mapped import LANDING_MIN, Landing, LandingBatch, MapCache, MapWarmer, discard
 
 log = logging.getLogger(__name__)
 

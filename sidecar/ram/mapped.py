@@ -49,6 +49,7 @@ import numpy as np
 from mtc.shared.buffers import aligned_empty, byte_view
 from mtc.shared.hashing import new_hasher
 from mtc.shared.protocol import Sink
+from mtc.shared.ramdisk import is_no_space
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +426,11 @@ class LandingBatch:
     def landed(self) -> bool:
         return any(x is not None for x in self.landings)
 
+    def receivers(self) -> list:
+        """Where a socket receives each payload: a cold landing's ``LandingSink`` (written with
+        ``pwrite``), a landing's buffer, or None for a size not landed (the caller gives a buffer)."""
+        return [None if x is None else LandingSink(x) if x.cold else x.buffer for x in self.landings]
+
     def close(self) -> None:
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
@@ -435,10 +441,6 @@ class LandingBatch:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def is_no_space(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def discard(landings: Iterable[Landing]) -> None:

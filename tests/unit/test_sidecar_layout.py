@@ -47,6 +47,18 @@ def test_each_folder_imports_only_what_its_role_allows(folder):
     assert not bad, f"imports outside what {folder}/ may import: {bad}"
 
 
+TRANSPORTS = ("sidecar/colocated.py", "sidecar/daemon.py", "sidecar/daemon_ops.py")
+TIERS = ("mtc.sidecar.ram", "mtc.sidecar.peer", "mtc.sidecar.backup")
+
+
+@pytest.mark.parametrize("module", TRANSPORTS)
+def test_the_transports_import_no_tier(module):
+    """A transport only decodes a request, calls the service and encodes its answer: what it needs of a
+    tier the service (or its store) gives it, and what both sides share is in ``mtc.shared``."""
+    wrong = sorted(m for m in _imports(REPO / module) if any(_within(m, t) for t in TIERS))
+    assert not wrong, f"{module} imports the tiers' modules {wrong}; reach them through the service"
+
+
 def test_the_check_can_fail(tmp_path):
     """A module of the RAM tier importing the head is caught."""
     f = tmp_path / "m.py"

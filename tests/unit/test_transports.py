@@ -52,7 +52,8 @@ BAD_DATA = {"write": {"step": "one", "part": 0, "shards": []}, "read": {"step": 
 def test_the_table_names_a_service_method_for_every_operation():
     for name, method in ops.SERVICE_METHODS.items():
         assert callable(getattr(SidecarService, method, None)), (name, method)
-    assert set(BAD) == set(ops.OPS), "every operation of the table has a bad-argument case here"
+    assert set(BAD) | set(BAD_DATA) == set(ops.OPS), "every operation of the table has a bad-argument case here"
+    assert set(BAD_DATA) == ops.DATA_OPS == {name for name, op in ops.OPS.items() if op.data}
     assert ops.LONG_OPS == {"backup_upload", "backup_fetch", "peer_pull", "backup_scrub"}
     assert {"write", "commit", "abort", "configure", "peer_pull", "backup_finalize"} <= ops.MUTATING_OPS
     for name, op in ops.OPS.items():
@@ -112,7 +113,7 @@ def test_the_colocated_data_operations_check_their_headers_as_the_daemon_does(tm
     from mtc.shared.errors import ProtocolError
 
     with pytest.raises(ProtocolError, match="'step' must be an integer"):
-        ops.parse_write(BAD_DATA["write"], 0)
+        ops.parse_write(BAD_DATA["write"], 0, "cluster")
     with pytest.raises(ProtocolError, match="'reads' must be a list"):
         ops.parse_read(BAD_DATA["read"])
 
@@ -195,3 +196,23 @@ def test_every_operation_of_the_table_has_a_row_in_the_architecture():
         row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}` |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert (cells[2] == "yes") == op.mutating and (cells[3] == "yes") == op.long, (name, cells)
+        assert cells[1].startswith("(data") == op.data and cells[4:6] == [op.lane, op.timeout], (name, cells)
+
+
+def test_the_cluster_head_takes_each_operations_lane_and_timeout_from_the_table():
+    """``lane_of`` and ``Timeouts.for_op`` read the rows of ``mtc.shared.op_table``, which
+    ``ops.OPS`` is built on; an operation outside the table is a control one."""
+    from mtc.head.dispatch.cluster.client import Timeouts
+    from mtc.head.dispatch.cluster.lanes import LANES, lane_of
+    from mtc.shared import op_table
+
+    assert set(op_table.SPECS) == set(ops.OPS) and set(LANES) == {op.lane for op in ops.OPS.values()}
+    timeouts = Timeouts(data_s=1.0, control_s=2.0, connect_s=3.0, backup_s=4.0, peer_s=5.0)
+    seconds = {"data": 1.0, "control": 2.0, "backup": 4.0, "peer": 5.0}
+    for name, op in ops.OPS.items():
+        assert op.spec is op_table.SPECS[name]
+        assert lane_of(name) == op.lane and timeouts.for_op(name) == seconds[op.timeout], name
+    assert {n for n, op in ops.OPS.items() if op.timeout == "data"} == {"write", "commit", "read"}
+    assert {n for n, op in ops.OPS.items() if op.lane == "backup"} == {n for n in ops.OPS if n.startswith("backup_")}
+    assert {n for n, op in ops.OPS.items() if op.lane == "peer"} == {"peer_pull"}
+    assert lane_of("no_such_op") == "control" and timeouts.for_op("no_such_op") == 2.0

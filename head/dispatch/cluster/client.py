@@ -26,24 +26,22 @@ import time
 from typing import Any, Callable, Sequence
 
 from mtc.head.dispatch.interface import raise_remote
-from mtc.shared import auth, protocol, tls, version
+from mtc.shared import auth, op_table, protocol, tls, version
 from mtc.shared.errors import AuthenticationError, ConfigError, HostUnreachableError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
 
 
-# Ops whose answer may take as long as moving a host's share of a step.
-_DATA_OPS = frozenset({"write", "commit", "read"})
-
 
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
-    """How long a connection waits, in seconds.
+    """How long a connection waits, in seconds, by an operation's timeout class (its row of
+    ``mtc.shared.op_table``).
 
-    ``data_s`` bounds each wait for a daemon's bytes (not a whole request) in the data ops
-    (write, commit, read), ``control_s`` in the others (inventory, manifest, version check,
-    abort), so that ``latest_step()`` does not hang on a hung host; ``backup_s`` and ``peer_s``
-    bound one backup or peer job from start to end (``HostLanes.run_job``)."""
+    ``data_s`` bounds each wait for a daemon's bytes (not a whole request) in the ``data`` class
+    (write, commit, read), ``control_s`` in the ``control`` class (inventory, manifest, version
+    check, abort), so that ``latest_step()`` does not hang on a hung host; ``backup_s`` and
+    ``peer_s`` bound one backup or peer job from start to end (``HostLanes.run_job``)."""
 
     data_s: float
     control_s: float
@@ -52,11 +50,7 @@ class Timeouts:
     peer_s: float
 
     def for_op(self, op: str) -> float:
-        if op.startswith("backup_"):
-            return self.backup_s
-        if op.startswith("peer_"):
-            return self.peer_s
-        return self.data_s if op in _DATA_OPS else self.control_s
+        return getattr(self, f"{op_table.spec(op).timeout}_s")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,10 +64,12 @@ Box = fmt.Box
 
 @dataclasses.dataclass
 class _Staged:
-    """What ``write`` sends: per host, its unique (leaf index, box, buffer) shards."""
+    """What ``write`` sends: per host, its unique (leaf index, box, buffer) shards; per leaf index,
+    its row of the write's ``arrays`` (its shape, and whether it travels as its bytes)."""
 
     shards: dict[str, list[tuple[int, Box, np.ndarray]]]
     nbytes: int
+    arrays: dict[int, dict] = dataclasses.field(default_factory=dict)
 
 
 class ClusterDispatcher(Dispatcher):
@@ -150,10 +152,13 @@ class ClusterDispatcher(Dispatcher):
         shards: dict[str, list[tuple[int, Box, np.ndarray]]] = {h: [] for h in hosts}
         seen: dict[str, set[tuple[int, Box]]] = {h: set() for h in hosts}
         to_copy: list[tuple[np.ndarray, np.ndarray]] = []
+        arrays: dict[int, dict] = {}
         nbytes = 0
         for leaf in leaves:
             if leaf.kind == "scalar":
                 continue
+            arrays[leaf.index] = ({"index": leaf.index, "shape": list(leaf.shape), "as_bytes": True}
+                                  if leaf.kind == "numpy" else {"index": leaf.index, "shape": list(leaf.value.shape)})
             if leaf.kind == "numpy":
                 # Host data: every host keeps a copy (it is small, and then any host can restore it).
                 src = np.asarray(leaf.value)
@@ -183,11 +188,17 @@ class ClusterDispatcher(Dispatcher):
                     shards[host].append((leaf.index, box, buf))
         self._staging.copy_all(to_copy)  # on several threads
         self._staging.end()
-        return _Staged(shards, nbytes)
+        return _Staged(shards, nbytes, arrays)
 
     def write(self, step: int, staged: _Staged) -> WriteResult:
         def args(h: str) -> dict:
-            return {"step": step, "part": 0, "shards": [[a, [list(p) for p in box]] for a, box, _ in staged.shards[h]]}
+            # The header of a write in both modes (docs/architecture.md, "The seam"), with one
+            # [position in "arrays", box] per payload.
+            at: dict[int, int] = {}
+            for a, _, _ in staged.shards[h]:
+                at.setdefault(a, len(at))
+            return {"step": step, "part": 0, "arrays": [staged.arrays[a] for a in at],
+                    "shards": [[at[a], [list(p) for p in box]] for a, box, _ in staged.shards[h]]}
 
         def one(h: str, reply: protocol.Reply) -> tuple[dict, bytes]:
             items = staged.shards[h]

@@ -26,10 +26,10 @@ from mtc.head.dispatch.cluster.client import (
     Timeouts,
     call_each,
 )
-from mtc.shared import protocol
+from mtc.shared import op_table, protocol
 from mtc.shared.errors import HostUnreachableError, ProtocolError
 
-LANES = ("control", "backup", "peer")
+LANES = op_table.LANES
 # How long one ``job`` request waits on the daemon for a long operation to end (a long poll).
 _JOB_WAIT_S = 5.0
 # Requests that carry at most this much to each host are sent from one thread (``call_each``).
@@ -37,8 +37,8 @@ _INLINE_BYTES = 1 << 20
 
 
 def lane_of(op: str) -> str:
-    """The lane an op goes on unless told otherwise: the backup and peer ops on theirs."""
-    return "backup" if op.startswith("backup_") else "peer" if op.startswith("peer_") else "control"
+    """The lane an op goes on unless told otherwise: its row's in ``mtc.shared.op_table``."""
+    return op_table.spec(op).lane
 
 
 class HostLanes:

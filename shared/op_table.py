@@ -1,0 +1,77 @@
+"""What the head and the sidecars agree on about each sidecar operation, as plain data.
+
+One row per operation: whether it changes the host (fencing), whether it runs as a job, whether
+it carries arrays (``data``: each transport moves them its own way), the modes that serve it, the
+lane a cluster head sends it on and the class of timeout its waits get. ``mtc.sidecar.ops``
+attaches to each row its service method and its argument checks (and refuses to load if the two
+tables name different operations); the cluster head picks its lane and timeout here
+(``mtc.head.dispatch.cluster``), since ``mtc.head`` never imports ``mtc.sidecar``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODES = ("colocated", "cluster")
+LANES = ("control", "backup", "peer")  # a cluster head's connections per host (``HostLanes``)
+# How long a cluster head waits on an operation's bytes (``Timeouts``): ``data``, as long as
+# moving a host's share of a step; ``control``, short, so a hung host fails an inventory fast;
+# ``backup`` and ``peer``, one job from start to end.
+TIMEOUT_CLASSES = ("data", "control", "backup", "peer")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One operation's row (see the module's text)."""
+
+    mutating: bool = False  # changes the host: only the head holding the lease may send it (fencing)
+    long: bool = False  # runs as a job of the sidecar: answers {"job": id} at once, ``job`` tells its end
+    data: bool = False  # carries arrays, which each transport moves its own way (not through ``ops.serve``)
+    lane: str = "control"
+    timeout: str = "control"
+    modes: tuple[str, ...] = MODES
+    why: str = ""  # why an operation is not in both modes
+
+    def __post_init__(self):
+        if self.lane not in LANES or self.timeout not in TIMEOUT_CLASSES or not set(self.modes) <= set(MODES):
+            raise ValueError(f"bad operation row {self!r}: lane in {LANES}, timeout in {TIMEOUT_CLASSES}, "
+                             f"modes in {MODES}")
+
+
+_BACKUP = dict(lane="backup", timeout="backup")
+_PEER = dict(lane="peer", timeout="peer")
+
+SPECS: dict[str, OpSpec] = {
+    "ping": OpSpec(),
+    "fingerprint": OpSpec(),
+    "inventory": OpSpec(),
+    "manifest": OpSpec(),
+    "part": OpSpec(),
+    "write": OpSpec(mutating=True, data=True, timeout="data"),
+    "read": OpSpec(data=True, timeout="data"),
+    "commit": OpSpec(mutating=True, timeout="data"),
+    "abort": OpSpec(mutating=True),
+    "verify": OpSpec(),
+    "lease": OpSpec(),
+    "claim": OpSpec(),  # generation-checked by the lease itself (a newer head takes over)
+    "configure": OpSpec(mutating=True),
+    "job": OpSpec(),  # polled on the lane of the job's operation (``HostLanes.run_job``)
+    "backup_upload": OpSpec(mutating=True, long=True, **_BACKUP),
+    "backup_finalize": OpSpec(mutating=True, **_BACKUP),
+    "backup_listing": OpSpec(**_BACKUP),
+    "backup_manifest": OpSpec(**_BACKUP),
+    "backup_fetch": OpSpec(mutating=True, long=True, **_BACKUP),
+    "peer_pull": OpSpec(mutating=True, long=True, **_PEER),
+    # Not fenced: it writes only bytes that hash to the object's name, and marks only backups it found
+    # bad, so `mtc verify --backup` may run it beside the head that drives the hosts.
+    "backup_scrub": OpSpec(long=True, **_BACKUP),
+    "close": OpSpec(modes=("colocated",), why="a daemon's service lives as long as its process: SIGTERM stops it"),
+}
+
+_UNKNOWN = OpSpec()
+
+
+def spec(op: str) -> OpSpec:
+    """The row of ``op``; an operation outside the table gets the control lane and timeout (the
+    sidecar then refuses it, naming the operations it knows)."""
+    return SPECS.get(op, _UNKNOWN)
