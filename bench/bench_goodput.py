@@ -1,14 +1,15 @@
 """Goodput under failures: real MaxText on mtc against MaxText's standard Orbax checkpointing.
 
     python bench/bench_goodput.py [--mtbf 90] [--seed 1] [--steps 200] [--restart-delay 5]
-        [--contenders mtc,orbax] [--faults kill_head,kill_sidecar,host_replaced,slice_lost,preempt]
+        [--contenders mtc,orbax] [--faults kill_head,kill_sidecar,host_replaced,slice_lost,preempt[,slice_lost_elastic]]
         [--model default|small] [--json FILE] [--timeline goodput.png]
 
 Every contender trains the same model on the same data (a Grain parquet file this benchmark
 writes, every row different, so a data iterator that started over changes every later loss)
 for ``--steps`` steps, under the same seeded failure schedule (gaps drawn exponentially with mean
 ``--mtbf`` seconds of wall time, a class drawn for each). A failure hits a training process
-that has trained at least one step since it started. After one, the harness starts the job again
+that has trained at least one step (``--fault-min-steps``) since it started or since its last
+elastic retry. After one, the harness starts the job again
 as Kubernetes restarts a pod, ``--restart-delay`` seconds later: a new process, with a fresh
 home and working directory, so only what a pod keeps survives (the ramdisks the failure spared,
 the bucket).
@@ -41,13 +42,32 @@ Fault classes and what each contender gets:
   back empty; for Orbax the training process is killed;
 - ``preempt``: SIGTERM, with a grace period (``MTC_PREEMPTION_GRACE_S``): mtc saves the step
   reached and exits; MaxText's standard path has no handler on this machine (its preemption
-  check needs JAX's distributed service): the signal ends it as a kill would.
+  check needs JAX's distributed service): the signal ends it as a kill would;
+- ``slice_lost_elastic`` (not in the default list): every sidecar of one slice is killed -9 and
+  its ramdisk wiped while the training process STAYS. With it in ``--faults`` the mtc contenders
+  run in MaxText's elastic mode (``elastic_enabled=True``, ``enable_single_controller=True``),
+  with ``bench/pathways_cpu.py``'s CPU stand-ins for what Pathways provides (its backend check,
+  the devices' slice map, the slices' health check: see its docstring; MaxText's files are not
+  changed). mtc's next save raises the lost hosts' ``HostLostError`` (DATA_LOSS); MaxText's
+  elastic retry catches it, waits for every slice, runs MaxText's ``initialize`` and train loop
+  again in the same interpreter (no new process, no imports) and restores through mtc (the lost
+  slice's shards from the peer replicas on the other slice, or the backup). The slice comes back
+  empty ``--restart-delay`` seconds after the loss, but not before the error reached the retry (on
+  Pathways the slice's devices fail the next step; here only mtc's next save sees it). Every
+  other class keeps its meaning (a head-restarting ``slice_lost`` restarts the elastic-mode
+  process as before; a sidecar killed raises an elastic retry too, accounted as ``kill_sidecar
+  (elastic)``). For Orbax it is ``slice_lost``.
 
 What it prints: per contender the effective training time ratio (the uninterrupted run's time
 for the steps trained, over the wall time), the steps recomputed, seconds lost per failure, and
 every recovery split into stages: restart delay, process start and imports, JAX and MaxText
 initialisation, setup until the restore, the restore (with mtc's own report: inventory, pull,
-load, bytes by tier), compilation, and the first step after it. Every contender's final state
+load, bytes by tier), compilation, and the first step after it. A recovery in the same process
+(``kind`` "elastic" in the JSON) has instead of the first two: detection (the failure until the
+error reaches pathwaysutils' retry) and the wait for the slices (until the retry starts the next
+attempt); then MaxText's ``initialize`` again, setup, restore, compilation, first step. The stages
+not in a recovery's kind are None ("-" in the table); the others add up to the recovery, failure
+to first step after it. Steps recomputed are counted per attempt of the train function. Every contender's final state
 (a SHA-256 of every leaf) and every step's logged metrics are compared with the uninterrupted
 run's: a mismatch fails the run (exit 1). (MaxText writes a step's metrics when the next step
 ends, so a step restored from, whose process was killed before that, has no line: only such a
@@ -313,8 +333,9 @@ class Runner:
                         continue
                     seg.marks = _read_marks(seg_dir / "marks.jsonl")
                     logged = [s for s, _ in seg.steps()]
-                    if not logged:
-                        continue  # a failure hits a process that trains: it waits for its first step
+                    current = [st for st, t in seg.steps() if t >= attempts(seg)[-1][0]]
+                    if len(current) < self.a.fault_min_steps:
+                        continue  # a failure hits a process that trains: it waits for its first steps
                     if _retrying(seg):
                         continue  # ... and, after an elastic retry, for the retry's first step
                     if max(logged) >= self.a.steps - 1 or seg.first("final") is not None:
@@ -791,6 +812,9 @@ def main(argv: list[str] | None = None) -> int:
                         "time alone (right where the background work has cores of its own)")
     p.add_argument("--period", type=int, default=0, help="force every contender's period (default: each its own)")
     p.add_argument("--max-failures", type=int, default=0, help="stop drawing failures after this many (0: no cap)")
+    p.add_argument("--fault-min-steps", type=int, default=1,
+                   help="a failure waits until the process has trained this many steps since it started or since its "
+                        "last elastic retry (1)")
     p.add_argument("--budget", type=float, default=1800.0, help="wall-clock cap per contender, seconds (1800)")
     p.add_argument("--workdir", type=Path, default=None, help="default: a fresh folder on /dev/shm")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, marks) afterwards")
