@@ -1,14 +1,15 @@
 """Goodput under failures: real MaxText on mtc against MaxText's standard Orbax checkpointing.
 
     python bench/bench_goodput.py [--mtbf 90] [--seed 1] [--steps 200] [--restart-delay 5]
-        [--contenders mtc,orbax] [--faults kill_head,kill_sidecar,host_replaced,slice_lost,preempt]
+        [--contenders mtc,orbax] [--faults kill_head,kill_sidecar,host_replaced,slice_lost,preempt[,slice_lost_elastic]]
         [--model default|small] [--json FILE] [--timeline goodput.png]
 
 Every contender trains the same model on the same data (a Grain parquet file this benchmark
 writes, every row different, so a data iterator that started over changes every later loss)
 for ``--steps`` steps, under the same seeded failure schedule (gaps drawn exponentially with mean
 ``--mtbf`` seconds of wall time, a class drawn for each). A failure hits a training process
-that has trained at least one step since it started. After one, the harness starts the job again
+that has trained at least one step (``--fault-min-steps``) since it started or since its last
+elastic retry. After one, the harness starts the job again
 as Kubernetes restarts a pod, ``--restart-delay`` seconds later: a new process, with a fresh
 home and working directory, so only what a pod keeps survives (the ramdisks the failure spared,
 the bucket).
@@ -41,13 +42,32 @@ Fault classes and what each contender gets:
   back empty; for Orbax the training process is killed;
 - ``preempt``: SIGTERM, with a grace period (``MTC_PREEMPTION_GRACE_S``): mtc saves the step
   reached and exits; MaxText's standard path has no handler on this machine (its preemption
-  check needs JAX's distributed service): the signal ends it as a kill would.
+  check needs JAX's distributed service): the signal ends it as a kill would;
+- ``slice_lost_elastic`` (not in the default list): every sidecar of one slice is killed -9 and
+  its ramdisk wiped while the training process STAYS. With it in ``--faults`` the mtc contenders
+  run in MaxText's elastic mode (``elastic_enabled=True``, ``enable_single_controller=True``),
+  with ``bench/pathways_cpu.py``'s CPU stand-ins for what Pathways provides (its backend check,
+  the devices' slice map, the slices' health check: see its docstring; MaxText's files are not
+  changed). mtc's next save raises the lost hosts' ``HostLostError`` (DATA_LOSS); MaxText's
+  elastic retry catches it, waits for every slice, runs MaxText's ``initialize`` and train loop
+  again in the same interpreter (no new process, no imports) and restores through mtc (the lost
+  slice's shards from the peer replicas on the other slice, or the backup). The slice comes back
+  empty ``--restart-delay`` seconds after the loss, but not before the error reached the retry (on
+  Pathways the slice's devices fail the next step; here only mtc's next save sees it). Every
+  other class keeps its meaning (a head-restarting ``slice_lost`` restarts the elastic-mode
+  process as before; a sidecar killed raises an elastic retry too, accounted as ``kill_sidecar
+  (elastic)``). For Orbax it is ``slice_lost``.
 
 What it prints: per contender the effective training time ratio (the uninterrupted run's time
 for the steps trained, over the wall time), the steps recomputed, seconds lost per failure, and
 every recovery split into stages: restart delay, process start and imports, JAX and MaxText
 initialisation, setup until the restore, the restore (with mtc's own report: inventory, pull,
-load, bytes by tier), compilation, and the first step after it. Every contender's final state
+load, bytes by tier), compilation, and the first step after it. A recovery in the same process
+(``kind`` "elastic" in the JSON) has instead of the first two: detection (the failure until the
+error reaches pathwaysutils' retry) and the wait for the slices (until the retry starts the next
+attempt); then MaxText's ``initialize`` again, setup, restore, compilation, first step. The stages
+not in a recovery's kind are None ("-" in the table); the others add up to the recovery, failure
+to first step after it. Steps recomputed are counted per attempt of the train function. Every contender's final state
 (a SHA-256 of every leaf) and every step's logged metrics are compared with the uninterrupted
 run's: a mismatch fails the run (exit 1). (MaxText writes a step's metrics when the next step
 ends, so a step restored from, whose process was killed before that, has no line: only such a
@@ -77,11 +97,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "maxtext"))
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 import env as mx_env  # noqa: E402
+import pathways_cpu  # noqa: E402
 
 PROBE = REPO / "bench" / "goodput_probe.py"
 CONTENDERS = ("mtc", "orbax", "orbax-cached", "orbax-every-step", "mtc-backup-only")
-FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt")
+FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt", "slice_lost_elastic")
+ELASTIC = "slice_lost_elastic"  # in --faults: the mtc contenders run in MaxText's elastic mode
 SLICES, HOSTS = 2, 2
 METRICS = ("learning/loss", "learning/grad_norm", "learning/param_norm")
 
@@ -145,9 +168,26 @@ class Segment:
     failure: Failure | None = None  # the failure that ended it (or hit during it)
     failed_at: float | None = None
     log: str = ""
+    hits: list = dataclasses.field(default_factory=list)  # (Failure, time) the process went on through
 
     def first(self, name: str) -> float | None:
         return next((m["t"] for m in self.marks if m["mark"] == name), None)
+
+    def first_after(self, name: str, t: float) -> float | None:
+        return next((m["t"] for m in self.marks if m["mark"] == name and m["t"] > t), None)
+
+    def retries(self) -> list[dict]:
+        """The errors MaxText's elastic retry retried in this process (its ``elastic_event`` marks)."""
+        return [m for m in self.marks if m["mark"] == "elastic_event" and m.get("slice_down")]
+
+    def attempt_starts(self) -> list[float]:
+        """When each attempt after the first began: the retry's slices ready after each retried error."""
+        out = []
+        for e in self.retries():
+            t = self.first_after("slices_ready", e["t"])
+            if t is not None:
+                out.append(t)
+        return out
 
     def steps(self) -> list[tuple[int, float]]:
         return [(m["step"], m["t"]) for m in self.marks if m["mark"] == "step"]
@@ -255,6 +295,7 @@ class Runner:
         token = secrets.token_hex(16)
         cluster = None
         env_extra: dict = {}
+        elastic = c.kind == "mtc" and ELASTIC in self.a.faults.split(",")
         if c.kind == "mtc":
             cluster = Cluster(self.py, d / "hosts", dict(self.env(d, d / "cluster-marks"), MTC_PEER_TOKEN=token))
             env_extra = {"MTC_CLUSTER_SPEC": cluster.spec, "MTC_PEER_TOKEN": token,
@@ -263,6 +304,9 @@ class Runner:
             extra = ["enable_checkpointing=True", "enable_multi_tier_checkpointing=True",
                      f"local_checkpoint_directory={d / 'head-ramdisk'}", f"local_checkpoint_period={c.period}",
                      f"multi_tier_checkpointing_backup_interval_steps={c.backup_steps}", "checkpoint_period=1000000"]
+            if elastic:  # MaxText's elastic mode, Pathways stood in for on CPU (bench/pathways_cpu.py)
+                extra += pathways_cpu.FLAGS
+                env_extra["GOODPUT_ELASTIC"] = "1"
         else:
             extra = ["enable_checkpointing=True", "async_checkpointing=True", f"checkpoint_period={c.period}"]
             if c.name == "orbax-cached":  # JAX's compilation cache where a new pod finds it: the bucket
@@ -290,15 +334,19 @@ class Runner:
                         continue
                     seg.marks = _read_marks(seg_dir / "marks.jsonl")
                     logged = [s for s, _ in seg.steps()]
-                    if not logged:
-                        continue  # a failure hits a process that trains: it waits for its first step
+                    current = [st for st, t in seg.steps() if t >= attempts(seg)[-1][0]]
+                    if len(current) < self.a.fault_min_steps:
+                        continue  # a failure hits a process that trains: it waits for its first steps
+                    if _retrying(seg):
+                        continue  # ... and, after an elastic retry, for the retry's first step
                     if max(logged) >= self.a.steps - 1 or seg.first("final") is not None:
                         pending.clear()  # trained to the end: what is left is its exit
                         continue
                     f = pending.pop(0)
                     seg.failure, seg.failed_at = f, time.time()
-                    hit = self.inject(c, f, proc, cluster, delay, events)
-                    if hit == "goes_on":  # the process survives (a sidecar): the next failure may hit it
+                    hit = self.inject(c, f, proc, cluster, delay, events, seg_dir / "marks.jsonl")
+                    if hit == "goes_on":  # the process survives (a sidecar, an elastic retry): the next may hit it
+                        seg.hits.append((f, seg.failed_at))
                         seg.failure, seg.failed_at, hit = None, None, None
                         continue
                     break
@@ -326,8 +374,26 @@ class Runner:
                 "metrics": metrics(d / "metrics.txt")}
 
     def inject(self, c: Contender, f: Failure, proc: subprocess.Popen, cluster: Cluster | None, delay: float,
-               events: list) -> str:
+               events: list, marks: Path) -> str:
         now = time.time()
+        if f.cls == ELASTIC and cluster is not None:
+            sl = f.pick % SLICES
+            hosts = cluster.hosts[sl * HOSTS:(sl + 1) * HOSTS]
+            for host in hosts:
+                cluster.call(op="wipe", host=host)
+            events.append({"t": now, "what": f"{ELASTIC}: slice {sl} lost (its sidecars killed, ramdisks wiped); "
+                                             "the training process stays"})
+            # The slice comes back (replaced, empty) --restart-delay seconds after the loss, and not before
+            # the job has seen it gone (on Pathways its devices fail the next step; here mtc's next save
+            # finds its sidecars gone): a slice back before that would have been no loss to the job.
+            while proc.poll() is None and time.time() - now < self.a.budget and not any(
+                    m["mark"] == "elastic_event" and m["t"] >= now for m in _read_marks(marks)):
+                time.sleep(0.05)
+            time.sleep(max(0.0, now + delay - time.time()))
+            for host in hosts:
+                cluster.call(op="restart", host=host)
+            events.append({"t": time.time(), "what": f"slice {sl} back, empty (hosts {', '.join(hosts)})"})
+            return "goes_on"
         if f.cls == "kill_sidecar":
             if cluster is None:
                 events.append({"t": now, "what": "kill_sidecar: no sidecar (nothing happens)"})
@@ -354,7 +420,7 @@ class Runner:
             host = cluster.hosts[f.pick % len(cluster.hosts)]
             cluster.call(op="wipe", host=host)
             events.append({"t": time.time(), "what": f"host {host} lost (ramdisk wiped)"})
-        if cluster is not None and f.cls == "slice_lost":
+        if cluster is not None and f.cls in ("slice_lost", ELASTIC):
             sl = f.pick % SLICES
             for host in cluster.hosts[sl * HOSTS:(sl + 1) * HOSTS]:
                 cluster.call(op="wipe", host=host)
@@ -363,7 +429,7 @@ class Runner:
 
     def after(self, c: Contender, f: Failure | None, cluster: Cluster | None, events: list) -> None:
         """What comes back before the new pod: replaced hosts, empty."""
-        if cluster is None or f is None or f.cls not in ("host_replaced", "slice_lost"):
+        if cluster is None or f is None or f.cls not in ("host_replaced", "slice_lost", ELASTIC):
             return
         alive = cluster.call(op="alive")["alive"]
         for host, up in alive.items():
@@ -374,24 +440,67 @@ class Runner:
 
 # --- accounting --------------------------------------------------------------------------------
 
-STAGES = ("restart_delay", "start_imports", "init", "setup", "restore", "compile", "first_step")
+STAGES = ("detect", "slice_wait", "restart_delay", "start_imports", "init", "setup", "restore", "compile",
+          "first_step")
+# A recovery that restarts the training process (a new pod) has these; the others are None.
+RESTART_STAGES = ("restart_delay", "start_imports", "init", "setup", "restore", "compile", "first_step")
+# One in the same process, by MaxText's elastic retry: the failure until the error reaches the retry
+# (detect), the wait for the slices (slice_wait), then MaxText's initialize again, ...
+ELASTIC_STAGES = ("detect", "slice_wait", "init", "setup", "restore", "compile", "first_step")
+_CHAIN = (("init", "initialized"), ("setup", "restore_begin"), ("restore", "restore_end"), ("compile", "compiled"),
+          ("first_step", "step"))
 
 
-def stages_of(seg: Segment, failed_at: float | None) -> dict:
-    """[failure, first step of this segment] cut at the marks: the stages add up to the whole."""
-    t0 = seg.spawned if failed_at is None else failed_at
-    points = [("restart_delay", seg.spawned), ("start_imports", seg.first("imported")),
-              ("init", seg.first("initialized")), ("setup", seg.first("restore_begin")),
-              ("restore", seg.first("restore_end")), ("compile", _compiled(seg)),
-              ("first_step", seg.steps()[0][1] if seg.steps() else None)]
-    out, prev = {}, t0
+def _mark_at(seg: Segment, name: str, t: float) -> float | None:
+    """The first mark ``name`` at or after ``t`` (``compiled``: the train step's)."""
+    return next((m["t"] for m in seg.marks if m["mark"] == name and m["t"] >= t
+                 and (name != "compiled" or m.get("prefix") == "train")), None)
+
+
+def stages_of(seg: Segment, failed_at: float | None, event: dict | None = None) -> dict:
+    """[failure, first step after it] cut at the marks: the stages add up to the whole.
+
+    Without ``event``: the segment's process start (a restart: ``failed_at`` is when the process
+    before it failed; None: the job's own start). With ``event`` (an ``elastic_event`` mark of
+    this segment): the recovery in the same process from that retried error, ``failed_at`` the
+    fault that caused it. Each mark is the first one after the one before."""
+    if event is None:
+        t0 = seg.spawned if failed_at is None else failed_at
+        points, chain = [("restart_delay", seg.spawned)], (("start_imports", "imported"), *_CHAIN)
+    else:
+        t0 = failed_at
+        points, chain = [("detect", event["t"])], (("slice_wait", "slices_ready"), *_CHAIN)
+    t = points[0][1]
+    for name, mark in chain:
+        at = _mark_at(seg, mark, t)
+        points.append((name, at))
+        t = at if at is not None else t
+    out, prev = {name: None for name in STAGES}, t0
     for name, t in points:
         if t is None:
-            out[name] = None
             continue
         out[name] = max(0.0, t - prev)
         prev = max(prev, t)
     out["total"] = prev - t0
+    return out
+
+
+def _retrying(seg: Segment) -> bool:
+    """An elastic retry under way: its last retried error has no step after the attempt it began."""
+    retries = seg.retries()
+    if not retries:
+        return False
+    ready = seg.first_after("slices_ready", retries[-1]["t"])
+    return ready is None or seg.first_after("step", ready) is None
+
+
+def attempts(seg: Segment) -> list[tuple[float, dict | None]]:
+    """A process's attempts of the train function: (start, the retried error before it, None for the first)."""
+    out: list[tuple[float, dict | None]] = [(seg.spawned, None)]
+    for e in seg.retries():
+        ready = seg.first_after("slices_ready", e["t"])
+        if ready is not None:
+            out.append((ready, e))
     return out
 
 
@@ -442,26 +551,52 @@ def restored_line(log: str) -> dict:
     return {}
 
 
+def _restore_in(seg: Segment, t0: float, t1: float | None) -> dict:
+    """mtc's report of a restore between t0 and t1 (its ``mtc_restored`` mark), else {}."""
+    line = next((m["line"] for m in seg.marks if m["mark"] == "mtc_restored" and m["t"] >= t0
+                 and (t1 is None or m["t"] <= t1)), None)
+    return {"mtc": line} if line else {}
+
+
 def account(result: dict, ref: dict) -> dict:
     segs: list[Segment] = result["segments"]
     seen: set[int] = set()
     recoveries, recomputed_total = [], 0
     for i, seg in enumerate(segs):
-        steps = [s for s, _ in seg.steps()]
-        again = sorted(set(steps) & seen)
-        recomputed_total += len(again)
-        if i > 0:
-            prev = segs[i - 1]
-            failed_at = prev.failed_at or prev.ended
-            st = stages_of(seg, failed_at)
-            cls = prev.failure.cls if prev.failure else f"exit {prev.rc}"
-            first = steps[0] if steps else None
-            recoveries.append({
-                "cls": cls, "segment": i, "stages": st, "recomputed": len(again), "failed_at": failed_at,
-                "first_step_at": seg.steps()[0][1] if steps else None,
-                "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
-                "resumed_at": first, "restore": restored_line(seg.log)})
-        seen |= set(steps)
+        runs = attempts(seg)
+        for k, (t_begin, event) in enumerate(runs):
+            t_next = runs[k + 1][0] if k + 1 < len(runs) else math.inf
+            in_attempt = [(s, t) for s, t in seg.steps() if t_begin <= t < t_next]
+            steps = [s for s, _ in in_attempt]
+            again = sorted(set(steps) & seen)
+            recomputed_total += len(again)
+            first_at = in_attempt[0][1] if in_attempt else None
+            if event is not None:  # a recovery in the same process: MaxText's elastic retry
+                before = [(f, t) for f, t in seg.hits if t <= event["t"] and t >= (runs[k - 1][0] if k > 1 else 0)]
+                f, failed_at = before[-1] if before else (None, event["t"])
+                st = stages_of(seg, failed_at, event)
+                cls = f.cls if f else "elastic retry"
+                if f and f.cls != ELASTIC:
+                    cls += " (elastic)"
+                recoveries.append({
+                    "cls": cls, "kind": "elastic", "segment": i, "attempt": k, "pid": seg.marks[0].get("pid")
+                    if seg.marks else None, "stages": st, "recomputed": len(again), "failed_at": failed_at,
+                    "first_step_at": first_at, "error": event.get("error", ""),
+                    "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
+                    "resumed_at": steps[0] if steps else None, "restore": _restore_in(seg, t_begin, first_at)})
+            elif i > 0:  # a recovery by a new process
+                prev = segs[i - 1]
+                failed_at = prev.failed_at or prev.ended
+                st = stages_of(seg, failed_at)
+                cls = prev.failure.cls if prev.failure else f"exit {prev.rc}"
+                recoveries.append({
+                    "cls": cls, "kind": "restart", "segment": i, "attempt": 0, "pid": seg.marks[0].get("pid")
+                    if seg.marks else None, "stages": st, "recomputed": len(again), "failed_at": failed_at,
+                    "first_step_at": first_at,
+                    "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
+                    "resumed_at": steps[0] if steps else None,
+                    "restore": _restore_in(seg, t_begin, first_at) or restored_line(seg.log)})
+            seen |= set(steps)
     trained = max(seen) + 1 if seen else 0
     # The uninterrupted run's own time to the same step (spawn to that step's end).
     ideal = ref["step_at"].get(trained - 1, ref["first_step_s"] + (trained - 1) * ref["step_s"])
@@ -574,7 +709,7 @@ def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"restart_delay": "#bbbbbb", "start_imports": "#f4a582", "init": "#fddbc7", "setup": "#d1e5f0",
+    colors = {"detect": "#762a83", "slice_wait": "#c2a5cf", "restart_delay": "#bbbbbb", "start_imports": "#f4a582", "init": "#fddbc7", "setup": "#d1e5f0",
               "restore": "#4393c3", "compile": "#b2182b", "first_step": "#92c5de", "training": "#1a9850"}
     fig, ax = plt.subplots(figsize=(14, 1.2 + 0.9 * len(accs)))
     for y, (acc, res) in enumerate(zip(accs, results)):
@@ -586,25 +721,24 @@ def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
                         height=0.5)
         first = stages_of(res["segments"][0], None)  # the job's own start, before any failure
         left = res["segments"][0].spawned - t0
-        for name in STAGES[1:]:
+        for name in RESTART_STAGES[1:]:
             if first[name]:
                 ax.barh(y, first[name], left=left, color=colors[name], height=0.5, alpha=0.5)
                 left += first[name]
         for rec in acc["recoveries"]:
-            prev = res["segments"][rec["segment"] - 1]
-            left = (prev.failed_at or prev.ended) - t0
+            left = rec["failed_at"] - t0
             for name in STAGES:
                 w = rec["stages"][name]
                 if w:
                     ax.barh(y, w, left=left, color=colors[name], height=0.5)
                     left += w
-            ax.plot([(prev.failed_at or prev.ended) - t0], [y + 0.33], marker="v", color="black")
-            ax.text((prev.failed_at or prev.ended) - t0, y + 0.38, rec["cls"], fontsize=7, rotation=20)
+            ax.plot([rec["failed_at"] - t0], [y + 0.33], marker="v", color="black")
+            ax.text(rec["failed_at"] - t0, y + 0.38, rec["cls"], fontsize=7, rotation=20)
     ax.set_yticks(range(len(accs)), [f"{a['name']}\n{a['ratio']:.1%}" for a in accs])
     ax.set_xlim(left=0)
     ax.set_xlabel("wall time (s); the first start faded; a triangle is a failure", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    ax.legend(handles, list(colors), ncol=10, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -679,6 +813,9 @@ def main(argv: list[str] | None = None) -> int:
                         "time alone (right where the background work has cores of its own)")
     p.add_argument("--period", type=int, default=0, help="force every contender's period (default: each its own)")
     p.add_argument("--max-failures", type=int, default=0, help="stop drawing failures after this many (0: no cap)")
+    p.add_argument("--fault-min-steps", type=int, default=1,
+                   help="a failure waits until the process has trained this many steps since it started or since its "
+                        "last elastic retry (1)")
     p.add_argument("--budget", type=float, default=1800.0, help="wall-clock cap per contender, seconds (1800)")
     p.add_argument("--workdir", type=Path, default=None, help="default: a fresh folder on /dev/shm")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, marks) afterwards")

@@ -16,6 +16,11 @@ recovery into stages:
   finding that there is nothing to restore);
 - ``compiled``: the train step's ahead-of-time compilation returned;
 - ``step``: MaxText logged ``completed step: N`` (``step`` = N);
+- ``mtc_restored``: mtc logged its restore's report (``line``: what follows ``mtc: ``);
+- ``elastic_event`` / ``slices_ready`` (with ``GOODPUT_ELASTIC=1``, MaxText's elastic mode on CPU
+  through ``bench/pathways_cpu.py``'s stand-ins for Pathways): an error reached pathwaysutils'
+  elastic retry; the retry has its slices and starts an attempt (``initialized`` and the marks
+  after it then come again, in the same process);
 - ``final``: the train loop returned: ``digest`` is a SHA-256 over every leaf of the final train
   state (its path, dtype, shape and bytes, in tree order), for the bit-for-bit check; ``bytes``
   its size.
@@ -97,6 +102,8 @@ def _install_marks() -> None:
             msg = record.getMessage()
             if msg.startswith("completed step: "):
                 mark("step", step=int(msg.split(",")[0].split(":")[1]))
+            elif msg.startswith("mtc: restored step "):
+                mark("mtc_restored", line=msg[len("mtc: "):])
 
     logging.getLogger().addHandler(Steps(level=logging.INFO))
 
@@ -110,10 +117,18 @@ def main(argv: list[str]) -> int:
     import jax  # noqa: F401  (counted in the import stage, as MaxText's train module imports it)
 
     if mode == "mtc":
+        elastic = os.environ.get("GOODPUT_ELASTIC") == "1"
+        if elastic:  # Pathways' slice map and health check, stood in for on CPU (bench/pathways_cpu.py)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import pathways_cpu
+
+            pathways_cpu.install(mark)
         from mtc.head.maxtext import launcher
 
         launcher.install()
         _install_marks()
+        if elastic:
+            pathways_cpu.install_maxtext_marks(mark)
         mark("imported")
         return launcher.main(args)
     from absl import app

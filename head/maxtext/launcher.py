@@ -158,6 +158,23 @@ def _close_managers() -> None:
             log.warning("mtc: closing the checkpoint manager: %s: %s", type(e).__name__, e)
 
 
+def _retire_previous_managers(config: Any) -> None:
+    """In MaxText's elastic mode, the managers of the attempt the retry abandoned are closed.
+
+    Each attempt of MaxText's elastic retry (``elastic_utils.elastic_retry`` around ``initialize``
+    and the train loop, in the same process) builds its checkpoint manager again, and never closes
+    the one before: that one still has the failed save's background work and the lost slice's
+    connections, and would keep its threads and replication retries running beside the new one.
+    It is closed before the new one is made; its error (the lost host's, already handled by the
+    retry) is logged, not raised. Outside elastic mode nothing is closed: MaxText makes one manager.
+    """
+    if not getattr(config, "elastic_enabled", False) or not _managers:
+        return
+    log.info("mtc: an elastic retry makes a new checkpoint manager: closing the %d of the attempt before",
+             len(_managers))
+    _close_managers()
+
+
 def install() -> None:
     """Put mtc in MaxText's place for multi-tier checkpointing (idempotent); refuses an unknown MaxText."""
     global _installed
@@ -194,6 +211,7 @@ def install() -> None:
                  cfg.local_checkpoint_directory, cfg.local_checkpoint_period,
                  f", backups to {cfg.backup_root}" if cfg.backup_enabled else "")
         _export.update(export_target(config))
+        _retire_previous_managers(config)
         if _cache is not None:
             _cache.wait_filled()  # the state's initialisation and the train step compile next
             log.info("mtc: compilation cache in %s: %d entries (%d from the backup)", _cache.local, _cache.entries(),

@@ -48,8 +48,10 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
     assert any(e.startswith("kill -9 sidecar") for e in events), events
     for rec in mtc["recoveries"]:
         st = rec["stages"]
-        parts = [st[name] for name in bench_goodput.STAGES]
+        assert rec["kind"] == "restart", rec
+        parts = [st[name] for name in bench_goodput.RESTART_STAGES]
         assert all(p is not None and p >= 0 for p in parts), st
+        assert all(st[name] is None for name in bench_goodput.STAGES if name not in bench_goodput.RESTART_STAGES), st
         assert abs(sum(parts) - st["total"]) < 1e-6, st
         assert abs(st["total"] - (rec["first_step_at"] - rec["failed_at"])) < 1e-6, rec
         assert st["restart_delay"] >= 2.0, st

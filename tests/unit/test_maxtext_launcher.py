@@ -54,3 +54,31 @@ def test_config_from_maxtext_reads_its_flags_and_mtc_env():
     with pytest.raises(ConfigError, match="exclusive"):
         launcher.config_from_maxtext(types.SimpleNamespace(**{**vars(mx), "multi_tier_checkpointing_backup_interval_minutes": 5}),
                                      environ={})
+
+
+class _Manager:
+    def __init__(self, error: Exception | None = None):
+        self.closed, self.error = 0, error
+
+    def close(self):
+        self.closed += 1
+        if self.error:
+            raise self.error
+
+
+def test_an_elastic_retry_closes_the_abandoned_attempts_manager(monkeypatch, caplog):
+    from mtc.head.elastic import HostLostError
+
+    lost = _Manager(HostLostError("DATA_LOSS: host s1-h0 stopped answering"))
+    monkeypatch.setattr(launcher, "_managers", [lost])
+    launcher._retire_previous_managers(types.SimpleNamespace(elastic_enabled=True))
+    assert lost.closed == 1 and launcher._managers == []  # closed once; its error logged, not raised
+    assert "closing the checkpoint manager" in caplog.text and "DATA_LOSS" in caplog.text
+
+
+def test_outside_elastic_mode_no_manager_is_closed(monkeypatch):
+    kept = _Manager()
+    monkeypatch.setattr(launcher, "_managers", [kept])
+    launcher._retire_previous_managers(types.SimpleNamespace(elastic_enabled=False))
+    launcher._retire_previous_managers(types.SimpleNamespace())
+    assert kept.closed == 0 and launcher._managers == [kept]
