@@ -14,6 +14,10 @@ from typing import Any, Callable, Mapping
 from mtc.shared import errors
 from mtc.shared import format as fmt
 from mtc.shared import wire_errors
+from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
+
+__all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
+           "choose_keepers", "raise_remote"]
 
 
 @dataclasses.dataclass
@@ -56,129 +60,6 @@ class WriteResult:
 
     parts: list[tuple[str, bytes]]
     hosts: dict[str, dict]  # host id -> {"written_bytes": ..., "blobs": ...}
-
-
-@dataclasses.dataclass(frozen=True)
-class StepHolding:
-    """One committed step on one host, as the host's inventory reports it.
-
-    ``blobs``/``local_blobs``: this host's own share of the step (the shards of its devices)
-    and how many of those it holds; ``held`` is the bitmap (``protocol.encode_bitmap``) over
-    all ``step_blobs`` blobs of the step, in the order whose digest is ``digest``.
-    """
-
-    step: int
-    blobs: int
-    local_blobs: int
-    step_blobs: int
-    digest: str
-    held: str
-    manifest: str = ""  # the digest of this host's copy of the step manifest
-    # True when the host committed a record (not the whole manifest): then ``held`` is over the
-    # sorted blobs of its own part of the step (``StepManifest.part_blobs``), ``step_blobs`` their count.
-    part: bool = False
-    # The digest of this host's own share's sorted blob names ("" from an older sidecar): hosts
-    # whose shares are equal (data-parallel twins) hold copies of each other's whole share.
-    own: str = ""
-    # The digests of the shares this host holds whole (a host that keeps the whole manifest: its
-    # own and the copies it keeps for others; a record host reports none, its counts say).
-    copies: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class HostInventory:
-    """What one host holds. ``error`` is set (and ``steps`` empty) when the host could not be
-    asked: it confirms nothing while it is down."""
-
-    host: str
-    steps: tuple[StepHolding, ...] = ()
-    error: str | None = None
-    damaged: tuple[int, ...] = ()  # steps committed here whose manifest copy fails its checks
-    # (step, why, seconds ago): steps whose last peer pull on this host failed (a full ramdisk, ...)
-    pull_failures: tuple[tuple[int, str, float], ...] = ()
-    ramdisk: tuple[int, int] | None = None  # (free bytes, size bytes) of its ramdisk when it answered
-
-    @classmethod
-    def unreachable(cls, host: str, cause: str) -> "HostInventory":
-        return cls(host=host, error=cause)
-
-    @classmethod
-    def from_wire(cls, host: str, doc: Any) -> "HostInventory":
-        """Parse a sidecar's inventory answer; ProtocolError names the host when it is malformed."""
-        rows = doc.get("steps") if isinstance(doc, dict) else None
-        if not isinstance(rows, list):
-            raise errors.ProtocolError(f"host {host}: malformed inventory {doc!r:.200}")
-        steps = []
-        for s in rows:
-            ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
-            if not ok:
-                raise errors.ProtocolError(f"host {host}: malformed inventory entry {s!r:.200}")
-            if type(s.get("step_blobs")) is not int or not isinstance(s.get("digest"), str) \
-                    or not isinstance(s.get("held"), str):
-                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']} lacks its blob bitmap; "
-                                           "run the same mtc version on the head and every sidecar")
-            manifest = s.get("manifest", "")
-            if not isinstance(manifest, str):
-                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'manifest' is not a digest")
-            own, copies = s.get("own", ""), s.get("copies", [])
-            if not isinstance(own, str) or not (isinstance(copies, list) and all(isinstance(c, str) for c in copies)):
-                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'own' or 'copies' "
-                                           "is not a digest (list)")
-            steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
-                                     s["held"], manifest, s.get("part") is True, own, tuple(copies)))
-        damaged = doc.get("damaged", [])
-        if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
-            raise errors.ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")
-        notes = doc.get("pull_failures", [])
-        if not (isinstance(notes, list) and all(isinstance(n, dict) and type(n.get("step")) is int
-                                                and isinstance(n.get("error"), str)
-                                                and isinstance(n.get("age_s"), (int, float)) for n in notes)):
-            raise errors.ProtocolError(f"host {host}: inventory 'pull_failures' is not a list of {{step, error, age_s}}")
-        room = doc.get("ramdisk")
-        ramdisk = (room["free_bytes"], room["size_bytes"]) if isinstance(room, dict) and all(
-            type(room.get(k)) is int for k in ("free_bytes", "size_bytes")) else None
-        return cls(host=host, steps=tuple(steps), damaged=tuple(damaged),
-                   pull_failures=tuple((n["step"], n["error"], float(n["age_s"])) for n in notes), ramdisk=ramdisk)
-
-
-@dataclasses.dataclass(frozen=True)
-class PullResult:
-    """What one host did with its peer pulls. ``error`` is set when the host could not be asked
-    or failed as a whole (then nothing else is known); otherwise ``failed`` lists the blobs no
-    holder had a good copy of, with (holder, cause) per holder tried."""
-
-    host: str
-    pulled: int = 0
-    pulled_bytes: int = 0
-    failed: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
-    bad_copies: tuple[tuple[str, str, str], ...] = ()  # (blob, holder, cause): copies that failed their hash
-    removed_bad_copies: tuple[tuple[str, str], ...] = ()  # (blob, holder): bad at the holder, now removed
-    error: str | None = None
-    asked_bytes: int = 0  # the bytes of the distinct blobs it was asked for (held already or not)
-
-    @property
-    def failed_blobs(self) -> set[str]:
-        return {b for b, _ in self.failed}
-
-    @classmethod
-    def unreachable(cls, host: str, cause: str) -> "PullResult":
-        return cls(host=host, error=cause)
-
-    @classmethod
-    def from_wire(cls, host: str, doc: Any) -> "PullResult":
-        """Parse ``mtc.sidecar.replication.pull_blobs``'s answer (ProtocolError if malformed)."""
-        if not isinstance(doc, dict):
-            raise errors.ProtocolError(f"host {host}: malformed peer pull answer {doc!r:.200}")
-        try:
-            return cls(
-                host=host, pulled=int(doc.get("pulled", 0)), pulled_bytes=int(doc.get("pulled_bytes", 0)),
-                failed=tuple((str(b), tuple((str(src), str(c)) for src, c in causes))
-                             for b, causes in doc.get("failed", [])),
-                bad_copies=tuple((str(b), str(src), str(c)) for b, src, c in doc.get("bad_copies", [])),
-                removed_bad_copies=tuple((str(b), str(src)) for b, src in doc.get("removed_bad_copies", [])),
-                asked_bytes=int(doc.get("asked_bytes", 0)))
-        except (TypeError, ValueError) as e:
-            raise errors.ProtocolError(f"host {host}: malformed peer pull answer ({e}): {doc!r:.200}") from None
 
 
 class Dispatcher(abc.ABC):
