@@ -17,7 +17,7 @@ from mtc.shared import wire_errors
 from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
 
 __all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
-           "choose_keepers", "raise_remote"]
+           "choose_keepers", "host_failure", "raise_host_failures", "raise_remote", "save_error"]
 
 
 @dataclasses.dataclass
@@ -63,11 +63,34 @@ class WriteResult:
 
 
 class Dispatcher(abc.ABC):
-    """How the head reaches the sidecars. Every method is called from one thread at a time,
-    except the backup and peer methods, which background threads call beside the others.
+    """How the head reaches the sidecars: every operation the manager, the restore, the tiers'
+    loops and the tools call, and no transport has one of its own. Every method is called from
+    one thread at a time, except the backup and peer methods, which background threads call
+    beside the others.
 
     Every request carries ``generation`` (set once the manager has claimed the hosts), so
     that sidecars refuse changes from a head that a newer one fenced off.
+
+    Errors are typed where they arrive: what a sidecar raised comes back as that type
+    (``mtc.shared.wire_errors.decode``, the host named in its message), a host that cannot be
+    reached as ``HostUnreachableError``. One host's failure means the same in both transports:
+
+    - per host, in the answer, the others answering: ``inventories``/``peer_inventories`` (an
+      inventory with an ``error``), ``peer_pull`` (a ``PullResult`` with an ``error``),
+      ``verify`` (``{"error": why}``); ``abort`` logs it (best effort);
+    - raised, naming each failed host: ``write``/``commit`` (``SaveError`` with ``.hosts``, its
+      cause the ``FencedError`` if a newer head took a host, else the ``HostUnreachableError``),
+      the backup jobs (one host's error as it is; several: one error listing them,
+      ``CorruptBlobError`` when each found a corrupt copy);
+    - skipped while it cannot be reached, raised otherwise: ``fingerprints``, ``leases``,
+      ``claim`` (a host that is down takes the claim with its next request); ``backup_listing``
+      and ``backup_manifest`` ask the next host.
+
+    A host that cannot be reached is one the cluster transport cannot connect to or that stops
+    answering. The colocated transport reaches every host in one colocated call: a host's
+    sidecar that raises is that host's failure, as above, but a call that fails as a whole (the
+    colocated runtime lost a host) raises its error for the whole operation, since it cannot tell
+    which host it was.
     """
 
     generation: int | None = None
@@ -112,7 +135,13 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def inventories(self) -> dict[str, HostInventory]:
-        """host id -> what it holds; an unreachable host has an ``error`` and no steps."""
+        """host id -> what it holds; a host that failed (unreachable, or its sidecar raised) has
+        an ``error`` and no steps."""
+
+    @abc.abstractmethod
+    def verify(self, step: int) -> dict[str, dict]:
+        """Every host hashes its blobs of ``step``: host -> {"checked", "bad": [blob names]}, or
+        {"error": why} for a host that failed (one that does not hold the step, one that is down)."""
 
     def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
         """The committed step manifest of ``step`` from a host that holds it (with ``digest``: a
@@ -164,7 +193,8 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def host_of_device(self, device_id: int) -> str:
-        """The host whose sidecar holds the shards of device ``device_id``."""
+        """The host whose sidecar holds the shards of device ``device_id`` (ConfigError naming the
+        device when it is one of no host)."""
 
     # --- backup tier (run by the sidecars; the head only coordinates) --------------------
 
@@ -229,6 +259,43 @@ class Dispatcher(abc.ABC):
 def raise_remote(host: str, name: str, message: str) -> None:
     """Re-raise an error a sidecar reported (``mtc.shared.wire_errors``), typed."""
     raise wire_errors.decode(host, name, message)
+
+
+def host_failure(e: BaseException) -> str:
+    """One line that says why a host failed, for error messages and SaveError.hosts."""
+    if isinstance(e, (errors.HostUnreachableError, wire_errors.SidecarError)):  # these name their cause
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def save_error(step: int, phase: str, failures: Mapping[str, BaseException], total: int) -> errors.SaveError:
+    """The SaveError of a save that failed on the hosts of ``failures`` (of ``total``), each named
+    with why; its cause is what matters: a newer head took the hosts (fencing), else an
+    unreachable host (a lost slice, to elastic training)."""
+    hosts = {h: host_failure(e) for h, e in sorted(failures.items())}
+    lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
+    err = errors.SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {total} hosts "
+                           f"({lines}); step {step} is not committed and is aborted on every host; "
+                           "earlier steps are unaffected, and the next save retries the failed hosts",
+                           step=step, hosts=hosts)
+    err.__cause__ = next((e for e in failures.values() if isinstance(e, errors.FencedError)), None) or next(
+        (e for e in failures.values() if isinstance(e, errors.HostUnreachableError)), None)
+    return err
+
+
+def raise_host_failures(what: str, failures: Mapping[str, BaseException]) -> None:
+    """Raise the failures of an operation every host of which must succeed (a backup job): one
+    host's error as it is; several hosts' as one error naming each (``CorruptBlobError`` when
+    every host found a corrupt copy, so the caller can say which array it was)."""
+    if not failures:
+        return
+    if len(failures) == 1:
+        (e,) = failures.values()
+        raise e
+    kinds = {wire_errors.name_of(e) for e in failures.values()}
+    error = errors.CorruptBlobError if kinds == {"CorruptBlobError"} else errors.MTCError
+    raise error(f"{what} failed on {len(failures)} hosts: "
+                + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(failures.items())))
 
 
 def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:
