@@ -78,10 +78,11 @@ class Dispatcher(abc.ABC):
     - per host, in the answer, the others answering: ``inventories``/``peer_inventories`` (an
       inventory with an ``error``), ``peer_pull`` (a ``PullResult`` with an ``error``),
       ``verify`` (``{"error": why}``); ``abort`` logs it (best effort);
-    - raised, naming each failed host: ``write``/``commit`` (``SaveError`` with ``.hosts``, its
-      cause the ``FencedError`` if a newer head took a host, else the ``HostUnreachableError``),
-      the backup jobs (one host's error as it is; several: one error listing them,
-      ``CorruptBlobError`` when each found a corrupt copy);
+    - raised, naming each failed host: ``commit`` and the cluster transport's ``write``
+      (``SaveError`` with ``.hosts``, its cause the ``FencedError`` if a newer head took a host,
+      else the ``HostUnreachableError``; the colocated ``write`` raises its first host's error,
+      which the manager reports as the save's), the backup jobs (one host's error as it is;
+      several: one error listing them, ``CorruptBlobError`` when each found a corrupt copy);
     - skipped while it cannot be reached, raised otherwise: ``fingerprints``, ``leases``,
       ``claim`` (a host that is down takes the claim with its next request); ``backup_listing``
       and ``backup_manifest`` ask the next host.
