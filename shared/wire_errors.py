@@ -48,6 +48,11 @@ def encode(e: BaseException, host: str | None = None) -> tuple[str, str]:
     return name, message
 
 
+def name_of(e: BaseException) -> str:
+    """The name of the type ``e`` was raised as: a ``SidecarError``'s type on its sidecar, else its own."""
+    return e.type_name if isinstance(e, SidecarError) else type(e).__name__
+
+
 def decode(host: str, name: str, message: str) -> errors.MTCError:
     """The exception a sidecar of ``host`` reported as (``name``, ``message``), typed."""
     text = message if host in message else f"host {host}: {message}"

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from mtc.shared import format as fmt
 from mtc.shared import protocol
+from mtc.shared.host_reports import HostInventory, StepHolding
 from mtc.shared.errors import ManifestError, MTCError, RecordOnlyError, StepNotFoundError
 from mtc.sidecar.peer import PeerClient
 from mtc.sidecar.ram import RamStore
@@ -209,8 +210,8 @@ class CommittedSteps:
             if rec is not None:
                 # Committed here as a record: this host's own part is all it holds of the step,
                 # and all it reports (the head maps it with the manifest): no fetch for an inventory.
-                out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": rec.digest,
-                            "part": True, "own": protocol.blob_list_digest(sorted(own)), **held_bits(own, have)})
+                out.append(StepHolding(step=s, blobs=len(own), local_blobs=len(own & have), manifest=rec.digest,
+                                       part=True, own=protocol.blob_list_digest(sorted(own)), **held_bits(own, have)))
                 continue
             try:
                 m = self.manifest(s)
@@ -224,16 +225,16 @@ class CommittedSteps:
                 own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
             # Its share: the part it wrote (mtc/3), else the shards of its devices.
             share = m.part_blobs.get(self.host_id, own)
-            out.append({"step": s, "blobs": len(own), "local_blobs": len(own & have), "manifest": m.digest,
-                        "own": protocol.blob_list_digest(sorted(share)), "copies": self._shares_held(m, have),
-                        **held_bits(m.blob_names(), have)})
+            out.append(StepHolding(step=s, blobs=len(own), local_blobs=len(own & have), manifest=m.digest,
+                                   own=protocol.blob_list_digest(sorted(share)), copies=tuple(self._shares_held(m, have)),
+                                   **held_bits(m.blob_names(), have)))
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
         damaged += [s for s in self.store.unreadable_steps(listed=True) if s not in damaged]
         st = os.statvfs(self.store.root)  # the ramdisk's room, for the head's metrics (no pass over the blobs)
-        room = {"free_bytes": st.f_bavail * st.f_frsize, "size_bytes": st.f_blocks * st.f_frsize}
-        return {"host": self.host_id, "steps": out, "damaged": sorted(damaged), "ramdisk": room,
-                **pull_notes(self.store)}
+        return HostInventory(self.host_id, tuple(out), damaged=tuple(sorted(damaged)),
+                             pull_failures=pull_notes(self.store),
+                             ramdisk=(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)).to_wire()
 
     def _shares_held(self, m: fmt.StepManifest, have: set[str]) -> list[str]:
         """The digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own

@@ -36,6 +36,7 @@ from mtc.shared.errors import (
     ProtocolError,
 )
 from mtc.shared.hashing import is_blob_name
+from mtc.shared.host_reports import PullResult
 from mtc.sidecar.peer import BadCopyError, PeerClient
 from mtc.sidecar.ram import RamStore, format_binary_bytes
 from mtc.sidecar.ram.common import free_bytes
@@ -50,15 +51,13 @@ _NOTES_LOCK = threading.Lock()
 _NOTES_KEPT = 8  # steps with a note, per store (the newest failures)
 
 
-def pull_notes(store: RamStore) -> dict:
-    """The inventory's field for the steps whose last pull on this host failed, and why:
-    ``{"pull_failures": [{"step", "error", "age_s"}, ...]}``, or {} when there are none."""
+def pull_notes(store: RamStore) -> tuple[tuple[int, str, float], ...]:
+    """The steps whose last pull on this host failed, and why, for the inventory
+    (``HostInventory.pull_failures``): (step, why, seconds ago) per step."""
     now = time.monotonic()
     with _NOTES_LOCK:
         notes = sorted(_NOTES.get(store, {}).items())
-    if not notes:
-        return {}
-    return {"pull_failures": [{"step": s, "error": why, "age_s": round(now - t, 1)} for s, (why, t) in notes]}
+    return tuple((s, why, round(now - t, 1)) for s, (why, t) in notes)
 
 
 def _note(store: RamStore, step: int | None, why: str | None) -> None:
@@ -161,13 +160,9 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
     Runs in rounds: in round k each missing blob is asked of its k-th holder, so the load
     spreads as the plan spread it. Each holder's blobs go over ``streams_per_holder``
     connections at once (one stream leaves the sender's and the receiver's cores taking turns;
-    two keep both busy), at most ``threads`` in all. Returns::
-
-        {"host", "pulled": blobs fetched, "pulled_bytes", "already": blobs held before,
-         "failed": [[blob, [[holder, cause], ...]], ...],   # no holder had a good copy
-         "bad_copies": [[blob, holder, cause], ...],        # copies that failed their hash
-         "removed_bad_copies": [[blob, holder], ...],       # ... that were bad at the holder, now removed
-         "seconds"}
+    two keep both busy), at most ``threads`` in all. Returns what it did (``PullResult``: the
+    blobs and bytes fetched, those held before, those no holder had a good copy of with the cause
+    at each holder, the copies that failed their hash and those removed at their holder).
     """
     t0 = time.perf_counter()
     todo: dict[str, Pull] = {}
@@ -188,15 +183,16 @@ def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mappin
                                            threads, timeout_s)
     except InsufficientSpaceError as e:
         raise _no_room(store, host_id, step, todo, e) from e
-    failed = [[b, [list(t) for t in tried[b]]] for b in todo if tried[b] and len(tried[b]) >= len(todo[b].sources)
-              and not store.blobs.has(b)]
+    failed = tuple((b, tuple(tried[b])) for b in todo if tried[b] and len(tried[b]) >= len(todo[b].sources)
+                   and not store.blobs.has(b))
     _note(store, step, (f"{len(failed)} blob(s) no holder could give, e.g. {failed[0][0]}: "
                         + "; ".join(f"{h}: {c}" for h, c in failed[0][1])) if failed else None)
-    out = {"host": host_id, "pulled": pulled, "pulled_bytes": pulled_bytes, "already": already,
-           "failed": failed, "bad_copies": bad, "removed_bad_copies": scrubbed, "seconds": time.perf_counter() - t0}
+    out = PullResult(host_id, pulled=pulled, pulled_bytes=pulled_bytes, already=already, failed=failed,
+                     bad_copies=tuple(tuple(r) for r in bad), removed_bad_copies=tuple(tuple(r) for r in scrubbed),
+                     seconds=time.perf_counter() - t0)
     log.info("- peer pull; host=%s; duration=%.3fs; %d blobs, %d bytes @ %.2f GB/s; %d held already, %d failed, "
-             "%d bad copies skipped", host_id, out["seconds"], pulled, pulled_bytes,
-             pulled_bytes / max(out["seconds"], 1e-9) / 1e9, already, len(failed), len(bad))
+             "%d bad copies skipped", host_id, out.seconds, pulled, pulled_bytes,
+             pulled_bytes / max(out.seconds, 1e-9) / 1e9, already, len(failed), len(bad))
     for blob, causes in failed:
         log.warning("host %s: no good copy of blob %s from any peer: %s", host_id, blob,
                     "; ".join(f"{h}: {c}" for h, c in causes))

@@ -16,6 +16,7 @@ fetch whose manifest the restore reads by).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -370,10 +371,9 @@ class SidecarService:
             with contextlib.suppress(ManifestError, StepNotFoundError):
                 self.committed.manifest(step)
         out = pull_blobs(self.store, self._peer_token, pulls, peers, host_id=self.host_id, step=step)
-        out["asked_bytes"] = sum({p.blob: p.size for p in pulls}.values())
-        out["adopted"] = (manifest_json is not None and not out["failed"]
-                          and self.committed.adopt(step, manifest_json))
-        return out
+        adopted = manifest_json is not None and not out.failed and self.committed.adopt(step, manifest_json)
+        return dataclasses.replace(out, asked_bytes=sum({p.blob: p.size for p in pulls}.values()),
+                                   adopted=adopted).to_wire()
 
     # --- lifecycle ---------------------------------------------------------------------
 

@@ -18,16 +18,26 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from mtc.head.dispatch.interface import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult, raise_remote
+from mtc.head.dispatch.interface import (
+    Dispatcher,
+    HostInventory,
+    Leaf,
+    LoadRequest,
+    PullResult,
+    WriteResult,
+    host_failure,
+    raise_host_failures,
+    save_error,
+)
 from mtc.head.save import plan_commit
 from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones
 from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
-from mtc.shared import shardings
+from mtc.shared import shardings, wire_errors
 from mtc.shared.config import MTCConfig
 from mtc.shared.host_settings import HostSettings
-from mtc.shared.errors import ManifestError, MTCError
+from mtc.shared.errors import ConfigError, HostUnreachableError, ManifestError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +121,32 @@ class ColocatedDispatcher(Dispatcher):
         others answer None); ``payloads``: the request's byte strings (text)."""
         return [(h, r) for h, r, _ in self._exchange(op, rows, payloads, per_host, args)]
 
+    def _control_each(self, op: str, *, rows: list[int] | None = None, payloads: tuple[bytes, ...] = (),
+                      per_host: dict[str, dict] | None = None, **args: Any) -> tuple[dict[str, Any], dict[str, MTCError]]:
+        """``_control``, one host's error that host's alone: (results, failures) by host, as the
+        cluster transport's fan-outs give them (a host with several device rows fails if one does)."""
+        results: dict[str, Any] = {}
+        failures: dict[str, MTCError] = {}
+        for host, result, _, error in self._replies(op, rows, payloads, per_host, args):
+            if error is not None:
+                failures.setdefault(host, error)
+            else:
+                results.setdefault(host, result)
+        return {h: r for h, r in results.items() if h not in failures}, failures
+
     def _exchange(self, op: str, rows: list[int] | None, payloads: tuple[bytes, ...],
-                  per_host: dict[str, dict] | None, args: dict, *, configured: bool = False) -> list[tuple]:
+                  per_host: dict[str, dict] | None, args: dict) -> list[tuple]:
+        """(host, result, payloads) per device row; the first host's error raised, typed."""
+        out = []
+        for host, result, blobs, error in self._replies(op, rows, payloads, per_host, args):
+            if error is not None:
+                raise error
+            out.append((host, result, blobs))
+        return out
+
+    def _replies(self, op: str, rows: list[int] | None, payloads: tuple[bytes, ...],
+                 per_host: dict[str, dict] | None, args: dict, *, configured: bool = False) -> list[tuple]:
+        """Run ``op`` in one colocated call: (host, result, payloads, error typed or None) per row."""
         devices = self._ctl_devices if rows is None else [self._ctl_devices[i] for i in rows]
         rid = uuid.uuid4().hex
         sharding = _row_sharding(devices)
@@ -130,21 +164,21 @@ class ColocatedDispatcher(Dispatcher):
             out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices), width), np.uint8, sharding=sharding))
         data = np.asarray(fetch(self._request_array({"id": rid, "width": width}, devices)))
         replies = [decode_reply(data[i, : sizes[i]].tobytes()) for i in range(len(devices))]
-        if op == "fingerprint":
+        if op == "fingerprint" and self._host_of_row is None:  # how the rows' hosts are learnt
             hosts = [None] * len(devices)
         else:
             hosts = self._hosts_of_rows() if rows is None else [self._hosts_of_rows()[i] for i in rows]
         if not configured and self._settings is not None and any(
                 e is not None and e[0] == "NotConfiguredError" for _, _, e in replies):
-            # A sidecar that restarted has no settings: configure the hosts, then ask again.
-            self._control("configure", settings=self._settings)
-            return self._exchange(op, rows, payloads, per_host, args, configured=True)
+            # A sidecar that restarted has no settings: configure the hosts, then ask again (a host
+            # that refuses the settings answers the question with its error).
+            for h, e in sorted(self._control_each("configure", settings=self._settings)[1].items()):
+                log.warning("host %s: re-configuring it failed: %s", h, host_failure(e))
+            return self._replies(op, rows, payloads, per_host, args, configured=True)
         out = []
         for i, (result, blobs, error) in enumerate(replies):
             host = hosts[i] or (result if isinstance(result, dict) else {}).get("host", f"row{i}")
-            if error is not None:
-                raise_remote(host, *error)
-            out.append((host, result, blobs))
+            out.append((host, result, blobs, None if error is None else wire_errors.decode(host, *error)))
         return out
 
     def _hosts_of_rows(self) -> list[str]:
@@ -268,25 +302,47 @@ class ColocatedDispatcher(Dispatcher):
         if len(hosts) > self._keepers:  # several hosts (Pathways): their peer addresses, as they are now
             peers = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
         keep, where = plan_commit(hosts, self.slice_of, step, self._keepers, peers)
-        out = dict(self._control("commit", rows=[i for i, h in enumerate(row_hosts) if h in keep],
-                                 payloads=(manifest,), step=step, digest=digest))
+        out, failures = self._control_each("commit", rows=[i for i, h in enumerate(row_hosts) if h in keep],
+                                           payloads=(manifest,), step=step, digest=digest)
         others = [i for i, h in enumerate(row_hosts) if h not in keep]
         if others:
-            out.update(self._control("commit", rows=others, step=step, digest=digest, keepers=where))
+            more, failed = self._control_each("commit", rows=others, step=step, digest=digest, keepers=where)
+            out.update(more)
+            failures.update(failed)
+        if failures:
+            raise save_error(step, "phase 2 (commit)", failures, len(hosts))
         return out
 
     def abort(self, step: int) -> None:
-        self._control("abort", step=step)
+        """Forget ``step`` on every host that answers; one that fails drops it when a later step commits."""
+        _, failures = self._control_each("abort", step=step)
+        for h, e in sorted(failures.items()):
+            log.warning("could not abort step %d on host %s (%s)", step, h, host_failure(e))
 
     def leases(self) -> dict[str, dict | None]:
-        return {h: r["lease"] for h, r in self._control("lease")}
+        """The hosts' leases (a host that cannot be reached is asked again when it is back)."""
+        results, failures = self._control_each("lease")
+        for h, e in sorted(failures.items()):
+            if not isinstance(e, HostUnreachableError):
+                raise e
+        return {h: r["lease"] for h, r in results.items()}
 
     def claim(self, generation: int, head: dict) -> None:
-        """Every host takes ``head``, then its settings (``configure``, checked against the lease)."""
-        self._control("claim", generation=generation, head=head)
+        """Every host takes ``head``, then its settings (``configure``, checked against the lease);
+        one that cannot be reached takes the generation with its next request, and is configured
+        when it says it is not (``NotConfiguredError``)."""
+        _, failures = self._control_each("claim", generation=generation, head=head)
         self.generation = generation
         self._settings = self._host_settings
-        self._control("configure", settings=self._settings)
+        rows = [i for i, h in enumerate(self._hosts_of_rows()) if h not in failures]
+        if rows:
+            failures.update(self._control_each("configure", rows=rows, settings=self._settings)[1])
+        for h, e in sorted(failures.items()):
+            if isinstance(e, HostUnreachableError):
+                log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
+                            h, e, generation)
+                continue
+            raise e
 
     def _devices_by_host(self) -> dict[str, list[int]]:
         hosts = self._hosts_of_rows()
@@ -296,9 +352,25 @@ class ColocatedDispatcher(Dispatcher):
         return out
 
     def inventories(self) -> dict[str, HostInventory]:
-        """What each host holds; each counts its own share by its devices, as in cluster mode."""
+        """What each host holds; each counts its own share by its devices, as in cluster mode. A
+        host whose sidecar fails (or answers a malformed inventory) has no steps and an ``error``."""
         per_host = {h: {"devices": sorted(ids)} for h, ids in self._devices_by_host().items()}
-        return {h: HostInventory.from_wire(h, inv) for h, inv in self._control("inventory", per_host=per_host)}
+        replies, failures = self._control_each("inventory", per_host=per_host)
+        results: dict[str, HostInventory] = {}
+        for h, doc in replies.items():
+            try:
+                results[h] = HostInventory.from_wire(h, doc)
+            except MTCError as e:  # a malformed answer: this host's failure, like any other
+                failures[h] = e
+        for h, e in failures.items():
+            log.warning("inventory: host %s: %s; its steps cannot be confirmed", h, host_failure(e))
+            results[h] = HostInventory.unreachable(h, host_failure(e))
+        return {h: results[h] for h in self.hosts()}
+
+    def verify(self, step: int) -> dict[str, dict]:
+        """Every host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
+        replies, failures = self._control_each("verify", step=step)
+        return {**replies, **{h: {"error": host_failure(e)} for h, e in failures.items()}}
 
     def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
         ((_, _, (data,)),) = self._exchange("manifest", [self._hosts_of_rows().index(host)], (), None,
@@ -345,26 +417,43 @@ class ColocatedDispatcher(Dispatcher):
         return out
 
     def host_of_device(self, device_id: int) -> str:
-        cpu = next(c for d, c in self._cpu_of.items() if d.id == device_id)
+        cpu = cpu_of_id(device_id, self._cpu_of)
+        if cpu is None:
+            ids = sorted(d.id for d in self._cpu_of)
+            raise ConfigError(f"device {device_id} belongs to no host of this dispatcher (devices "
+                              f"{ids[:8]}{'...' if len(ids) > 8 else ''}); put the state on the devices it covers")
         return self._hosts_of_rows()[self._ctl_devices.index(cpu)]
 
-    def _run_job(self, op: str, *, per_host: dict[str, dict] | None = None, payloads: tuple[bytes, ...] = (),
-                 **args: Any) -> dict[str, dict]:
-        """Start a long sidecar job on every host (of ``per_host``), then poll until all are done."""
-        jobs = {h: r["job"] for h, r in self._control(op, per_host=per_host, payloads=payloads, **args)
-                if r is not None}
-        results: dict[str, dict] = {}
+    def _run_jobs(self, op: str, *, per_host: dict[str, dict] | None = None, payloads: tuple[bytes, ...] = (),
+                  **args: Any) -> tuple[dict[str, Any], dict[str, MTCError]]:
+        """Start a long sidecar job on every host (of ``per_host``), then poll until all are done:
+        (results, failures) by host, a host's failure (to start, or its job's) its own."""
+        started, failures = self._control_each(op, per_host=per_host, payloads=payloads, **args)
+        if per_host is not None:  # a host not asked answers nothing of this operation
+            failures = {h: e for h, e in failures.items() if h in per_host}
+        jobs = {h: r["job"] for h, r in started.items() if r is not None}
+        results: dict[str, Any] = {}
         wait = 0.005
-        while len(results) < len(jobs):
-            pending = {h: {"job": j} for h, j in jobs.items() if h not in results}
-            for host, status in self._control("job", per_host=pending):
-                if status is not None and status["done"] and host not in results:
+        while True:
+            pending = {h: {"job": j} for h, j in jobs.items() if h not in results and h not in failures}
+            if not pending:
+                return results, failures
+            statuses, failed = self._control_each("job", per_host=pending)
+            failures.update({h: e for h, e in failed.items() if h in pending})
+            for host, status in statuses.items():
+                if host in pending and status is not None and status["done"]:
                     if "error" in status:
-                        raise_remote(host, status["error"], status["message"])
-                    results[host] = status["result"]
-            if len(results) < len(jobs):
+                        failures[host] = wire_errors.decode(host, status["error"], status["message"])
+                    else:
+                        results[host] = status["result"]
+            if any(h not in results and h not in failures for h in pending):
                 time.sleep(wait)  # polling a remote job: nothing to wait on locally
                 wait = min(wait * 2, 0.5)
+
+    def _run_job(self, what: str, op: str, **kwargs: Any) -> dict[str, Any]:
+        """``_run_jobs``, every host's job required to succeed (``raise_host_failures``)."""
+        results, failures = self._run_jobs(op, **kwargs)
+        raise_host_failures(what, failures)
         return results
 
     def slice_of(self, host_id: str) -> int:
@@ -383,41 +472,78 @@ class ColocatedDispatcher(Dispatcher):
         The address book is what the sidecars report with their fingerprints; ``peers`` adds
         addresses of hosts outside this head's device list.
         """
-        book = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
+        # A host whose sidecar fails is left out of the book: its own pulls fail with its error.
+        book = {fp["host"]: fp["peer"] for fp in self._control_each("fingerprint")[0].values() if fp.get("peer")}
         book.update(peers or {})
         asked = {*pulls, *(shares or {})}
         try:
             per_host = {h: {"pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, [])],
                             "shares": [[o, list(srcs)] for o, srcs in (shares or {}).get(h, [])]} for h in asked}
-            results = self._run_job("peer_pull", per_host=per_host, step=step, peers=book,
-                                    payloads=(manifest.to_json(),) if manifest is not None else ())
-        except MTCError as e:
-            return {h: PullResult.unreachable(h, str(e)) for h in asked}
-        return {h: PullResult.from_wire(h, results[h]) if h in results
-                else PullResult.unreachable(h, f"host {h} did not answer") for h in asked}
+            results, failures = self._run_jobs("peer_pull", per_host=per_host, step=step, peers=book,
+                                               payloads=(manifest.to_json(),) if manifest is not None else ())
+        except MTCError as e:  # not one host's (re-configuring the hosts failed): every host's
+            return {h: PullResult.unreachable(h, host_failure(e)) for h in asked}
+        out: dict[str, PullResult] = {}
+        for h in sorted(asked):
+            try:
+                if h in failures:
+                    raise failures[h]
+                if h not in results:
+                    raise HostUnreachableError(f"host {h} did not answer the peer pull")
+                out[h] = PullResult.from_wire(h, results[h])
+            except MTCError as e:
+                log.warning("peer pull of step %d on %s failed: %s", step, h, host_failure(e))
+                out[h] = PullResult.unreachable(h, host_failure(e))
+        return out
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        return self._run_job("backup_upload", per_host={h: {"blobs": b} for h, b in assignments.items()})
+        return self._run_job("backup upload", "backup_upload",
+                             per_host={h: {"blobs": b} for h, b in assignments.items()})
 
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         replies = dict(self._control("backup_finalize", per_host={host: {}}, name=name,
                                      payloads=(manifest.to_json(),)))
         return replies[host]
 
+    def _any_host(self, op: str, args: dict) -> tuple[str, Any, list]:
+        """The answer of the first host (in host order) that can answer a question any host can
+        (asked of all in one call); one that cannot be reached is passed over, as in cluster mode."""
+        answers: dict[str, tuple[Any, list]] = {}
+        failures: dict[str, MTCError] = {}
+        for host, result, blobs, error in self._replies(op, None, (), None, args):
+            if error is not None:
+                failures.setdefault(host, error)
+            else:
+                answers.setdefault(host, (result, blobs))
+        unreachable: dict[str, MTCError] = {}
+        for h in self.hosts():
+            if h in failures:
+                if not isinstance(failures[h], HostUnreachableError):
+                    raise failures[h]
+                unreachable[h] = failures[h]
+            elif h in answers:
+                return (h, *answers[h])
+        if len(unreachable) > 1:  # no host could be asked: that type, so that a listing reads as "not known"
+            raise HostUnreachableError(f"{op}: no host could be asked: "
+                                       + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(unreachable.items())))
+        raise_host_failures(op, unreachable)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def backup_listing(self, deadline_s: float | None = None) -> dict:
-        (_, listing), *_ = self._control("backup_listing", root=self._host_settings["backup_url"], deadline_s=deadline_s)
-        return listing
+        return self._any_host("backup_listing", {"root": self._host_settings["backup_url"], "deadline_s": deadline_s})[1]
 
     def backup_manifest(self, name: str) -> fmt.StepManifest:
-        (_, _, (data,)), *_ = self._exchange("backup_manifest", None, (), None,
-                                       {"root": self._host_settings["backup_url"], "name": name})
-        return fmt.StepManifest.from_json(data, source=f"backup {name}")
+        h, _, payloads = self._any_host("backup_manifest", {"root": self._host_settings["backup_url"], "name": name})
+        if len(payloads) != 1:
+            raise ProtocolError(f"host {h}: backup_manifest answered no manifest")
+        return fmt.StepManifest.from_json(payloads[0], source=f"backup {name} (via {h})")
 
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        return self._run_job("backup_fetch", per_host={h: {"blobs": b} for h, b in needs.items()}, name=name)
+        return self._run_job(f"fetch of backup {name}", "backup_fetch",
+                             per_host={h: {"blobs": b} for h, b in needs.items()}, name=name)
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
-        return self._run_job("backup_scrub", per_host=work, root=self._host_settings["backup_url"],
+        return self._run_job("backup scrub", "backup_scrub", per_host=work, root=self._host_settings["backup_url"],
                              bytes_per_s=bytes_per_s)
 
     def close(self) -> None:

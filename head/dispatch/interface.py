@@ -14,6 +14,10 @@ from typing import Any, Callable, Mapping
 from mtc.shared import errors
 from mtc.shared import format as fmt
 from mtc.shared import wire_errors
+from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
+
+__all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
+           "choose_keepers", "host_failure", "raise_host_failures", "raise_remote", "save_error"]
 
 
 @dataclasses.dataclass
@@ -58,135 +62,36 @@ class WriteResult:
     hosts: dict[str, dict]  # host id -> {"written_bytes": ..., "blobs": ...}
 
 
-@dataclasses.dataclass(frozen=True)
-class StepHolding:
-    """One committed step on one host, as the host's inventory reports it.
-
-    ``blobs``/``local_blobs``: this host's own share of the step (the shards of its devices)
-    and how many of those it holds; ``held`` is the bitmap (``protocol.encode_bitmap``) over
-    all ``step_blobs`` blobs of the step, in the order whose digest is ``digest``.
-    """
-
-    step: int
-    blobs: int
-    local_blobs: int
-    step_blobs: int
-    digest: str
-    held: str
-    manifest: str = ""  # the digest of this host's copy of the step manifest
-    # True when the host committed a record (not the whole manifest): then ``held`` is over the
-    # sorted blobs of its own part of the step (``StepManifest.part_blobs``), ``step_blobs`` their count.
-    part: bool = False
-    # The digest of this host's own share's sorted blob names ("" from an older sidecar): hosts
-    # whose shares are equal (data-parallel twins) hold copies of each other's whole share.
-    own: str = ""
-    # The digests of the shares this host holds whole (a host that keeps the whole manifest: its
-    # own and the copies it keeps for others; a record host reports none, its counts say).
-    copies: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class HostInventory:
-    """What one host holds. ``error`` is set (and ``steps`` empty) when the host could not be
-    asked: it confirms nothing while it is down."""
-
-    host: str
-    steps: tuple[StepHolding, ...] = ()
-    error: str | None = None
-    damaged: tuple[int, ...] = ()  # steps committed here whose manifest copy fails its checks
-    # (step, why, seconds ago): steps whose last peer pull on this host failed (a full ramdisk, ...)
-    pull_failures: tuple[tuple[int, str, float], ...] = ()
-    ramdisk: tuple[int, int] | None = None  # (free bytes, size bytes) of its ramdisk when it answered
-
-    @classmethod
-    def unreachable(cls, host: str, cause: str) -> "HostInventory":
-        return cls(host=host, error=cause)
-
-    @classmethod
-    def from_wire(cls, host: str, doc: Any) -> "HostInventory":
-        """Parse a sidecar's inventory answer; ProtocolError names the host when it is malformed."""
-        rows = doc.get("steps") if isinstance(doc, dict) else None
-        if not isinstance(rows, list):
-            raise errors.ProtocolError(f"host {host}: malformed inventory {doc!r:.200}")
-        steps = []
-        for s in rows:
-            ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
-            if not ok:
-                raise errors.ProtocolError(f"host {host}: malformed inventory entry {s!r:.200}")
-            if type(s.get("step_blobs")) is not int or not isinstance(s.get("digest"), str) \
-                    or not isinstance(s.get("held"), str):
-                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']} lacks its blob bitmap; "
-                                           "run the same mtc version on the head and every sidecar")
-            manifest = s.get("manifest", "")
-            if not isinstance(manifest, str):
-                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'manifest' is not a digest")
-            own, copies = s.get("own", ""), s.get("copies", [])
-            if not isinstance(own, str) or not (isinstance(copies, list) and all(isinstance(c, str) for c in copies)):
-                raise errors.ProtocolError(f"host {host}: inventory of step {s['step']}: 'own' or 'copies' "
-                                           "is not a digest (list)")
-            steps.append(StepHolding(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"],
-                                     s["held"], manifest, s.get("part") is True, own, tuple(copies)))
-        damaged = doc.get("damaged", [])
-        if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
-            raise errors.ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")
-        notes = doc.get("pull_failures", [])
-        if not (isinstance(notes, list) and all(isinstance(n, dict) and type(n.get("step")) is int
-                                                and isinstance(n.get("error"), str)
-                                                and isinstance(n.get("age_s"), (int, float)) for n in notes)):
-            raise errors.ProtocolError(f"host {host}: inventory 'pull_failures' is not a list of {{step, error, age_s}}")
-        room = doc.get("ramdisk")
-        ramdisk = (room["free_bytes"], room["size_bytes"]) if isinstance(room, dict) and all(
-            type(room.get(k)) is int for k in ("free_bytes", "size_bytes")) else None
-        return cls(host=host, steps=tuple(steps), damaged=tuple(damaged),
-                   pull_failures=tuple((n["step"], n["error"], float(n["age_s"])) for n in notes), ramdisk=ramdisk)
-
-
-@dataclasses.dataclass(frozen=True)
-class PullResult:
-    """What one host did with its peer pulls. ``error`` is set when the host could not be asked
-    or failed as a whole (then nothing else is known); otherwise ``failed`` lists the blobs no
-    holder had a good copy of, with (holder, cause) per holder tried."""
-
-    host: str
-    pulled: int = 0
-    pulled_bytes: int = 0
-    failed: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
-    bad_copies: tuple[tuple[str, str, str], ...] = ()  # (blob, holder, cause): copies that failed their hash
-    removed_bad_copies: tuple[tuple[str, str], ...] = ()  # (blob, holder): bad at the holder, now removed
-    error: str | None = None
-    asked_bytes: int = 0  # the bytes of the distinct blobs it was asked for (held already or not)
-
-    @property
-    def failed_blobs(self) -> set[str]:
-        return {b for b, _ in self.failed}
-
-    @classmethod
-    def unreachable(cls, host: str, cause: str) -> "PullResult":
-        return cls(host=host, error=cause)
-
-    @classmethod
-    def from_wire(cls, host: str, doc: Any) -> "PullResult":
-        """Parse ``mtc.sidecar.replication.pull_blobs``'s answer (ProtocolError if malformed)."""
-        if not isinstance(doc, dict):
-            raise errors.ProtocolError(f"host {host}: malformed peer pull answer {doc!r:.200}")
-        try:
-            return cls(
-                host=host, pulled=int(doc.get("pulled", 0)), pulled_bytes=int(doc.get("pulled_bytes", 0)),
-                failed=tuple((str(b), tuple((str(src), str(c)) for src, c in causes))
-                             for b, causes in doc.get("failed", [])),
-                bad_copies=tuple((str(b), str(src), str(c)) for b, src, c in doc.get("bad_copies", [])),
-                removed_bad_copies=tuple((str(b), str(src)) for b, src in doc.get("removed_bad_copies", [])),
-                asked_bytes=int(doc.get("asked_bytes", 0)))
-        except (TypeError, ValueError) as e:
-            raise errors.ProtocolError(f"host {host}: malformed peer pull answer ({e}): {doc!r:.200}") from None
-
-
 class Dispatcher(abc.ABC):
-    """How the head reaches the sidecars. Every method is called from one thread at a time,
-    except the backup and peer methods, which background threads call beside the others.
+    """How the head reaches the sidecars: every operation the manager, the restore, the tiers'
+    loops and the tools call, and no transport has one of its own. Every method is called from
+    one thread at a time, except the backup and peer methods, which background threads call
+    beside the others.
 
     Every request carries ``generation`` (set once the manager has claimed the hosts), so
     that sidecars refuse changes from a head that a newer one fenced off.
+
+    Errors are typed where they arrive: what a sidecar raised comes back as that type
+    (``mtc.shared.wire_errors.decode``, the host named in its message), a host that cannot be
+    reached as ``HostUnreachableError``. One host's failure means the same in both transports:
+
+    - per host, in the answer, the others answering: ``inventories``/``peer_inventories`` (an
+      inventory with an ``error``), ``peer_pull`` (a ``PullResult`` with an ``error``),
+      ``verify`` (``{"error": why}``); ``abort`` logs it (best effort);
+    - raised, naming each failed host: ``commit`` and the cluster transport's ``write``
+      (``SaveError`` with ``.hosts``, its cause the ``FencedError`` if a newer head took a host,
+      else the ``HostUnreachableError``; the colocated ``write`` raises its first host's error,
+      which the manager reports as the save's), the backup jobs (one host's error as it is;
+      several: one error listing them, ``CorruptBlobError`` when each found a corrupt copy);
+    - skipped while it cannot be reached, raised otherwise: ``fingerprints``, ``leases``,
+      ``claim`` (a host that is down takes the claim with its next request); ``backup_listing``
+      and ``backup_manifest`` ask the next host.
+
+    A host that cannot be reached is one the cluster transport cannot connect to or that stops
+    answering. The colocated transport reaches every host in one colocated call: a host's
+    sidecar that raises is that host's failure, as above, but a call that fails as a whole (the
+    colocated runtime lost a host) raises its error for the whole operation, since it cannot tell
+    which host it was.
     """
 
     generation: int | None = None
@@ -231,7 +136,13 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def inventories(self) -> dict[str, HostInventory]:
-        """host id -> what it holds; an unreachable host has an ``error`` and no steps."""
+        """host id -> what it holds; a host that failed (unreachable, or its sidecar raised) has
+        an ``error`` and no steps."""
+
+    @abc.abstractmethod
+    def verify(self, step: int) -> dict[str, dict]:
+        """Every host hashes its blobs of ``step``: host -> {"checked", "bad": [blob names]}, or
+        {"error": why} for a host that failed (one that does not hold the step, one that is down)."""
 
     def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
         """The committed step manifest of ``step`` from a host that holds it (with ``digest``: a
@@ -283,7 +194,8 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def host_of_device(self, device_id: int) -> str:
-        """The host whose sidecar holds the shards of device ``device_id``."""
+        """The host whose sidecar holds the shards of device ``device_id`` (ConfigError naming the
+        device when it is one of no host)."""
 
     # --- backup tier (run by the sidecars; the head only coordinates) --------------------
 
@@ -348,6 +260,43 @@ class Dispatcher(abc.ABC):
 def raise_remote(host: str, name: str, message: str) -> None:
     """Re-raise an error a sidecar reported (``mtc.shared.wire_errors``), typed."""
     raise wire_errors.decode(host, name, message)
+
+
+def host_failure(e: BaseException) -> str:
+    """One line that says why a host failed, for error messages and SaveError.hosts."""
+    if isinstance(e, (errors.HostUnreachableError, wire_errors.SidecarError)):  # these name their cause
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def save_error(step: int, phase: str, failures: Mapping[str, BaseException], total: int) -> errors.SaveError:
+    """The SaveError of a save that failed on the hosts of ``failures`` (of ``total``), each named
+    with why; its cause is what matters: a newer head took the hosts (fencing), else an
+    unreachable host (a lost slice, to elastic training)."""
+    hosts = {h: host_failure(e) for h, e in sorted(failures.items())}
+    lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
+    err = errors.SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {total} hosts "
+                           f"({lines}); step {step} is not committed and is aborted on every host; "
+                           "earlier steps are unaffected, and the next save retries the failed hosts",
+                           step=step, hosts=hosts)
+    err.__cause__ = next((e for e in failures.values() if isinstance(e, errors.FencedError)), None) or next(
+        (e for e in failures.values() if isinstance(e, errors.HostUnreachableError)), None)
+    return err
+
+
+def raise_host_failures(what: str, failures: Mapping[str, BaseException]) -> None:
+    """Raise the failures of an operation every host of which must succeed (a backup job): one
+    host's error as it is; several hosts' as one error naming each (``CorruptBlobError`` when
+    every host found a corrupt copy, so the caller can say which array it was)."""
+    if not failures:
+        return
+    if len(failures) == 1:
+        (e,) = failures.values()
+        raise e
+    kinds = {wire_errors.name_of(e) for e in failures.values()}
+    error = errors.CorruptBlobError if kinds == {"CorruptBlobError"} else errors.MTCError
+    raise error(f"{what} failed on {len(failures)} hosts: "
+                + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(failures.items())))
 
 
 def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:

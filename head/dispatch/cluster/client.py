@@ -5,8 +5,10 @@ A ``HostConnection`` connects lazily, checks on every new connection that the da
 host it should be and runs the same versions as the head, sends the aborts queued for that
 host (``PendingAborts``) before anything else, then the head's settings once it claimed its
 hosts, stamps every request with the head's generation (fencing; ``HeadStamp``), and turns
-transport failures into ``HostUnreachableError`` and a daemon's error answers into
-``RemoteFailure``. It is given its collaborators: where its host listens (``AddressBook``),
+transport failures into ``HostUnreachableError`` and a daemon's error answers into the error the
+daemon raised, typed (``mtc.shared.wire_errors.decode``: one of mtc's, with the host in its
+message, else a ``SidecarError`` that keeps the type's name), as the colocated transport does.
+It is given its collaborators: where its host listens (``AddressBook``),
 how long to wait (``Timeouts``), how to prove it is the job's head (``Credentials``), what it
 stamps (``HeadStamp``), the aborts store and the peer tier's address book it fills in.
 ``HostLanes`` (``mtc.head.dispatch.cluster.lanes``) makes them and owns them.
@@ -25,8 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from mtc.head.dispatch.interface import raise_remote
-from mtc.shared import auth, op_table, protocol, tls, version
+from mtc.shared import auth, op_table, protocol, tls, version, wire_errors
 from mtc.shared.errors import AuthenticationError, ConfigError, HostUnreachableError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -128,24 +129,14 @@ class PendingAborts:
             self._steps.setdefault(host_id, set()).update(steps)
 
 
-class RemoteFailure(MTCError):
-    """An error a sidecar answered with (the host is reachable; the request failed there)."""
+class _Answered(Exception):
+    """A daemon's error answer on its way out of the transport code (whose handlers take an
+    ``OSError`` or ``ProtocolError`` for a lost connection, which some of mtc's types are): the
+    connection raises ``error``, typed, once it is out of them."""
 
-    def __init__(self, host: str, type_name: str, message: str):
-        super().__init__(f"{type_name}: {message}")
-        self.host, self.type_name, self.message = host, type_name, message
-
-    def reraise(self) -> None:
-        raise_remote(self.host, self.type_name, self.message)
-
-
-def host_failure(e: BaseException) -> str:
-    """One line that says why a host failed, for error messages and SaveError.hosts."""
-    if isinstance(e, RemoteFailure):
-        return str(e)
-    if isinstance(e, HostUnreachableError):
-        return str(e)
-    return f"{type(e).__name__}: {e}"
+    def __init__(self, error: MTCError):
+        super().__init__(str(error))
+        self.error = error
 
 
 class HostConnection:
@@ -174,8 +165,9 @@ class HostConnection:
 
     def call(self, op: str, args: dict | None = None, payloads: Sequence[Any] = (),
              alloc: protocol.Alloc | None = None) -> protocol.Reply:
-        """Run ``op``; HostUnreachableError if the daemon cannot be reached, RemoteFailure if it
-        answers with an error. A stale connection (daemon restarted since) is retried once."""
+        """Run ``op``; HostUnreachableError if the daemon cannot be reached, the error the daemon
+        raised (typed) if it answers with one. A stale connection (daemon restarted since) is
+        retried once."""
         with self.lock:
             for attempt in (0, 1):
                 fresh = self.sock is None
@@ -185,6 +177,9 @@ class HostConnection:
                 try:
                     self.sock.settimeout(timeout)
                     reply = self._receive(op, self._send(op, args or {}, payloads), alloc)
+                except _Answered as a:
+                    self._drop()
+                    raise a.error from None
                 except (OSError, ProtocolError) as e:
                     self._drop()
                     if fresh or attempt or isinstance(e, TimeoutError):
@@ -210,7 +205,7 @@ class HostConnection:
         reply = protocol.recv_reply(self.sock, alloc=alloc)
         if reply.id is None and reply.error is not None:  # the daemon could not read our frame, or refused us
             if reply.error.type in ("AuthenticationError", "HostUnreachableError"):
-                raise RemoteFailure(self.id, reply.error.type, reply.error.message)
+                raise _Answered(self._error(reply.error))
             raise ProtocolError(f"host {self.id} refused a {op} request: {reply.error.message}")
         if reply.id != rid:
             raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
@@ -218,8 +213,12 @@ class HostConnection:
 
     def _answer(self, reply: protocol.Reply) -> protocol.Reply:
         if reply.error is not None:
-            raise RemoteFailure(self.id, reply.error.type, reply.error.message)
+            raise self._error(reply.error)
         return reply
+
+    def _error(self, error: protocol.RemoteError) -> MTCError:
+        """The error the daemon answered with, typed, naming this host."""
+        return wire_errors.decode(self.id, error.type, error.message)
 
     def _unreachable(self, e: BaseException, timeout: float) -> HostUnreachableError:
         return HostUnreachableError(f"host {self.id} at {self.address}: {transport_cause(e, timeout)}")
@@ -247,7 +246,7 @@ class HostConnection:
             self._authenticate()
             reply = self._roundtrip("fingerprint", {}, (), None)
             if reply.error is not None:
-                raise RemoteFailure(self.id, reply.error.type, reply.error.message)
+                raise _Answered(self._error(reply.error))
             fp = reply.result if isinstance(reply.result, dict) else {}
             if fp.get("host") != self.id:
                 raise HostUnreachableError(
@@ -265,12 +264,15 @@ class HostConnection:
                     raise
                 if r.error is not None:
                     self.aborts.add(self.id, [step])
-                    raise RemoteFailure(self.id, r.error.type, r.error.message)
+                    raise _Answered(self._error(r.error))
                 log.info("host %s: aborted step %d left by a failed save", self.id, step)
             if self.stamp.settings is not None:  # a restarted sidecar has none: it follows this head's
                 r = self._roundtrip("configure", {"settings": self.stamp.settings}, (), None)
                 if r.error is not None:
-                    raise RemoteFailure(self.id, r.error.type, r.error.message)
+                    raise _Answered(self._error(r.error))
+        except _Answered as a:
+            self._drop()
+            raise a.error from None
         except (OSError, ProtocolError) as e:
             self._drop()
             raise HostUnreachableError(f"host {self.id} at {address}: "
@@ -292,7 +294,7 @@ class HostConnection:
                                     "or tls_dir)") from e
             raise
         if hello.error is not None:
-            raise RemoteFailure(self.id, hello.error.type, hello.error.message)
+            raise _Answered(self._error(hello.error))
         server_nonce = hello.result.get("nonce") if isinstance(hello.result, dict) else None
         if not auth.valid_nonce(server_nonce):
             raise ProtocolError(f"host {self.id}: malformed hello answer")
@@ -300,7 +302,7 @@ class HostConnection:
         done = self._roundtrip("auth", {"proof": auth.proof(key, "client", server_nonce, client_nonce)}, (), None,
                                stamp=False)
         if done.error is not None:
-            raise RemoteFailure(self.id, done.error.type, done.error.message)
+            raise _Answered(self._error(done.error))
         got = done.result.get("proof") if isinstance(done.result, dict) else None
         if not auth.check(auth.proof(key, "server", server_nonce, client_nonce), got):
             raise AuthenticationError(f"host {self.id} at {self.address} does not hold this job's token: it is not "
@@ -331,7 +333,7 @@ def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], di
     each wait is bounded by the op's timeout, and a connection found stale (the daemon restarted
     since) is tried once more through ``call``. For small messages: a payload is sent whole
     before the next host's, and replies are read into fresh buffers. Returns (replies, failures)
-    by host id; a failure is a ``HostUnreachableError`` or a ``RemoteFailure``.
+    by host id; a failure is a ``HostUnreachableError`` or the error the daemon answered, typed.
     """
     order = sorted(conns, key=lambda c: c.id)
     replies: dict[str, protocol.Reply] = {}
@@ -377,15 +379,15 @@ def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], di
                 c, rid, timeout, _ = key.data
                 try:
                     reply = c._receive(op, rid, None)
-                except RemoteFailure as e:
+                except _Answered as a:
                     c._drop()
-                    failures[c.id] = e
+                    failures[c.id] = a.error
                     continue
                 except (OSError, ProtocolError) as e:
                     failed(c, e, timeout)
                     continue
                 if reply.error is not None:
-                    failures[c.id] = RemoteFailure(c.id, reply.error.type, reply.error.message)
+                    failures[c.id] = c._error(reply.error)
                 else:
                     replies[c.id] = reply
     for c in stale:  # the locks are released: call() takes its own, reconnects and tries once

@@ -34,10 +34,20 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from mtc.head.dispatch.cluster.client import AddressBook, Credentials, HeadStamp, RemoteFailure, Timeouts, host_failure
+from mtc.head.dispatch.cluster.client import AddressBook, Credentials, HeadStamp, Timeouts
 from mtc.head.dispatch.cluster.lanes import HostLanes
 from mtc.head.dispatch.cluster.reads import ClusterLoader
-from mtc.head.dispatch.interface import Dispatcher, HostInventory, Leaf, LoadRequest, PullResult, WriteResult
+from mtc.head.dispatch.interface import (
+    Dispatcher,
+    HostInventory,
+    Leaf,
+    LoadRequest,
+    PullResult,
+    WriteResult,
+    host_failure,
+    raise_host_failures,
+    save_error,
+)
 from mtc.head.save import plan_commit
 from mtc.head.dispatch.staging import HostStaging
 from mtc.head.dispatch.topology import Topology
@@ -47,10 +57,8 @@ from mtc.shared.config import ENV_TOKEN, MTCConfig
 from mtc.shared.host_settings import HostSettings
 from mtc.shared.errors import (
     ConfigError,
-    CorruptBlobError,
     HostUnreachableError,
     ManifestError,
-    MTCError,
     ProtocolError,
     SaveError,
 )
@@ -138,8 +146,6 @@ class ClusterDispatcher(Dispatcher):
         replies, failures = self.lanes.call_each("fingerprint")
         results = {h: r.result for h, r in replies.items()}
         for h, e in failures.items():
-            if isinstance(e, RemoteFailure):
-                e.reraise()
             if not isinstance(e, HostUnreachableError):
                 raise e
             log.warning("version check: %s; it is checked when the host comes back", host_failure(e))
@@ -281,30 +287,13 @@ class ClusterDispatcher(Dispatcher):
                 log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
                             h, e, generation)
                 continue
-            if isinstance(e, RemoteFailure):
-                e.reraise()
             raise e
 
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
+        """``save_error``, remembering the hosts it could not reach: ``abort`` queues theirs."""
         with self._unreached_lock:
             self._unreached[step] = {h for h, e in failures.items() if isinstance(e, HostUnreachableError)}
-        hosts = {h: host_failure(e) for h, e in sorted(failures.items())}
-        lines = "; ".join(f"{h}: {c}" for h, c in hosts.items())
-        err = SaveError(f"save of step {step} failed in {phase} on {len(hosts)} of {len(self.topology.host_ids)} hosts "
-                        f"({lines}); step {step} is not committed and is aborted on every host; "
-                        "earlier steps are unaffected, and the next save retries the failed hosts",
-                        step=step, hosts=hosts)
-        # The cause that matters: a newer head took the hosts (fencing); else an unreachable host
-        # (a lost slice, to elastic training).
-        for e in failures.values():
-            if isinstance(e, RemoteFailure) and e.type_name == "FencedError":
-                try:
-                    e.reraise()
-                except MTCError as typed:
-                    err.__cause__ = typed
-                    return err
-        err.__cause__ = next((e for e in failures.values() if isinstance(e, HostUnreachableError)), None)
-        return err
+        return save_error(step, phase, failures, len(self.topology.host_ids))
 
     # --- inventory -------------------------------------------------------------------------
 
@@ -331,10 +320,7 @@ class ClusterDispatcher(Dispatcher):
         return {h: results[h] for h in self.topology.host_ids}
 
     def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
-        try:
-            reply = self.lanes.call(host, "manifest", {"step": step, "here_only": here_only})
-        except RemoteFailure as e:
-            e.reraise()
+        reply = self.lanes.call(host, "manifest", {"step": step, "here_only": here_only})
         if len(reply.payloads) != 1:
             raise ProtocolError(f"host {host}: no manifest payload")
         return bytes(reply.payloads[0])
@@ -350,18 +336,6 @@ class ClusterDispatcher(Dispatcher):
 
     # --- backup tier (the sidecars do the work; the head coordinates) ----------------------
 
-    def _raise_failures(self, what: str, failures: dict[str, BaseException]) -> None:
-        if len(failures) == 1:
-            (h, e), = failures.items()
-            if isinstance(e, RemoteFailure):
-                e.reraise()
-            raise e
-        # Every host found a corrupt copy: keep the type, so the caller can say which array it was.
-        kinds = {e.type_name if isinstance(e, RemoteFailure) else type(e).__name__ for e in failures.values()}
-        error = CorruptBlobError if kinds == {"CorruptBlobError"} else MTCError
-        raise error(f"{what} failed on {len(failures)} hosts: "
-                    + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(failures.items())))
-
     def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""
         failures: dict[str, BaseException] = {}
@@ -370,26 +344,20 @@ class ClusterDispatcher(Dispatcher):
                 return h, self.lanes.call(h, op, args)
             except HostUnreachableError as e:
                 failures[h] = e
-            except RemoteFailure as e:
-                e.reraise()
         if len(failures) > 1:  # no host could be asked: that type, so that a listing reads as "not known"
             raise HostUnreachableError(f"{op}: no host could be asked: "
                                        + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(failures.items())))
-        self._raise_failures(op, failures)
+        raise_host_failures(op, failures)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
             h, "backup_upload", {"blobs": list(assignments.get(h, []))}), lane="backup")
-        if failures:
-            self._raise_failures("backup upload", failures)
+        raise_host_failures("backup upload", failures)
         return results
 
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
-        try:
-            return self.lanes.call(host, "backup_finalize", {"name": name}, [manifest.to_json()]).result
-        except RemoteFailure as e:
-            e.reraise()
+        return self.lanes.call(host, "backup_finalize", {"name": name}, [manifest.to_json()]).result
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
         return self._any_host("backup_listing", {"root": self._host_settings["backup_url"], "deadline_s": deadline_s})[1].result
@@ -403,8 +371,7 @@ class ClusterDispatcher(Dispatcher):
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
             h, "backup_fetch", {"name": name, "blobs": list(needs.get(h, []))}), lane="backup")
-        if failures:
-            self._raise_failures(f"fetch of backup {name}", failures)
+        raise_host_failures(f"fetch of backup {name}", failures)
         return results
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
@@ -413,8 +380,7 @@ class ClusterDispatcher(Dispatcher):
         with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="mtc-cluster-scrub") as pool:
             results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
                 h, "backup_scrub", {**work[h], "root": root, "bytes_per_s": bytes_per_s}), sorted(work), pool=pool)
-        if failures:
-            self._raise_failures("backup scrub", failures)
+        raise_host_failures("backup scrub", failures)
         return results
 
     # --- peer tier (the sidecars move the bytes; the head plans and hands out addresses) ----

@@ -22,11 +22,10 @@ from mtc.head.dispatch.cluster.client import (
     HeadStamp,
     HostConnection,
     PendingAborts,
-    RemoteFailure,
     Timeouts,
     call_each,
 )
-from mtc.shared import op_table, protocol
+from mtc.shared import op_table, protocol, wire_errors
 from mtc.shared.errors import HostUnreachableError, ProtocolError
 
 LANES = op_table.LANES
@@ -97,7 +96,7 @@ class HostLanes:
                 raise ProtocolError(f"host {host_id}: malformed job status {status!r:.100}")
             if status["done"]:
                 if "error" in status:
-                    raise RemoteFailure(host_id, str(status["error"]), str(status.get("message", "")))
+                    raise wire_errors.decode(host_id, str(status["error"]), str(status.get("message", "")))
                 return status.get("result")
 
     def call_each(self, op: str, hosts: Sequence[str] | None = None, args: dict | Callable[[str], dict] | None = None,

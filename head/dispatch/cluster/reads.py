@@ -22,13 +22,13 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from mtc.head.dispatch.cluster.client import RemoteFailure, host_failure, read_errors
+from mtc.head.dispatch.cluster.client import read_errors
 from mtc.head.dispatch.cluster.lanes import HostLanes
-from mtc.head.dispatch.interface import LoadRequest, raise_remote
+from mtc.head.dispatch.interface import LoadRequest, host_failure, raise_remote
 from mtc.head.restore.plan import BoxRead, box_reads
 from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
-from mtc.shared import protocol
+from mtc.shared import protocol, wire_errors
 from mtc.shared.errors import ConfigError, HostUnreachableError, ProtocolError
 from mtc.shared.hashing import new_hasher
 
@@ -138,8 +138,7 @@ class ClusterLoader:
             for h, batch in by_host.items():
                 if h in failures:
                     e = failures[h]
-                    kind = e.type_name if isinstance(e, RemoteFailure) else type(e).__name__
-                    bad = [(r, kind, host_failure(e)) for r in batch]
+                    bad = [(r, wire_errors.name_of(e), host_failure(e)) for r in batch]
                 else:
                     bad = results[h]
                 for r, kind, why in bad:

@@ -1,0 +1,231 @@
+"""What a host reports across the seam: its inventory and what its peer pulls did (one definition
+in both modes, as ``host_settings`` is for what the head sends).
+
+The sidecar builds a ``HostInventory`` or a ``PullResult`` and answers its ``to_wire()``; the head
+parses the answer with ``from_wire(host, doc)``, which checks every field and raises
+``ProtocolError`` naming the host and the field. ``error`` is the head's own note for a host it could
+not ask (``unreachable``): it never travels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mtc.shared.errors import ProtocolError
+
+_SAME_VERSION = "run the same mtc version on the head and every sidecar"
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _unknown(doc: dict, known: set[str]) -> list[str]:
+    return sorted(str(k) for k in set(doc) - known)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHolding:
+    """One committed step on one host, as the host's inventory reports it.
+
+    ``blobs``/``local_blobs``: this host's own share of the step (the shards of its devices)
+    and how many of those it holds; ``held`` is the bitmap (``protocol.encode_bitmap``) over
+    all ``step_blobs`` blobs of the step, in the order whose digest is ``digest``.
+    """
+
+    step: int
+    blobs: int
+    local_blobs: int
+    step_blobs: int
+    digest: str
+    held: str
+    manifest: str = ""  # the digest of this host's copy of the step manifest
+    # True when the host committed a record (not the whole manifest): then ``held`` is over the
+    # sorted blobs of its own part of the step (``StepManifest.part_blobs``), ``step_blobs`` their count.
+    part: bool = False
+    # The digest of this host's own share's sorted blob names: hosts whose shares are equal
+    # (data-parallel twins) hold copies of each other's whole share.
+    own: str = ""
+    # The digests of the shares this host holds whole (a host that keeps the whole manifest: its
+    # own and the copies it keeps for others; a record host reports none, its counts say).
+    copies: tuple[str, ...] = ()
+
+    _FIELDS = frozenset({"step", "blobs", "local_blobs", "step_blobs", "digest", "held", "manifest", "part", "own",
+                         "copies"})
+
+    def to_wire(self) -> dict:
+        return {"step": self.step, "blobs": self.blobs, "local_blobs": self.local_blobs,
+                "step_blobs": self.step_blobs, "digest": self.digest, "held": self.held, "manifest": self.manifest,
+                "part": self.part, "own": self.own, "copies": list(self.copies)}
+
+    @classmethod
+    def from_wire(cls, host: str, s: Any) -> "StepHolding":
+        ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
+        if not ok:
+            raise ProtocolError(f"host {host}: malformed inventory entry {s!r:.200}")
+        where = f"host {host}: inventory of step {s['step']}"
+        if type(s.get("step_blobs")) is not int or not isinstance(s.get("digest"), str) \
+                or not isinstance(s.get("held"), str):
+            raise ProtocolError(f"{where} lacks its blob bitmap; {_SAME_VERSION}")
+        unknown = _unknown(s, cls._FIELDS)
+        if unknown:
+            raise ProtocolError(f"{where}: unknown fields {unknown}; {_SAME_VERSION}")
+        for key in ("step", "blobs", "local_blobs", "step_blobs"):
+            if not _is_count(s[key]):
+                raise ProtocolError(f"{where}: {key!r} must be an integer >= 0, got {s[key]!r}")
+        manifest = s.get("manifest", "")
+        if not isinstance(manifest, str):
+            raise ProtocolError(f"{where}: 'manifest' is not a digest")
+        own, copies = s.get("own", ""), s.get("copies", [])
+        if not isinstance(own, str) or not (isinstance(copies, list) and all(isinstance(c, str) for c in copies)):
+            raise ProtocolError(f"{where}: 'own' or 'copies' is not a digest (list)")
+        part = s.get("part", False)
+        if type(part) is not bool:
+            raise ProtocolError(f"{where}: 'part' must be true or false, got {part!r:.50}")
+        return cls(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"], s["held"], manifest,
+                   part, own, tuple(copies))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInventory:
+    """What one host holds. ``error`` is set (and ``steps`` empty) when the host could not be
+    asked: it confirms nothing while it is down."""
+
+    host: str
+    steps: tuple[StepHolding, ...] = ()
+    error: str | None = None
+    damaged: tuple[int, ...] = ()  # steps committed here whose manifest copy fails its checks
+    # (step, why, seconds ago): steps whose last peer pull on this host failed (a full ramdisk, ...)
+    pull_failures: tuple[tuple[int, str, float], ...] = ()
+    ramdisk: tuple[int, int] | None = None  # (free bytes, size bytes) of its ramdisk when it answered
+
+    _FIELDS = frozenset({"host", "steps", "damaged", "pull_failures", "ramdisk"})
+
+    @classmethod
+    def unreachable(cls, host: str, cause: str) -> "HostInventory":
+        return cls(host=host, error=cause)
+
+    def to_wire(self) -> dict:
+        """The sidecar's answer to ``inventory`` (a host that answers has no ``error``)."""
+        if self.error is not None:
+            raise ValueError(f"host {self.host}: an unreachable host's inventory is the head's note, not an answer")
+        doc: dict = {"host": self.host, "steps": [s.to_wire() for s in self.steps], "damaged": list(self.damaged)}
+        if self.pull_failures:
+            doc["pull_failures"] = [{"step": s, "error": why, "age_s": age} for s, why, age in self.pull_failures]
+        if self.ramdisk is not None:
+            doc["ramdisk"] = {"free_bytes": self.ramdisk[0], "size_bytes": self.ramdisk[1]}
+        return doc
+
+    @classmethod
+    def from_wire(cls, host: str, doc: Any) -> "HostInventory":
+        """Parse a sidecar's inventory answer; ProtocolError names the host and the field when it is malformed."""
+        rows = doc.get("steps") if isinstance(doc, dict) else None
+        if not isinstance(rows, list):
+            raise ProtocolError(f"host {host}: malformed inventory {doc!r:.200}")
+        unknown = _unknown(doc, cls._FIELDS)
+        if unknown:
+            raise ProtocolError(f"host {host}: inventory has unknown fields {unknown}; {_SAME_VERSION}")
+        said = doc.get("host", host)
+        if said != host:
+            raise ProtocolError(f"host {host}: the inventory is that of host {said!r:.100}; the host ids of the "
+                                "head's topology and of the sidecars differ")
+        steps = tuple(StepHolding.from_wire(host, s) for s in rows)
+        damaged = doc.get("damaged", [])
+        if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
+            raise ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")
+        notes = doc.get("pull_failures", [])
+        if not (isinstance(notes, list) and all(isinstance(n, dict) and type(n.get("step")) is int
+                                                and isinstance(n.get("error"), str)
+                                                and type(n.get("age_s")) in (int, float) for n in notes)):
+            raise ProtocolError(f"host {host}: inventory 'pull_failures' is not a list of {{step, error, age_s}}")
+        room = doc.get("ramdisk")
+        if room is not None and not (isinstance(room, dict) and set(room) == {"free_bytes", "size_bytes"}
+                                     and all(_is_count(v) for v in room.values())):
+            raise ProtocolError(f"host {host}: inventory 'ramdisk' is not {{free_bytes, size_bytes}} "
+                                f"(integers >= 0): {room!r:.100}")
+        return cls(host=host, steps=steps, damaged=tuple(damaged),
+                   pull_failures=tuple((n["step"], n["error"], float(n["age_s"])) for n in notes),
+                   ramdisk=None if room is None else (room["free_bytes"], room["size_bytes"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class PullResult:
+    """What one host did with its peer pulls. ``error`` is set when the host could not be asked
+    or failed as a whole (then nothing else is known); otherwise ``failed`` lists the blobs no
+    holder had a good copy of, with (holder, cause) per holder tried."""
+
+    host: str
+    pulled: int = 0
+    pulled_bytes: int = 0
+    failed: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    bad_copies: tuple[tuple[str, str, str], ...] = ()  # (blob, holder, cause): copies that failed their hash
+    removed_bad_copies: tuple[tuple[str, str], ...] = ()  # (blob, holder): bad at the holder, now removed
+    error: str | None = None
+    asked_bytes: int = 0  # the bytes of the distinct blobs it was asked for (held already or not)
+    already: int = 0  # blobs it held before the pull
+    adopted: bool = False  # it committed the step from the manifest the head gave, once all arrived
+    seconds: float = 0.0
+
+    _FIELDS = frozenset({"host", "pulled", "pulled_bytes", "failed", "bad_copies", "removed_bad_copies",
+                         "asked_bytes", "already", "adopted", "seconds"})
+
+    @property
+    def failed_blobs(self) -> set[str]:
+        return {b for b, _ in self.failed}
+
+    @classmethod
+    def unreachable(cls, host: str, cause: str) -> "PullResult":
+        return cls(host=host, error=cause)
+
+    def to_wire(self) -> dict:
+        """The sidecar's answer to ``peer_pull`` (``mtc.sidecar.replication.pull_blobs``)."""
+        if self.error is not None:
+            raise ValueError(f"host {self.host}: a failed host's pull result is the head's note, not an answer")
+        return {"host": self.host, "pulled": self.pulled, "pulled_bytes": self.pulled_bytes,
+                "failed": [[b, [list(t) for t in causes]] for b, causes in self.failed],
+                "bad_copies": [list(t) for t in self.bad_copies],
+                "removed_bad_copies": [list(t) for t in self.removed_bad_copies],
+                "asked_bytes": self.asked_bytes, "already": self.already, "adopted": self.adopted,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_wire(cls, host: str, doc: Any) -> "PullResult":
+        """Parse a sidecar's ``peer_pull`` answer (ProtocolError naming the host and the field)."""
+        what = f"host {host}: malformed peer pull answer"
+        if not isinstance(doc, dict):
+            raise ProtocolError(f"{what} {doc!r:.200}")
+        unknown = _unknown(doc, cls._FIELDS)
+        if unknown:
+            raise ProtocolError(f"{what}: unknown fields {unknown}; {_SAME_VERSION}")
+        said = doc.get("host", host)
+        if said != host:
+            raise ProtocolError(f"{what}: it is that of host {said!r:.100}")
+        for key in ("pulled", "pulled_bytes", "asked_bytes", "already"):
+            if not _is_count(doc.get(key, 0)):
+                raise ProtocolError(f"{what}: {key!r} must be an integer >= 0, got {doc[key]!r:.50}")
+        if type(doc.get("adopted", False)) is not bool:
+            raise ProtocolError(f"{what}: 'adopted' must be true or false, got {doc['adopted']!r:.50}")
+        seconds = doc.get("seconds", 0.0)
+        if type(seconds) not in (int, float) or seconds < 0:
+            raise ProtocolError(f"{what}: 'seconds' must be a number >= 0, got {seconds!r:.50}")
+
+        def rows(key: str, width: int) -> tuple:
+            value = doc.get(key, [])
+            if not (isinstance(value, list) and all(isinstance(r, list) and len(r) == width
+                                                    and all(isinstance(x, str) for x in r) for r in value)):
+                raise ProtocolError(f"{what}: {key!r} must be a list of [{', '.join(['text'] * width)}]: "
+                                    f"{value!r:.200}")
+            return tuple(tuple(r) for r in value)
+
+        failed = doc.get("failed", [])
+        if not (isinstance(failed, list) and all(
+                isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and isinstance(r[1], list)
+                and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in r[1])
+                for r in failed)):
+            raise ProtocolError(f"{what}: 'failed' must be a list of [blob, [[holder, cause], ...]]: {failed!r:.200}")
+        return cls(host=host, pulled=doc.get("pulled", 0), pulled_bytes=doc.get("pulled_bytes", 0),
+                   failed=tuple((b, tuple((src, c) for src, c in causes)) for b, causes in failed),
+                   bad_copies=rows("bad_copies", 3), removed_bad_copies=rows("removed_bad_copies", 2),
+                   asked_bytes=doc.get("asked_bytes", 0), already=doc.get("already", 0),
+                   adopted=doc.get("adopted", False), seconds=float(seconds))
