@@ -219,7 +219,7 @@ class ColocatedSidecar:
                 box = whole if spec.as_bytes else fmt.box_from_index(sh.index, arr.shape)
                 shards.append((spec.index, box, np.asarray(sh.data)))
                 per_device.setdefault(sh.device, []).append((i, box))
-        manifest = svc.write_shards(header.step, shards, part=header.part)
+        manifest = ops.method_of(svc, "write")(header.step, shards, part=header.part)
         digest = {(s.array, s.box): bytes.fromhex(s.blob) for s in manifest.shards}
         rows = {}
         for dev in request.sharding.addressable_devices:
@@ -255,7 +255,7 @@ class ColocatedSidecar:
                         jobs.append((spec["key"], box, False, None))
                 placed.append((dev, reads[(i, box)]))
             plans.append((shape, sharding, placed))
-        bufs, errors = svc.read_boxes_each(step, jobs, manifest=manifest)
+        bufs, errors = ops.method_of(svc, "read")(step, jobs, manifest=manifest)
         if errors:  # on this host no other holder can stand in: the first failure, typed
             _, name, message = errors[0]
             raise wire_errors.decode(svc.host_id, name, message)

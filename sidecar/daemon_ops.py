@@ -28,7 +28,7 @@ def serve(service: SidecarService, op: str, args: dict, payloads: Sequence) -> t
 def _write(service: SidecarService, header: ops.WriteHeader, payloads: Sequence) -> tuple[Any, list]:
     shards = [(header.arrays[k].index, box, np.asarray(data).reshape(-1))
               for (k, box), data in zip(header.shards, payloads)]
-    manifest = service.write_shards(header.step, shards, part=header.part)
+    manifest = ops.method_of(service, "write")(header.step, shards, part=header.part)
     summary = {"step": header.step, "host": manifest.host, "shards": len(manifest.shards),
                "blobs": len(manifest.blob_names()), "written_bytes": manifest.written_bytes,
                "seconds": manifest.seconds}
@@ -37,7 +37,7 @@ def _write(service: SidecarService, header: ops.WriteHeader, payloads: Sequence)
 
 def _read(service: SidecarService, header: tuple, payloads: Sequence) -> tuple[Any, list]:
     step, boxes, manifest, stream = header
-    out, errors = service.read_boxes_each(step, boxes, manifest=manifest, stream=stream)
+    out, errors = ops.method_of(service, "read")(step, boxes, manifest=manifest, stream=stream)
     streamed = [i for i, p in enumerate(out) if isinstance(p, BlobStream)]
     return {"step": step, "errors": [list(e) for e in errors], "streamed": streamed}, out
 

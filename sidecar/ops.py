@@ -28,6 +28,7 @@ a daemon sends) and, in colocated mode, ``parse_load`` (the arrays to build).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import json
 from typing import Any, Callable, Sequence
 
@@ -44,8 +45,13 @@ Args = tuple[tuple, dict]  # the positional and keyword arguments of the service
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-    """One operation: the ``SidecarService`` method it calls, how its request becomes the call, and
+    """One operation: what it calls on the ``SidecarService``, how its request becomes the call, and
     its row of ``mtc.shared.op_table`` (fencing, job, data, modes, lane, timeout class).
+
+    ``method`` is the service's own method, or ``part.method`` of the part that owns the state
+    the operation reads or changes (``saves``: the ``SaveWriter``; ``committed``: the
+    ``CommittedSteps``; ``lease``; ``jobs``), so that the service holds no method that only
+    forwards (``method_of``).
 
     A control operation's ``parse`` is (args, payloads) -> the method's arguments; a data
     operation's is (args, carried, mode) -> its header, ``carried`` the number of payloads (cluster)
@@ -461,18 +467,18 @@ def _op(name: str, method: str, parse: Callable[..., Any], **kwargs: Any) -> tup
 OPS: dict[str, Op] = dict([
     _op("ping", "ping", _none),
     _op("fingerprint", "fingerprint", _none),
-    _op("inventory", "inventory", _inventory),
-    _op("manifest", "manifest_bytes", _manifest, answer=_bytes_answer),
-    _op("part", "part_bytes", _step_only, answer=_bytes_answer),
-    _op("write", "write_shards", parse_write),
+    _op("inventory", "committed.inventory", _inventory),
+    _op("manifest", "committed.manifest_bytes", _manifest, answer=_bytes_answer),
+    _op("part", "saves.part_bytes", _step_only, answer=_bytes_answer),
+    _op("write", "saves.write_shards", parse_write),
     _op("read", "read_boxes_each", parse_read, parse_colocated=parse_load),
     _op("commit", "commit", _commit),
-    _op("abort", "abort", _step_only, answer=lambda removed: ({"removed": removed}, [])),
-    _op("verify", "verify", _step_only),
-    _op("lease", "current_lease", _none, answer=lambda lease: ({"lease": lease}, [])),
-    _op("claim", "claim", _claim),
+    _op("abort", "saves.abort", _step_only, answer=lambda removed: ({"removed": removed}, [])),
+    _op("verify", "committed.verify", _step_only),
+    _op("lease", "lease.current", _none, answer=lambda lease: ({"lease": lease}, [])),
+    _op("claim", "lease.claim", _claim),
     _op("configure", "configure", _configure),
-    _op("job", "job", _job),
+    _op("job", "jobs.poll", _job),
     _op("backup_upload", "backup_upload", _backup_upload),
     _op("backup_finalize", "backup_finalize", _backup_finalize),
     _op("backup_listing", "backup_listing", _backup_listing),
@@ -490,6 +496,12 @@ DATA_OPS = frozenset(name for name, op in OPS.items() if op.data)
 MUTATING_OPS = frozenset(name for name, op in OPS.items() if op.mutating)
 LONG_OPS = frozenset(name for name, op in OPS.items() if op.long)
 SERVICE_METHODS = {name: op.method for name, op in OPS.items()}
+
+
+def method_of(service: Any, name: str) -> Callable[..., Any]:
+    """What operation ``name`` calls on ``service``: its row's method, of the service or of the part
+    that owns the state (``"saves.write_shards"``: the service's ``SaveWriter``)."""
+    return operator.attrgetter(OPS[name].method)(service)
 
 
 def check(name: str, mode: str) -> Op:
@@ -518,7 +530,7 @@ def serve(service: Any, name: str, args: dict, payloads: Sequence[bytes], mode: 
                             f"{_DATA_PATH[mode]}")
     service.admit(name, gen_arg(args))
     call_args, call_kwargs = op.parse(args, payloads)
-    method = getattr(service, op.method)
+    method = method_of(service, name)
     if op.long:
         return {"job": service.jobs.start(lambda: method(*call_args, **call_kwargs))}, []
     return op.answer(method(*call_args, **call_kwargs))

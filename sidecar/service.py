@@ -2,8 +2,10 @@
 
 The head reaches it either through ``jax.experimental.colocated_python`` (see
 ``mtc.sidecar.colocated``) or through the sidecar daemon's control socket. Both wrappers
-call the same methods here (one per operation of ``mtc.sidecar.ops``), so tiers, formats and
-policies are one code path.
+call what the table of operations (``mtc.sidecar.ops``) names for each operation: a method
+here, or one of the part that owns the state it reads or changes (``saves.write_shards``,
+``committed.inventory``, ``lease.claim``, ``jobs.poll``), so tiers, formats and policies are one
+code path and the service holds no method that only forwards.
 
 The service composes the parts that own the work: the RAM store (``mtc.sidecar.ram``), the save's
 writer (phase 1, phase 2, abort: ``SaveWriter`` in ``mtc.sidecar.saves``), the committed steps
@@ -129,13 +131,6 @@ class SidecarService:
         if op in MUTATING_OPS:
             self.lease.check(generation, f"{op} on host {self.host_id}")
 
-    def claim(self, generation: int, head: dict) -> dict:
-        """A starting head takes this host (its generation must be newer than the lease's)."""
-        return self.lease.claim(generation, head)
-
-    def current_lease(self) -> dict | None:
-        return self.lease.current()
-
     def configure(self, settings: dict, generation: int | None = None) -> dict:
         """Follow the head's settings (``HostSettings``); ``admit`` checked ``generation`` against
         the lease, so only the head that drives this host sets them."""
@@ -170,41 +165,12 @@ class SidecarService:
 
     # --- save (mtc.sidecar.saves) --------------------------------------------------------
 
-    def write_shards(self, step: int, shards: Sequence[tuple[int, fmt.Box, np.ndarray]], *,
-                     part: int = 0) -> fmt.HostManifest:
-        """Phase 1: write this host's unique shards of ``step`` (part ``part``) as blobs; the host
-        manifest so far (``SaveWriter.write_shards``)."""
-        return self.saves.write_shards(step, shards, part=part)
-
-    def part_bytes(self, step: int) -> bytes:
-        """This host's part of ``step`` so far (its host manifest), as phase 1 answered it."""
-        return self.saves.part_bytes(step)
-
     def commit(self, step: int, manifest_json: bytes | None, *, digest: str | None = None,
                keepers: Sequence[tuple[str, str]] | None = None) -> dict:
         """Phase 2 (``SaveWriter.commit``), once the head's settings came: they say how many steps
         the commit keeps."""
         self._settings(f"commit of step {step}")
         return self.saves.commit(step, manifest_json, digest=digest, keepers=keepers)
-
-    def abort(self, step: int) -> bool:
-        """Forget ``step`` here, committed or pending (``SaveWriter.abort``); True when there was
-        something to remove."""
-        return self.saves.abort(step)
-
-    # --- committed steps (mtc.sidecar.committed) -------------------------------------------
-
-    def inventory(self, devices: Sequence[int] | None = None) -> dict:
-        """What this host holds (``CommittedSteps.inventory``)."""
-        return self.committed.inventory(devices)
-
-    def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
-        """The whole manifest of committed ``step`` (``CommittedSteps.manifest_bytes``)."""
-        return self.committed.manifest_bytes(step, here_only=here_only)
-
-    def verify(self, step: int) -> dict:
-        """Hash every blob of ``step`` this host holds (``CommittedSteps.verify``)."""
-        return self.committed.verify(step)
 
     # --- restore (mtc.sidecar.reads) ---------------------------------------------------
 
@@ -236,10 +202,6 @@ class SidecarService:
         return self._reader.read_each(mine, rows, stream)
 
     # --- long operations (mtc.sidecar.jobs: ``ops.serve`` starts them) ----------------------
-
-    def job(self, job_id: str, wait_s: float = 0.0) -> dict:
-        """{"done": False} while running (after waiting up to ``wait_s``); then the result or the error, once."""
-        return self.jobs.poll(job_id, wait_s)
 
     # --- backup tier ---------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ def test_a_finalize_fenced_off_while_the_bucket_was_down_writes_and_prunes_nothi
     svc = SidecarService(tmp_path / "ram", host_id="h0", backup_url=url)
     try:
         old = {"host": "a", "pid": 1, "started": "t1"}
-        svc.claim(1, old)
+        svc.lease.claim(1, old)
         kept = []
         for step in (1, 2):  # two backups made by the first head
             name, manifest = _backup(store, step, step)
@@ -67,7 +67,7 @@ def test_a_finalize_fenced_off_while_the_bucket_was_down_writes_and_prunes_nothi
         t.start()
         time.sleep(1.0)
         assert t.is_alive(), f"the finalize did not wait for the bucket: {outcome}"
-        svc.claim(2, {"host": "b", "pid": 2, "started": "t2"})  # the restarted head takes the host
+        svc.lease.claim(2, {"host": "b", "pid": 2, "started": "t2"})  # the restarted head takes the host
         server.start()  # same port, same objects
         t.join(timeout=120)
         assert not t.is_alive(), "the fenced-off finalize still runs two minutes after the bucket came back"

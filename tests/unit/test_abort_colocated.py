@@ -59,9 +59,9 @@ def test_service_inventory_share_and_per_box_fallback(ramdisk):
         m.wait_until_finished()
     svc = SidecarService(ramdisk / "mtc", host_id="h")
     try:
-        (whole,) = svc.inventory()["steps"]
+        (whole,) = svc.committed.inventory()["steps"]
         assert (whole["step"], whole["blobs"], whole["local_blobs"]) == (1, 9, 9)  # 8 row blocks + the replica
-        (share,) = svc.inventory(devices=[0, 1])["steps"]
+        (share,) = svc.committed.inventory(devices=[0, 1])["steps"]
         assert share["blobs"] == 3  # two row blocks and the replicated array
         manifest = svc.committed.manifest(1)
         w = next(a for a in manifest.arrays if a.key == "['w']")

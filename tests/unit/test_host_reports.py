@@ -54,11 +54,11 @@ def test_a_sidecar_answers_what_the_head_parses(ramdisk):
         m.wait_until_finished()
     svc = SidecarService(ramdisk / "mtc", host_id="h")
     try:
-        inv = HostInventory.from_wire("h", json.loads(json.dumps(svc.inventory())))
+        inv = HostInventory.from_wire("h", json.loads(json.dumps(svc.committed.inventory())))
         (held,) = inv.steps
         assert (held.step, held.blobs, held.local_blobs, held.part) == (1, held.step_blobs, held.step_blobs, False)
         assert inv.error is None and inv.ramdisk is not None and inv.ramdisk[1] > 0
-        assert inv.to_wire() == json.loads(json.dumps(svc.inventory()))
+        assert inv.to_wire() == json.loads(json.dumps(svc.committed.inventory()))
     finally:
         svc.close()
 

@@ -42,11 +42,11 @@ def services(tmp_path):
 def _save(svcs, step: int, keepers: list[str]) -> tuple[bytes, str, np.ndarray]:
     data = np.arange(6 * 4, dtype=np.float32).reshape(6, 4) + step
     for i, h in enumerate(HOSTS):
-        svcs[h].write_shards(step, [(0, ((2 * i, 2 * i + 2), (0, 4)), data[2 * i:2 * i + 2])])
+        svcs[h].saves.write_shards(step, [(0, ((2 * i, 2 * i + 2), (0, 4)), data[2 * i:2 * i + 2])])
     rec = fmt.ArrayRecord(key="['w']", kind="jax", dtype="float32", shape=(6, 4),
                           sharding={"type": "named", "mesh_shape": [3], "axis_names": ["x"],
                                     "device_ids": [0, 1, 2], "spec": ["x"]})
-    parts = [(h, svcs[h].part_bytes(step)) for h in HOSTS]
+    parts = [(h, svcs[h].saves.part_bytes(step)) for h in HOSTS]
     manifest, digest = fmt.encode_step(step=step, arrays=[rec], tree=None, created=0.0, topology={"hosts": HOSTS},
                                        fingerprint={}, parts=parts)
     where = [[k, svcs[k].peer_address] for k in keepers]
@@ -79,7 +79,7 @@ def test_without_a_keeper_the_step_is_damaged_not_wrong(services):
     with pytest.raises(ManifestError, match="no keeper could give its manifest.*h0"):
         services["h1"].committed.manifest(2)
     # Its inventory needs no manifest: it reports its own part, which the head reads with the manifest.
-    (row,) = services["h1"].inventory()["steps"]
+    (row,) = services["h1"].committed.inventory()["steps"]
     assert row["part"] and row["step"] == 2 and row["blobs"] == row["local_blobs"] == 1
 
 
@@ -88,7 +88,7 @@ def test_the_head_reads_part_rows_with_the_manifest(services):
     from mtc.head.replication.plan import step_views
 
     manifest, digest, _ = _save(services, 4, ["h0"])
-    inv = {h: HostInventory.from_wire(h, svc.inventory()) for h, svc in services.items()}
+    inv = {h: HostInventory.from_wire(h, svc.committed.inventory()) for h, svc in services.items()}
     assert [s.part for s in inv["h1"].steps] == [True] and [s.part for s in inv["h0"].steps] == [False]
     m = fmt.StepManifest.from_json(manifest)
     view = step_views(inv, lambda s, d: m if (s, d) == (4, digest) else None)[4]
@@ -129,12 +129,12 @@ def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services)
     path = services["h2"].store.root / "steps" / f"{5:012d}.json"
     _flip_a_part_digit(path)
     services["h2"].index.committed.clear()  # as after a restart: nothing to rewrite it from here
-    inv = services["h2"].inventory()
+    inv = services["h2"].committed.inventory()
     assert inv["damaged"] == [5] and inv["steps"] == []
     # The head gives it the manifest the others agree on: it replaces the damaged record.
     assert services["h2"].peer_pull(5, [], {}, manifest)["adopted"]
     assert services["h2"].store.catalog.read(5) == manifest
-    assert [s["step"] for s in services["h2"].inventory()["steps"]] == [5]
+    assert [s["step"] for s in services["h2"].committed.inventory()["steps"]] == [5]
 
 
 def test_phase_2_sends_the_manifest_to_the_keepers_and_names_them_to_the_others():
@@ -192,11 +192,11 @@ def test_a_record_read_before_and_then_damaged_is_still_reported_damaged(service
     """A record's parse is kept by its bytes, and the file is read each time: damage after an
     inventory shows in the next one."""
     _save(services, 6, ["h0"])
-    assert [s["step"] for s in services["h2"].inventory()["steps"]] == [6]
+    assert [s["step"] for s in services["h2"].committed.inventory()["steps"]] == [6]
     path = services["h2"].store.root / "steps" / f"{6:012d}.json"
     _flip_a_part_digit(path)  # in place: the same inode and size
     services["h2"].index.committed.clear()  # nothing to rewrite it from
-    inv = services["h2"].inventory()
+    inv = services["h2"].committed.inventory()
     assert inv["damaged"] == [6] and inv["steps"] == []
 
 
@@ -204,7 +204,7 @@ def test_a_sidecar_keeps_no_manifest_of_a_step_it_pruned(services):
     for step in range(1, 7):
         _save(services, step, ["h0", "h1"])
         for svc in services.values():
-            svc.inventory()  # the keepers load their manifests
+            svc.committed.inventory()  # the keepers load their manifests
     for svc in services.values():
         committed = svc.store.catalog.committed()
         assert committed == [5, 6]
@@ -231,16 +231,16 @@ def test_an_inventory_beside_a_commit_that_prunes_is_not_an_error(tmp_path):
                               sharding={"type": "named", "mesh_shape": [1], "axis_names": ["x"],
                                         "device_ids": [0], "spec": ["x"]})
         for step in (1, 2):
-            svc.write_shards(step, [(0, ((0, 2), (0, 4)), np.full((2, 4), step, np.float32))])
+            svc.saves.write_shards(step, [(0, ((0, 2), (0, 4)), np.full((2, 4), step, np.float32))])
             data, digest = fmt.encode_step(step=step, arrays=[rec], tree=None, created=0.0,
                                            topology={"hosts": ["h"]}, fingerprint={},
-                                           parts=[("h", svc.part_bytes(step))])
+                                           parts=[("h", svc.saves.part_bytes(step))])
             svc.commit(step, data, digest=digest)
         # Step 1's file is pruned (by step 2's commit); its bytes are still in the table when the
         # inventory lists the steps, and gone when it looks them up.
         svc.index.committed = _PrunedMeanwhile({**svc.index.committed, 1: b"{}"})
         svc.index.manifests.pop(1, None)
-        inv = svc.inventory()
+        inv = svc.committed.inventory()
         assert [r["step"] for r in inv["steps"]] == [2] and inv["damaged"] == []
         assert svc.store.catalog.committed() == [2]  # a pruned step is never brought back
     finally:

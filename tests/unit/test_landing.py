@@ -189,12 +189,12 @@ def test_write_shards_hashes_first_when_only_dedupe_makes_the_step_fit(tmpfs16):
         with svc.store.landings.land([s[2].nbytes for s in shards]) as batch:
             for (a, box, d), buf in zip(shards, batch.buffers):
                 np.copyto(buf, d)
-            m = svc.write_shards(1, [(a, box, buf) for (a, box, _), buf in zip(shards, batch.buffers)])
+            m = svc.saves.write_shards(1, [(a, box, buf) for (a, box, _), buf in zip(shards, batch.buffers)])
         # Step 1 stays pending: its host manifest keeps its blobs alive.
         assert m.written_bytes == 12 * MiB and svc.store.landings.landed_bytes == 12 * MiB
         with svc.store.landings.land([6 * MiB, 6 * MiB]) as batch:
             assert batch.buffers == [None, None]  # 12 MiB more do not fit
-        m2 = svc.write_shards(2, shards)
+        m2 = svc.saves.write_shards(2, shards)
         assert m2.written_bytes == 0 and {s.blob for s in m2.shards} == {s.blob for s in m.shards}
     finally:
         svc.close()
