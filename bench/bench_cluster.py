@@ -8,18 +8,18 @@ device). Measured: daemon start-up and resident memory; the median head cost of 
 phase 1 and phase 2 on every host: dispatch and round trips); the same per host; its growth
 against N; the CPU time the head and the daemons spend per save; and one control round trip to
 every host, one host after another (serial) and at once. Saves and pings are timed both ways
-in turn: from one thread with a selector (``HostLanes.call_each``) and with a pool
-thread per host (the way before it). Growth below N and parallel below serial say that the
-fan-out is parallel.
+in turn: from one thread with a selector (``HostLanes.call_each``, what the head does) and with
+a pool thread per host for every request (``thread_per_host`` here; the head does that only for
+requests that carry more than a MiB to a host). Growth below N and parallel below serial say
+that the fan-out is parallel.
 
 Part 2, bytes. --gib GiB of random float32 (8 arrays sharded over 8 devices), saved through 4
 daemons in cluster mode and through one in-process host in colocated mode (a CheckpointManager
 without cluster_spec), interleaved, --repeats times, with new contents each save. Their ratio
 is what the local sockets cost; a raw loopback socket copy of the same bytes, measured after
 each repeat, is the physical limit for that part. Each restore is timed once replication of the
-save is done (it would otherwise share the cores with it), both ways in turn: streamed (saved
-shards sent as they are from maps of their files, hashed by the head as they arrive) and as
-before (every box hashed on its host, then sent).
+save is done (it would otherwise share the cores with it); saved shards are streamed from maps of
+their files and hashed by the head as they arrive.
 
 Times are ratios measured in one run: quote those, not absolute seconds (a shared VM's speed varies).
 """
@@ -51,10 +51,24 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from mtc.head import CheckpointManager, MTCConfig  # noqa: E402
 from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher  # noqa: E402
+from mtc.head.dispatch.cluster.lanes import HostLanes, lane_of  # noqa: E402
 from mtc.head.dispatch.colocated import ColocatedDispatcher  # noqa: E402
 from mtc.sidecar.local_cluster import LocalCluster  # noqa: E402
 
 NDEV = 64
+
+
+def thread_per_host(lanes: HostLanes):
+    """``lanes.call_each`` with a pool thread per host for every request (the head's ``call_each``
+    does that only for requests over its inline limit): the other way a fan-out can go, timed
+    beside the head's own."""
+    def call_each(op, hosts=None, args=None, payloads=None, *, lane=None):
+        hosts = lanes.hosts if hosts is None else list(hosts)
+        args_of = args if callable(args) else (lambda h, a=args or {}: a)
+        lane = lane or lane_of(op)
+        return lanes.fan_out(lambda h: lanes.call(h, op, args_of(h), payloads(h) if payloads else (), lane=lane),
+                             hosts, lane=lane)
+    return call_each
 
 
 def tiny_state(step: int) -> dict:
@@ -91,9 +105,10 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                     m.save(step, tiny_state(step))
                     m.wait_until_finished()
                 step = 3
+                ways = {"inline": HostLanes.call_each.__get__(disp.lanes), "threads": thread_per_host(disp.lanes)}
                 for _ in range(saves):
-                    for mode, inline in (("inline", True), ("threads", False)):
-                        disp.lanes.inline_calls = inline
+                    for mode in ways:
+                        disp.lanes.call_each = ways[mode]
                         state = tiny_state(step)
                         # Timed alone: the background replication of the previous save would share the cores
                         # (64 daemons on this machine's few; on a cluster each host has its own).
@@ -110,8 +125,8 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                         r.setdefault(mode + "_p2", []).append(m.last_save_report.phase2_s)
                         step += 1
                 for _ in range(saves):
-                    for mode, inline in (("inline", True), ("threads", False)):
-                        disp.lanes.inline_calls = inline
+                    for mode in ways:
+                        disp.lanes.call_each = ways[mode]
                         t = time.perf_counter()
                         _, failures = disp.lanes.call_each("ping")
                         r.setdefault(mode + "_ping", []).append(time.perf_counter() - t)
@@ -121,7 +136,7 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                     for h in disp.hosts():
                         disp.lanes.call(h, "ping")
                     r.setdefault("serial_ping", []).append(time.perf_counter() - t)
-                disp.lanes.inline_calls = True
+                del disp.lanes.call_each  # the head's own again
         shutil.rmtree(root, ignore_errors=True)
         # CPU times tick in 10 ms: their mean; the times' median.
         rows.append({k: (statistics.fmean(v) if k.endswith("_cpu") else statistics.median(v)) if isinstance(v, list)
@@ -174,7 +189,7 @@ def bytes_compare(parent: Path, gib: float, repeats: int) -> dict:
     state = big_state(gib, devs)
     nbytes = sum(x.nbytes for x in state.values())
     res = {"nbytes": nbytes, "cluster": [], "cluster_blocked": [], "colo": [], "colo_blocked": [],
-           "cluster_restore": [], "colo_restore": [], "cluster_restore_hostverify": [], "loopback": [],
+           "cluster_restore": [], "colo_restore": [], "loopback": [],
            "loopback_touched": []}
     raw = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
     croot, lroot = parent / "bytes-cluster", parent / "bytes-colocated"
@@ -197,11 +212,7 @@ def bytes_compare(parent: Path, gib: float, repeats: int) -> dict:
                     total = time.perf_counter() - t
                     # The restore is timed alone: not against the background replication of this save.
                     m.wait_for_replication()
-                    modes = [("_restore", True), ("_restore_hostverify", False)] if name == "cluster" else [("_restore", True)]
-                    for suffix, stream in modes:
-                        # Streamed reads (hashed by the head) and, for comparison, the path before them
-                        # (every box hashed on its host).
-                        cm._dispatch._loader.stream_reads = stream
+                    for suffix in ("_restore",):
                         t = time.perf_counter()
                         out = jax.block_until_ready(m.restore(step, target=target))
                         restore = time.perf_counter() - t
@@ -292,7 +303,6 @@ def print_bytes(b: dict, repeats: int) -> None:
     for label, key in (("cluster save total", "cluster"), ("colocated save total", "colo"),
                        ("cluster save blocked", "cluster_blocked"), ("colocated save blocked", "colo_blocked"),
                        ("cluster restore (streamed, hashed by the head)", "cluster_restore"),
-                       ("cluster restore as before (every box hashed on its host)", "cluster_restore_hostverify"),
                        ("colocated restore", "colo_restore"),
                        ("raw loopback TCP copy of the same bytes, into a fresh buffer", "loopback"),
                        ("raw loopback TCP copy, into a buffer touched before (the socket alone)",
@@ -303,8 +313,6 @@ def print_bytes(b: dict, repeats: int) -> None:
     print(f"| cluster restore / raw loopback copy | {med['cluster_restore'] / med['loopback']:.2f} | <= 1.3 |")
     print(f"| cluster restore / raw loopback copy into a touched buffer | "
           f"{med['cluster_restore'] / med['loopback_touched']:.2f} | |")
-    print(f"| cluster restore as before / raw loopback copy | "
-          f"{med['cluster_restore_hostverify'] / med['loopback']:.2f} | |")
     print(f"| cluster save total / colocated save total | {med['cluster'] / med['colo']:.2f} | |")
     print(f"| (cluster - colocated save) / raw loopback copy | {(med['cluster'] - med['colo']) / med['loopback']:.2f} | |")
     print(f"| cluster restore / colocated restore | {med['cluster_restore'] / med['colo_restore']:.2f} | |")

@@ -141,12 +141,26 @@ class CheckpointManager:
         return self._config.enable_checkpointing and self._config.should_save(step)
 
     def save(self, step: int, state: Any, force: bool = False) -> bool:
-        """Save ``state`` as ``step`` if due (or ``force``); returns whether a save started.
+        """Save ``state`` as ``step`` if due (or ``force``).
 
         Returns once the state is copied to host memory; the write continues in the
-        background (see ``wait_until_finished`` and ``check_for_errors``). A host that stops
-        answering raises ``HostLostError``, a ``jax.errors.JaxRuntimeError`` that elastic
-        training retries on.
+        background (see ``wait_until_finished`` and ``check_for_errors``).
+
+        Args:
+            step: a new step number (>= 0); a committed step is never written again.
+            state: a pytree of ``jax.Array``s, numpy arrays and scalars (typed PRNG keys too).
+            force: save although ``local_checkpoint_period`` says the step is not due.
+
+        Returns:
+            Whether a save started (False: not due, or checkpointing disabled).
+
+        Raises:
+            ValueError: ``step`` is not a non-negative integer, or is committed already.
+            ConfigError: the manager is ``read_only``.
+            VersionMismatchError: a sidecar runs other versions (the first save or restore checks).
+            FencedError: a newer head took the hosts.
+            HostLostError: a host stopped answering (a ``jax.errors.JaxRuntimeError`` whose text
+                starts with ``DATA_LOSS``, which elastic training retries on).
         """
         with host_lost_as_elastic(), self._metrics.errors("save"):
             return self._save(step, state, force)
@@ -360,7 +374,12 @@ class CheckpointManager:
         return self._dispatch.backup_listing()["backups"]
 
     def wait_until_finished(self) -> None:
-        """Block until the background save is done; raise its error if it failed."""
+        """Block until the background save is done.
+
+        Raises:
+            SaveError: the save failed (``SaveHostLostError``, a ``HostLostError`` too, when a
+                host stopped answering); the step is not committed and was aborted everywhere.
+        """
         pending = self._pending
         if pending is not None:
             try:
@@ -390,7 +409,12 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Restorable steps, ascending: whole across the hosts (every blob has a copy on some
         host), or in a complete backup. When ``restore.version`` names a backup, only that
-        backup's step."""
+        backup's step.
+
+        Raises:
+            StepsUnconfirmedError: hosts that may hold a step could not be asked and the others
+                confirm none (never read as "no step").
+        """
         # A head that took the hosts (its first save or restore, or the start-up pull) gives a host
         # with a damaged copy of a step manifest the copy back first, as a restore does: the latest
         # step is then the one restore() would choose.
@@ -406,11 +430,29 @@ class CheckpointManager:
     def restore(self, step: int | None = None, target: Any = None, *, partial: Any = False, pull: bool = True) -> Any:
         """Restore ``step`` (default: the latest) into the structure and shardings of ``target``.
 
-        ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with ``sharding``) or of arrays;
-        without it, arrays come back with the shardings they were saved with. With
-        ``partial=True``, ``target`` may hold only some of the saved leaves (the rest are not read);
-        with a collection of key prefixes, only the saved leaves under them must all be in ``target``.
-        A host that stops answering raises ``HostLostError`` (see ``save``).
+        Each blob is read from the fastest place that holds it (this host's ramdisk, a peer in
+        another slice, the backup), checked against its hash.
+
+        Args:
+            step: the step to restore; None, the latest restorable one (``latest_step``).
+            target: a pytree of ``jax.ShapeDtypeStruct`` (with ``sharding``) or of arrays, whose
+                shardings may differ from the saved ones (an elastic resize); None, the saved
+                tree with the shardings it was saved with.
+            partial: True, ``target`` may hold only some of the saved leaves (the rest are not
+                read); a collection of key prefixes, only the saved leaves under them must all be
+                in ``target``.
+            pull: True, hosts first pull the blobs they lack for their shards (from peers, else the
+                backup), so that the next restore finds them local; False (a reader), each blob is
+                read where it is and only blobs no host holds are fetched.
+
+        Returns:
+            The restored pytree (``target``'s structure when given).
+
+        Raises:
+            StepNotFoundError: no restorable step (or not ``step``).
+            TargetMismatchError: ``target`` does not match what was saved (keys, shapes, dtypes).
+            CorruptBlobError: every copy of a blob failed its hash.
+            HostLostError: a host stopped answering (see ``save``).
         """
         with host_lost_as_elastic(), self._metrics.errors("restore"):
             return self._restore(step, target, partial, pull)

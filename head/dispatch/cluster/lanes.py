@@ -51,10 +51,6 @@ class HostLanes:
         peer_addresses: host -> its peer service's address, as its daemon's fingerprint gave it.
     """
 
-    # False: every fan-out of call_each runs on the pool, a thread per host (bench/bench_cluster.py
-    # times both in one run).
-    inline_calls = True
-
     def __init__(self, hosts: Sequence[str], addresses: AddressBook, timeouts: Timeouts, credentials: Credentials,
                  stamp: HeadStamp):
         self.hosts = list(hosts)
@@ -113,10 +109,8 @@ class HostLanes:
         hosts = self.hosts if hosts is None else list(hosts)
         args_of = args if callable(args) else (lambda h, a=args or {}: a)
         lane = lane or lane_of(op)
-        threads = not self.inline_calls
-        if payloads is not None and len(hosts) > 1 and not threads:
-            threads = max(sum(protocol.byte_view(b).nbytes for b in payloads(h)) for h in hosts) > _INLINE_BYTES
-        if threads:
+        if payloads is not None and len(hosts) > 1 and max(
+                sum(protocol.byte_view(b).nbytes for b in payloads(h)) for h in hosts) > _INLINE_BYTES:
             return self.fan_out(lambda h: self.call(h, op, args_of(h), payloads(h) if payloads else (), lane=lane),
                                 hosts, lane=lane)
         return call_each([self._lanes[lane][h] for h in hosts], op, args_of, payloads)

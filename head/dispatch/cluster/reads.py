@@ -67,10 +67,6 @@ class _Read:
 class ClusterLoader:
     """Runs the restore reads over the hosts' control connections and their lane's thread pool."""
 
-    # False: the read path before streams (every box hashed on its host and sent from a map);
-    # bench/bench_cluster.py times both in one run.
-    stream_reads = True
-
     def __init__(self, lanes: HostLanes, topology: Topology):
         self._lanes = lanes
         self._topology = topology
@@ -156,7 +152,7 @@ class ClusterLoader:
         as (read, error type, cause); error type None: a stream that failed its hash here (the
         read is marked for the host to verify)."""
         tmp: dict[int, np.ndarray] = {}
-        stream = [i for i, r in enumerate(batch) if r.blob is not None and not r.host_verifies and self.stream_reads]
+        stream = [i for i, r in enumerate(batch) if r.blob is not None and not r.host_verifies]
         hashers: dict[int, Any] = {}
 
         def alloc(header: dict, sizes: list[int]) -> list[Any]:
