@@ -26,6 +26,7 @@ from mtc.head.dispatch.interface import (
     PullResult,
     WriteResult,
     host_failure,
+    raise_claim_failures,
     raise_host_failures,
     save_error,
 )
@@ -337,12 +338,7 @@ class ColocatedDispatcher(Dispatcher):
         rows = [i for i, h in enumerate(self._hosts_of_rows()) if h not in failures]
         if rows:
             failures.update(self._control_each("configure", rows=rows, settings=self._settings)[1])
-        for h, e in sorted(failures.items()):
-            if isinstance(e, HostUnreachableError):
-                log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
-                            h, e, generation)
-                continue
-            raise e
+        raise_claim_failures(failures, generation)
 
     def _devices_by_host(self) -> dict[str, list[int]]:
         hosts = self._hosts_of_rows()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 from typing import Any, Callable, Mapping
 
 from mtc.shared import errors
 from mtc.shared import format as fmt
 from mtc.shared import wire_errors
 from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
            "choose_keepers", "host_failure", "raise_host_failures", "raise_remote", "save_error"]
@@ -267,6 +270,17 @@ def host_failure(e: BaseException) -> str:
     if isinstance(e, (errors.HostUnreachableError, wire_errors.SidecarError)):  # these name their cause
         return str(e)
     return f"{type(e).__name__}: {e}"
+
+
+def raise_claim_failures(failures: Mapping[str, BaseException], generation: int) -> None:
+    """A claim's per-host failures, the same in both modes: a host that cannot be reached now takes
+    the head's generation with its next request (logged); any other failure is raised."""
+    for h, e in sorted(failures.items()):
+        if isinstance(e, errors.HostUnreachableError):
+            log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
+                        h, e, generation)
+            continue
+        raise e
 
 
 def save_error(step: int, phase: str, failures: Mapping[str, BaseException], total: int) -> errors.SaveError:

@@ -45,6 +45,7 @@ from mtc.head.dispatch.interface import (
     PullResult,
     WriteResult,
     host_failure,
+    raise_claim_failures,
     raise_host_failures,
     save_error,
 )
@@ -282,12 +283,7 @@ class ClusterDispatcher(Dispatcher):
         _, more = self.lanes.call_each("configure", [h for h in self.topology.host_ids if h not in failures],
                                        {"settings": self._host_settings})
         failures.update(more)
-        for h, e in sorted(failures.items()):
-            if isinstance(e, HostUnreachableError):
-                log.warning("host %s could not be claimed now (%s); it takes generation %d with the next request",
-                            h, e, generation)
-                continue
-            raise e
+        raise_claim_failures(failures, generation)
 
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
         """``save_error``, remembering the hosts it could not reach: ``abort`` queues theirs."""
