@@ -3,9 +3,9 @@
 One row per operation: whether it changes the host (fencing), whether it runs as a job, whether
 it carries arrays (``data``: each transport moves them its own way), the modes that serve it, the
 lane a cluster head sends it on and the class of timeout its waits get. ``mtc.sidecar.ops``
-attaches to each row its service method and its argument checks (and refuses to load if the two
-tables name different operations); the cluster head picks its lane and timeout here
-(``mtc.head.dispatch.cluster``), since ``mtc.head`` never imports ``mtc.sidecar``.
+attaches to each row what it calls on the sidecar service and its argument checks (and refuses
+to load if the two tables name different operations); the cluster head picks its lane and
+timeout here (``mtc.head.dispatch.cluster``), since ``mtc.head`` never imports ``mtc.sidecar``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The table of sidecar operations: what each one calls, how its arguments are checked, what it may change.
 
 Each operation's row of plain facts (fencing, job, data, modes, lane, timeout class) is
-``mtc.shared.op_table``, which the head reads too; ``OPS`` here attaches to each its
-``SidecarService`` method and its parser, and refuses to load if the two tables name different
+``mtc.shared.op_table``, which the head reads too; ``OPS`` here attaches to each what it calls
+on the ``SidecarService`` (a method of the service or of the part that owns the state:
+``method_of``) and its parser, and refuses to load if the two tables name different
 operations.
 
 Both transports serve control requests through ``serve``: the colocated wrapper

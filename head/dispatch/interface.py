@@ -1,7 +1,7 @@
 """The one interface between the checkpoint manager and the sidecars (docs/architecture.md, "The seam").
 
 Two implementations: ``ColocatedDispatcher`` (colocated Python: Pathways, and in-process on a
-CPU backend) and the cluster dispatcher (sidecar daemons reached over local sockets); the
+CPU backend) and ``ClusterDispatcher`` (sidecar daemons reached over TCP); the
 manager above it is the same code in both modes, and ``mtc.head.dispatch.factory`` picks one.
 """
 
