@@ -10,7 +10,7 @@ at each scrape), labelled with the service's host id:
 - ``mtc_sidecar_peer_bytes_total{direction}``: bytes its peer service sent to peers pulling from it
   (``out``) and received from peers pushing to it (``in``); ``mtc_sidecar_peer_blobs_total{direction}``,
   ``mtc_sidecar_peer_refused_total`` (connections without the job token);
-- ``mtc_sidecar_jobs_running``: its long operations running now (backup uploads and fetches, peer pulls);
+- ``mtc_sidecar_jobs_running``: its long operations running now (backup uploads, fetches and scrubs, peer pulls);
 - ``mtc_sidecar_lease_generation``: the generation of the head that holds this host (it rises when a new
   head takes the hosts: ``changes()`` over it counts fencings);
 - ``mtc_sidecar_backup_scrub_blobs_total{outcome}``: backup blobs its scrubs hashed (``checked``), found
@@ -189,7 +189,7 @@ class _SidecarCollector:
         steps = usage["committed_steps"]
         yield gauge("mtc_sidecar_committed_steps", "Steps committed on this host", len(steps))
         yield gauge("mtc_sidecar_newest_step", "Newest step committed on this host", max(steps) if steps else None)
-        yield gauge("mtc_sidecar_jobs_running", "Long operations running (backup uploads and fetches, peer pulls)",
+        yield gauge("mtc_sidecar_jobs_running", "Long operations running (backup uploads, fetches and scrubs, peer pulls)",
                     svc.jobs.running())
         lease = svc.lease.current()
         yield gauge("mtc_sidecar_lease_generation", "Generation of the head holding this host",

@@ -20,7 +20,8 @@ from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
 log = logging.getLogger(__name__)
 
 __all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
-           "choose_keepers", "host_failure", "raise_host_failures", "raise_remote", "save_error"]
+           "choose_keepers", "host_failure", "raise_claim_failures", "raise_host_failures", "raise_remote",
+           "save_error"]
 
 
 @dataclasses.dataclass
