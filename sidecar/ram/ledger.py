@@ -186,6 +186,21 @@ class Arrivals:
                 self._open.discard(arrival)
                 self._cond.notify_all()
 
+    def open_temp(self, arrival: Arrival, opener: Callable[[], tuple[int, Path]]) -> int:
+        """Open ``arrival``'s temp file with ``opener`` (which may take a free-pool file) and
+        register it; returns the file's descriptor. Under the lock that :meth:`settled` holds, so
+        no reader sees a pool file taken but not yet held by its copy."""
+        with self._cond:
+            fd, arrival.path = opener()
+        return fd
+
+    @contextlib.contextmanager
+    def settled(self) -> Iterator[None]:
+        """While open, no copy is between taking a free-pool file and holding it (``open_temp``):
+        the pool's bytes and :meth:`held` read inside count each file once."""
+        with self._cond:
+            yield
+
     def held(self) -> int:
         """Bytes the copies being received hold now."""
         with self._cond:

@@ -136,10 +136,12 @@ class StoreSpace:
             except ManifestError as e:
                 log.error("ramdisk %s: cannot free space safely: %s", self.root, e)
                 live = None
-            reclaim = self._pool.stats()[1]
+            with self._arrivals.settled():  # a copy's room counts once: in the pool, or held by the copy
+                reclaim = self._pool.stats()[1]
+                held = self._arrivals.held()
             if live is not None:
                 reclaim += self._blobs.allocated(self._blobs.names() - live)
-            if free + reclaim < needed <= free + reclaim + self._arrivals.held():
+            if free + reclaim < needed <= free + reclaim + held:
                 names = self._arrivals.yield_all(_YIELD_WAIT_S)
                 free = free_bytes(self.root)
                 log.warning("ramdisk %s: dropped %d incoming peer cop%s (%s) to make room for step %d: local "
