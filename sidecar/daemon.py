@@ -15,7 +15,8 @@ A ``write``'s payloads are received straight into mapped temp blob files (``Land
 and published where they lie: one copy on this host (``_receive_buffers``).
 
 Every control op is served from the table of operations (``mtc.sidecar.ops``), as in colocated
-mode; the two data ops (``write``, ``read``) are in ``mtc.sidecar.daemon_ops``.
+mode; the two data ops (``write``, ``read``) are this transport's own (``_answer``): their shards
+travel as payloads, one per shard each way, some of a read's sent straight from a blob's map.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from mtc.shared import auth, protocol, tls, wire_errors
 from mtc.shared.auth import resolve_token
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
-from mtc.sidecar import daemon_ops
+from mtc.sidecar import ops
 from mtc.sidecar.metrics import serve_metrics
 from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.service import SidecarService
@@ -223,7 +226,7 @@ class SidecarDaemon(ThreadedTCPServer):
     def _handle(self, req: Request) -> Reply:
         t0 = time.perf_counter()
         try:
-            result, payloads = daemon_ops.serve(self.service, req.op, req.args, req.payloads)
+            result, payloads = _answer(self.service, req.op, req.args, req.payloads)
             log.debug("op %s done in %.3fs", req.op, time.perf_counter() - t0)
             return Reply(req.id, result, None, tuple(payloads))
         except Exception as e:  # reported to the head, which raises it typed (``wire_errors``)
@@ -232,6 +235,40 @@ class SidecarDaemon(ThreadedTCPServer):
             else:
                 log.exception("host %s: %s failed", self.service.host_id, req.op)
             return Reply(req.id, error=RemoteError(*wire_errors.encode(e, self.service.host_id)))
+
+
+def _answer(service: SidecarService, op: str, args: dict, payloads: Sequence) -> tuple[Any, list]:
+    """Answer one request of the daemon's head on ``service``: (result, payloads). A control
+    operation is the table's (``ops.serve``); a data operation's shards are this request's payloads."""
+    data = _DATA.get(op)
+    if data is None:
+        return ops.serve(service, op, args, payloads, "cluster")
+    return data(service, ops.data_header(service, op, args, len(payloads), "cluster"), payloads)
+
+
+def _write(service: SidecarService, header: ops.WriteHeader, payloads: Sequence) -> tuple[Any, list]:
+    """One payload per shard in; the summary and the host's part manifest out."""
+    shards = [(header.arrays[k].index, box, np.asarray(data).reshape(-1))
+              for (k, box), data in zip(header.shards, payloads)]
+    manifest = ops.method_of(service, "write")(header.step, shards, part=header.part)
+    summary = {"step": header.step, "host": manifest.host, "shards": len(manifest.shards),
+               "blobs": len(manifest.blob_names()), "written_bytes": manifest.written_bytes,
+               "seconds": manifest.seconds}
+    return summary, [manifest.to_json()]
+
+
+def _read(service: SidecarService, header: tuple, payloads: Sequence) -> tuple[Any, list]:
+    """The raw bytes of each box out, one payload each; ``streamed``: those sent from a blob's map."""
+    step, boxes, manifest, stream = header
+    out, errors = ops.method_of(service, "read")(step, boxes, manifest=manifest, stream=stream)
+    streamed = [i for i, p in enumerate(out) if isinstance(p, BlobStream)]
+    return {"step": step, "errors": [list(e) for e in errors], "streamed": streamed}, out
+
+
+# The table's data operations (``ops.DATA_OPS``), as the daemon serves them.
+_DATA = {"write": _write, "read": _read}
+if set(_DATA) != ops.DATA_OPS:
+    raise ImportError(f"the daemon serves the data operations {sorted(_DATA)}, the table has {sorted(ops.DATA_OPS)}")
 
 
 # --- command line --------------------------------------------------------------------------
