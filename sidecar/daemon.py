@@ -46,7 +46,7 @@ from mtc.sidecar import ops
 from mtc.sidecar.metrics import serve_metrics
 from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.service import SidecarService
-from mtc.sidecar.tcpserver import ThreadedTCPServer
+from mtc.sidecar.tcpserver import ServerStopping, ThreadedTCPServer
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ class SidecarDaemon(ThreadedTCPServer):
         self.service = service
         self._key = auth.control_key(token)
         self._max_payload = max_payload
-        self._active = 0  # requests being handled; close() waits for them
         self.auth_failures = 0
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -86,23 +85,14 @@ class SidecarDaemon(ThreadedTCPServer):
 
     @property
     def address(self) -> str:
-        host, port = self._sock.getsockname()[:2]
+        host, port = self.bound_address
         return f"{host}:{port}"
 
     def close(self) -> None:
         """Refuse new requests, let those in flight finish, close the connections and the service."""
-        if self._stop(drain=self._drain):
+        if self._stop(drain_s=_SHUTDOWN_GRACE_S):
             self.service.close()
             log.info("host %s: daemon stopped", self.service.host_id)
-
-    def _drain(self) -> None:
-        # Runs holding _cond with _stopping set: no request starts any more, so _active only falls.
-        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-        while self._active and time.monotonic() < deadline:
-            self._cond.wait(deadline - time.monotonic())
-        if self._active:
-            log.warning("host %s: %d requests still running after %.0f s; closing anyway",
-                        self.service.host_id, self._active, _SHUTDOWN_GRACE_S)
 
     def __enter__(self) -> "SidecarDaemon":
         return self
@@ -198,17 +188,11 @@ class SidecarDaemon(ThreadedTCPServer):
 
     def _serve_request(self, req: Request) -> Reply:
         """Answer one request (or refuse it while shutting down)."""
-        with self._cond:
-            if self._stopping:
-                return Reply(req.id, error=RemoteError(
-                    "HostUnreachableError", f"host {self.service.host_id} is shutting down"))
-            self._active += 1
         try:
-            return self._handle(req)
-        finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
+            with self.admit():
+                return self._handle(req)
+        except ServerStopping as e:
+            return Reply(req.id, error=RemoteError("HostUnreachableError", str(e)))
 
     def _try_send(self, conn: socket.socket, reply: Reply) -> bool:
         try:
