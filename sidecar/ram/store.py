@@ -203,7 +203,8 @@ class RamStore:
         # One line per commit: what became visible, what retention and collection removed.
         log.info("ramdisk %s: committed step %d%s%s", self.root, step,
                  f"; removed step{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} "
-                 f"(local_max_to_keep={self.space.max_to_keep})" if dropped else "", collected)
+                 f"(local_max_to_keep={self.space.max_to_keep})" if dropped else "",
+                 f"; {collected.words()}" if collected.count else "")
         return kept
 
     def repair_step(self, step: int, step_manifest: bytes) -> bool:
