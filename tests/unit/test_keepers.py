@@ -69,8 +69,8 @@ def test_a_host_that_is_not_a_keeper_commits_a_record_and_fetches_the_manifest_w
     # First need of the whole manifest: fetched from the keeper, checked, and it replaces the record.
     m = services["h2"].committed.manifest(1)
     assert m.digest == digest and services["h2"].store.catalog.read(1) == manifest
-    got = services["h2"].read_box(1, "['w']", ((4, 6), (0, 4)))
-    assert np.asarray(got).tobytes() == data[4:6].tobytes()
+    (got,), errors = services["h2"].read_boxes_each(1, [("['w']", ((4, 6), (0, 4)))])
+    assert not errors and np.asarray(got).tobytes() == data[4:6].tobytes()
 
 
 def test_a_record_is_replaced_only_by_its_manifest_and_a_step_gone_meanwhile_says_so(services, monkeypatch, caplog):
