@@ -15,7 +15,8 @@ A ``write``'s payloads are received straight into mapped temp blob files (``Land
 and published where they lie: one copy on this host (``_receive_buffers``).
 
 Every control op is served from the table of operations (``mtc.sidecar.ops``), as in colocated
-mode; the two data ops (``write``, ``read``) are in ``mtc.sidecar.daemon_ops``.
+mode; the two data ops (``write``, ``read``) are this transport's own (``_answer``): their shards
+travel as payloads, one per shard each way, some of a read's sent straight from a blob's map.
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from mtc.shared import auth, protocol, tls, wire_errors
 from mtc.shared.auth import resolve_token
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
 from mtc.shared.protocol import RemoteError, Reply, Request
-from mtc.sidecar import daemon_ops
+from mtc.sidecar import ops
 from mtc.sidecar.metrics import serve_metrics
 from mtc.sidecar.reads import BlobStream
 from mtc.sidecar.service import SidecarService
-from mtc.sidecar.tcpserver import ThreadedTCPServer
+from mtc.sidecar.tcpserver import ServerStopping, ThreadedTCPServer
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,6 @@ class SidecarDaemon(ThreadedTCPServer):
         self.service = service
         self._key = auth.control_key(token)
         self._max_payload = max_payload
-        self._active = 0  # requests being handled; close() waits for them
         self.auth_failures = 0
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -83,23 +85,14 @@ class SidecarDaemon(ThreadedTCPServer):
 
     @property
     def address(self) -> str:
-        host, port = self._sock.getsockname()[:2]
+        host, port = self.bound_address
         return f"{host}:{port}"
 
     def close(self) -> None:
         """Refuse new requests, let those in flight finish, close the connections and the service."""
-        if self._stop(drain=self._drain):
+        if self._stop(drain_s=_SHUTDOWN_GRACE_S):
             self.service.close()
             log.info("host %s: daemon stopped", self.service.host_id)
-
-    def _drain(self) -> None:
-        # Runs holding _cond with _stopping set: no request starts any more, so _active only falls.
-        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-        while self._active and time.monotonic() < deadline:
-            self._cond.wait(deadline - time.monotonic())
-        if self._active:
-            log.warning("host %s: %d requests still running after %.0f s; closing anyway",
-                        self.service.host_id, self._active, _SHUTDOWN_GRACE_S)
 
     def __enter__(self) -> "SidecarDaemon":
         return self
@@ -195,17 +188,11 @@ class SidecarDaemon(ThreadedTCPServer):
 
     def _serve_request(self, req: Request) -> Reply:
         """Answer one request (or refuse it while shutting down)."""
-        with self._cond:
-            if self._stopping:
-                return Reply(req.id, error=RemoteError(
-                    "HostUnreachableError", f"host {self.service.host_id} is shutting down"))
-            self._active += 1
         try:
-            return self._handle(req)
-        finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
+            with self.admit():
+                return self._handle(req)
+        except ServerStopping as e:
+            return Reply(req.id, error=RemoteError("HostUnreachableError", str(e)))
 
     def _try_send(self, conn: socket.socket, reply: Reply) -> bool:
         try:
@@ -223,7 +210,7 @@ class SidecarDaemon(ThreadedTCPServer):
     def _handle(self, req: Request) -> Reply:
         t0 = time.perf_counter()
         try:
-            result, payloads = daemon_ops.serve(self.service, req.op, req.args, req.payloads)
+            result, payloads = _answer(self.service, req.op, req.args, req.payloads)
             log.debug("op %s done in %.3fs", req.op, time.perf_counter() - t0)
             return Reply(req.id, result, None, tuple(payloads))
         except Exception as e:  # reported to the head, which raises it typed (``wire_errors``)
@@ -232,6 +219,40 @@ class SidecarDaemon(ThreadedTCPServer):
             else:
                 log.exception("host %s: %s failed", self.service.host_id, req.op)
             return Reply(req.id, error=RemoteError(*wire_errors.encode(e, self.service.host_id)))
+
+
+def _answer(service: SidecarService, op: str, args: dict, payloads: Sequence) -> tuple[Any, list]:
+    """Answer one request of the daemon's head on ``service``: (result, payloads). A control
+    operation is the table's (``ops.serve``); a data operation's shards are this request's payloads."""
+    data = _DATA.get(op)
+    if data is None:
+        return ops.serve(service, op, args, payloads, "cluster")
+    return data(service, ops.data_header(service, op, args, len(payloads), "cluster"), payloads)
+
+
+def _write(service: SidecarService, header: ops.WriteHeader, payloads: Sequence) -> tuple[Any, list]:
+    """One payload per shard in; the summary and the host's part manifest out."""
+    shards = [(header.arrays[k].index, box, np.asarray(data).reshape(-1))
+              for (k, box), data in zip(header.shards, payloads)]
+    manifest = ops.method_of(service, "write")(header.step, shards, part=header.part)
+    summary = {"step": header.step, "host": manifest.host, "shards": len(manifest.shards),
+               "blobs": len(manifest.blob_names()), "written_bytes": manifest.written_bytes,
+               "seconds": manifest.seconds}
+    return summary, [manifest.to_json()]
+
+
+def _read(service: SidecarService, header: tuple, payloads: Sequence) -> tuple[Any, list]:
+    """The raw bytes of each box out, one payload each; ``streamed``: those sent from a blob's map."""
+    step, boxes, manifest, stream = header
+    out, errors = ops.method_of(service, "read")(step, boxes, manifest=manifest, stream=stream)
+    streamed = [i for i, p in enumerate(out) if isinstance(p, BlobStream)]
+    return {"step": step, "errors": [list(e) for e in errors], "streamed": streamed}, out
+
+
+# The table's data operations (``ops.DATA_OPS``), as the daemon serves them.
+_DATA = {"write": _write, "read": _read}
+if set(_DATA) != ops.DATA_OPS:
+    raise ImportError(f"the daemon serves the data operations {sorted(_DATA)}, the table has {sorted(ops.DATA_OPS)}")
 
 
 # --- command line --------------------------------------------------------------------------

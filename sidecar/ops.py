@@ -15,7 +15,7 @@ A request is ``args`` (a JSON object) and ``payloads`` (byte strings: manifests;
 them as binary frames, the colocated transport as JSON text). An answer is (result, payloads)
 the same way.
 
-Two operations carry arrays (``Op.data``), which each transport moves its own way: ``write``
+Two operations carry arrays (``Op.spec.data``), which each transport moves its own way: ``write``
 (jax.Arrays in colocated mode, one payload per shard to a daemon) and ``read`` (the colocated
 ``load`` builds jax.Arrays on the host's devices; the daemon sends raw bytes). ``serve`` refuses
 them (a ``ProtocolError`` that names the data path); a transport's data path calls ``data_header``
@@ -64,14 +64,6 @@ class Op:
     answer: Callable[[Any], tuple[Any, list]] = lambda result: (result, [])
     parse_colocated: Callable[..., Any] | None = None
     spec: op_table.OpSpec = op_table.OpSpec()
-
-    mutating = property(lambda self: self.spec.mutating)
-    long = property(lambda self: self.spec.long)
-    data = property(lambda self: self.spec.data)
-    lane = property(lambda self: self.spec.lane)
-    timeout = property(lambda self: self.spec.timeout)
-    modes = property(lambda self: self.spec.modes)
-    why = property(lambda self: self.spec.why)
 
     def parser(self, mode: str) -> Callable[..., Any]:
         return self.parse_colocated if mode == "colocated" and self.parse_colocated is not None else self.parse
@@ -493,9 +485,9 @@ if set(OPS) != set(op_table.SPECS):
     raise ImportError(f"mtc.sidecar.ops and mtc.shared.op_table name different operations: "
                       f"{sorted(set(OPS) ^ set(op_table.SPECS))}")
 
-DATA_OPS = frozenset(name for name, op in OPS.items() if op.data)
-MUTATING_OPS = frozenset(name for name, op in OPS.items() if op.mutating)
-LONG_OPS = frozenset(name for name, op in OPS.items() if op.long)
+DATA_OPS = frozenset(name for name, op in OPS.items() if op.spec.data)
+MUTATING_OPS = frozenset(name for name, op in OPS.items() if op.spec.mutating)
+LONG_OPS = frozenset(name for name, op in OPS.items() if op.spec.long)
 SERVICE_METHODS = {name: op.method for name, op in OPS.items()}
 
 
@@ -509,10 +501,10 @@ def check(name: str, mode: str) -> Op:
     """The operation ``name`` as served in ``mode`` ("colocated" or "cluster"), or ProtocolError."""
     op = OPS.get(name)
     if op is None:
-        known = sorted(n for n, o in OPS.items() if mode in o.modes)
+        known = sorted(n for n, o in OPS.items() if mode in o.spec.modes)
         raise ProtocolError(f"unknown op {name!r}; known ops: {', '.join(known)}")
-    if mode not in op.modes:
-        raise ProtocolError(f"operation {name!r} is not served in {mode} mode: {op.why}")
+    if mode not in op.spec.modes:
+        raise ProtocolError(f"operation {name!r} is not served in {mode} mode: {op.spec.why}")
     return op
 
 
@@ -526,13 +518,13 @@ def serve(service: Any, name: str, args: dict, payloads: Sequence[bytes], mode: 
 
     A data operation is refused: its arrays travel on the transport's data path (``data_header``)."""
     op = check(name, mode)
-    if op.data:
+    if op.spec.data:
         raise ProtocolError(f"{name!r} carries arrays, so it is not a control request in {mode} mode; send it as "
                             f"{_DATA_PATH[mode]}")
     service.admit(name, gen_arg(args))
     call_args, call_kwargs = op.parse(args, payloads)
     method = method_of(service, name)
-    if op.long:
+    if op.spec.long:
         return {"job": service.jobs.start(lambda: method(*call_args, **call_kwargs))}, []
     return op.answer(method(*call_args, **call_kwargs))
 
@@ -543,7 +535,7 @@ def data_header(service: Any, name: str, args: dict, carried: int, mode: str) ->
     before it reads or writes anything. ``carried``: the payloads (cluster) or array arguments
     (colocated) the request came with."""
     op = check(name, mode)
-    if not op.data:
+    if not op.spec.data:
         raise ProtocolError(f"{name!r} is a control request, not a data operation")
     service.admit(name, gen_arg(args))
     return op.parser(mode)(args, carried, mode)

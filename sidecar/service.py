@@ -26,8 +26,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-import numpy as np
-
 from mtc.shared import format as fmt
 from mtc.shared import ramdisk, version
 from mtc.shared.errors import ConfigError, ManifestError, NotConfiguredError, StepNotFoundError
@@ -174,12 +172,6 @@ class SidecarService:
 
     # --- restore (mtc.sidecar.reads) ---------------------------------------------------
 
-    def read_box(self, step: int, key: str, box: fmt.Box | None = None, *, as_bytes: bool = False,
-                 out: np.ndarray | None = None) -> np.ndarray:
-        """Assemble the part ``box`` of array ``key`` of ``step`` from verified blobs (``as_bytes``:
-        the whole array as a flat uint8 buffer, for host numpy leaves)."""
-        return self._reader.read_box(self.committed.manifest(step), key, box, as_bytes=as_bytes, out=out)
-
     def read_boxes_each(self, step: int, reads: Sequence[tuple], *, manifest: str | None = None,
                         stream: Sequence[int] = ()) -> tuple[list, list[tuple[int, str, str]]]:
         """Read (key, box) or (key, box, as_bytes, out) rows; on a failure, box by box, so that the
@@ -201,9 +193,10 @@ class SidecarService:
             return [b"" for _ in rows], [(i, "ManifestError", why) for i in range(len(rows))]
         return self._reader.read_each(mine, rows, stream)
 
-    # --- long operations (mtc.sidecar.jobs: ``ops.serve`` starts them) ----------------------
-
     # --- backup tier ---------------------------------------------------------------------
+    #
+    # The table names these methods, not a part: which ``BackupTier`` serves a request depends on
+    # its root or on the head's settings, and is opened on first use (``_backup_tier``).
 
     def _backup_tier(self, root: str | None = None, *, configured: bool = True, create: bool = True):
         """The backup tier of the configured backup root (``configured``), or of ``root``: the

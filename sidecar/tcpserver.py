@@ -3,8 +3,9 @@
 The daemon's control server (``mtc.sidecar.daemon``) and the peer service (``mtc.sidecar.peer``)
 both serve each connection on its own thread, and both must, on ``close()``, stop accepting and
 shut every open connection down so that no thread stays blocked in ``recv``. That part lives
-here, once; what a connection carries (frames, requests, replies, and the logging of bad ones)
-stays with each server.
+here, once, with the admission of requests (``admit``: refused once the server stops, counted
+while they run, so that stopping can wait for them); what a connection carries (frames,
+requests, replies, and the logging of bad ones) stays with each server.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
+
+
+class ServerStopping(Exception):
+    """``admit`` refused a request: the server is stopping."""
 
 
 class ThreadedTCPServer:
@@ -39,6 +44,9 @@ class ThreadedTCPServer:
     With ``tls`` (a server context of ``mtc.shared.tls``), every connection first completes a TLS
     handshake in which the client proves a certificate of the job's CA, on its own thread, under
     the handshake timeout; one that does not is closed before anything it sent is read.
+
+    A request a subclass runs inside ``admit()`` is refused (``ServerStopping``) once the server
+    stops, and counted while it runs: ``_stop(drain_s=...)`` waits for the counted ones.
 
     A subclass implements ``_serve_conn``, calls ``_start_accepting`` from its ``start()`` and
     ``_stop`` from its ``close()``.
@@ -62,9 +70,35 @@ class ThreadedTCPServer:
         self._sock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
-        # Guards _conns, _threads and _stopping. A Condition, so that a subclass can wait on it.
+        self._active = 0  # requests inside admit(); _stop waits for them when it drains
+        # Guards _conns, _threads, _active and _stopping; _stop waits on it for _active to fall.
         self._cond = threading.Condition()
         self._stopping = False
+
+    @property
+    def bound_address(self) -> tuple[str, int]:
+        """The (host, port) the server listens on, once started."""
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        """The read timeout of an authenticated connection (None: none)."""
+        return self._idle_timeout
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Run one request: ServerStopping once the server stops; counted while the block runs."""
+        with self._cond:
+            if self._stopping:
+                raise ServerStopping(f"host {self.host_id} is shutting down")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
 
     def _serve_conn(self, conn: socket.socket, peer: Any) -> None:
         """Serve ``conn`` until it is to be closed; an OSError means the peer went away."""
@@ -77,19 +111,19 @@ class ThreadedTCPServer:
         t.start()
         self._threads.append(t)
 
-    def _stop(self, drain: Callable[[], None] | None = None) -> bool:
+    def _stop(self, drain_s: float | None = None) -> bool:
         """Stop accepting, shut every open connection down and join the threads.
 
-        ``_stopping`` is set first, under ``_cond``; ``drain`` then runs still holding it (the
-        daemon waits there for the requests in flight). Returns False when the server was
-        already stopped, so that a second ``close()`` does nothing.
+        First ``admit`` refuses every new request; with ``drain_s``, the requests already admitted
+        then get up to that many seconds to finish before their connections are shut down.
+        Returns False when the server was already stopped, so that a second ``close()`` does nothing.
         """
         with self._cond:
             if self._stopping:
                 return False
             self._stopping = True
-            if drain is not None:
-                drain()
+            if drain_s is not None:
+                self._drain(drain_s)
             conns = list(self._conns)
         if self._sock is not None:
             with contextlib.suppress(OSError):  # wakes accept() (close alone does not, on Linux)
@@ -101,6 +135,15 @@ class ThreadedTCPServer:
         for t in self._threads:
             t.join(timeout=5)
         return True
+
+    def _drain(self, seconds: float) -> None:
+        # Runs holding _cond with _stopping set: no request is admitted any more, so _active only falls.
+        deadline = time.monotonic() + seconds
+        while self._active and time.monotonic() < deadline:
+            self._cond.wait(deadline - time.monotonic())
+        if self._active:
+            log.warning("host %s: %d requests still running after %.0f s; closing anyway",
+                        self.host_id, self._active, seconds)
 
     def _authenticated(self, conn: socket.socket) -> bool:
         """Move ``conn`` out of the waiting pool; False (close it) when the authenticated limit is hit."""

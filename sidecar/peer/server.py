@@ -94,7 +94,7 @@ class PeerServer(ThreadedTCPServer):
 
     @property
     def address(self) -> str:
-        host, port = self._sock.getsockname()[:2]
+        host, port = self.bound_address
         if self._advertise:
             host = self._advertise
         elif host in ("0.0.0.0", "::"):
@@ -238,7 +238,7 @@ class PeerServer(ThreadedTCPServer):
             self._reply(conn, Reply(req.id, error=RemoteError("InsufficientSpaceError", str(e))))
             return False  # the rest of the payload is unread
         finally:
-            conn.settimeout(self._idle_timeout)
+            conn.settimeout(self.idle_timeout_s)
         self._count(received_blobs=1, received_bytes=sizes[0])
         return self._reply(conn, Reply(req.id, {"blob": name, "added": added}))
 

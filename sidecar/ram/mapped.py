@@ -15,14 +15,14 @@ tables in place. A map follows its file's path through those renames; ``MapCache
 by garbage collection, before any free-space figure is read) drops the map of a file that was
 unlinked, so that a deleted file's pages are never held.
 
-A map is only cheap once its page tables exist: a copy into a new file's map, or into a file
-whose map was never filled in, takes a fault per 4 KiB page from user space (on a VM about
-2 us each, 4-20x the cost of ``write()`` of the same bytes, which allocates the pages inside the
-kernel). So such a landing is *cold*: its writer fills it with :meth:`Landing.fill` (``pwrite``
-from the source, hashing each chunk as it goes), not through its map, and the map is made
-without populating it. Once published, the file's map is filled in later, in the background
-(``MapWarmer``: ``MADV_POPULATE_WRITE``, or a ``MAP_POPULATE`` remap where the kernel lacks it), so
-that when the file comes back from the pool its landing is warm and the save is one memcpy.
+A map is only cheap once its page tables exist: a copy into a new file's map, or into a file whose
+map was never filled in, takes a fault per 4 KiB page from user space (4-20x the cost of
+``write()`` of the same bytes, which allocates the pages inside the kernel). So such a landing is
+*cold*: its writer fills it with :meth:`Landing.fill` (``pwrite`` from the source, hashing each
+chunk as it goes), not through its map, and the map is made without populating it. Once published,
+the file's map is filled in later, in the background (``MapWarmer``: ``MADV_POPULATE_WRITE``, or a
+``MAP_POPULATE`` remap where the kernel lacks it), so that when the file comes back from the pool
+its landing is warm and the save is one memcpy.
 
 Safety: a landing is only ever a pool file (never read or mapped by a restore: see
 ``FreePool.recycle``) or a new file; its space is taken before the first byte (fallocate for a

@@ -14,6 +14,7 @@ the senders retry later, as replication does anyway.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -71,6 +72,25 @@ class Pins:
     def names(self) -> set[str]:
         """The pinned names now (call it holding the store's lock, as a collection does)."""
         return set(self._counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collected:
+    """What one garbage collection did: ``count`` blobs removed, ``freed`` bytes, ``pooled`` of
+    them kept in the free pool; or nothing, ``skipped`` saying why (a manifest it could not read:
+    deleting blindly could destroy a good step)."""
+
+    freed: int = 0
+    count: int = 0
+    pooled: int = 0
+    skipped: str | None = None
+
+    def words(self) -> str:
+        """What was removed, as words for a log line; "" when nothing was."""
+        if not self.count:
+            return ""
+        return (f"garbage collection removed {self.count} blob{'s' if self.count != 1 else ''}, "
+                f"{format_binary_bytes(self.freed)} ({self.pooled} kept in the free pool)")
 
 
 class StoreSpace:
@@ -158,7 +178,7 @@ class StoreSpace:
             # the others are freed. Either way the space counts: reused or free.
             want = Counter(n for n in sizes if n >= POOL_MIN)
             self._pool.drain(want)
-            self._collect(frozenset(), want=want)
+            self._log(self._collect(frozenset(), want=want))
             free = free_bytes(self.root)
             if needed - self._pool.reuse(sizes) > free:
                 raise self._space_error(step, needed, free, 0)
@@ -178,13 +198,12 @@ class StoreSpace:
         _, dropped, collected = self.retain()
         for s in dropped:
             log.info("ramdisk %s: removed step %d (local_max_to_keep=%d)", self.root, s, self.max_to_keep)
-        if collected:
-            log.info("ramdisk %s: %s", self.root, collected.lstrip("; "))
+        self._log(collected)
 
-    def retain(self) -> tuple[list[int], list[int], str]:
+    def retain(self) -> tuple[list[int], list[int], Collected]:
         """``prune`` without its log lines (the caller says it: a commit, in one line), from one
         listing of steps/ and pending/ under the lock: (steps kept, steps removed, what garbage
-        collection removed, as words for a log line: "" for nothing)."""
+        collection did)."""
         with self._lock:
             steps = self._catalog.committed()
             drop = steps[:-self.max_to_keep] if len(steps) > self.max_to_keep else []
@@ -193,30 +212,34 @@ class StoreSpace:
                 self._catalog.remove(s, pending=dirs.pop(s, None) is not None)
             kept = steps[len(drop):]
             self._catalog.remove_stale_pending(self._catalog.live_pending(kept, dirs), dirs)
-            collected = []
-            self._collect(frozenset(), recycle=True, steps=kept, pending=dirs, report=collected)
-            return kept, drop, collected[0] if collected else ""
+            return kept, drop, self._collect(frozenset(), recycle=True, steps=kept, pending=dirs)
 
     # --- garbage -----------------------------------------------------------------------
 
-    def gc(self, extra_live: Iterable[str] = frozenset()) -> int:
+    def gc(self, extra_live: Iterable[str] = frozenset()) -> Collected:
         """Delete blobs that no committed step, pending manifest, pin or ``extra_live`` uses.
 
-        Returns the number of bytes freed. If a manifest cannot be parsed, nothing is deleted
-        (an error is logged): deleting blindly could destroy a good step.
+        If a manifest cannot be parsed, nothing is deleted (``Collected.skipped`` says why, and an
+        error is logged): deleting blindly could destroy a good step.
         """
         with self._lock:
-            return self._collect(frozenset(extra_live))
+            collected = self._collect(frozenset(extra_live))
+        self._log(collected)
+        return collected
+
+    def _log(self, collected: Collected) -> None:
+        if collected.count:
+            log.info("ramdisk %s: %s", self.root, collected.words())
 
     def _collect(self, extra_live: frozenset, *, recycle: bool = False, want: Counter | None = None,
-                   steps: list[int] | None = None, pending: dict | None = None, report: list | None = None) -> int:
-        """Collect unused blobs; returns their bytes.
+                 steps: list[int] | None = None, pending: dict | None = None) -> Collected:
+        """Collect unused blobs; says what it removed (the caller logs it), or why it removed nothing.
 
         With ``recycle``, collected files go to the free pool up to the bytes of the newest
         step; with ``want`` ({size: count}, decremented), up to that many files of each size.
         The rest are unlinked. ``steps`` and ``pending`` are the committed steps and the
         ``pending_dirs`` as the caller listed them under this lock (else they are listed here).
-        With ``report``, what was removed is appended to it as words instead of logged.
+        An unreadable manifest is logged here, as an error, whoever collects.
         """
         steps = self._catalog.committed() if steps is None else steps
         dirs = self._catalog.pending_dirs() if pending is None else pending
@@ -224,7 +247,7 @@ class StoreSpace:
             live = self._catalog.live_blobs(steps, sorted(dirs), self._pins.names(), dirs)
         except ManifestError as e:
             log.error("ramdisk %s: garbage collection skipped, a manifest is unreadable: %s", self.root, e)
-            return 0
+            return Collected(skipped=f"a manifest is unreadable: {e}")
         live |= extra_live
         garbage = self._blobs.names() - live
         cap = None  # the pool's bound: worked out for the first file big enough to be pooled
@@ -251,14 +274,7 @@ class StoreSpace:
             freed += st.st_size
             count += 1
         self._maps.sweep()  # maps of files unlinked here (or by anyone) would hold their pages
-        if count:
-            words = (f"garbage collection removed {count} blob{'s' if count != 1 else ''}, "
-                     f"{format_binary_bytes(freed)} ({pooled} kept in the free pool)")
-            if report is not None:
-                report.append("; " + words)
-            else:
-                log.info("ramdisk %s: %s", self.root, words)
-        return freed
+        return Collected(freed=freed, count=count, pooled=pooled)
 
     def _pool_cap(self, steps: list[int]) -> int:
         """The free pool's bound: the most bytes of blobs any kept step holds here.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from mtc.shared import format as fmt
 from mtc.shared import ramdisk
-from mtc.shared.errors import CorruptBlobError, MTCError
+from mtc.shared.errors import CorruptBlobError, MTCError, StepNotFoundError
 from mtc.sidecar.ram.blobs import BlobFiles
 from mtc.sidecar.ram.common import TMP_PREFIX, check_name, check_step, no_space, page_rounder
 from mtc.sidecar.ram.mapped import MapCache
@@ -203,7 +203,8 @@ class RamStore:
         # One line per commit: what became visible, what retention and collection removed.
         log.info("ramdisk %s: committed step %d%s%s", self.root, step,
                  f"; removed step{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} "
-                 f"(local_max_to_keep={self.space.max_to_keep})" if dropped else "", collected)
+                 f"(local_max_to_keep={self.space.max_to_keep})" if dropped else "",
+                 f"; {collected.words()}" if collected.count else "")
         return kept
 
     def repair_step(self, step: int, step_manifest: bytes) -> bool:
@@ -236,22 +237,26 @@ class RamStore:
             self.catalog.write_commit(step, data)
         return True
 
-    def upgrade_step(self, step: int, step_manifest: bytes, digest: str) -> bool:
+    def upgrade_step(self, step: int, step_manifest: bytes, digest: str) -> None:
         """Replace the commit record of ``step`` (``fmt.CommitRecord``) by the whole step manifest
-        whose digest the record names; True if replaced. Only a record is ever replaced."""
+        whose digest the record names. Only that record is ever replaced: a file that holds
+        anything else now (a manifest already, another record) stays as it is.
+
+        StepNotFoundError when the step's file is gone or cannot be read (pruned or aborted
+        meanwhile); what writing the manifest raises (``InsufficientSpaceError``, OSError) passes."""
         step = check_step(step)
         data = bytes(step_manifest)
         parse_step(data, step, f"upgrade of step {step}")
         with self._lock:
             try:
                 current = self.catalog.read(step)
-            except (MTCError, OSError):
-                return False
+            except StepNotFoundError:
+                raise
+            except (MTCError, OSError) as e:
+                raise StepNotFoundError(f"step {step} in the ramdisk {self.root} cannot be read: {e}") from e
             rec = fmt.CommitRecord.parse(current)
-            if rec is None or rec.digest != digest:
-                return False
-            self.catalog.write_commit(step, data)
-        return True
+            if rec is not None and rec.digest == digest:
+                self.catalog.write_commit(step, data)
 
     def unreadable_steps(self, *, listed: bool = False) -> list[int]:
         """Steps whose file is in steps/ but unreadable (see ``StepCatalog.unreadable``); with

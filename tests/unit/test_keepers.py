@@ -8,7 +8,7 @@ import pytest
 
 from mtc.head.save import choose_keepers, plan_commit
 from mtc.shared import format as fmt
-from mtc.shared.errors import ManifestError
+from mtc.shared.errors import ManifestError, StepNotFoundError
 from mtc.sidecar.service import SidecarService
 
 pytestmark = pytest.mark.unit
@@ -69,8 +69,33 @@ def test_a_host_that_is_not_a_keeper_commits_a_record_and_fetches_the_manifest_w
     # First need of the whole manifest: fetched from the keeper, checked, and it replaces the record.
     m = services["h2"].committed.manifest(1)
     assert m.digest == digest and services["h2"].store.catalog.read(1) == manifest
-    got = services["h2"].read_box(1, "['w']", ((4, 6), (0, 4)))
-    assert np.asarray(got).tobytes() == data[4:6].tobytes()
+    (got,), errors = services["h2"].read_boxes_each(1, [("['w']", ((4, 6), (0, 4)))])
+    assert not errors and np.asarray(got).tobytes() == data[4:6].tobytes()
+
+
+def test_a_record_is_replaced_only_by_its_manifest_and_a_step_gone_meanwhile_says_so(services, monkeypatch, caplog):
+    manifest, digest, _ = _save(services, 2, ["h0"])
+    store = services["h2"].store
+    record = store.catalog.read(2)
+    store.upgrade_step(2, manifest, "0" * len(digest))  # another record's digest: the file stays as it is
+    assert store.catalog.read(2) == record
+    store.upgrade_step(2, manifest, digest)
+    assert store.catalog.read(2) == manifest
+    store.upgrade_step(2, manifest, digest)  # a manifest already: nothing to replace
+    assert store.catalog.read(2) == manifest
+    store.delete_step(2)
+    with pytest.raises(StepNotFoundError):
+        store.upgrade_step(2, manifest, digest)
+
+    # Pruned between the fetch and the upgrade: the read that fetched the manifest still gets it.
+    _save(services, 3, ["h0"])
+    def pruned(step, step_manifest, digest):
+        raise StepNotFoundError(f"step {step} is not committed")
+
+    monkeypatch.setattr(services["h1"].store, "upgrade_step", pruned)
+    with caplog.at_level("INFO", logger="mtc.sidecar.committed"):
+        assert services["h1"].committed.manifest(3).step == 3
+    assert "kept step 3's commit record" in caplog.text
 
 
 def test_without_a_keeper_the_step_is_damaged_not_wrong(services):

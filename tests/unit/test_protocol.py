@@ -193,7 +193,7 @@ def test_header_must_be_json_values_only(pair):
 def test_every_op_of_the_table_is_served_by_the_daemon():
     from mtc.sidecar import ops
 
-    served = {n for n, op in ops.OPS.items() if "cluster" in op.modes} | set(ops.DATA_OPS)
+    served = {n for n, op in ops.OPS.items() if "cluster" in op.spec.modes} | set(ops.DATA_OPS)
     assert {"ping", "write", "read", "commit", "configure"} <= served and "close" not in served
 
 

@@ -393,8 +393,8 @@ def test_gc_spares_pending_pinned_and_extra_live(store):
     pinned, _ = store.blobs.write(b"pinned")
     extra, _ = store.blobs.write(b"extra")
     with store.pins.hold([pinned]):
-        freed = store.space.gc(extra_live={extra})
-        assert freed == len(b"orphan")
+        collected = store.space.gc(extra_live={extra})
+        assert (collected.freed, collected.count, collected.skipped) == (len(b"orphan"), 1, None)
         assert store.blobs.names() == {blob_name(b"committed"), pending[0], pinned, extra}
     store.space.gc()
     assert store.blobs.names() == {blob_name(b"committed"), pending[0]}
@@ -410,7 +410,8 @@ def test_gc_with_an_unreadable_manifest_deletes_nothing(tmp_path):
     save_step(store, 1, [b"one"])
     orphan, _ = store.blobs.write(b"orphan")
     store.write_pending(2, json.dumps({"step": 2}).encode())
-    assert store.space.gc() == 0
+    collected = store.space.gc()
+    assert (collected.freed, collected.count) == (0, 0) and "manifest is unreadable" in collected.skipped
     assert orphan in store.blobs.names()
     # A later commit drops the stale pending manifest; collection works again.
     save_step(store, 3, [b"three"])

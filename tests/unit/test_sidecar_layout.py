@@ -47,7 +47,7 @@ def test_each_folder_imports_only_what_its_role_allows(folder):
     assert not bad, f"imports outside what {folder}/ may import: {bad}"
 
 
-TRANSPORTS = ("sidecar/colocated.py", "sidecar/daemon.py", "sidecar/daemon_ops.py")
+TRANSPORTS = ("sidecar/colocated.py", "sidecar/daemon.py")
 TIERS = ("mtc.sidecar.ram", "mtc.sidecar.peer", "mtc.sidecar.backup")
 
 

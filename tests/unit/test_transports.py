@@ -57,11 +57,12 @@ def test_the_table_names_a_service_method_for_every_operation(tmp_path):
     finally:
         svc.close()
     assert set(BAD) | set(BAD_DATA) == set(ops.OPS), "every operation of the table has a bad-argument case here"
-    assert set(BAD_DATA) == ops.DATA_OPS == {name for name, op in ops.OPS.items() if op.data}
+    assert set(BAD_DATA) == ops.DATA_OPS == {name for name, op in ops.OPS.items() if op.spec.data}
     assert ops.LONG_OPS == {"backup_upload", "backup_fetch", "peer_pull", "backup_scrub"}
     assert {"write", "commit", "abort", "configure", "peer_pull", "backup_finalize"} <= ops.MUTATING_OPS
     for name, op in ops.OPS.items():
-        assert set(op.modes) == {"colocated", "cluster"} or op.why, f"{name} is in one mode without saying why"
+        spec = op.spec
+        assert set(spec.modes) == {"colocated", "cluster"} or spec.why, f"{name} is in one mode without saying why"
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ def test_every_operation_refuses_the_same_bad_arguments_with_the_same_error_in_b
     for name, args in {**BAD, **BAD_DATA}.items():
         if args is None:
             continue
-        modes = ops.OPS[name].modes if name in ops.OPS else ("colocated", "cluster")
+        modes = ops.OPS[name].spec.modes if name in ops.OPS else ("colocated", "cluster")
         got = {}
         if "cluster" in modes:
             got["cluster"] = cluster(name, args)
@@ -199,8 +200,9 @@ def test_every_operation_of_the_table_has_a_row_in_the_architecture():
     for name, op in ops.OPS.items():
         row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}` |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert (cells[2] == "yes") == op.mutating and (cells[3] == "yes") == op.long, (name, cells)
-        assert cells[1].startswith("(data") == op.data and cells[4:6] == [op.lane, op.timeout], (name, cells)
+        spec = op.spec
+        assert (cells[2] == "yes") == spec.mutating and (cells[3] == "yes") == spec.long, (name, cells)
+        assert cells[1].startswith("(data") == spec.data and cells[4:6] == [spec.lane, spec.timeout], (name, cells)
 
 
 def test_the_cluster_head_takes_each_operations_lane_and_timeout_from_the_table():
@@ -210,13 +212,14 @@ def test_the_cluster_head_takes_each_operations_lane_and_timeout_from_the_table(
     from mtc.head.dispatch.cluster.lanes import LANES, lane_of
     from mtc.shared import op_table
 
-    assert set(op_table.SPECS) == set(ops.OPS) and set(LANES) == {op.lane for op in ops.OPS.values()}
+    assert set(op_table.SPECS) == set(ops.OPS) and set(LANES) == {op.spec.lane for op in ops.OPS.values()}
     timeouts = Timeouts(data_s=1.0, control_s=2.0, connect_s=3.0, backup_s=4.0, peer_s=5.0)
     seconds = {"data": 1.0, "control": 2.0, "backup": 4.0, "peer": 5.0}
     for name, op in ops.OPS.items():
         assert op.spec is op_table.SPECS[name]
-        assert lane_of(name) == op.lane and timeouts.for_op(name) == seconds[op.timeout], name
-    assert {n for n, op in ops.OPS.items() if op.timeout == "data"} == {"write", "commit", "read"}
-    assert {n for n, op in ops.OPS.items() if op.lane == "backup"} == {n for n in ops.OPS if n.startswith("backup_")}
-    assert {n for n, op in ops.OPS.items() if op.lane == "peer"} == {"peer_pull"}
+        assert lane_of(name) == op.spec.lane and timeouts.for_op(name) == seconds[op.spec.timeout], name
+    assert {n for n, op in ops.OPS.items() if op.spec.timeout == "data"} == {"write", "commit", "read"}
+    assert ({n for n, op in ops.OPS.items() if op.spec.lane == "backup"}
+            == {n for n in ops.OPS if n.startswith("backup_")})
+    assert {n for n, op in ops.OPS.items() if op.spec.lane == "peer"} == {"peer_pull"}
     assert lane_of("no_such_op") == "control" and timeouts.for_op("no_such_op") == 2.0
