@@ -149,31 +149,51 @@ class SidecarDaemon(ThreadedTCPServer):
         while True:
             batches: list = []
             try:
-                try:
-                    frame = protocol.recv_frame(conn, max_payload=self._max_payload,
-                                                alloc=lambda h, sizes: self._receive_buffers(h, sizes, batches))
-                    req = None if frame is None else Request.from_frame(*frame)
-                except ProtocolError as e:
-                    log.warning("host %s: bad frame from %s, closing the connection: %s",
-                                self.service.host_id, peer, e)
-                    self._try_send(conn, Reply(None, error=RemoteError("ProtocolError", str(e))))
-                    return
-                if req is None:
-                    return
-                reply = self._serve_request(req)
-            finally:
-                for batch in batches:  # landings the write did not publish (it failed, or was refused)
-                    batch.close()
-            streams = [p for p in reply.payloads if isinstance(p, BlobStream)]
-            if streams:  # sent from maps of their files, kept (and pinned) until then
-                reply = dataclasses.replace(reply, payloads=tuple(
-                    p.payload if isinstance(p, BlobStream) else p for p in reply.payloads))
+                frame = protocol.recv_frame(conn, max_payload=self._max_payload,
+                                            alloc=lambda h, sizes: self._receive_buffers(h, sizes, batches))
+                req = None if frame is None else Request.from_frame(*frame)
+            except ProtocolError as e:
+                log.warning("host %s: bad frame from %s, closing the connection: %s", self.service.host_id, peer, e)
+                self._close_batches(batches)
+                self._try_send(conn, Reply(None, error=RemoteError("ProtocolError", str(e))))
+                return
+            except BaseException:
+                self._close_batches(batches)
+                raise
+            if req is None:
+                return
             try:
-                if not self._try_send(conn, reply):
+                with self.admit():  # counted until its reply is sent: close() waits for the reply too
+                    try:
+                        reply = self._handle(req)
+                    finally:
+                        self._close_batches(batches)
+                    if not self._send(conn, reply):
+                        return
+            except ServerStopping as e:
+                self._close_batches(batches)
+                if not self._try_send(conn, Reply(req.id, error=RemoteError("HostUnreachableError", str(e)))):
                     return
-            finally:
-                for st in streams:
-                    st.close()
+
+    @staticmethod
+    def _close_batches(batches: list) -> None:
+        """Drop the landings a write did not publish (it failed, or was refused)."""
+        for batch in batches:
+            batch.close()
+        batches.clear()
+
+    def _send(self, conn: socket.socket, reply: Reply) -> bool:
+        """Send ``reply``; a read's streamed blobs go from maps of their files, kept (and pinned) until
+        then. False: the connection is gone."""
+        streams = [p for p in reply.payloads if isinstance(p, BlobStream)]
+        if streams:
+            reply = dataclasses.replace(reply, payloads=tuple(
+                p.payload if isinstance(p, BlobStream) else p for p in reply.payloads))
+        try:
+            return self._try_send(conn, reply)
+        finally:
+            for st in streams:
+                st.close()
 
     def _receive_buffers(self, header: dict, sizes: list[int], batches: list) -> list:
         """Where a request's payloads are received: a write's shards straight into mapped temp blob
@@ -185,14 +205,6 @@ class SidecarDaemon(ThreadedTCPServer):
         batch = self.service.store.landings.land(sizes, cold_ok=not self.service.store.huge_pages)
         batches.append(batch)
         return [protocol.aligned_buffer(n) if r is None else r for r, n in zip(batch.receivers(), sizes)]
-
-    def _serve_request(self, req: Request) -> Reply:
-        """Answer one request (or refuse it while shutting down)."""
-        try:
-            with self.admit():
-                return self._handle(req)
-        except ServerStopping as e:
-            return Reply(req.id, error=RemoteError("HostUnreachableError", str(e)))
 
     def _try_send(self, conn: socket.socket, reply: Reply) -> bool:
         try:
