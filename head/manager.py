@@ -33,7 +33,8 @@ from mtc.head.replication.loop import REPLICATION_WAIT_S, Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restore.plan import uncommit_lone
 from mtc.head.restore.restorer import Restorer
-from mtc.head.save import CommittedStep, TwinMismatchError, build_step, flatten
+from mtc.head.save import CommittedStep, build_step, flatten
+from mtc.head.twin_check import TwinMismatchError
 from mtc.shared import format as fmt
 from mtc.shared import version
 from mtc.shared.config import MTCConfig
