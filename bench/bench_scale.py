@@ -2,7 +2,7 @@
 
     python bench/bench_scale.py [--hosts 64,512,4096] [--layers 32] [--budget-s 120]
 
-No processes: mtc's own format and commit code (``mtc.shared.format``, ``mtc.head.save``) is
+No processes: mtc's own format and commit code (``mtc.shared.format``, ``choose_keepers``) is
 driven for a synthetic topology of H hosts x 8 devices and a MaxText-like state
 (``--layers`` transformer layers of 9 arrays each, plus the embedding and the final norm;
 FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
@@ -34,9 +34,8 @@ import json
 import math
 import time
 
-from mtc.head.dispatch.interface import HostInventory
+from mtc.head.dispatch.interface import HostInventory, choose_keepers
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares
-from mtc.head.save import choose_keepers
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 

@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -33,7 +33,8 @@ from mtc.head.replication.loop import REPLICATION_WAIT_S, Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restore.plan import uncommit_lone
 from mtc.head.restore.restorer import Restorer
-from mtc.head.save import CommittedStep, TwinMismatchError, build_step, flatten
+from mtc.head.save import CommittedStep, build_step, flatten
+from mtc.head.twin_check import TwinMismatchError
 from mtc.shared import format as fmt
 from mtc.shared import version
 from mtc.shared.config import MTCConfig
@@ -52,17 +53,12 @@ _LIVE: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
 _exit_hook_installed = False
 
 
-def _stop_background_retries() -> None:
-    for m in list(_LIVE):
-        m._closing.set()
-
-
-def _install_exit_hook() -> None:
+def _install_exit_hook(hook: Callable[[], None]) -> None:
     global _exit_hook_installed
     if _exit_hook_installed:
         return
     register = getattr(threading, "_register_atexit", None) or atexit.register
-    register(_stop_background_retries)
+    register(hook)
     _exit_hook_installed = True
 
 
@@ -108,7 +104,7 @@ class CheckpointManager:
         # A reader (read_only) never takes the hosts: a running job's head keeps them; it restores
         # what the hosts hold and the backups, and cannot save.
         self._read_only = self._restorer.read_only = bool(read_only)
-        _install_exit_hook()
+        _install_exit_hook(CheckpointManager._stop_background_retries)
         _LIVE.add(self)
         self.last_prefetch_report: PrefetchReport | None = None
         self._prefetch_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-prefetch")
@@ -514,6 +510,12 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise MTCError("this CheckpointManager is closed; create a new one")
+
+    @staticmethod
+    def _stop_background_retries() -> None:
+        """At interpreter exit: every live manager stops retrying in the background."""
+        for m in list(_LIVE):
+            m._closing.set()
 
     def close(self) -> None:
         """Wait for the background save, then release the sidecars (replication retries stop)."""

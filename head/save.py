@@ -17,10 +17,9 @@ import jax
 import numpy as np
 
 from mtc.head import tree as tree_lib
-from mtc.head.dispatch.interface import Leaf, WriteResult, choose_keepers  # noqa: F401 (choose_keepers: imported from here too)
+from mtc.head.dispatch.interface import Leaf, WriteResult, choose_keepers
 from mtc.head.restore.plan import is_prng_key, prng_key_shape
-# TwinMismatchError: the manager imports it from here, with the save path.
-from mtc.head.twin_check import TwinMismatchError, check as check_twins, hash_replicas  # noqa: F401
+from mtc.head.twin_check import check as check_twins, hash_replicas
 from mtc.shared import format as fmt
 from mtc.shared import shardings, version
 from mtc.shared.errors import TargetMismatchError

@@ -106,7 +106,7 @@ class ColocatedDispatcher(Dispatcher):
         self._ramdisk_root = str(config.ramdisk_root)
         self._zone = None  # the landing zone of the last stage, if the sidecar is in this process
         self._host_of_row: list[str] | None = None
-        self._keepers = max(2, int(config.replication_factor))  # hosts that keep each whole manifest
+        super().__init__(keepers=max(2, int(config.replication_factor)))
 
     # --- control requests ---------------------------------------------------------------
 

@@ -99,7 +99,9 @@ class Dispatcher(abc.ABC):
     """
 
     generation: int | None = None
-    _keepers: int = 2  # the hosts that keep each whole step manifest (``choose_keepers``)
+
+    def __init__(self, keepers: int):
+        self._keepers = keepers  # the hosts that keep each whole step manifest (``choose_keepers``)
 
     @abc.abstractmethod
     def hosts(self) -> list[str]:

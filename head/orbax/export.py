@@ -197,7 +197,7 @@ def _under(path: tuple, prefix: tuple) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _orbax() -> Any:
+def orbax_api() -> Any:
     """orbax-checkpoint's v1 API and the partial-save parts the export uses (refused if missing)."""
     try:
         from orbax.checkpoint import v1 as ocp
@@ -311,7 +311,7 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
     is called with bytes after each group.
     """
     t0 = time.perf_counter()
-    orbax = _orbax()
+    orbax = orbax_api()
     steps = manager.all_steps()
     if step is None:
         if not steps:
@@ -488,7 +488,7 @@ def check(report: ExportReport, manifest: fmt.StepManifest, digests: list, paths
 
     Each read names the whole saved structure, with Orbax's placeholder for the leaves of other
     groups, so no more than one group is in memory."""
-    orbax = _orbax()
+    orbax = orbax_api()
     ocp = orbax.ocp
     root = orbax.epath.Path(report.path)
     doc = manifest.tree

@@ -53,14 +53,15 @@ class ReplicationStrategy:
         self.factor = factor
 
     @staticmethod
-    def _domain_of(topology: Mapping[str, int]):
+    def domain_of(topology: Mapping[str, int]) -> Callable[[str], tuple]:
+        """host -> its failure domain in ``topology``: its slice, or itself when there is one slice."""
         if len(set(topology.values())) > 1:
             return lambda h: ("slice", topology[h])
         return lambda h: ("host", h)
 
     def copies(self, hosts: Iterable[str], topology: Mapping[str, int]) -> int:
         """How many failure domains ``hosts`` cover (hosts outside ``topology`` do not count)."""
-        domain = self._domain_of(topology)
+        domain = self.domain_of(topology)
         return len({domain(h) for h in hosts if h in topology})
 
     def domains(self, topology: Mapping[str, int]) -> int:
@@ -83,7 +84,7 @@ class ReplicationStrategy:
         ring = {h: i for i, h in enumerate(topology)}
         n = max(1, len(ring))
         allowed = set(topology) if targets is None else set(targets) & set(topology)
-        domain = self._domain_of(topology)
+        domain = self.domain_of(topology)
         incoming: Counter[str] = Counter()
         outgoing: Counter[str] = Counter()
         out: list[Transfer] = []
@@ -309,7 +310,7 @@ def plan_shares(inventories: Mapping[str, HostInventory], step: int, manifest: s
     if got is None:
         return None
     share, whole = got
-    domain = strategy._domain_of(topology)
+    domain = strategy.domain_of(topology)
     allowed = set(targets)
     order: list = []  # the domains in ring order
     members: dict = {}  # domain -> its hosts, in ring order

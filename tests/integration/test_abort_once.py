@@ -29,14 +29,14 @@ def _state(seed: int) -> dict:
 def aborts_sent(monkeypatch) -> collections.Counter:
     """(host, step) -> the abort requests the head sent that host's daemon."""
     sent: collections.Counter = collections.Counter()
-    real = HostConnection._send
+    real = HostConnection.send
 
     def counting(self, op, args, payloads, **kw):
         if op == "abort":
             sent[(self.id, args.get("step"))] += 1
         return real(self, op, args, payloads, **kw)
 
-    monkeypatch.setattr(HostConnection, "_send", counting)
+    monkeypatch.setattr(HostConnection, "send", counting)
     return sent
 
 

@@ -1,11 +1,12 @@
 """The head's layout (docs/architecture.md, "Where the code is"): no import cycle among the
-``mtc.head`` modules, and modules named by their role, not by their folder.
+``mtc.head`` modules, modules named by their role, not by their folder, and every package of the
+head installed (listed in pyproject.toml).
 
 Read from the source with ``ast``, nothing imported. An import inside a function counts: deferring
-an import hides a cycle from Python, not from the design (the dispatcher factory inside the
-interface both dispatchers import was one). Imports under ``if TYPE_CHECKING:`` do not count:
-they never run. Importing a module runs its packages' ``__init__`` first; that is not counted as
-an edge either (``mtc.head``'s ``__init__`` imports the public names from the modules below it).
+an import hides a cycle from Python, not from the design. Imports under ``if TYPE_CHECKING:`` do
+not count: they never run. Importing a module runs its packages' ``__init__`` first; that is not
+counted as an edge either (``mtc.head``'s ``__init__`` imports the public names from the modules
+below it).
 """
 
 from __future__ import annotations

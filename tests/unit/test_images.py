@@ -419,11 +419,11 @@ def test_rendered_default_image_tags_are_the_tags_the_build_script_builds():
     import subprocess
     import sys
 
-    from mtc.head.tools.k8s import manifests
+    from mtc.head.tools.k8s import images
 
     out = subprocess.run([sys.executable, str(build.IMAGES / "build.py"), "tags"], capture_output=True, text=True,
                          check=True, timeout=60).stdout.split()
     built = {ref.rsplit("/", 1)[-1].split(":")[0]: ref.rsplit(":", 1)[1] for ref in out}
     lock = build.read_lock()
-    assert set(built.values()) == {build.tag(lock)} and manifests.image_tag() == build.tag(lock)
-    assert json.loads(build.IMAGE_VERSIONS.read_text()) == manifests.built_versions()
+    assert set(built.values()) == {build.tag(lock)} and images.image_tag() == build.tag(lock)
+    assert json.loads(build.IMAGE_VERSIONS.read_text()) == images.built_versions()

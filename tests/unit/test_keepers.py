@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtc.head.save import choose_keepers, plan_commit
+from mtc.head.dispatch.interface import choose_keepers
+from mtc.head.save import plan_commit
 from mtc.shared import format as fmt
 from mtc.shared.errors import ManifestError, StepNotFoundError
 from mtc.sidecar.service import SidecarService

@@ -19,7 +19,8 @@ import yaml
 
 from mtc.head.tools.k8s import check as manifest_check
 from mtc.head.tools.cli.main import main
-from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
+from mtc.head.tools.k8s.manifests import render_documents
+from mtc.head.tools.k8s.options import ManifestOptions
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from mtc.head.tools.k8s import check as manifest_check
-from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
+from mtc.head.tools.k8s.manifests import render_documents
+from mtc.head.tools.k8s.options import ManifestOptions
 from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -19,9 +19,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mtc.head.tools.k8s import check as manifest_check, manifests
+from mtc.head.tools.k8s import check as manifest_check, images, manifests, options as k8s_options
 from mtc.head.tools.cli.main import main
-from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
+from mtc.head.tools.k8s.manifests import render_documents
+from mtc.head.tools.k8s.options import ManifestOptions
 from mtc.shared.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -241,9 +242,10 @@ def test_token_file_goes_into_the_secret(tmp_path, capsys):
 
 
 def test_min_token_length_matches_the_sidecar():
+    from mtc.shared import config  # what the render reads (plan.py, render.py)
     from mtc.sidecar.peer import ENV_TOKEN, MIN_TOKEN_CHARS
 
-    assert (manifests.MIN_TOKEN_CHARS, manifests.ENV_TOKEN) == (MIN_TOKEN_CHARS, ENV_TOKEN)
+    assert (config.MIN_TOKEN_CHARS, config.ENV_TOKEN) == (MIN_TOKEN_CHARS, ENV_TOKEN)
     with pytest.raises(ConfigError, match="at least 16"):
         render_documents(options(peer_token="short"))
 
@@ -283,7 +285,7 @@ def test_the_guides_command_is_kept_not_duplicated():
 
 def test_images_carry_the_versions():
     js = render_documents(options(image_registry="us-docker.pkg.dev/p/mtc/"))[1]
-    tag = manifests.image_tag()
+    tag = images.image_tag()
     assert re.fullmatch(r"\d+\.\d+\.\d+-python_\d+\.\d+-jax_\d+\.\d+\.\d+\S*", tag)
     pods = _pod_specs(js)
     assert _containers(pods["pathways-head"])["main"]["image"] == f"us-docker.pkg.dev/p/mtc/mtc-head:{tag}"
@@ -297,8 +299,8 @@ def test_images_carry_the_versions():
 def test_default_sidecar_image_is_the_colocated_one_that_images_build_tags():
     js = render_documents(options())[1]
     image = _containers(_pod_specs(js)["worker"])["colocated-python-sidecar"]["image"]
-    assert image == f"mtc-colocated-sidecar:{manifests.image_tag()}"
-    assert manifests.SIDECAR_IMAGE_NAME == "mtc-colocated-sidecar"
+    assert image == f"mtc-colocated-sidecar:{images.image_tag()}"
+    assert k8s_options.SIDECAR_IMAGE_NAME == "mtc-colocated-sidecar"
 
 
 @pytest.mark.parametrize("image", [
@@ -430,7 +432,7 @@ def test_mtc_launcher_runs_maxtext_through_mtc():
     assert _command_flags(js)["enable_multi_tier_checkpointing"] == ["true"]
     with pytest.raises(ConfigError, match="--mtc-launcher needs --command to run"):
         render_documents(options(command="python3 train.py", mtc_launcher=True))
-    assert manifests.launcher_command("python3 -m mtc.head.maxtext a=1") == "python3 -m mtc.head.maxtext a=1"
+    assert k8s_options.launcher_command("python3 -m mtc.head.maxtext a=1") == "python3 -m mtc.head.maxtext a=1"
 
 
 def test_images_check_compares_the_tags(capsys):
@@ -472,7 +474,7 @@ def test_preemption_budget_sets_the_pods_grace_period_and_the_heads_variable(cap
     js = _by_kind(render_documents(options(preemption_grace_s=50)))["JobSet"]
     pods = _pod_specs(js)
     assert pods and all(pod["terminationGracePeriodSeconds"] == 60 for pod in pods.values()), pods
-    head_env = {e["name"]: e.get("value") for e in _containers(pods[manifests.HEAD_JOB])["main"]["env"]}
+    head_env = {e["name"]: e.get("value") for e in _containers(pods[k8s_options.HEAD_JOB])["main"]["env"]}
     assert head_env["MTC_PREEMPTION_GRACE_S"] == "50", head_env
     with pytest.raises(ConfigError, match="preemption-grace-s"):
         render_documents(options(preemption_grace_s=0))

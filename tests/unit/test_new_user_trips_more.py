@@ -131,7 +131,8 @@ def test_status_prints_brackets_as_written():
 # ---- mtc manifests check applies render's rules to a hand edit -------------------------------------------
 
 def _rendered() -> list[dict]:
-    from mtc.head.tools.k8s.manifests import ManifestOptions, render_documents
+    from mtc.head.tools.k8s.manifests import render_documents
+    from mtc.head.tools.k8s.options import ManifestOptions
 
     return render_documents(ManifestOptions(
         name="llama", command="python3 -m maxtext.trainers.pre_train.train model_name=llama3.1-8b",

@@ -146,6 +146,11 @@ class HostConnection:
     lane, so that an upload stuck on a dead bucket never holds up the next save, and the
     ``peer`` lane (replication, restore pulls), for the same reason. The daemon serves each
     connection on its own thread.
+
+    ``call`` is one request, start to end. Its steps are public too (``connect``, ``send``,
+    ``receive``, ``drop``, and the errors ``unreachable`` and ``error_of``), so that
+    ``call_each`` can send one request on each of many connections before it reads any answer;
+    whoever runs the steps holds ``lock``.
     """
 
     def __init__(self, host_id: str, lane: str = "control", *, addresses: AddressBook, timeouts: Timeouts,
@@ -172,27 +177,27 @@ class HostConnection:
             for attempt in (0, 1):
                 fresh = self.sock is None
                 if fresh:
-                    self._connect()
+                    self.connect()
                 timeout = self.timeouts.for_op(op)
                 try:
                     self.sock.settimeout(timeout)
-                    reply = self._receive(op, self._send(op, args or {}, payloads), alloc)
+                    reply = self.receive(op, self.send(op, args or {}, payloads), alloc)
                 except _Answered as a:
-                    self._drop()
+                    self.drop()
                     raise a.error from None
                 except (OSError, ProtocolError) as e:
-                    self._drop()
+                    self.drop()
                     if fresh or attempt or isinstance(e, TimeoutError):
-                        raise self._unreachable(e, timeout) from e
+                        raise self.unreachable(e, timeout) from e
                     continue
                 return self._answer(reply)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _roundtrip(self, op: str, args: dict, payloads: Sequence[Any], alloc, *, stamp: bool = True) -> protocol.Reply:
-        return self._receive(op, self._send(op, args, payloads, stamp=stamp), alloc)
+        return self.receive(op, self.send(op, args, payloads, stamp=stamp), alloc)
 
-    def _send(self, op: str, args: dict, payloads: Sequence[Any], *, stamp: bool = True) -> int:
-        """Send one request; returns its id."""
+    def send(self, op: str, args: dict, payloads: Sequence[Any], *, stamp: bool = True) -> int:
+        """Send one request on the open socket; returns its id. Transport errors are raised as they are."""
         self._next_id += 1
         rid = self._next_id
         if stamp and self.stamp.generation is not None:  # fencing: sidecars refuse changes from an older head
@@ -200,12 +205,16 @@ class HostConnection:
         protocol.send_request(self.sock, protocol.Request(op, rid, args, tuple(payloads)))
         return rid
 
-    def _receive(self, op: str, rid: int, alloc) -> protocol.Reply:
-        """The reply to request ``rid`` (an error answer is returned, not raised: see ``_answer``)."""
+    def receive(self, op: str, rid: int, alloc) -> protocol.Reply:
+        """The reply to request ``rid`` (an error answer is returned, not raised: see ``_answer``).
+
+        Raises ``_Answered`` when the daemon refused this head (its ``error``: the refusal,
+        typed), ``ProtocolError`` for a request it could not read or a reply to another, and
+        transport errors as they are."""
         reply = protocol.recv_reply(self.sock, alloc=alloc)
         if reply.id is None and reply.error is not None:  # the daemon could not read our frame, or refused us
             if reply.error.type in ("AuthenticationError", "HostUnreachableError"):
-                raise _Answered(self._error(reply.error))
+                raise _Answered(self.error_of(reply.error))
             raise ProtocolError(f"host {self.id} refused a {op} request: {reply.error.message}")
         if reply.id != rid:
             raise ProtocolError(f"reply id {reply.id} does not match request id {rid} ({op})")
@@ -213,17 +222,21 @@ class HostConnection:
 
     def _answer(self, reply: protocol.Reply) -> protocol.Reply:
         if reply.error is not None:
-            raise self._error(reply.error)
+            raise self.error_of(reply.error)
         return reply
 
-    def _error(self, error: protocol.RemoteError) -> MTCError:
+    def error_of(self, error: protocol.RemoteError) -> MTCError:
         """The error the daemon answered with, typed, naming this host."""
         return wire_errors.decode(self.id, error.type, error.message)
 
-    def _unreachable(self, e: BaseException, timeout: float) -> HostUnreachableError:
+    def unreachable(self, e: BaseException, timeout: float) -> HostUnreachableError:
+        """The error that a transport failure ``e`` (waiting at most ``timeout`` s) is, naming this host."""
         return HostUnreachableError(f"host {self.id} at {self.address}: {transport_cause(e, timeout)}")
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Open the socket: authenticate, check the daemon's host and versions, send this host's
+        queued aborts, then the head's settings. Raises ``HostUnreachableError`` or the error
+        the daemon answered, typed; the socket is dropped then."""
         address = self.addresses.of(self.id)
         self.address = address
         try:
@@ -246,7 +259,7 @@ class HostConnection:
             self._authenticate()
             reply = self._roundtrip("fingerprint", {}, (), None)
             if reply.error is not None:
-                raise _Answered(self._error(reply.error))
+                raise _Answered(self.error_of(reply.error))
             fp = reply.result if isinstance(reply.result, dict) else {}
             if fp.get("host") != self.id:
                 raise HostUnreachableError(
@@ -264,21 +277,21 @@ class HostConnection:
                     raise
                 if r.error is not None:
                     self.aborts.add(self.id, [step])
-                    raise _Answered(self._error(r.error))
+                    raise _Answered(self.error_of(r.error))
                 log.info("host %s: aborted step %d left by a failed save", self.id, step)
             if self.stamp.settings is not None:  # a restarted sidecar has none: it follows this head's
                 r = self._roundtrip("configure", {"settings": self.stamp.settings}, (), None)
                 if r.error is not None:
-                    raise _Answered(self._error(r.error))
+                    raise _Answered(self.error_of(r.error))
         except _Answered as a:
-            self._drop()
+            self.drop()
             raise a.error from None
         except (OSError, ProtocolError) as e:
-            self._drop()
+            self.drop()
             raise HostUnreachableError(f"host {self.id} at {address}: "
                                        f"{transport_cause(e, self.timeouts.control_s)}") from e
         except BaseException:
-            self._drop()
+            self.drop()
             raise
 
     def _authenticate(self) -> None:
@@ -294,7 +307,7 @@ class HostConnection:
                                     "or tls_dir)") from e
             raise
         if hello.error is not None:
-            raise _Answered(self._error(hello.error))
+            raise _Answered(self.error_of(hello.error))
         server_nonce = hello.result.get("nonce") if isinstance(hello.result, dict) else None
         if not auth.valid_nonce(server_nonce):
             raise ProtocolError(f"host {self.id}: malformed hello answer")
@@ -302,13 +315,14 @@ class HostConnection:
         done = self._roundtrip("auth", {"proof": auth.proof(key, "client", server_nonce, client_nonce)}, (), None,
                                stamp=False)
         if done.error is not None:
-            raise _Answered(self._error(done.error))
+            raise _Answered(self.error_of(done.error))
         got = done.result.get("proof") if isinstance(done.result, dict) else None
         if not auth.check(auth.proof(key, "server", server_nonce, client_nonce), got):
             raise AuthenticationError(f"host {self.id} at {self.address} does not hold this job's token: it is not "
                                       "one of the job's sidecars (a stale cluster spec, or something else on the port)")
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
+        """Close the socket (the next request reconnects); the caller holds ``lock``, unlike ``close``."""
         if self.sock is not None:
             try:
                 self.sock.close()
@@ -317,7 +331,7 @@ class HostConnection:
 
     def close(self) -> None:
         with self.lock:
-            self._drop()
+            self.drop()
 
 
 def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], dict],
@@ -348,9 +362,9 @@ def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], di
             failures.update(_connect_each(missing))
 
         def failed(c: HostConnection, e: BaseException, timeout: float) -> None:
-            c._drop()
+            c.drop()
             if c.id in fresh or isinstance(e, TimeoutError):
-                failures[c.id] = c._unreachable(e, timeout)
+                failures[c.id] = c.unreachable(e, timeout)
             else:
                 stale.append(c)
 
@@ -360,7 +374,7 @@ def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], di
             timeout = c.timeouts.for_op(op)
             try:
                 c.sock.settimeout(timeout)
-                rid = c._send(op, args(c.id), payloads(c.id) if payloads is not None else ())
+                rid = c.send(op, args(c.id), payloads(c.id) if payloads is not None else ())
             except (OSError, ProtocolError) as e:
                 failed(c, e, timeout)
                 continue
@@ -378,16 +392,16 @@ def call_each(conns: Sequence[HostConnection], op: str, args: Callable[[str], di
                 sel.unregister(key.fileobj)
                 c, rid, timeout, _ = key.data
                 try:
-                    reply = c._receive(op, rid, None)
+                    reply = c.receive(op, rid, None)
                 except _Answered as a:
-                    c._drop()
+                    c.drop()
                     failures[c.id] = a.error
                     continue
                 except (OSError, ProtocolError) as e:
                     failed(c, e, timeout)
                     continue
                 if reply.error is not None:
-                    failures[c.id] = c._error(reply.error)
+                    failures[c.id] = c.error_of(reply.error)
                 else:
                     replies[c.id] = reply
     for c in stale:  # the locks are released: call() takes its own, reconnects and tries once
@@ -407,7 +421,7 @@ def _connect_each(conns: Sequence[HostConnection]) -> dict[str, BaseException]:
 
     def one(c: HostConnection) -> None:
         try:
-            c._connect()
+            c.connect()
         except Exception as e:  # reported per host, like any other failure of the call
             failures[c.id] = e
 

@@ -108,7 +108,7 @@ class ClusterDispatcher(Dispatcher):
         # The settings every sidecar follows: sent with the claim, and first on each new connection.
         self._host_settings = HostSettings.from_config(config).to_wire()
         # Hosts that keep each step's whole manifest (on distinct slices; the others commit its digest).
-        self._keepers = max(2, int(config.replication_factor))
+        super().__init__(keepers=max(2, int(config.replication_factor)))
         self.topology = Topology.from_spec(spec_path, list(devices if devices is not None else jax.devices()))
         token = auth.resolve_token(config.peer_token)
         if not token:

@@ -48,18 +48,6 @@ class _Read:
     host_verifies: bool = False  # its stream failed its hash here: the host hashes it next time
 
     @property
-    def key(self) -> str:
-        return self.plan.key
-
-    @property
-    def box(self) -> Box:
-        return self.plan.region
-
-    @property
-    def candidates(self) -> tuple[str, ...]:
-        return self.plan.candidates
-
-    @property
     def nbytes(self) -> int:
         return int(self.dest.nbytes)
 
@@ -127,7 +115,7 @@ class ClusterLoader:
         while pending:
             by_host: dict[str, list[_Read]] = {}
             for r in pending:
-                by_host.setdefault(r.candidates[len(r.tried)], []).append(r)
+                by_host.setdefault(r.plan.candidates[len(r.tried)], []).append(r)
             results, failures = self._lanes.fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest),
                                                     list(by_host))
             pending = []
@@ -142,7 +130,7 @@ class ClusterLoader:
                         pending.append(r)
                         continue
                     r.tried.append((h, kind, why))
-                    if len(r.tried) >= len(r.candidates):
+                    if len(r.tried) >= len(r.plan.candidates):
                         self._raise_read_error(step, r)
                     pending.append(r)
 
@@ -166,8 +154,8 @@ class ClusterLoader:
             for i, (r, n) in enumerate(zip(batch, sizes)):
                 want = 0 if i in errors else r.nbytes
                 if n != want:
-                    raise ProtocolError(f"host {h}: read of {r.key!r} {fmt.box_str(r.box)} answered {n} bytes, "
-                                        f"expected {want}")
+                    raise ProtocolError(f"host {h}: read of {r.plan.key!r} {fmt.box_str(r.plan.region)} answered "
+                                        f"{n} bytes, expected {want}")
                 if n and r.dest.flags.c_contiguous:
                     buf = r.dest  # straight into the target buffer
                 else:
@@ -177,7 +165,7 @@ class ClusterLoader:
                 out.append(buf)
             return out
 
-        reads = [[r.key, [list(p) for p in r.box]] for r in batch]
+        reads = [[r.plan.key, [list(p) for p in r.plan.region]] for r in batch]
         args = {"step": step, "reads": reads}
         if manifest is not None:  # the digest every read is checked against on the host
             args["manifest"] = manifest
@@ -191,7 +179,7 @@ class ClusterLoader:
             if got != batch[i].blob:
                 r = batch[i]
                 log.warning("host %s: the bytes of blob %s (%r %s) it sent hash to %s; asking it to check its copy",
-                            h, r.blob, r.key, fmt.box_str(r.box), got)
+                            h, r.blob, r.plan.key, fmt.box_str(r.plan.region), got)
                 r.host_verifies = True
                 failed[i] = (None, f"blob {r.blob} arrived corrupt (hashes to {got})")
         for i, buf in tmp.items():
@@ -201,8 +189,8 @@ class ClusterLoader:
 
     def _raise_read_error(self, step: int, r: _Read) -> None:
         tried = "; ".join(f"{h}: {c}" for h, _, c in r.tried)
-        msg = (f"step {step}: array {r.key!r} box {fmt.box_str(r.box)} could not be read from any host that "
-               f"holds it (tiers tried: ram; hosts tried: {tried})")
+        msg = (f"step {step}: array {r.plan.key!r} box {fmt.box_str(r.plan.region)} could not be read from any host "
+               f"that holds it (tiers tried: ram; hosts tried: {tried})")
         if any(kind == "HostUnreachableError" for _, kind, _ in r.tried):
             raise HostUnreachableError(msg + "; restart the host's daemon and retry the restore")
         host, kind, _ = r.tried[-1]

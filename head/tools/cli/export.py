@@ -126,9 +126,9 @@ def run(args: Any) -> int:
             raise ConfigError("--to is empty; give the folder of the export (the step is written in <folder>/<step>)")
         if "://" not in str(args.to):  # a gs:// destination is checked by its writer
             _check_target(Path(args.to))
-        from mtc.head.orbax.export import _orbax
+        from mtc.head.orbax.export import orbax_api
 
-        _orbax()  # refused here, before any sidecar starts, when orbax-checkpoint is missing
+        orbax_api()  # refused here, before any sidecar starts, when orbax-checkpoint is missing
         missing = missing_local_root(MTCConfig(base_output_directory=args.base_output_directory,
                                                run_name=args.run_name).backup_root) if args.run_name else None
         if missing:  # read-only: a backup root that is not there is not created (nor read as empty)

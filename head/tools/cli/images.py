@@ -45,16 +45,16 @@ def _image_labels(engine: str, ref: str) -> dict[str, str]:
 
 
 def cmd_images_check(args: argparse.Namespace) -> int:
-    from mtc.head.tools.k8s import manifests
+    from mtc.head.tools.k8s import images
 
     try:
-        bad = manifests.image_mismatches(args.head_image, args.sidecar_image)
+        bad = images.image_mismatches(args.head_image, args.sidecar_image)
         labels = ({role: _image_labels(args.engine, ref) for role, ref in
                    (("head", args.head_image), ("sidecar", args.sidecar_image))} if args.engine else None)
     except ConfigError as e:
         print(f"mtc images check: error: {e}", file=sys.stderr)
         return 2
-    hv, sv = manifests.image_versions(args.head_image), manifests.image_versions(args.sidecar_image)
+    hv, sv = images.image_versions(args.head_image), images.image_versions(args.sidecar_image)
     print(f"{'':8} {'head':24} {'sidecar':24}")
     for k in ("mtc", "python", "jax"):
         mark = "  <- differs" if hv[k] != sv[k] else ""

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_manifests_parser(sub: argparse._SubParsersAction) -> None:
     """`mtc manifests render`: the JobSet (and peer-token Secret) of a Pathways job with mtc."""
-    from mtc.head.tools.k8s.manifests import DEFAULT_PEER_PORT, MACHINES
+    from mtc.head.tools.k8s.options import DEFAULT_PEER_PORT, MACHINES
 
     manifests = sub.add_parser("manifests", help="Kubernetes manifests (JobSet) for a Pathways job",
                                description="Kubernetes manifests for a Pathways job that uses mtc.")

@@ -16,6 +16,7 @@ from mtc.head.tools.cli.common import last_line
 
 def cmd_manifests_render(args: argparse.Namespace) -> int:
     from mtc.head.tools.k8s import manifests
+    from mtc.head.tools.k8s.options import ManifestOptions
 
     def fail(message: str) -> int:
         print(f"mtc manifests render: error: {message}", file=sys.stderr)
@@ -27,7 +28,7 @@ def cmd_manifests_render(args: argparse.Namespace) -> int:
             token = args.peer_token_file.read_text().strip()
         except OSError as e:
             return fail(f"--peer-token-file: cannot read {args.peer_token_file}: {e.strerror}")
-    options = manifests.ManifestOptions(
+    options = ManifestOptions(
         name=args.name, command=args.command, base_output_directory=args.base_output_directory,
         namespace=args.namespace, run_name=args.run_name, compute_type=args.compute_type,
         topology=args.topology, num_slices=args.num_slices, ramdisk_dir=args.ramdisk_dir,

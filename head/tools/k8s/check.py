@@ -43,9 +43,10 @@ from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes, ramdisk_size
 
-from mtc.head.tools.k8s.manifests import (CSI_DRIVER, DAEMON_IMAGE_NAME, HEAD_IMAGE_NAME, JOBSET_API,
-                                      SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME, image_mismatches,
-                                      image_versions, parse_quantity)
+from mtc.head.tools.k8s.images import image_mismatches, image_versions
+from mtc.head.tools.k8s.options import (CSI_DRIVER, DAEMON_IMAGE_NAME, HEAD_IMAGE_NAME, JOBSET_API, RESERVED_PORTS,
+                                        SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME)
+from mtc.head.tools.k8s.plan import parse_quantity
 
 K8S_VERSION = "1.32"  # GKE's multi-tier checkpointing needs 1.32.3 or later
 SCHEMA_FILE = "jobset-v1alpha2.schema.json.gz"
@@ -361,8 +362,6 @@ def _check_grace(name: str, pods: list[_Pod], where_head: str, head, r: Report) 
 
 def _check_ports(name: str, pods: list[_Pod], where_head: str, head, r: Report) -> None:
     """Every container port in range; the head's MTC_METRICS_PORT a port it declares, clear of the others."""
-    from mtc.head.tools.k8s.options import _RESERVED_PORTS
-
     for p in pods:
         for c in _containers(p):
             for port in c.ports or []:
@@ -379,7 +378,7 @@ def _check_ports(name: str, pods: list[_Pod], where_head: str, head, r: Report) 
     except ValueError:
         port = -1
     peer = env.get("MTC_PEER_PORT") or ""
-    taken = _RESERVED_PORTS.get(port) or ("peer service" if peer.isdigit() and int(peer) == port else "")
+    taken = RESERVED_PORTS.get(port) or ("peer service" if peer.isdigit() and int(peer) == port else "")
     if not 0 <= port <= 65535 or taken:
         r.problems.append(f"{where_head}: MTC_METRICS_PORT={text} " + (f"is the {taken}'s port on the same host "
                           "network" if taken else "is not a port") + "; pick another in 1..65535, e.g. 9431")

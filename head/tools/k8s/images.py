@@ -68,7 +68,7 @@ def image_mismatches(head: str, sidecar: str) -> list[tuple[str, str, str]]:
     return [(k, hv[k], sv[k]) for k in ("mtc", "python", "jax") if hv[k] != sv[k]]
 
 
-def _images(o: ManifestOptions) -> tuple[str, str]:
+def job_images(o: ManifestOptions) -> tuple[str, str]:
     """Head and sidecar image references; both default to the images the build script builds (its lock)."""
     tag = image_tag()
     prefix = o.image_registry.rstrip("/") + "/" if o.image_registry else ""

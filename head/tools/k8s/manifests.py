@@ -1,6 +1,7 @@
 """Kubernetes manifests for a Pathways job that checkpoints with mtc (README, "Kubernetes (JobSet)").
 
-``render_documents(options)`` builds, as plain dicts, what ``kubectl apply -f`` needs:
+``render_documents(options)`` (a ``ManifestOptions`` of ``options``, checked by ``plan``, its
+documents built by ``render``) gives, as plain dicts, what ``kubectl apply -f`` needs:
 
 - a ``Secret`` holding the peer token (unless ``peer_token_secret`` names an existing one);
 - a ``JobSet`` (``jobset.x-k8s.io/v1alpha2``) shaped like the ones PathwaysJob and Cluster
@@ -36,29 +37,13 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from mtc.shared.config import ENV_TOKEN, MIN_TOKEN_CHARS
 from mtc.shared.errors import ConfigError
 
-from mtc.head.tools.k8s.images import built_versions, image_mismatches, image_tag, image_versions
-from mtc.head.tools.k8s.options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, DAEMON_IMAGE_NAME, DEFAULT_PEER_PORT,
-                                             HEAD_IMAGE_NAME, HEAD_JOB, JOBSET_API, MACHINES, MAXTEXT_TRAIN_MODULE,
-                                             MTC_LAUNCHER_MODULE, PATHWAYS_REGISTRY, PROXY_PORT, RAMDISK_VOLUME,
-                                             RM_PORT, SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME, TLS_MOUNT, TLS_VOLUME,
-                                             TOKEN_KEY, WORKER_JOB, WORKER_PORT, Machine, ManifestOptions, Plan,
-                                             launcher_command)
-from mtc.head.tools.k8s.plan import parse_quantity, plan
-from mtc.head.tools.k8s.render import (head_command, head_job, jobset, pod_monitoring, ramdisk_volume, secret,
-                                            termination_grace, tls_volume, worker_job)
+from mtc.head.tools.k8s.options import ManifestOptions
+from mtc.head.tools.k8s.plan import plan
+from mtc.head.tools.k8s.render import jobset, pod_monitoring, secret
 
-__all__ = [
-    "COLOCATED_PYTHON_PORT", "CSI_DRIVER", "DAEMON_IMAGE_NAME", "DEFAULT_PEER_PORT", "ENV_TOKEN", "HEAD_IMAGE_NAME",
-    "HEAD_JOB", "JOBSET_API", "MACHINES", "MAXTEXT_TRAIN_MODULE", "MIN_TOKEN_CHARS", "MTC_LAUNCHER_MODULE",
-    "PATHWAYS_REGISTRY", "PROXY_PORT", "RAMDISK_VOLUME", "RM_PORT", "SIDECAR_CONTAINER", "SIDECAR_IMAGE_NAME",
-    "TLS_MOUNT", "TLS_VOLUME", "TOKEN_KEY", "WORKER_JOB", "WORKER_PORT", "Machine", "ManifestOptions", "Plan",
-    "built_versions", "head_command", "head_job", "image_mismatches", "image_tag", "image_versions", "jobset",
-    "launcher_command", "parse_quantity", "plan", "pod_monitoring", "ramdisk_volume", "render_documents", "secret",
-    "termination_grace", "tls_volume", "to_yaml", "with_peer_token", "worker_job",
-]
+__all__ = ["render_documents", "to_yaml", "with_peer_token"]
 
 
 def with_peer_token(options: ManifestOptions) -> ManifestOptions:

@@ -1,13 +1,12 @@
 """What ``mtc manifests render`` works from: the names, images and ports a JobSet uses, the TPU
-machine types and their slice shapes, ``ManifestOptions`` (the render flags), the MaxText flags
-the JobSet depends on, and ``Plan`` (the checked values the documents are built from)."""
+machine types and their slice shapes, ``ManifestOptions`` (the render flags) and ``Plan`` (the
+checked values the documents are built from)."""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from mtc.shared.errors import ConfigError
 
@@ -34,10 +33,10 @@ DAEMON_IMAGE_NAME = "mtc-sidecar"
 # the worker pods use the host's network.
 PROXY_PORT, RM_PORT, WORKER_PORT = 29000, 29001, 29005
 COLOCATED_PYTHON_PORT = 50051
-_RESERVED_PORTS = {PROXY_PORT: "Pathways proxy", RM_PORT: "Pathways resource manager",
-                   29002: "Pathways resource manager", WORKER_PORT: "Pathways worker",
-                   29006: "Pathways worker", 8471: "TPU runtime", 8080: "TPU runtime metrics",
-                   COLOCATED_PYTHON_PORT: "colocated Python sidecar"}
+RESERVED_PORTS = {PROXY_PORT: "Pathways proxy", RM_PORT: "Pathways resource manager",
+                  29002: "Pathways resource manager", WORKER_PORT: "Pathways worker",
+                  29006: "Pathways worker", 8471: "TPU runtime", 8080: "TPU runtime metrics",
+                  COLOCATED_PYTHON_PORT: "colocated Python sidecar"}
 DEFAULT_PEER_PORT = 29010
 
 
@@ -48,7 +47,20 @@ class Machine:
     tpu_version: str
     accelerator: str
     chips_per_host: int
-    topologies: frozenset[str] | None  # None: the v5p rule in plan._topology_ok
+    topologies: frozenset[str] | None  # None: the v5p rule (``accepts``)
+
+    def accepts(self, topology: str) -> bool:
+        """Whether ``topology`` (``AxB`` or ``AxBxC``) is a slice shape GKE gives this machine type."""
+        if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)+", topology):
+            return False
+        if self.topologies is not None:
+            return topology in self.topologies
+        dims = [int(d) for d in topology.split("x")]
+        if len(dims) != 3:
+            return False
+        if topology in _V5P_SMALL:
+            return True
+        return dims == sorted(dims) and all(d % 4 == 0 for d in dims) and math.prod(dims) <= _V5P_MAX_CHIPS
 
 
 _V5E_V6E = frozenset({"2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"})
@@ -123,35 +135,6 @@ def launcher_command(command: str) -> str:
 
 
 @dataclass(frozen=True)
-class _Managed:
-    """A MaxText flag the JobSet depends on: its render flag, option field and default."""
-
-    key: str
-    flag: str
-    attr: str | None
-    default: Any
-    kind: type
-
-
-# Order is the order the flags are appended to the command.
-_MANAGED = (
-    _Managed("run_name", "--run-name", "run_name", None, str),
-    _Managed("base_output_directory", "--base-output-directory", "base_output_directory", None, str),
-    _Managed("num_slices", "--num-slices", "num_slices", 1, int),
-    _Managed("enable_single_controller", "", None, True, bool),
-    _Managed("enable_checkpointing", "", None, True, bool),
-    _Managed("enable_multi_tier_checkpointing", "", None, True, bool),
-    _Managed("colocated_python_checkpointing", "", None, True, bool),
-    _Managed("local_checkpoint_directory", "--ramdisk-dir", "ramdisk_dir", "/tmp/mtc_checkpoints", str),
-    _Managed("local_checkpoint_period", "--local-checkpoint-period", "local_checkpoint_period", 10, int),
-    _Managed("multi_tier_checkpointing_backup_interval_minutes", "--backup-interval-minutes",
-             "backup_interval_minutes", 30, int),
-    _Managed("multi_tier_checkpointing_backup_interval_steps", "--backup-interval-steps",
-             "backup_interval_steps", None, int),
-)
-
-
-@dataclass(frozen=True)
 class Plan:
     """The checked, derived values the documents are built from."""
 
@@ -170,5 +153,6 @@ class Plan:
     tls_secret_name: str  # "" when TLS is off
 
 
-def _chips(topology: str) -> int:
+def topology_chips(topology: str) -> int:
+    """The TPU chips of a slice of shape ``topology`` (``2x2x4``: 16)."""
     return math.prod(int(d) for d in topology.split("x"))

@@ -4,19 +4,19 @@ and size, the images, the Secret's name). Error messages name the render flag to
 
 from __future__ import annotations
 
-import math
 import posixpath
 import re
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 from mtc.shared.config import MIN_TOKEN_CHARS, MTCConfig
 from mtc.shared.errors import ConfigError
 from mtc.shared.sizing import format_bytes, ramdisk_size
 
-from mtc.head.tools.k8s.images import _images
-from mtc.head.tools.k8s.options import (_MANAGED, _RESERVED_PORTS, _V5P_MAX_CHIPS, _V5P_SMALL, DEFAULT_PEER_PORT,
-                                             HEAD_JOB, MACHINES, WORKER_JOB, Machine, ManifestOptions, Plan, _chips)
+from mtc.head.tools.k8s.images import job_images
+from mtc.head.tools.k8s.options import (DEFAULT_PEER_PORT, HEAD_JOB, MACHINES, RESERVED_PORTS, WORKER_JOB, Machine,
+                                             ManifestOptions, Plan, topology_chips)
 
 
 def plan(options: ManifestOptions) -> Plan:
@@ -40,12 +40,12 @@ def plan(options: ManifestOptions) -> Plan:
     if not 1 <= o.peer_port <= 65535:
         raise ConfigError(f"--peer-port={o.peer_port} is out of range; use 1..65535 "
                           f"(default {DEFAULT_PEER_PORT})")
-    if o.peer_port in _RESERVED_PORTS:
-        raise ConfigError(f"--peer-port={o.peer_port} is the {_RESERVED_PORTS[o.peer_port]}'s port "
+    if o.peer_port in RESERVED_PORTS:
+        raise ConfigError(f"--peer-port={o.peer_port} is the {RESERVED_PORTS[o.peer_port]}'s port "
                           f"on the same host network; pick another, e.g. {DEFAULT_PEER_PORT}")
-    if o.metrics_port and (not 1 <= o.metrics_port <= 65535 or o.metrics_port in _RESERVED_PORTS
+    if o.metrics_port and (not 1 <= o.metrics_port <= 65535 or o.metrics_port in RESERVED_PORTS
                            or o.metrics_port == o.peer_port):
-        taken = _RESERVED_PORTS.get(o.metrics_port) or ("peer service" if o.metrics_port == o.peer_port else "")
+        taken = RESERVED_PORTS.get(o.metrics_port) or ("peer service" if o.metrics_port == o.peer_port else "")
         raise ConfigError(f"--metrics-port={o.metrics_port} " + (f"is the {taken}'s port on the same host network"
                           if taken else "is out of range") + "; pick another in 1..65535, e.g. 9431 (0: no metrics)")
     if o.max_restarts < 0:
@@ -66,7 +66,7 @@ def plan(options: ManifestOptions) -> Plan:
         source = "--pathways-gcs-location" if o.pathways_gcs_location else "base_output_directory"
         raise ConfigError(f"Pathways needs a gs:// scratch location, and {source} is {gcs!r}; "
                           "give --pathways-gcs-location gs://BUCKET/PATH")
-    head_image, sidecar_image = _images(o)
+    head_image, sidecar_image = job_images(o)
     return Plan(options=o, machine=machine, hosts_per_slice=hosts, num_slices=slices, flags=flags,
                 appended=appended, ramdisk_dir=ramdisk_dir, size_limit=size_limit,
                 head_image=head_image, sidecar_image=sidecar_image,
@@ -109,29 +109,16 @@ def _ramdisk_dir(path: str) -> str:
     return norm
 
 
-def _topology_ok(machine: Machine, topology: str) -> bool:
-    if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)+", topology):
-        return False
-    if machine.topologies is not None:
-        return topology in machine.topologies
-    dims = [int(d) for d in topology.split("x")]
-    if len(dims) != 3:
-        return False
-    if topology in _V5P_SMALL:
-        return True
-    return dims == sorted(dims) and all(d % 4 == 0 for d in dims) and math.prod(dims) <= _V5P_MAX_CHIPS
-
-
 def _slice_shape(compute_type: str, topology: str) -> tuple[Machine, int]:
     machine = MACHINES.get(compute_type)
     if machine is None:
         raise ConfigError(f"--compute-type={compute_type!r} is not a TPU machine type mtc knows; use one of "
                           f"{', '.join(MACHINES)}")
-    if not _topology_ok(machine, topology):
-        shapes = (", ".join(sorted(machine.topologies, key=_chips)) if machine.topologies is not None else
+    if not machine.accepts(topology):
+        shapes = (", ".join(sorted(machine.topologies, key=topology_chips)) if machine.topologies is not None else
                   "2x2x1, 2x2x2, 2x2x4, 2x4x4, or AxBxC with A <= B <= C, each a multiple of 4")
         raise ConfigError(f"--topology={topology!r} is not a slice shape of {compute_type}; use one of {shapes}")
-    hosts = max(1, _chips(topology) // machine.chips_per_host)
+    hosts = max(1, topology_chips(topology) // machine.chips_per_host)
     return machine, hosts
 
 
@@ -161,6 +148,35 @@ def _same(kind: type, text: str, value: Any) -> bool:
     if text.startswith("/"):
         return posixpath.normpath(text) == posixpath.normpath(str(value))
     return text.rstrip("/") == str(value).rstrip("/")
+
+
+@dataclass(frozen=True)
+class _Managed:
+    """A MaxText flag the JobSet depends on: its render flag, option field and default."""
+
+    key: str
+    flag: str
+    attr: str | None
+    default: Any
+    kind: type
+
+
+# Order is the order the flags are appended to the command.
+_MANAGED = (
+    _Managed("run_name", "--run-name", "run_name", None, str),
+    _Managed("base_output_directory", "--base-output-directory", "base_output_directory", None, str),
+    _Managed("num_slices", "--num-slices", "num_slices", 1, int),
+    _Managed("enable_single_controller", "", None, True, bool),
+    _Managed("enable_checkpointing", "", None, True, bool),
+    _Managed("enable_multi_tier_checkpointing", "", None, True, bool),
+    _Managed("colocated_python_checkpointing", "", None, True, bool),
+    _Managed("local_checkpoint_directory", "--ramdisk-dir", "ramdisk_dir", "/tmp/mtc_checkpoints", str),
+    _Managed("local_checkpoint_period", "--local-checkpoint-period", "local_checkpoint_period", 10, int),
+    _Managed("multi_tier_checkpointing_backup_interval_minutes", "--backup-interval-minutes",
+             "backup_interval_minutes", 30, int),
+    _Managed("multi_tier_checkpointing_backup_interval_steps", "--backup-interval-steps",
+             "backup_interval_steps", None, int),
+)
 
 
 def _merge_flags(o: ManifestOptions) -> tuple[dict[str, str], tuple[str, ...]]:

@@ -12,8 +12,8 @@ from mtc.shared.tls import ENV_TLS_DIR
 
 from mtc.head.tools.k8s.options import (COLOCATED_PYTHON_PORT, CSI_DRIVER, HEAD_JOB, JOBSET_API, PATHWAYS_REGISTRY,
                                              PODMONITORING_API, PROXY_PORT, RAMDISK_VOLUME, RM_PORT, SIDECAR_CONTAINER,
-                                             TLS_MOUNT, TLS_VOLUME, TOKEN_KEY, WORKER_JOB, WORKER_PORT, Plan, _chips,
-                                             launcher_command)
+                                             TLS_MOUNT, TLS_VOLUME, TOKEN_KEY, WORKER_JOB, WORKER_PORT, Plan,
+                                             launcher_command, topology_chips)
 
 
 def secret(p: Plan) -> dict:
@@ -250,7 +250,7 @@ def _worker(p: Plan) -> dict:
         "ports": [{"containerPort": WORKER_PORT}, {"containerPort": 29006},
                   {"containerPort": 8471}, {"containerPort": 8080}],
         "volumeMounts": [{"name": "shared-tmp", "mountPath": "/tmp"}],
-        "resources": {"limits": {"google.com/tpu": min(p.machine.chips_per_host, _chips(p.options.topology))}},
+        "resources": {"limits": {"google.com/tpu": min(p.machine.chips_per_host, topology_chips(p.options.topology))}},
     }
 
 
