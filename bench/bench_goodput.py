@@ -103,8 +103,9 @@ import pathways_cpu  # noqa: E402
 
 PROBE = REPO / "bench" / "goodput_probe.py"
 CONTENDERS = ("mtc", "orbax", "orbax-cached", "orbax-every-step", "mtc-backup-only")
-FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt", "slice_lost_elastic")
 ELASTIC = "slice_lost_elastic"  # in --faults: the mtc contenders run in MaxText's elastic mode
+DEFAULT_FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt")
+FAULTS = (*DEFAULT_FAULTS, ELASTIC)
 SLICES, HOSTS = 2, 2
 METRICS = ("learning/loss", "learning/grad_norm", "learning/param_norm")
 
@@ -804,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-delay", type=float, default=5.0, help="seconds from a failure to the new pod (5)")
     p.add_argument("--grace", type=float, default=30.0, help="preemption grace period, seconds (30)")
     p.add_argument("--contenders", default="mtc,orbax", help=f"of {', '.join(CONTENDERS)}")
-    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                   help=f"fault classes to draw from (default {','.join(DEFAULT_FAULTS)}; known: {', '.join(FAULTS)})")
     p.add_argument("--model", choices=sorted(MODELS), default="default")
     p.add_argument("--backup-steps", type=int, default=0, help="mtc's backup interval in steps (default: 4 periods)")
     p.add_argument("--mtc-cost", choices=("in-job", "blocked"), default="in-job",
