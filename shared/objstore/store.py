@@ -1,7 +1,7 @@
 """The object store interface of the backup tier, its errors, and `open_store`.
 
-One small interface (`ObjectStore`) with one module per backend, chosen by URL scheme:
-`gs://bucket/prefix` (gcs.py) and `file:///path` or a plain path (local.py, the embedded
+One small interface (`ObjectStore`) and one backend per URL scheme:
+`gs://bucket/prefix` (the gcs/ package) and `file:///path` or a plain path (local.py, the embedded
 default). Names are relative to the store root ("blobs/<hash>", "backups/<name>.json") and
 are validated before they reach a filesystem or a URL.
 """
@@ -47,7 +47,7 @@ def validate_name(name: str) -> str:
     Refused: empty names, a leading "/", empty, "." or ".." parts, parts starting with "."
     (the stores keep their temporary files there), backslashes and control characters.
     """
-    why = _name_problem(name)
+    why = name_problem(name)
     if why:
         raise InvalidObjectNameError(
             f"object name {name!r} is not valid: {why}; use a relative path such as "
@@ -64,7 +64,8 @@ def validate_prefix(prefix: str) -> str:
     return prefix
 
 
-def _name_problem(name: Any) -> str | None:
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` is not a valid object name (see ``validate_name``), or None when it is."""
     if not isinstance(name, str):
         return f"names are str, not {type(name).__name__}"
     if not name:
