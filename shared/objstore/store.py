@@ -9,6 +9,7 @@ are validated before they reach a filesystem or a URL.
 from __future__ import annotations
 
 import abc
+import copy
 import re
 from typing import Any, Callable
 
@@ -95,9 +96,13 @@ class ObjectStore(abc.ABC):
     store stayed unreachable until the retry deadline, and FatalStoreError (or its subclass
     ObjectNotFoundError) when retrying cannot help. Errors about the caller's local files
     (a missing source file, a full local disk) are plain OSErrors.
+
+    A backend calls ``_check_guard()`` first in each of the operations below and, if it retries,
+    before every try (``with_guard``).
     """
 
     url: str  # where the store points, for messages ("gs://bucket/prefix/", "file:///...")
+    _guard: Callable[[], None] | None = None  # see with_guard
 
     def with_deadline(self, seconds: float) -> "ObjectStore":
         """This store with another retry deadline (same connection), for calls someone waits on.
@@ -110,7 +115,14 @@ class ObjectStore(abc.ABC):
         """This store with ``guard()`` called before every operation, and before every retry of
         one (a store that retries): ``guard`` raises to stop the caller, e.g. a backup finalize
         whose head was fenced off while the bucket was unreachable (``BackupTier.finalize``)."""
-        return _GuardedStore(self, guard)
+        other = copy.copy(self)  # the same store and settings (a connection too); only the guard differs
+        other._guard = guard
+        return other
+
+    def _check_guard(self) -> None:
+        """Call the guard ``with_guard`` gave, if any (it raises to stop the operation)."""
+        if self._guard is not None:
+            self._guard()
 
     @abc.abstractmethod
     def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
@@ -158,52 +170,6 @@ class ObjectStore(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
-
-
-class _GuardedStore(ObjectStore):
-    """``store`` with ``guard()`` called before each operation (``ObjectStore.with_guard``)."""
-
-    def __init__(self, store: ObjectStore, guard: Callable[[], None]):
-        self._store, self._guard = store, guard
-        self.url = store.url
-
-    def with_deadline(self, seconds: float) -> ObjectStore:
-        return _GuardedStore(self._store.with_deadline(seconds), self._guard)
-
-    def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
-        self._guard()
-        return self._store.put_file(name, path, if_absent=if_absent)
-
-    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> bool:
-        self._guard()
-        return self._store.put_bytes(name, data, if_absent=if_absent)
-
-    def get_to_file(self, name: str, path: str) -> int:
-        self._guard()
-        return self._store.get_to_file(name, path)
-
-    def get_bytes(self, name: str) -> bytes:
-        self._guard()
-        return self._store.get_bytes(name)
-
-    def exists(self, name: str) -> bool:
-        self._guard()
-        return self._store.exists(name)
-
-    def size(self, name: str) -> int | None:
-        self._guard()
-        return self._store.size(name)
-
-    def list(self, prefix: str = "") -> list[str]:
-        self._guard()
-        return self._store.list(prefix)
-
-    def delete(self, name: str) -> None:
-        self._guard()
-        self._store.delete(name)
-
-    def close(self) -> None:
-        pass  # the store it guards is not its own
 
 
 def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S, create: bool = True) -> ObjectStore:

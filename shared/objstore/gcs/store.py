@@ -89,7 +89,6 @@ class GCSStore(ObjectStore):
         # Resumable session URLs authenticate by themselves: a plain session suffices.
         self._http = requests.Session()
         self._closed = threading.Event()
-        self._guard: Callable[[], None] | None = None  # see with_guard
 
     # -- plumbing -----------------------------------------------------------------------
     def with_deadline(self, seconds: float) -> "GCSStore":
@@ -97,11 +96,6 @@ class GCSStore(ObjectStore):
             raise ConfigError(f"deadline {seconds} must be >= 0 seconds")
         other = copy.copy(self)  # the same client and settings; only the patience differs
         other.deadline = float(seconds)
-        return other
-
-    def with_guard(self, guard: Callable[[], None]) -> "GCSStore":
-        other = copy.copy(self)  # the same client and settings; every try asks the guard first
-        other._guard = guard
         return other
 
     def _full(self, name: str) -> str:
@@ -116,12 +110,11 @@ class GCSStore(ObjectStore):
             tries += 1
             return is_transient(exc)
 
-        guard = self._guard
-        if guard is not None:  # before every try: an operation may wait out a long outage
+        if self._guard is not None:  # before every try: an operation may wait out a long outage
             unguarded = fn
 
             def fn() -> T:
-                guard()
+                self._check_guard()
                 return unguarded()
 
         start = time.monotonic()
