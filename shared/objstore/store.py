@@ -1,23 +1,21 @@
-"""The object store interface of the backup tier, its errors, and `open_store`.
+"""The object store interface of the backup tier (`ObjectStore`), its errors and the checks of
+object names.
 
-One small interface (`ObjectStore`) and one backend per URL scheme:
-`gs://bucket/prefix` (the gcs/ package) and `file:///path` or a plain path (local.py, the embedded
-default). Names are relative to the store root ("blobs/<hash>", "backups/<name>.json") and
-are validated before they reach a filesystem or a URL.
+Names are relative to the store root ("blobs/<hash>", "backups/<name>.json") and are validated
+before they reach a filesystem or a URL. The backends (the gcs/ package, local.py) subclass
+`ObjectStore`; the package's `open_store` picks one by URL.
 """
 
 from __future__ import annotations
 
 import abc
 import copy
-import re
 from typing import Any, Callable
 
-from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.errors import MTCError
 
 DEFAULT_DEADLINE_S = 300.0
 _MAX_NAME_BYTES = 1024  # GCS's limit on object names (UTF-8)
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class StoreError(MTCError):
@@ -170,36 +168,3 @@ class ObjectStore(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
-
-
-def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S, create: bool = True) -> ObjectStore:
-    """Open the store at `url`: `gs://bucket[/prefix]` (Google Cloud Storage, honouring
-    STORAGE_EMULATOR_HOST), `file:///path` or a plain path (a local directory, created if
-    missing unless `create` is false). `deadline` bounds the retries of one GCS operation (it
-    restarts on progress)."""
-    if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"backup store URL {url!r} is empty; give gs://bucket/prefix or a local path")
-    m = _SCHEME.match(url)
-    scheme = m.group(1).lower() if m else ""
-    if scheme == "gs":
-        from mtc.shared.objstore.gcs import GCSStore
-
-        bucket, _, prefix = url[len("gs://") :].partition("/")
-        if not bucket:
-            raise ConfigError(f"backup store URL {url!r} names no bucket; use gs://BUCKET/prefix")
-        return GCSStore(bucket, prefix, deadline=deadline)
-    from mtc.shared.objstore.local import LocalStore
-
-    if scheme == "file":
-        host, slash, path = url[len("file://") :].partition("/")
-        if host not in ("", "localhost") or not slash:
-            raise ConfigError(
-                f"backup store URL {url!r} is not a local file URL; use file:///absolute/path"
-            )
-        return LocalStore("/" + path, create=create)
-    if scheme:
-        raise ConfigError(
-            f"backup store URL {url!r} has an unsupported scheme {scheme!r}; "
-            "use gs://bucket/prefix, file:///path or a plain path"
-        )
-    return LocalStore(url, create=create)

@@ -109,13 +109,13 @@ def main() -> int:
     rest = sys.argv[2:]
     if rest[1:3] != ["-m", "mtc.sidecar"]:
         raise SystemExit(f"expected '<python> -m mtc.sidecar ...' after the control file, got {rest[:3]}")
-    import mtc.shared.objstore.store as store_mod
+    import mtc.shared.objstore as objstore
     import mtc.sidecar.backup.tier as tier
 
     # Both places a daemon opens a store: the backup tier's own (the configured root) and the
     # reader's (a listing asked before the head configured the host, ``mtc status``).
-    real = store_mod.open_store
-    tier.open_store = store_mod.open_store = lambda url, **kw: SlowListing(real(url, **kw), control)
+    real = objstore.open_store
+    tier.open_store = objstore.open_store = lambda url, **kw: SlowListing(real(url, **kw), control)
     sys.argv = ["mtc.sidecar", *rest[3:]]
     from mtc.sidecar.daemon import main as daemon_main
 
