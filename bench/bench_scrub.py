@@ -21,7 +21,7 @@ from bench_backup_store import start_fake_gcs
 from mtc.shared import backup_layout as layout
 from mtc.shared.hashing import blob_name
 from mtc.shared.objstore.gcs import make_client
-from mtc.shared.objstore.store import open_store
+from mtc.shared.objstore import open_store
 from mtc.sidecar.backup.scrub import Scrubber
 from mtc.sidecar.ram import RamStore
 

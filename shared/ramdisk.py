@@ -1,12 +1,13 @@
 """What filesystem holds a ramdisk directory, and whether its page size slows mtc down.
 
 A tmpfs allocates, fills and maps its pages one at a time. With the default 4 KiB pages,
-writing a blob into a tmpfs costs per-page work that 2 MiB pages avoid: on a 2-core VM, a raw
-1 GiB write ran at 5 GB/s with 4 KiB pages and 13 GB/s with 2 MiB
-ones, and a peer fetch between two daemons at 0.38-0.45x of a raw loopback copy between memory
-buffers against 0.71-0.89x on a tmpfs mounted ``huge=within_size`` (``bench/bench_peer.py``). So the ramdisk should be a
-tmpfs with ``huge=within_size``; ``mount -o remount,huge=within_size DIR`` changes a live
-mount. Blob files are sized before their first write (``RamStore``) so that
+writing a blob into a tmpfs costs per-page work that 2 MiB pages avoid: a raw 1 GiB write ran
+about 2.6x as fast with 2 MiB pages as with 4 KiB ones (the raw write of
+``bench/bench_save_restore.py``, on each kind of tmpfs), and a peer fetch between two daemons
+reached 0.38-0.45x of a raw loopback copy between memory buffers with 4 KiB pages against
+0.71-0.89x on a tmpfs mounted ``huge=within_size`` (``bench/bench_peer.py``). So the ramdisk
+should be a tmpfs with ``huge=within_size``; ``mount -o remount,huge=within_size DIR`` changes a
+live mount. Blob files are sized before their first write (``RamStore``) so that
 ``within_size`` gives them huge pages on kernels that only look at the file size.
 
 ``describe(path)`` reads ``/proc/self/mountinfo``; ``advice(path)`` is the one line a sidecar

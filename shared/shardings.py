@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from mtc.shared.errors import ManifestError, TargetMismatchError
-from mtc.shared.format_base import box_from_index
+from mtc.shared.format.base import box_from_index
 
 
 def describe(sharding: Any) -> dict:

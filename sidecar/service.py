@@ -210,7 +210,7 @@ class SidecarService:
         with self._lock:
             tier = self._backups.get(url) or (None if create else self._readers.get(url))
             if tier is None:
-                from mtc.shared.objstore.store import open_store
+                from mtc.shared.objstore import open_store
                 from mtc.sidecar.backup.tier import BackupTier
 
                 if create:

@@ -53,6 +53,7 @@ class LocalStore(ObjectStore):
     # -- writes -------------------------------------------------------------------------
 
     def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
+        self._check_guard()
         dest = self._path(name)
         if if_absent and dest.exists():
             return False
@@ -61,6 +62,7 @@ class LocalStore(ObjectStore):
             return self._commit(dest, lambda out: _copy_fd(src.fileno(), out.fileno(), size), if_absent)
 
     def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> bool:
+        self._check_guard()
         dest = self._path(name)
         if if_absent and dest.exists():
             return False
@@ -120,6 +122,7 @@ class LocalStore(ObjectStore):
     # -- reads --------------------------------------------------------------------------
 
     def get_to_file(self, name: str, path: str) -> int:
+        self._check_guard()
         src_path = self._path(name)
         try:
             src = open(src_path, "rb")
@@ -131,15 +134,18 @@ class LocalStore(ObjectStore):
         return size
 
     def get_bytes(self, name: str) -> bytes:
+        self._check_guard()
         try:
             return self._path(name).read_bytes()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise self._missing(name) from None
 
     def exists(self, name: str) -> bool:
+        self._check_guard()
         return self._path(name).is_file()
 
     def size(self, name: str) -> int | None:
+        self._check_guard()
         p = self._path(name)
         try:
             st = p.stat()
@@ -148,6 +154,7 @@ class LocalStore(ObjectStore):
         return st.st_size if p.is_file() else None
 
     def list(self, prefix: str = "") -> list[str]:
+        self._check_guard()
         validate_prefix(prefix)
         # Walk only the directory the prefix is inside of, then filter by string prefix
         # (GCS semantics: "backups/2026" matches "backups/2026-01-01T...json").
@@ -177,6 +184,7 @@ class LocalStore(ObjectStore):
         return out
 
     def delete(self, name: str) -> None:
+        self._check_guard()
         p = self._path(name)
         try:
             os.unlink(p)

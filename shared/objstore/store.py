@@ -1,22 +1,21 @@
-"""The object store interface of the backup tier, its errors, and `open_store`.
+"""The object store interface of the backup tier (`ObjectStore`), its errors and the checks of
+object names.
 
-One small interface (`ObjectStore`) with one module per backend, chosen by URL scheme:
-`gs://bucket/prefix` (gcs.py) and `file:///path` or a plain path (local.py, the embedded
-default). Names are relative to the store root ("blobs/<hash>", "backups/<name>.json") and
-are validated before they reach a filesystem or a URL.
+Names are relative to the store root ("blobs/<hash>", "backups/<name>.json") and are validated
+before they reach a filesystem or a URL. The backends (the gcs/ package, local.py) subclass
+`ObjectStore`; the package's `open_store` picks one by URL.
 """
 
 from __future__ import annotations
 
 import abc
-import re
+import copy
 from typing import Any, Callable
 
-from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.errors import MTCError
 
 DEFAULT_DEADLINE_S = 300.0
 _MAX_NAME_BYTES = 1024  # GCS's limit on object names (UTF-8)
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class StoreError(MTCError):
@@ -47,7 +46,7 @@ def validate_name(name: str) -> str:
     Refused: empty names, a leading "/", empty, "." or ".." parts, parts starting with "."
     (the stores keep their temporary files there), backslashes and control characters.
     """
-    why = _name_problem(name)
+    why = name_problem(name)
     if why:
         raise InvalidObjectNameError(
             f"object name {name!r} is not valid: {why}; use a relative path such as "
@@ -64,7 +63,8 @@ def validate_prefix(prefix: str) -> str:
     return prefix
 
 
-def _name_problem(name: Any) -> str | None:
+def name_problem(name: Any) -> str | None:
+    """Why ``name`` is not a valid object name (see ``validate_name``), or None when it is."""
     if not isinstance(name, str):
         return f"names are str, not {type(name).__name__}"
     if not name:
@@ -94,9 +94,13 @@ class ObjectStore(abc.ABC):
     store stayed unreachable until the retry deadline, and FatalStoreError (or its subclass
     ObjectNotFoundError) when retrying cannot help. Errors about the caller's local files
     (a missing source file, a full local disk) are plain OSErrors.
+
+    A backend calls ``_check_guard()`` first in each of the operations below and, if it retries,
+    before every try (``with_guard``).
     """
 
     url: str  # where the store points, for messages ("gs://bucket/prefix/", "file:///...")
+    _guard: Callable[[], None] | None = None  # see with_guard
 
     def with_deadline(self, seconds: float) -> "ObjectStore":
         """This store with another retry deadline (same connection), for calls someone waits on.
@@ -109,7 +113,14 @@ class ObjectStore(abc.ABC):
         """This store with ``guard()`` called before every operation, and before every retry of
         one (a store that retries): ``guard`` raises to stop the caller, e.g. a backup finalize
         whose head was fenced off while the bucket was unreachable (``BackupTier.finalize``)."""
-        return _GuardedStore(self, guard)
+        other = copy.copy(self)  # the same store and settings (a connection too); only the guard differs
+        other._guard = guard
+        return other
+
+    def _check_guard(self) -> None:
+        """Call the guard ``with_guard`` gave, if any (it raises to stop the operation)."""
+        if self._guard is not None:
+            self._guard()
 
     @abc.abstractmethod
     def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
@@ -157,82 +168,3 @@ class ObjectStore(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
-
-
-class _GuardedStore(ObjectStore):
-    """``store`` with ``guard()`` called before each operation (``ObjectStore.with_guard``)."""
-
-    def __init__(self, store: ObjectStore, guard: Callable[[], None]):
-        self._store, self._guard = store, guard
-        self.url = store.url
-
-    def with_deadline(self, seconds: float) -> ObjectStore:
-        return _GuardedStore(self._store.with_deadline(seconds), self._guard)
-
-    def put_file(self, name: str, path: str, *, if_absent: bool = False) -> bool:
-        self._guard()
-        return self._store.put_file(name, path, if_absent=if_absent)
-
-    def put_bytes(self, name: str, data: bytes, *, if_absent: bool = False) -> bool:
-        self._guard()
-        return self._store.put_bytes(name, data, if_absent=if_absent)
-
-    def get_to_file(self, name: str, path: str) -> int:
-        self._guard()
-        return self._store.get_to_file(name, path)
-
-    def get_bytes(self, name: str) -> bytes:
-        self._guard()
-        return self._store.get_bytes(name)
-
-    def exists(self, name: str) -> bool:
-        self._guard()
-        return self._store.exists(name)
-
-    def size(self, name: str) -> int | None:
-        self._guard()
-        return self._store.size(name)
-
-    def list(self, prefix: str = "") -> list[str]:
-        self._guard()
-        return self._store.list(prefix)
-
-    def delete(self, name: str) -> None:
-        self._guard()
-        self._store.delete(name)
-
-    def close(self) -> None:
-        pass  # the store it guards is not its own
-
-
-def open_store(url: str, *, deadline: float = DEFAULT_DEADLINE_S, create: bool = True) -> ObjectStore:
-    """Open the store at `url`: `gs://bucket[/prefix]` (Google Cloud Storage, honouring
-    STORAGE_EMULATOR_HOST), `file:///path` or a plain path (a local directory, created if
-    missing unless `create` is false). `deadline` bounds the retries of one GCS operation (it
-    restarts on progress)."""
-    if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"backup store URL {url!r} is empty; give gs://bucket/prefix or a local path")
-    m = _SCHEME.match(url)
-    scheme = m.group(1).lower() if m else ""
-    if scheme == "gs":
-        from mtc.shared.objstore.gcs import GCSStore
-
-        bucket, _, prefix = url[len("gs://") :].partition("/")
-        if not bucket:
-            raise ConfigError(f"backup store URL {url!r} names no bucket; use gs://BUCKET/prefix")
-        return GCSStore(bucket, prefix, deadline=deadline)
-    from mtc.shared.objstore.local import LocalStore
-
-    if scheme == "file":
-        host, slash, path = url[len("file://") :].partition("/")
-        if host not in ("", "localhost") or not slash:
-            raise ConfigError(
-                f"backup store URL {url!r} is not a local file URL; use file:///absolute/path"
-            )
-        return LocalStore("/" + path, create=create)
-    if scheme:
-        raise ConfigError(
-            f"backup store URL {url!r} has an unsupported scheme {scheme!r}; "
-            "use gs://bucket/prefix, file:///path or a plain path"
-        )
-    return LocalStore(url, create=create)

@@ -18,7 +18,8 @@ from typing import Callable
 from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
-from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, open_store
+from mtc.shared.objstore import open_store
+from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore
 from mtc.sidecar.backup.fence import FinalizeFence, sweep_dead
 from mtc.sidecar.backup.scrub import Scrubber, read_damaged
 from mtc.sidecar.faults import crash_point

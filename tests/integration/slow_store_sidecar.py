@@ -14,6 +14,7 @@ daemon opens a store, then runs the daemon's own ``main``.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import sys
@@ -55,9 +56,12 @@ class SlowListing(ObjectStore):
         self.url = store.url
 
     def with_deadline(self, seconds: float) -> ObjectStore:
-        return SlowListing(self._store.with_deadline(seconds), self._control)
+        other = copy.copy(self)  # keeps the guard (with_guard)
+        other._store = self._store.with_deadline(seconds)
+        return other
 
     def list(self, prefix: str = "") -> list[str]:
+        self._check_guard()
         if prefix.startswith("backups"):
             delay, error = _take(self._control)
             time.sleep(delay)
@@ -69,24 +73,31 @@ class SlowListing(ObjectStore):
         return self._store.list(prefix)
 
     def put_file(self, name, path, *, if_absent=False):
+        self._check_guard()
         return self._store.put_file(name, path, if_absent=if_absent)
 
     def put_bytes(self, name, data, *, if_absent=False):
+        self._check_guard()
         return self._store.put_bytes(name, data, if_absent=if_absent)
 
     def get_to_file(self, name, path):
+        self._check_guard()
         return self._store.get_to_file(name, path)
 
     def get_bytes(self, name):
+        self._check_guard()
         return self._store.get_bytes(name)
 
     def exists(self, name):
+        self._check_guard()
         return self._store.exists(name)
 
     def size(self, name):
+        self._check_guard()
         return self._store.size(name)
 
     def delete(self, name):
+        self._check_guard()
         self._store.delete(name)
 
     def close(self):
@@ -98,13 +109,13 @@ def main() -> int:
     rest = sys.argv[2:]
     if rest[1:3] != ["-m", "mtc.sidecar"]:
         raise SystemExit(f"expected '<python> -m mtc.sidecar ...' after the control file, got {rest[:3]}")
-    import mtc.shared.objstore.store as store_mod
+    import mtc.shared.objstore as objstore
     import mtc.sidecar.backup.tier as tier
 
     # Both places a daemon opens a store: the backup tier's own (the configured root) and the
     # reader's (a listing asked before the head configured the host, ``mtc status``).
-    real = store_mod.open_store
-    tier.open_store = store_mod.open_store = lambda url, **kw: SlowListing(real(url, **kw), control)
+    real = objstore.open_store
+    tier.open_store = objstore.open_store = lambda url, **kw: SlowListing(real(url, **kw), control)
     sys.argv = ["mtc.sidecar", *rest[3:]]
     from mtc.sidecar.daemon import main as daemon_main
 

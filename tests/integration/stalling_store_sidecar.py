@@ -18,6 +18,7 @@ backup tier opens its store, then runs the daemon's own ``main``.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import sys
@@ -86,37 +87,47 @@ class StallingStore(ObjectStore):
             time.sleep(0.05)
 
     def with_deadline(self, seconds: float) -> ObjectStore:
-        return StallingStore(self._store.with_deadline(seconds), self._control, self._host)
+        other = copy.copy(self)  # keeps the guard (with_guard)
+        other._store = self._store.with_deadline(seconds)
+        return other
 
     def list(self, prefix: str = "") -> list[str]:
+        self._check_guard()
         self._gate("list", prefix)
         return self._store.list(prefix)
 
     def put_file(self, name, path, *, if_absent=False):
+        self._check_guard()
         self._gate("put_file", name)
         return self._store.put_file(name, path, if_absent=if_absent)
 
     def put_bytes(self, name, data, *, if_absent=False):
+        self._check_guard()
         self._gate("put_bytes", name)
         return self._store.put_bytes(name, data, if_absent=if_absent)
 
     def get_to_file(self, name, path):
+        self._check_guard()
         self._gate("get_to_file", name)
         return self._store.get_to_file(name, path)
 
     def get_bytes(self, name):
+        self._check_guard()
         self._gate("get_bytes", name)
         return self._store.get_bytes(name)
 
     def exists(self, name):
+        self._check_guard()
         self._gate("exists", name)
         return self._store.exists(name)
 
     def size(self, name):
+        self._check_guard()
         self._gate("size", name)
         return self._store.size(name)
 
     def delete(self, name):
+        self._check_guard()
         self._gate("delete", name)
         self._store.delete(name)
 

@@ -245,7 +245,7 @@ def _swap_two_blobs(path: Path, recompute: bool) -> None:
     hashes right. With ``recompute``, the attacker also rewrites the parts' hashes and the digest."""
     import json
 
-    from mtc.shared import format as fmt
+    from mtc.shared.format.base import doc_digest
     from mtc.shared.hashing import blob_name
 
     header, *lines = path.read_bytes().split(b"\n")
@@ -258,7 +258,7 @@ def _swap_two_blobs(path: Path, recompute: bool) -> None:
         doc.pop("digest")
         for meta, line in zip(doc["parts"], lines):
             meta.update(bytes=len(line), digest=blob_name(line))
-        doc["digest"] = fmt._digest(doc)
+        doc["digest"] = doc_digest(doc)
     path.write_bytes(b"\n".join([json.dumps(doc, separators=(",", ":"), sort_keys=True).encode(), *lines]))
 
 

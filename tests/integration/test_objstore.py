@@ -15,12 +15,12 @@ import pytest
 from gcs_emulators import FAKE_GCS, GCS_KINDS, GSE, FaultProxy, free_port
 
 from mtc.shared.errors import ConfigError
+from mtc.shared.objstore import open_store
 from mtc.shared.objstore.store import (
     FatalStoreError,
     InvalidObjectNameError,
     ObjectNotFoundError,
     TransientStoreError,
-    open_store,
 )
 
 pytestmark = pytest.mark.integration

@@ -10,6 +10,7 @@ import pytest
 
 from mtc.shared import format as fmt
 from mtc.shared.errors import ManifestError
+from mtc.shared.format.base import doc_digest
 from mtc.shared.hashing import blob_name
 
 pytestmark = pytest.mark.unit
@@ -203,7 +204,7 @@ def test_malformed_mtc3_manifests_say_what_is_wrong(mutate, message):
     line = json.dumps(p, separators=(",", ":")).encode()
     h.pop("digest")
     h["parts"][0].update(bytes=len(line), digest=blob_name(line))
-    h["digest"] = fmt._digest(h)
+    h["digest"] = doc_digest(h)
     with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace("[", r"\[")):
         fmt.StepManifest.from_json(b"\n".join([json.dumps(h).encode(), line]), source="test manifest")
 

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.objstore import open_store
 from mtc.shared.objstore.store import (
     FatalStoreError,
     InvalidObjectNameError,
     ObjectNotFoundError,
     TransientStoreError,
-    open_store,
     validate_name,
     validate_prefix,
 )

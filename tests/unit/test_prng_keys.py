@@ -114,6 +114,7 @@ def test_key_target_mismatches_are_named(ramdisk):
 def test_manifest_with_inconsistent_key_fields_is_refused(ramdisk):
     from mtc.shared import format as fmt
     from mtc.shared.errors import ManifestError
+    from mtc.shared.format.base import doc_digest
 
     with _mgr(ramdisk) as m:
         m.save(0, _keys(5, "rbg"), force=True)
@@ -127,6 +128,6 @@ def test_manifest_with_inconsistent_key_fields_is_refused(ramdisk):
             if a.get("prng_impl"):
                 a["prng_key_shape"] = bad
         doc.pop("digest")
-        doc["digest"] = fmt._digest(doc)  # a consistent digest: the field check must catch it
+        doc["digest"] = doc_digest(doc)  # a consistent digest: the field check must catch it
         with pytest.raises(ManifestError, match=why):
             fmt.StepManifest.from_json(b"\n".join([json.dumps(doc).encode(), *parts]))

@@ -1,8 +1,5 @@
 """Google Cloud Storage clients for the gs:// store: ``make_client`` (default credentials, or an
-emulator with anonymous ones), and which errors are worth retrying (``is_transient``).
-
-Imported through ``mtc.shared.objstore.gcs``, which says what to install when google-cloud-storage
-is missing."""
+emulator with anonymous ones), and which errors are worth retrying (``is_transient``, ``Redo``)."""
 
 from __future__ import annotations
 
@@ -38,14 +35,14 @@ _TRANSIENT_TYPES = (
 )
 
 
-class _Redo(Exception):
-    """Internal: the server holds something we must not keep (a truncated or corrupt
-    finalized object, a lost session); start the object again. Retried like a transient."""
+class Redo(Exception):
+    """The server holds something we must not keep (a truncated or corrupt finalized object, a
+    lost session); start the object again. Retried like a transient error (``is_transient``)."""
 
 
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying `exc` may succeed (network trouble, throttling, server errors)."""
-    if isinstance(exc, _Redo):
+    if isinstance(exc, Redo):
         return True
     if isinstance(exc, gexc.GoogleAPICallError):
         return exc.code in _TRANSIENT_STATUS

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from mtc.shared.format_base import Box, _box_from_doc, _canonical, _expect, _load
+from mtc.shared.format.base import Box, box_from_doc, canonical_json, expect, load_json
 from mtc.shared.hashing import blob_name, is_blob_name
 
 HOST_FORMAT = "mtc-host/1"
@@ -50,11 +50,11 @@ class HostManifest:
 
     @classmethod
     def from_json(cls, data: bytes | str, *, source: str = "host manifest") -> "HostManifest":
-        doc = _load(data, source)
-        _expect(doc.get("format") == HOST_FORMAT, source, f"format is {doc.get('format')!r}, expected {HOST_FORMAT!r}")
+        doc = load_json(data, source)
+        expect(doc.get("format") == HOST_FORMAT, source, f"format is {doc.get('format')!r}, expected {HOST_FORMAT!r}")
         step, host = doc.get("step"), doc.get("host")
-        _expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
-        _expect(isinstance(host, str), source, "host is not a string")
+        expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
+        expect(isinstance(host, str), source, "host is not a string")
         shards = []
         boxes: dict[str, Box] = {}  # equal boxes (every array of a layer) are checked once
         for i, row in enumerate(doc.get("shards") or []):
@@ -69,17 +69,17 @@ class HostManifest:
             key = repr(box)
             b = boxes.get(key)
             if b is None:
-                b = boxes[key] = _box_from_doc(box, f"{source}: shards[{i}]")
+                b = boxes[key] = box_from_doc(box, f"{source}: shards[{i}]")
             shards.append(HostShard(array, b, blob, nbytes))
         return cls(step, host, tuple(shards), int(doc.get("written_bytes", 0)), float(doc.get("seconds", 0.0)))
 
 
 def _row_error(row: Any, where: str) -> None:
-    _expect(isinstance(row, list) and len(row) == 4, where, "expected [array, box, blob, nbytes]")
+    expect(isinstance(row, list) and len(row) == 4, where, "expected [array, box, blob, nbytes]")
     array, _, blob, nbytes = row
-    _expect(isinstance(array, int) and array >= 0, where, "array index is not an integer")
-    _expect(is_blob_name(blob), where, f"blob name {blob!r} is malformed")
-    _expect(isinstance(nbytes, int) and nbytes >= 0, where, "nbytes is not a non-negative integer")
+    expect(isinstance(array, int) and array >= 0, where, "array index is not an integer")
+    expect(is_blob_name(blob), where, f"blob name {blob!r} is malformed")
+    expect(isinstance(nbytes, int) and nbytes >= 0, where, "nbytes is not a non-negative integer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +104,8 @@ class CommitRecord:
                "keepers": [list(k) for k in self.keepers], "part": self.part.decode()}
         # A checksum of the rest: a damaged record is reported damaged (and given the manifest
         # back by the head), never read as a part that holds other blobs.
-        doc["check"] = blob_name(_canonical(doc))
-        return _canonical(doc)
+        doc["check"] = blob_name(canonical_json(doc))
+        return canonical_json(doc)
 
     def host_manifest(self, source: str = "commit record") -> "HostManifest":
         return HostManifest.from_json(self.part, source=f"{source}: its part")
@@ -116,16 +116,16 @@ class CommitRecord:
         data = bytes(data)
         if b"\n" in data or not data.startswith(b'{"check"'):
             return None  # a commit record is one canonical line, and "check" sorts first
-        doc = _load(data, source)
+        doc = load_json(data, source)
         if doc.get("format") != COMMIT_FORMAT:
             return None
         check = doc.pop("check", None)
-        _expect(check == blob_name(_canonical(doc)), source,
+        expect(check == blob_name(canonical_json(doc)), source,
                 "it does not match its checksum (changed after it was written); not using it")
         step, digest, keepers, part = doc.get("step"), doc.get("digest"), doc.get("keepers"), doc.get("part")
-        _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source, f"step {step!r}")
-        _expect(isinstance(digest, str) and len(digest) == 64, source, "'digest' is not a SHA-256 hex digest")
-        _expect(isinstance(keepers, list) and all(isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) for x in k)
+        expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source, f"step {step!r}")
+        expect(isinstance(digest, str) and len(digest) == 64, source, "'digest' is not a SHA-256 hex digest")
+        expect(isinstance(keepers, list) and all(isinstance(k, list) and len(k) == 2 and all(isinstance(x, str) for x in k)
                                                   for k in keepers), source, "'keepers' is not a list of [host, address]")
-        _expect(isinstance(part, str) and "\n" not in part, source, "'part' is not a host manifest")
+        expect(isinstance(part, str) and "\n" not in part, source, "'part' is not a host manifest")
         return cls(step, digest, tuple((h, a) for h, a in keepers), part.encode())

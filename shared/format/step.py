@@ -13,9 +13,9 @@ import numpy as np
 
 from mtc.shared import shardings as shardings_lib
 from mtc.shared.errors import ManifestError
-from mtc.shared.format_base import (Box, _box_from_doc, _canonical, _digest, _expect, _load, box_shape, box_str,
-                                    dtype_from_name)
-from mtc.shared.format_host import HostManifest, HostShard
+from mtc.shared.format.base import (Box, box_from_doc, box_shape, box_str, canonical_json, doc_digest, dtype_from_name,
+                                    expect, load_json)
+from mtc.shared.format.host import HostManifest, HostShard
 from mtc.shared.hashing import HASH_NAME, blob_name, is_blob_name
 
 # mtc/3: a header line and one line per host part (see mtc.shared.format). Its "digest" is SHA-256 over the
@@ -142,9 +142,9 @@ class StepManifest:
         the host's own shards (a restore onto the same topology) without the other parts, which
         grow with hosts x shards; never written or sent (``to_json`` refuses)."""
         header = bytes(header)
-        _expect(b"\n" not in header, source, "a header is one line")
-        doc = _load(header, source)
-        _expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+        expect(b"\n" not in header, source, "a header is one line")
+        doc = load_json(header, source)
+        expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
         m = _parse_v3(doc, b"", source, only=(host, bytes(part)))
         m.__dict__["_local_part"] = host
         return m
@@ -155,11 +155,11 @@ class StepManifest:
             data = data.encode()
         data = bytes(data)
         first, _, rest = data.partition(b"\n")
-        doc = _load(first, source)
+        doc = load_json(first, source)
         if doc.get("format") == FORMAT:
             m = _parse_v3(doc, rest, source)
         else:
-            m = _parse_v2(_load(data, source), source)
+            m = _parse_v2(load_json(data, source), source)
         # Read bytes are written back as they are: their digest is the one the hosts compare.
         if "digest" in m.__dict__:  # (an mtc/1 document has none: it is written anew as mtc/3)
             m.__dict__["_encoded"] = (data, m.digest)
@@ -200,7 +200,7 @@ def encode_step(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created:
             if a.sharding is not None:
                 j = by_id.get(id(a.sharding))
                 if j is None:
-                    k = _canonical(a.sharding)
+                    k = canonical_json(a.sharding)
                     if k not in index:
                         index[k] = len(table)
                         table.append(a.sharding)
@@ -221,9 +221,9 @@ def encode_step(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created:
         metas.append({"host": host, "digest": blob_name(data), "bytes": len(data)})
     header = {"format": FORMAT, "hash": HASH_NAME, "step": step, "created": created, "fingerprint": fingerprint,
               "topology": topology, "tree": tree, "shardings": table, "arrays": docs, "parts": metas}
-    digest = _digest(header)
+    digest = doc_digest(header)
     header["digest"] = digest
-    return b"\n".join([_canonical(header), *raw]), digest
+    return b"\n".join([canonical_json(header), *raw]), digest
 
 
 def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str, dict[str, str]]:
@@ -233,21 +233,21 @@ def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str
     row) run when the manifest is read (``StepManifest.from_json``)."""
     data = bytes(data)
     first, _, rest = data.partition(b"\n")
-    doc = _load(first, source)
-    _expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    doc = load_json(first, source)
+    expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
     digest = doc.pop("digest", None)
-    _expect(isinstance(digest, str) and digest == _digest(doc), source,
+    expect(isinstance(digest, str) and digest == doc_digest(doc), source,
             "its header does not match its digest (changed after it was written); not using it")
     step, metas = doc.get("step"), doc.get("parts")
-    _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
+    expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
             f"step {step!r} is not a non-negative integer")
-    _expect(isinstance(metas, list) and all(isinstance(m, dict) and isinstance(m.get("host"), str) for m in metas),
+    expect(isinstance(metas, list) and all(isinstance(m, dict) and isinstance(m.get("host"), str) for m in metas),
             source, "'parts' is missing or malformed")
     lines = rest.split(b"\n") if rest else []
-    _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+    expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
     out = {}
     for meta, line in zip(metas, lines):
-        _expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), source,
+        expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), source,
                 f"the part of host {meta['host']} does not match its hash in the header (changed after it was written)")
         out[meta["host"]] = meta["digest"]
     return step, digest, out
@@ -255,19 +255,19 @@ def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str
 
 def _parse_v2(doc: dict, source: str) -> StepManifest:
     digest = doc.pop("digest", None)
-    _expect(doc.get("format") in (_FORMAT_V2, _FORMAT_V1), source,
+    expect(doc.get("format") in (_FORMAT_V2, _FORMAT_V1), source,
             f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by another mtc version?)")
-    _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
+    expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
     step = doc.get("step")
-    _expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
+    expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
     arrays = doc.get("arrays")
-    _expect(isinstance(arrays, list), source, "'arrays' is missing or not a list")
+    expect(isinstance(arrays, list), source, "'arrays' is missing or not a list")
     records = tuple(_array_from_doc(a, f"{source}: arrays[{i}]") for i, a in enumerate(arrays))
     keys = [r.key for r in records]
-    _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+    expect(len(set(keys)) == len(keys), source, "duplicate array keys")
     # Last, so that a malformed document gets its precise error. mtc/1 had no digest (read only).
     if digest is not None or doc["format"] == _FORMAT_V2:
-        _expect(isinstance(digest, str) and digest == _digest(doc), source,
+        expect(isinstance(digest, str) and digest == doc_digest(doc), source,
                 "its content does not match its digest (changed after it was written); not using it")
     m = StepManifest(step=step, arrays=records, tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
                      topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}))
@@ -278,26 +278,26 @@ def _parse_v2(doc: dict, source: str) -> StepManifest:
 
 def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | None = None) -> StepManifest:
     digest = doc.pop("digest", None)
-    _expect(isinstance(digest, str) and digest == _digest(doc), source,
+    expect(isinstance(digest, str) and digest == doc_digest(doc), source,
             "its header does not match its digest (changed after it was written); not using it")
-    _expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
+    expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
     step = doc.get("step")
-    _expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
+    expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
             f"step {step!r} is not a non-negative integer")
     table = doc.get("shardings")
-    _expect(isinstance(table, list), source, "'shardings' is missing or not a list")
+    expect(isinstance(table, list), source, "'shardings' is missing or not a list")
     for i, desc in enumerate(table):
         shardings_lib.check_desc(desc, f"{source}: shardings[{i}]")
     docs, metas = doc.get("arrays"), doc.get("parts")
-    _expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
-    _expect(isinstance(metas, list), source, "'parts' is missing or not a list")
+    expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
+    expect(isinstance(metas, list), source, "'parts' is missing or not a list")
     if only is None:
         lines = rest.split(b"\n") if rest else []
-        _expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
+        expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
         pairs = list(zip(metas, lines))
     else:  # one host's local view: its part only (see StepManifest.local_view)
         pairs = [(meta, only[1]) for meta in metas if isinstance(meta, dict) and meta.get("host") == only[0]]
-        _expect(len(pairs) == 1, source, f"its header lists {len(pairs)} parts of host {only[0]}, not one")
+        expect(len(pairs) == 1, source, f"its header lists {len(pairs)} parts of host {only[0]}, not one")
     # The header's arrays, then their shards from every part (equal boxes from several hosts are
     # replicas: one record, and they must name the same blob).
     heads = [_array_head(a, table, f"{source}: arrays[{i}]") for i, a in enumerate(docs)]
@@ -306,18 +306,18 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | Non
     part_blobs: dict[str, set[str]] = {}
     for j, (meta, line) in enumerate(pairs):
         where = f"{source}: part {j}"
-        _expect(isinstance(meta, dict) and isinstance(meta.get("host"), str), where, "its header entry is malformed")
+        expect(isinstance(meta, dict) and isinstance(meta.get("host"), str), where, "its header entry is malformed")
         host = meta["host"]
-        _expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), where,
+        expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), where,
                 f"the part of host {host} does not match its hash in the header (changed after it was written)")
         part = HostManifest.from_json(line, source=f"{where} (host {host})")
-        _expect(part.step == step and part.host == host, where,
+        expect(part.step == step and part.host == host, where,
                 f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
         for s in part.shards:
-            _expect(s.array < len(heads) and heads[s.array][0].kind != "scalar", where,
+            expect(s.array < len(heads) and heads[s.array][0].kind != "scalar", where,
                     f"shard of array #{s.array}, which is not an array of this step")
             prev = found[s.array].setdefault(s.box, (s.blob, s.nbytes, host))
-            _expect(prev[:2] == (s.blob, s.nbytes), where,
+            expect(prev[:2] == (s.blob, s.nbytes), where,
                     f"array {heads[s.array][0].key!r} shard {box_str(s.box)} has different contents on hosts "
                     f"{prev[2]} and {host} ({prev[0]} != {s.blob}); replicas must be identical")
         parts.append((host, meta["digest"]))
@@ -334,15 +334,15 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | Non
         for box in sorted(shards):
             blob, nbytes, _ = shards[box]
             if len(box) != ndim or any(b > n for (_, b), n in zip(box, shape)):
-                _expect(False, where, f"box {box_str(box)} does not fit shape {list(shape)}")
+                expect(False, where, f"box {box_str(box)} does not fit shape {list(shape)}")
             want = math.prod(b - a for a, b in box) * itemsize
             if nbytes != want:
-                _expect(False, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
+                expect(False, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
             out.append(ShardRecord(box, blob, nbytes, owners.get(box, ())))
-        _expect(only is not None or _covers(list(rec.shape), shards), where, "its shards do not cover the whole array")
+        expect(only is not None or _covers(list(rec.shape), shards), where, "its shards do not cover the whole array")
         records.append(dataclasses.replace(rec, shards=tuple(out)))
     keys = [r.key for r in records]
-    _expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+    expect(len(set(keys)) == len(keys), source, "duplicate array keys")
     m = StepManifest(step=step, arrays=tuple(records), tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
                      topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}),
                      parts=tuple(parts), part_blobs={h: frozenset(b) for h, b in part_blobs.items()})
@@ -352,11 +352,11 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | Non
 
 def _array_head(doc: Any, table: list, where: str) -> tuple[ArrayRecord, dict[Box, tuple[int, ...]]]:
     """An mtc/3 header entry: the record without shards, and box -> devices that held it."""
-    _expect(isinstance(doc, dict), where, "not an object")
+    expect(isinstance(doc, dict), where, "not an object")
     idx = doc.get("sharding")
     sharding = None
     if idx is not None:
-        _expect(isinstance(idx, int) and 0 <= idx < len(table), where, f"sharding {idx!r} is not an index of 'shardings'")
+        expect(isinstance(idx, int) and 0 <= idx < len(table), where, f"sharding {idx!r} is not an index of 'shardings'")
         sharding = table[idx]
     shallow = {k: v for k, v in doc.items() if k not in ("sharding", "boxes")}
     rec = _array_from_doc({**shallow, "sharding": sharding, "shards": None} if doc.get("kind") != "scalar" else doc,
@@ -366,11 +366,11 @@ def _array_head(doc: Any, table: list, where: str) -> tuple[ArrayRecord, dict[Bo
         return rec, {}
     listed = doc.get("boxes")
     if listed is not None:
-        _expect(isinstance(listed, list), where, "'boxes' is not a list")
+        expect(isinstance(listed, list), where, "'boxes' is not a list")
         for row in listed:
-            _expect(isinstance(row, list) and len(row) == 2 and isinstance(row[1], list)
+            expect(isinstance(row, list) and len(row) == 2 and isinstance(row[1], list)
                     and all(isinstance(d, int) for d in row[1]), where, "'boxes' rows are [box, [device ids]]")
-            owners[_box_from_doc(row[0], where)] = sorted(row[1])
+            owners[box_from_doc(row[0], where)] = sorted(row[1])
     else:
         derived = shardings_lib.described_device_boxes(sharding, rec.shape)
         for dev, box in (derived or {}).items():
@@ -379,44 +379,44 @@ def _array_head(doc: Any, table: list, where: str) -> tuple[ArrayRecord, dict[Bo
 
 
 def _array_from_doc(doc: Any, where: str, *, require_cover: bool = True) -> ArrayRecord:
-    _expect(isinstance(doc, dict), where, "not an object")
+    expect(isinstance(doc, dict), where, "not an object")
     key, kind = doc.get("key"), doc.get("kind")
-    _expect(isinstance(key, str), where, "key is not a string")
+    expect(isinstance(key, str), where, "key is not a string")
     where = f"{where} ({key})"
-    _expect(kind in ("jax", "numpy", "scalar"), where, f"kind {kind!r} is not jax, numpy or scalar")
+    expect(kind in ("jax", "numpy", "scalar"), where, f"kind {kind!r} is not jax, numpy or scalar")
     if kind == "scalar":
         value = doc.get("value")
-        _expect(isinstance(value, dict) and "type" in value, where, "scalar value is not tagged")
+        expect(isinstance(value, dict) and "type" in value, where, "scalar value is not tagged")
         return ArrayRecord(key=key, kind=kind, value=value)
     dtype = doc.get("dtype")
-    _expect(isinstance(dtype, str), where, "dtype is missing")
+    expect(isinstance(dtype, str), where, "dtype is missing")
     dt = dtype_from_name(dtype)
     shape = doc.get("shape")
-    _expect(isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape), where,
+    expect(isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape), where,
             f"shape {shape!r} is not a list of non-negative integers")
     shards = []
     for i, s in enumerate(doc.get("shards") or []):
         sw = f"{where}: shards[{i}]"
-        _expect(isinstance(s, dict), sw, "not an object")
-        box = _box_from_doc(s.get("box"), sw)
-        _expect(len(box) == len(shape) and all(b <= n for (_, b), n in zip(box, shape)), sw,
+        expect(isinstance(s, dict), sw, "not an object")
+        box = box_from_doc(s.get("box"), sw)
+        expect(len(box) == len(shape) and all(b <= n for (_, b), n in zip(box, shape)), sw,
                 f"box {box} does not fit shape {shape}")
-        _expect(is_blob_name(s.get("blob")), sw, f"blob name {s.get('blob')!r} is malformed")
+        expect(is_blob_name(s.get("blob")), sw, f"blob name {s.get('blob')!r} is malformed")
         nbytes = s.get("nbytes")
         want = int(np.prod(box_shape(box), dtype=np.int64)) * dt.itemsize
-        _expect(nbytes == want, sw, f"nbytes {nbytes!r} does not match box {box_str(box)} of {dtype} ({want})")
+        expect(nbytes == want, sw, f"nbytes {nbytes!r} does not match box {box_str(box)} of {dtype} ({want})")
         devices = tuple(s.get("devices") or ())
         shards.append(ShardRecord(box, s["blob"], nbytes, devices))
     if require_cover:
-        _expect(_covers(shape, [s.box for s in shards]), where, "shards do not cover the whole array")
+        expect(_covers(shape, [s.box for s in shards]), where, "shards do not cover the whole array")
     impl, key_shape = doc.get("prng_impl"), doc.get("prng_key_shape", [])
     if impl is not None:
-        _expect(isinstance(impl, str) and impl, where, f"prng_impl {impl!r} is not a PRNG impl name")
-        _expect(kind == "jax", where, "a PRNG key array must be of kind jax")
-        _expect(isinstance(key_shape, list) and all(isinstance(n, int) and n > 0 for n in key_shape)
+        expect(isinstance(impl, str) and impl, where, f"prng_impl {impl!r} is not a PRNG impl name")
+        expect(kind == "jax", where, "a PRNG key array must be of kind jax")
+        expect(isinstance(key_shape, list) and all(isinstance(n, int) and n > 0 for n in key_shape)
                 and len(key_shape) <= len(shape) and shape[len(shape) - len(key_shape):] == key_shape, where,
                 f"prng_key_shape {key_shape!r} is not the trailing part of shape {shape}")
-        _expect(dtype == "uint32", where, f"PRNG key data has dtype {dtype}, expected uint32")
+        expect(dtype == "uint32", where, f"PRNG key data has dtype {dtype}, expected uint32")
     return ArrayRecord(key=key, kind=kind, dtype=dtype, shape=tuple(shape),
                        sharding=doc.get("sharding"), shards=tuple(shards),
                        prng_impl=impl, prng_key_shape=tuple(key_shape) if impl else ())

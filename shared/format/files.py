@@ -1,23 +1,6 @@
-"""The on-disk and on-the-wire formats: step manifests, host manifests, dtypes, index boxes.
-
-A **step manifest** says which blobs make up a step and how they assemble into arrays; it is
-the commit of a step: written last, atomically. Format ``mtc/3`` (docs/architecture.md, Formats) is JSON Lines:
-line 1 is the *header* (the arrays, each named sharding once, the tree, and one
-``{"host", "digest", "bytes"}`` entry per host part, with a ``"digest"`` of the header itself);
-each following line is one **host manifest** (a *part*): the shards one sidecar wrote in phase
-1, exactly as it wrote them. The head builds a step manifest without reading the parts (it
-hashes and concatenates them), so its work per save grows with arrays and hosts, not shards.
-Which devices held a shard is derived from the named sharding, not listed per shard.
-``mtc/2`` and ``mtc/1`` (one JSON document with every shard inline) are still read.
-
-Everything read from disk or the network goes through ``from_json``, which validates the
-document and says what is wrong.
-
-The documents live in modules of their own, and every public name is importable from here:
-``format_step`` (step manifests), ``format_host`` (host manifests, commit records) and
-``format_base`` (boxes, dtype names, the JSON helpers). This module reads step files whatever
-their format (``step_format``, ``step_digest``, ``collect_blob_names``).
-"""
+"""What any step file says (a step manifest of any format, or a commit record), read without
+parsing it as a manifest: the format and digest it names (``step_format``, ``step_digest``) and the
+blobs it keeps alive (``collect_blob_names``)."""
 
 from __future__ import annotations
 
@@ -25,20 +8,9 @@ import json
 from typing import Any, Iterable
 
 from mtc.shared.errors import ManifestError
-from mtc.shared.format_base import _digest  # noqa: F401  (tests re-sign documents they alter with fmt._digest)
-from mtc.shared.format_base import (Box, box_from_index, box_intersect, box_shape, box_slices, box_str,
-                                    dtype_from_name, dtype_name)
-from mtc.shared.format_host import COMMIT_FORMAT, HOST_FORMAT, CommitRecord, HostManifest, HostShard
-from mtc.shared.format_step import (FORMAT, ArrayRecord, ShardRecord, StepManifest, check_step_bytes,
-                                    encode_step)
+from mtc.shared.format.host import COMMIT_FORMAT, HOST_FORMAT
+from mtc.shared.format.step import FORMAT
 from mtc.shared.hashing import is_blob_name
-
-__all__ = [
-    "COMMIT_FORMAT", "FORMAT", "HOST_FORMAT", "ArrayRecord", "Box", "CommitRecord", "HostManifest", "HostShard",
-    "ShardRecord", "StepManifest", "box_from_index", "box_intersect", "box_shape", "box_slices", "box_str",
-    "check_step_bytes", "collect_blob_names", "dtype_from_name", "dtype_name", "encode_step", "step_digest",
-    "step_format",
-]
 
 
 def _header_str(data: bytes, key: str) -> str | None:

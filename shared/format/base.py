@@ -1,6 +1,6 @@
 """What every mtc document uses: ``Box`` (the part of an array a shard covers) and its helpers, the
-names of dtypes (``dtype_name`` / ``dtype_from_name``), and the JSON helpers of the readers
-(canonical encoding, digest, loading, the checks that raise ManifestError)."""
+names of dtypes (``dtype_name`` / ``dtype_from_name``), and the JSON helpers of the readers and
+writers (``canonical_json``, ``doc_digest``, ``load_json``, ``expect``, ``box_from_doc``)."""
 
 from __future__ import annotations
 
@@ -105,34 +105,39 @@ def box_str(box: Box) -> str:
 # --- the readers' JSON helpers -------------------------------------------------------------
 
 
-def _canonical(doc: dict) -> bytes:
+def canonical_json(doc: dict) -> bytes:
+    """``doc`` as compact JSON with sorted keys: the bytes its digest and checksum are taken over."""
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
 
-def _digest(doc: dict) -> str:
-    return hashlib.sha256(_canonical(doc)).hexdigest()
+def doc_digest(doc: dict) -> str:
+    """SHA-256 (hex) of ``doc``'s canonical JSON: the ``"digest"`` a step manifest's header carries."""
+    return hashlib.sha256(canonical_json(doc)).hexdigest()
 
 
-def _load(data: bytes | str, source: str) -> dict:
+def load_json(data: bytes | str, source: str) -> dict:
+    """The JSON object in ``data``; ManifestError naming ``source`` if it is not JSON or not an object."""
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"{source} is not valid JSON: {e}") from None
-    _expect(isinstance(doc, dict), source, "top level is not a JSON object")
+    expect(isinstance(doc, dict), source, "top level is not a JSON object")
     return doc
 
 
-def _expect(cond: bool, source: str, what: str) -> None:
+def expect(cond: bool, source: str, what: str) -> None:
+    """Raise ManifestError ("``source`` is invalid: ``what``") unless ``cond``."""
     if not cond:
         raise ManifestError(f"{source} is invalid: {what}")
 
 
-def _box_from_doc(box: Any, where: str) -> Box:
-    _expect(isinstance(box, list), where, "box is not a list")
+def box_from_doc(box: Any, where: str) -> Box:
+    """The box a document lists as ``[[start, stop], ...]``; ManifestError naming ``where`` if malformed."""
+    expect(isinstance(box, list), where, "box is not a list")
     out = []
     for pair in box:
         if not (type(pair) is list and len(pair) == 2 and type(pair[0]) is int and type(pair[1]) is int
                 and 0 <= pair[0] <= pair[1]):
-            _expect(False, where, f"box entry {pair!r} is not [start, stop]")
+            expect(False, where, f"box entry {pair!r} is not [start, stop]")
         out.append((pair[0], pair[1]))
     return tuple(out)

@@ -1,19 +1,5 @@
-"""Google Cloud Storage as an object store (`gs://bucket/prefix`).
-
-Every operation runs under `retry_call`: transient failures (connection errors, timeouts,
-408/429/5xx) are retried with backoff and full jitter until a deadline that restarts
-whenever bytes move; anything else is fatal at once. The client library's own retries are
-switched off (retry=None) so that one policy decides.
-
-Small objects go in one multipart request. Files above `resumable_threshold` use a
-resumable session driven here, chunk by chunk: after a failure the session is asked how
-much it holds and the upload goes on from there. A session that the server finalized early
-or with wrong bytes (fake-gcs-server finalizes on a status query) is detected by size and
-crc32c, that generation is deleted, and the upload starts again.
-
-This module holds the store (``GCSStore``); clients and the transient/fatal split are in
-``gcs_client``, the resumable upload in ``gcs_upload``.
-"""
+"""The gs:// store (``GCSStore``): every operation under the retry policy (see the package's
+docstring); small objects in one request, large files through ``upload.ResumableUpload``."""
 
 from __future__ import annotations
 
@@ -26,18 +12,13 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-try:
-    import requests
-    from google.api_core import exceptions as gexc
-    from google.cloud import storage
-except ImportError as e:  # pragma: no cover - exercised by a test that hides the package
-    raise ImportError(
-        f"the gs:// backup store needs google-cloud-storage ({e}); install it with: pip install 'mtc[gcs]'"
-    ) from e
+import requests
+from google.api_core import exceptions as gexc
+from google.cloud import storage
 
 from mtc.shared.errors import ConfigError
-from mtc.shared.objstore.gcs_client import EMULATOR_ENV, _Redo, is_transient, make_client
-from mtc.shared.objstore.gcs_upload import _CONTENT_TYPE, _crc_b64, _ResumableUpload
+from mtc.shared.objstore.gcs.client import Redo, is_transient, make_client
+from mtc.shared.objstore.gcs.upload import CONTENT_TYPE, ResumableUpload, crc32c_b64
 from mtc.shared.objstore.retry import Backoff, retry_call
 from mtc.shared.objstore.store import (
     DEFAULT_DEADLINE_S,
@@ -46,19 +27,17 @@ from mtc.shared.objstore.store import (
     ObjectStore,
     StoreError,
     TransientStoreError,
-    _name_problem,
+    name_problem,
     validate_name,
     validate_prefix,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)  # the gs:// store logs as mtc.shared.objstore.gcs
 T = TypeVar("T")
 
 RESUMABLE_THRESHOLD = 8 << 20  # above this, resumable uploads (GCS's own multipart limit)
 CHUNK_SIZE = 32 << 20  # resumable chunk; a multiple of 256 KiB
 _CHUNK_GRANULE = 256 << 10
-
-__all__ = ["CHUNK_SIZE", "EMULATOR_ENV", "RESUMABLE_THRESHOLD", "GCSStore", "is_transient", "make_client"]
 
 
 class GCSStore(ObjectStore):
@@ -110,7 +89,6 @@ class GCSStore(ObjectStore):
         # Resumable session URLs authenticate by themselves: a plain session suffices.
         self._http = requests.Session()
         self._closed = threading.Event()
-        self._guard: Callable[[], None] | None = None  # see with_guard
 
     # -- plumbing -----------------------------------------------------------------------
     def with_deadline(self, seconds: float) -> "GCSStore":
@@ -118,11 +96,6 @@ class GCSStore(ObjectStore):
             raise ConfigError(f"deadline {seconds} must be >= 0 seconds")
         other = copy.copy(self)  # the same client and settings; only the patience differs
         other.deadline = float(seconds)
-        return other
-
-    def with_guard(self, guard: Callable[[], None]) -> "GCSStore":
-        other = copy.copy(self)  # the same client and settings; every try asks the guard first
-        other._guard = guard
         return other
 
     def _full(self, name: str) -> str:
@@ -137,12 +110,11 @@ class GCSStore(ObjectStore):
             tries += 1
             return is_transient(exc)
 
-        guard = self._guard
-        if guard is not None:  # before every try: an operation may wait out a long outage
+        if self._guard is not None:  # before every try: an operation may wait out a long outage
             unguarded = fn
 
             def fn() -> T:
-                guard()
+                self._check_guard()
                 return unguarded()
 
         start = time.monotonic()
@@ -211,7 +183,10 @@ class GCSStore(ObjectStore):
             return self._put_small(name, full, read, if_absent)
         if if_absent and self._call("stat", name, lambda: self._stat(full)) is not None:
             return False
-        return _ResumableUpload(self, name, full, path, size, if_absent).run()
+        upload = ResumableUpload(bucket=self._bucket, session=self._http, check_landed=self._check_landed,
+                                 url=self.url, name=name, full=full, path=path, size=size, if_absent=if_absent,
+                                 chunk_size=self.chunk_size, timeout=self.timeout)
+        return self._call("upload", name, upload.attempt, progress=upload.progress)
 
     def _put_small(self, name: str, full: str, read: Callable[[], bytes], if_absent: bool) -> bool:
         # The pre-check keeps create-only writes honest on servers that ignore
@@ -224,14 +199,14 @@ class GCSStore(ObjectStore):
             nonlocal tries
             tries += 1
             data = read()
-            crc = _crc_b64(data)
+            crc = crc32c_b64(data)
             blob = self._bucket.blob(full)
             blob.crc32c = crc  # the server refuses the object if the bytes do not match
             try:
                 blob.upload_from_file(
                     io.BytesIO(data),
                     size=len(data),
-                    content_type=_CONTENT_TYPE,
+                    content_type=CONTENT_TYPE,
                     if_generation_match=0 if if_absent else None,
                     checksum=None,
                     retry=None,
@@ -250,7 +225,7 @@ class GCSStore(ObjectStore):
         return self._call("upload", name, attempt)
 
     def _check_landed(self, full: str, generation, got_size, got_crc, size: int, crc: str | None) -> None:
-        """Raise _Redo (after deleting that generation) if the finalized object is not ours."""
+        """Raise Redo (after deleting that generation) if the finalized object is not ours."""
         wrong_size = got_size is not None and int(got_size) != size
         wrong_crc = crc is not None and got_crc is not None and got_crc != crc
         if wrong_size or wrong_crc:
@@ -259,7 +234,7 @@ class GCSStore(ObjectStore):
                 self.url, full[len(self.prefix):], got_size, got_crc, size, crc,
             )
             self._delete_generation(full, generation)
-            raise _Redo(f"the server finalized {got_size} bytes of {size}")
+            raise Redo(f"the server finalized {got_size} bytes of {size}")
 
     def _delete_generation(self, full: str, generation) -> None:
         try:
@@ -294,7 +269,7 @@ class GCSStore(ObjectStore):
                         timeout=self.timeout,
                     )
                 if f.tell() < size:
-                    raise _Redo(f"download stopped at {f.tell()} of {size} bytes")
+                    raise Redo(f"download stopped at {f.tell()} of {size} bytes")
                 if f.tell() > size:
                     raise FatalStoreError(f"download {self.url}{name}: got {f.tell()} bytes, expected {size}")
                 return size
@@ -331,7 +306,7 @@ class GCSStore(ObjectStore):
         names = self._call("list", prefix, attempt)
         n = len(self.prefix)
         # Objects written by other tools under our prefix may not be valid names: skip them.
-        return sorted(name[n:] for name in names if _name_problem(name[n:]) is None)
+        return sorted(name[n:] for name in names if name_problem(name[n:]) is None)
 
     def delete(self, name: str) -> None:
         full = self._full(name)
