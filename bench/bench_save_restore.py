@@ -163,9 +163,10 @@ def _warmer_drain(mgr) -> bool:
     from mtc.shared import landing_zones
 
     zone = landing_zones.find(mgr.config.ramdisk_root)
-    service = getattr(zone, "_service", None)
-    warmer = getattr(getattr(service, "store", None), "warmer", None)
-    return warmer is not None and warmer.drain(timeout=120)
+    service = getattr(zone, "_service", None)  # the colocated service's zone (sidecar/colocated.py)
+    if service is None:
+        return False
+    return service.store.landings.warmer.drain(timeout=120)  # an AttributeError if it moves: not a silent 0
 
 
 def _back_memory(root: str, nbytes: int) -> float:
