@@ -69,9 +69,11 @@ def receive_blob(sock: socket.socket, store: RamStore, name: str, nbytes: int) -
             "reserved. Size the ramdisk for the peer copies too: see `mtc size`")
     progress = [0]  # bytes received so far, for the messages
     with store.arrivals.receiving(name, lambda: sock.shutdown(socket.SHUT_RDWR)) as arrival:
-        # Reuses a recycled file of that size if there is one; a save checking its room meanwhile
-        # counts that file once, in the pool or held by this copy.
-        fd = store.arrivals.open_temp(arrival, lambda: store.blobs.open_temp(nbytes))
+        # A recycled file of that size if there is one (a save checking its room meanwhile counts it
+        # once, in the pool or held by this copy), else a new one, allocated outside that lock.
+        fd = store.arrivals.take(arrival, lambda: store.blobs.reuse_temp(nbytes))
+        if fd is None:
+            fd, arrival.path = store.blobs.new_temp(nbytes)
         tmp = arrival.path
         hasher = new_hasher()
         try:

@@ -326,13 +326,28 @@ class BlobFiles:
         will be written), a free-pool file of that size is reused when there is one: its
         pages are overwritten in place, which is much cheaper than allocating new ones.
         """
+        if size is not None:
+            reused = self.reuse_temp(size)
+            if reused is not None:
+                return reused
+        return self.new_temp(size)
+
+    def reuse_temp(self, size: int) -> tuple[int, Path] | None:
+        """:meth:`open_temp` from a free-pool file of exactly ``size`` bytes; None when there is none.
+        Quick (no allocation): a caller may hold a lock around it."""
+        if not self.pool.enabled:
+            return None
+        taken = self.pool.take(int(size))
+        if taken is None:
+            return None
+        fd, path = taken
         tmp = temp_name(self.directory)
-        if size is not None and self.pool.enabled:
-            taken = self.pool.take(int(size))
-            if taken is not None:
-                fd, path = taken
-                os.rename(path, tmp)  # a plain temp name: finalize/discard accept it
-                return fd, tmp
+        os.rename(path, tmp)  # a plain temp name: finalize/discard accept it
+        return fd, tmp
+
+    def new_temp(self, size: int | None = None) -> tuple[int, Path]:
+        """:meth:`open_temp` as a new file, its ``size`` bytes allocated now when given."""
+        tmp = temp_name(self.directory)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         if size is not None:
             try:

@@ -186,17 +186,22 @@ class Arrivals:
                 self._open.discard(arrival)
                 self._cond.notify_all()
 
-    def open_temp(self, arrival: Arrival, opener: Callable[[], tuple[int, Path]]) -> int:
-        """Open ``arrival``'s temp file with ``opener`` (which may take a free-pool file) and
-        register it; returns the file's descriptor. Under the lock that :meth:`settled` holds, so
-        no reader sees a pool file taken but not yet held by its copy."""
+    def take(self, arrival: Arrival, taker: Callable[[], tuple[int, Path] | None]) -> int | None:
+        """Give ``arrival`` a free-pool file from ``taker`` (quick: it allocates nothing); returns
+        the file's descriptor, or None when ``taker`` found none. Under the lock that
+        :meth:`settled` holds, so no reader sees a pool file taken but not yet held by its copy.
+        A new file needs no lock (its allocation may take a while): a save that checks its room
+        before the file is registered never counted it as free either, it only yields less."""
         with self._cond:
-            fd, arrival.path = opener()
+            taken = taker()
+            if taken is None:
+                return None
+            fd, arrival.path = taken
         return fd
 
     @contextlib.contextmanager
     def settled(self) -> Iterator[None]:
-        """While open, no copy is between taking a free-pool file and holding it (``open_temp``):
+        """While open, no copy is between taking a free-pool file and holding it (``take``):
         the pool's bytes and :meth:`held` read inside count each file once."""
         with self._cond:
             yield
