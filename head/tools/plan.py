@@ -231,7 +231,7 @@ def measure_rates(nbytes: int = 256 << 20) -> dict[str, float]:
     b.close()
     # The least of the steady saves (the first three land in fresh files): what a save costs when
     # nothing else runs on the cores. Noise only adds time, so the least is the figure two runs on a
-    # busy machine agree on; the median of the last three moved with the load.
+    # busy machine agree on, where a median moves with the load.
     warm = sorted(blocked[3:])
     rates = {"d2h": gb / warm[0], "write": gb / min(writes[3:]),
              "backup": gb / max(backup.seconds, 1e-6), "ram_read": gb / ram_s, "peer": gb / peer_s,

@@ -8,6 +8,7 @@ save goes on. A save that would not fit even then drops nothing.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -112,6 +113,49 @@ def test_a_copy_in_a_recycled_file_yields_its_room_to_a_save(store):
         assert store.space.usage()["free_bytes"] >= 8 * MiB
     finally:
         copy.close()
+
+
+def test_a_save_counts_a_pool_file_a_copy_is_taking_once(store):
+    """A copy between taking its pool file and holding it: a save checking its room waits for the
+    take (``Arrivals.take``, ``Arrivals.settled``), then counts the file as the copy's and yields it.
+    Counted nowhere, the save would fail at once with InsufficientSpaceError."""
+    name = blob_name(b"a copy caught between taking its file and holding it")
+    took, go, dropped = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def taker():
+        taken = store.blobs.reuse_temp(6 * MiB)
+        took.set()
+        assert go.wait(30)
+        return taken
+
+    def receive():
+        try:
+            with store.arrivals.receiving(name, dropped.set) as arrival:
+                os.close(store.arrivals.take(arrival, taker))
+                assert dropped.wait(30)  # the save took the room back
+                store.blobs.discard_temp(arrival.path)
+        except BaseException as e:
+            errors.append(e)
+
+    def save():
+        try:
+            store.space.check_space(8 * MiB, step=3)
+        except BaseException as e:
+            errors.append(e)
+
+    copy = threading.Thread(target=receive, daemon=True)
+    copy.start()
+    assert took.wait(30) and pool_bytes(store) == 0  # the pool file is taken, not yet held
+    saver = threading.Thread(target=save, daemon=True)
+    saver.start()
+    saver.join(0.5)
+    assert saver.is_alive() and not errors, errors  # it waits for the take instead of counting nothing
+    go.set()
+    saver.join(30)
+    copy.join(30)
+    assert not saver.is_alive() and not copy.is_alive() and not errors, errors
+    assert store.space.usage()["free_bytes"] >= 8 * MiB and not temps(store)
 
 
 def test_a_save_that_would_not_fit_anyway_drops_no_copy(store):
