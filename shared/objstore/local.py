@@ -12,14 +12,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import uuid
 from pathlib import Path
 
+from mtc.shared.safe_files import UntrustedFileError, open_regular
 from mtc.shared.objstore.store import (
+    MAX_SMALL_OBJECT_BYTES,
     FatalStoreError,
     ObjectNotFoundError,
     ObjectStore,
     TransientStoreError,
+    UntrustedObjectError,
     validate_name,
     validate_prefix,
 )
@@ -121,37 +125,42 @@ class LocalStore(ObjectStore):
 
     # -- reads --------------------------------------------------------------------------
 
-    def get_to_file(self, name: str, path: str) -> int:
-        self._check_guard()
-        src_path = self._path(name)
+    def _open_object(self, name: str) -> int:
+        """A descriptor of the regular file behind ``name``: never through a link, never a FIFO or a
+        device (anyone who can write the root could put one there), found without blocking."""
+        path = self._path(name)
         try:
-            src = open(src_path, "rb")
+            return open_regular(path, "object")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise self._missing(name) from None
-        with src, open(path, "wb") as out:
+        except UntrustedFileError as e:
+            raise UntrustedObjectError(f"{e} (in {self.url}; not used)") from None
+
+    def get_to_file(self, name: str, path: str) -> int:
+        self._check_guard()
+        fd = self._open_object(name)
+        with os.fdopen(fd, "rb") as src, open(path, "wb") as out:
             size = os.fstat(src.fileno()).st_size
             _copy_fd(src.fileno(), out.fileno(), size)
         return size
 
-    def get_bytes(self, name: str) -> bytes:
+    def get_bytes(self, name: str, *, max_bytes: int = MAX_SMALL_OBJECT_BYTES) -> bytes:
         self._check_guard()
-        try:
-            return self._path(name).read_bytes()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise self._missing(name) from None
+        fd = self._open_object(name)
+        with os.fdopen(fd, "rb") as src:
+            if os.fstat(src.fileno()).st_size > max_bytes or len(data := src.read(max_bytes + 1)) > max_bytes:
+                raise UntrustedObjectError(f"object {name!r} in {self.url} is larger than {max_bytes} bytes, more than "
+                                           "mtc writes there; it was not read")
+            return data
 
     def exists(self, name: str) -> bool:
         self._check_guard()
-        return self._path(name).is_file()
+        return _regular(self._path(name)) is not None
 
     def size(self, name: str) -> int | None:
         self._check_guard()
-        p = self._path(name)
-        try:
-            st = p.stat()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        return st.st_size if p.is_file() else None
+        st = _regular(self._path(name))
+        return None if st is None else st.st_size
 
     def list(self, prefix: str = "") -> list[str]:
         self._check_guard()
@@ -194,6 +203,15 @@ class LocalStore(ObjectStore):
 
     def _missing(self, name: str) -> ObjectNotFoundError:
         return ObjectNotFoundError(f"object {name!r} does not exist in {self.url}")
+
+
+def _regular(p: Path) -> os.stat_result | None:
+    """The status of ``p`` when it is a regular file (not a link to one), else None."""
+    try:
+        st = os.lstat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
 
 
 def _copy_fd(src: int, dst: int, size: int) -> None:

@@ -15,6 +15,9 @@ from typing import Any, Callable
 from mtc.shared.errors import MTCError
 
 DEFAULT_DEADLINE_S = 300.0
+# The most ``get_bytes`` reads unless told otherwise: a small object (a manifest, a marker) never comes near
+# it, and a larger one (planted, or a link to /dev/zero in a local root) cannot exhaust the reader's memory.
+MAX_SMALL_OBJECT_BYTES = 1 << 30
 _MAX_NAME_BYTES = 1024  # GCS's limit on object names (UTF-8)
 
 
@@ -34,6 +37,11 @@ class FatalStoreError(StoreError):
 
 class ObjectNotFoundError(FatalStoreError, FileNotFoundError):
     """The named object does not exist in the store."""
+
+
+class UntrustedObjectError(FatalStoreError):
+    """An object is not what mtc writes there: larger than its kind may be, or (a local root) not a
+    regular file (a link, a FIFO, a device). Nothing of it was used."""
 
 
 class InvalidObjectNameError(FatalStoreError, ValueError):
@@ -138,8 +146,9 @@ class ObjectStore(abc.ABC):
         return the number of bytes. The caller verifies contents against their hash."""
 
     @abc.abstractmethod
-    def get_bytes(self, name: str) -> bytes:
-        """The whole content of a small object."""
+    def get_bytes(self, name: str, *, max_bytes: int = MAX_SMALL_OBJECT_BYTES) -> bytes:
+        """The whole content of a small object; UntrustedObjectError (after reading at most
+        ``max_bytes + 1`` bytes) when it is larger than ``max_bytes``."""
 
     @abc.abstractmethod
     def exists(self, name: str) -> bool:

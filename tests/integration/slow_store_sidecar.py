@@ -84,9 +84,9 @@ class SlowListing(ObjectStore):
         self._check_guard()
         return self._store.get_to_file(name, path)
 
-    def get_bytes(self, name):
+    def get_bytes(self, name, **kw):
         self._check_guard()
-        return self._store.get_bytes(name)
+        return self._store.get_bytes(name, **kw)
 
     def exists(self, name):
         self._check_guard()

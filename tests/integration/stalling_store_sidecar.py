@@ -111,10 +111,10 @@ class StallingStore(ObjectStore):
         self._gate("get_to_file", name)
         return self._store.get_to_file(name, path)
 
-    def get_bytes(self, name):
+    def get_bytes(self, name, **kw):
         self._check_guard()
         self._gate("get_bytes", name)
-        return self._store.get_bytes(name)
+        return self._store.get_bytes(name, **kw)
 
     def exists(self, name):
         self._check_guard()

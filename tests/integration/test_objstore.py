@@ -21,6 +21,7 @@ from mtc.shared.objstore.store import (
     InvalidObjectNameError,
     ObjectNotFoundError,
     TransientStoreError,
+    UntrustedObjectError,
 )
 
 pytestmark = pytest.mark.integration
@@ -159,6 +160,39 @@ def test_missing_object_is_a_clear_error(store_backend, tmp_path):
         assert isinstance(info.value, FatalStoreError) and isinstance(info.value, FileNotFoundError)
     assert store.size("blobs/missing") is None
     assert store.exists("blobs/missing") is False
+
+
+def test_an_object_larger_than_its_kind_is_refused_without_reading_it_whole(store_backend):
+    store = store_backend.make()
+    store.put_bytes("finalizing/marker", b"x" * 5000)
+    store.put_bytes("backups/empty.json", b"")
+    with pytest.raises(UntrustedObjectError, match="larger than 4096 bytes"):
+        store.get_bytes("finalizing/marker", max_bytes=4096)
+    assert store.get_bytes("finalizing/marker", max_bytes=5000) == b"x" * 5000
+    assert store.get_bytes("backups/empty.json", max_bytes=10) == b""
+
+
+def test_a_local_object_that_is_a_link_a_fifo_or_a_device_is_refused_at_once(tmp_path):
+    """Whoever can write a local backup root can plant these: a link to a secret of the reader's machine
+    (its content must not be read, or uploaded), a FIFO (opening it would block until a writer comes),
+    a link to /dev/zero (reading it would never end)."""
+    store = open_store(str(tmp_path / "root"))
+    secret = tmp_path / "token"
+    secret.write_bytes(b"the job's token")
+    secret.chmod(0o600)
+    (tmp_path / "root" / "backups").mkdir()
+    os.symlink(secret, tmp_path / "root" / "backups" / "secret.json")
+    os.symlink("/dev/zero", tmp_path / "root" / "restore.version")
+    os.mkfifo(tmp_path / "root" / "backups" / "fifo.json")
+    for name in ("backups/secret.json", "restore.version", "backups/fifo.json"):
+        t0 = time.monotonic()
+        with pytest.raises(UntrustedObjectError, match="regular|link"):
+            store.get_bytes(name)
+        with pytest.raises(UntrustedObjectError):
+            store.get_to_file(name, str(tmp_path / "out"))
+        assert time.monotonic() - t0 < 2, f"{name} blocked the read"
+        assert not store.exists(name) and store.size(name) is None
+    assert not (tmp_path / "out").exists() or (tmp_path / "out").read_bytes() == b""
 
 
 def test_local_store_leaves_no_temp_files_and_hides_strays(tmp_path):

@@ -22,11 +22,13 @@ from mtc.shared.objstore.gcs.upload import CONTENT_TYPE, ResumableUpload, crc32c
 from mtc.shared.objstore.retry import Backoff, retry_call
 from mtc.shared.objstore.store import (
     DEFAULT_DEADLINE_S,
+    MAX_SMALL_OBJECT_BYTES,
     FatalStoreError,
     ObjectNotFoundError,
     ObjectStore,
     StoreError,
     TransientStoreError,
+    UntrustedObjectError,
     name_problem,
     validate_name,
     validate_prefix,
@@ -276,14 +278,27 @@ class GCSStore(ObjectStore):
 
             return self._call("download", name, attempt, progress=f.tell)
 
-    def get_bytes(self, name: str) -> bytes:
+    def get_bytes(self, name: str, *, max_bytes: int = MAX_SMALL_OBJECT_BYTES) -> bytes:
         full = self._full(name)
-        blob = self._bucket.blob(full)
-        return self._call(
-            "download",
-            name,
-            lambda: blob.download_as_bytes(raw_download=True, checksum="crc32c", retry=None, timeout=self.timeout),
-        )
+
+        def attempt() -> bytes:
+            # At most max_bytes + 1 bytes come: an object larger than its kind is refused, not read whole. A
+            # range is not checksummed by the client; the object's crc32c (sent with it) is checked here.
+            blob = self._bucket.blob(full)
+            try:
+                data = blob.download_as_bytes(start=0, end=max_bytes, raw_download=True, checksum=None, retry=None,
+                                              timeout=self.timeout)
+            except gexc.RequestRangeNotSatisfiable:  # an empty object has no byte 0
+                return b""
+            if len(data) > max_bytes:
+                raise UntrustedObjectError(f"object {name!r} in {self.url} is larger than {max_bytes} bytes, more than "
+                                           "mtc writes there; it was not read")
+            if blob.crc32c and crc32c_b64(data) != blob.crc32c:
+                raise Redo(f"download {self.url}{name}: the crc32c of the {len(data)} bytes received does not match "
+                           "the object's")
+            return data
+
+        return self._call("download", name, attempt)
 
     def exists(self, name: str) -> bool:
         full = self._full(name)
