@@ -1,8 +1,11 @@
 """Prometheus metrics of the head: durations by phase, bytes by tier, and each tier's recovery point.
 
 Off unless ``metrics_port`` (``MTC_METRICS_PORT``) is set. Then the process serves ``/metrics`` on
-that port (one HTTP server per process, started by the first manager that asks; a private
-``CollectorRegistry``, not prometheus_client's global one), and every manager records into it:
+that port of ``metrics_address`` (``MTC_METRICS_ADDRESS``, default ``0.0.0.0``: a Prometheus scrapes the
+pod's IP) (one HTTP server per process, started by the first manager that asks; a private
+``CollectorRegistry``, not prometheus_client's global one; ``mtc.shared.scrape_server``'s bounded server:
+8 scrapes at once, 5 s from a connection's accept to the end of its request), and every manager records
+into it:
 
 - ``mtc_save_duration_seconds{phase}``: ``blocked`` (save() kept the caller), ``write`` (phase 1),
   ``commit`` (phase 2), ``total`` (save() to commit), ``replication`` (commit to the copies made),
@@ -120,21 +123,25 @@ def instruments() -> _Instruments:
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> int:
-    """Serve ``/metrics`` on ``port`` (all interfaces by default), once per process; returns the port
-    served. A later call with another port keeps the first server (one per process) and says so."""
+    """Serve ``/metrics`` on ``addr:port`` (``metrics_address``; every interface by default), once per
+    process; returns the port served. A later call with another port keeps the first server (one per
+    process) and says so. The server is ``mtc.shared.scrape_server``'s: at most ``MAX_SCRAPES`` scrapes
+    at once (one more is closed at once), each with ``REQUEST_DEADLINE_S`` from its accept to the end of
+    its request, so idle or slow clients hold a bounded number of the training process's threads."""
     global _server, _server_port
-    from prometheus_client import start_http_server
+    from mtc.shared.scrape_server import ScrapeServer
 
     reg = instruments().registry
     with _lock:
         if _server is None:
             try:
-                _server, _ = start_http_server(port, addr=addr, registry=reg)
-            except OSError as e:
-                raise ConfigError(f"cannot serve metrics on port {port}: {e}; set metrics_port "
-                                  "(MTC_METRICS_PORT) to a free port, or 0 for no metrics") from e
-            _server_port = _server.server_port
-            log.info("metrics on :%d/metrics", _server_port)
+                _server = ScrapeServer(addr, port, reg, name="head", logger=log, thread_name="mtc-head-metrics")
+            except (OSError, OverflowError) as e:
+                raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e}; set metrics_port "
+                                  "(MTC_METRICS_PORT) to a free port, or 0 for no metrics, and metrics_address "
+                                  "(MTC_METRICS_ADDRESS) to an address of this host") from e
+            _server_port = _server.port
+            log.info("metrics on %s:%d/metrics", addr, _server_port)
         elif port not in (0, _server_port):
             log.warning("metrics already served on port %d in this process; metrics_port=%d is not used",
                         _server_port, port)
@@ -150,7 +157,7 @@ def attach(config: Any, replicator: Any, backups: Any) -> "Tracker | Off":
     """The hooks of one manager: a ``Tracker`` when ``config.metrics_port`` is set, else ``Off``."""
     if not config.metrics_port:
         return OFF
-    serve(config.metrics_port)
+    serve(config.metrics_port, config.metrics_address)
     tracker = Tracker(instruments(), config, backups)
     replicator.listeners.append(tracker.replicated)
     replicator.inventory_listeners.append(tracker.inventoried)

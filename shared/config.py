@@ -98,6 +98,9 @@ class MTCConfig:
       ``restore`` finds it local (default true).
     - ``metrics_port``: serve Prometheus metrics at ``/metrics`` on this port of the head
       (``MTC_METRICS_PORT``; 0: no metrics).
+    - ``metrics_address``: the address the head's ``/metrics`` binds (``MTC_METRICS_ADDRESS``;
+      default ``0.0.0.0``, every interface: a Prometheus in the cluster scrapes the pod's IP, as the
+      rendered manifests' PodMonitoring does; ``127.0.0.1``: this machine only).
     - ``twin_check``: what a save does when data-parallel replicas of one box of an array hold
       different bytes (silent data corruption on some host): ``warn`` (default: log it, report it
       in ``last_save_report.twin_mismatches``, do not commit that step; training goes on),
@@ -131,6 +134,7 @@ class MTCConfig:
     max_save_wait_s: float | None = None
     prefetch_on_start: bool = True
     metrics_port: int = 0
+    metrics_address: str = "0.0.0.0"
     twin_check: str = "warn"
     twin_check_hash: bool = False
 
@@ -226,6 +230,9 @@ class MTCConfig:
         if not 0 <= self.metrics_port <= 65535:
             p.append(f"metrics_port={self.metrics_port} is out of range; use 1..65535, or 0 for no "
                      "metrics")
+        if not self.metrics_address.strip() or self.metrics_address != self.metrics_address.strip():
+            p.append(f"metrics_address={self.metrics_address!r} is not an address; use 0.0.0.0 (every "
+                     "interface, the default), 127.0.0.1 (this machine only) or an address of this host")
         if self.colocated_python_checkpointing and self.cluster_spec:
             p.append("colocated_python_checkpointing=True and cluster_spec are both set; "
                      "they select different modes: clear cluster_spec for colocated Python, "
@@ -401,7 +408,7 @@ _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields
 _MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "backup_scrub_interval_s", "backup_scrub_bytes_per_s",
             "backup_scrub_backups", "backup_scrub_ramdisk", "replication_factor", "peer_port", "peer_token",
             "cluster_spec", "tls_dir", "max_save_wait_s", "prefetch_on_start", "metrics_port",
-            "twin_check", "twin_check_hash")
+            "metrics_address", "twin_check", "twin_check_hash")
 
 
 def _type_ok(base: type, value: Any) -> bool:

@@ -1,7 +1,9 @@
 """Prometheus metrics of one sidecar daemon (cluster mode): its ramdisk, peer traffic, jobs and errors.
 
 ``serve_metrics(port, service)`` serves ``/metrics`` for a ``SidecarService`` (a private registry, read
-at each scrape), labelled with the service's host id:
+at each scrape), labelled with the service's host id, on ``mtc.shared.scrape_server``'s bounded server
+(``MAX_SCRAPES`` scrapes at once, ``SCRAPE_TIMEOUT_S`` from a connection's accept to the end of its
+request, so slow senders hold a slot no longer than that):
 
 - ``mtc_sidecar_ramdisk_used_bytes`` (mtc's blobs), ``mtc_sidecar_ramdisk_free_bytes`` (what the
   filesystem has left), ``mtc_sidecar_ramdisk_total_bytes``, ``mtc_sidecar_ramdisk_pool_bytes``
@@ -20,32 +22,31 @@ at each scrape), labelled with the service's host id:
 
 from __future__ import annotations
 
-import http.server
 import logging
 import math
-import socket
-import socketserver
 import threading
 from typing import Any, Iterator
-from urllib.parse import urlsplit
 
+from mtc.shared import scrape_server
 from mtc.shared.errors import ConfigError
+from mtc.shared.scrape_server import ScrapeServer
 
 log = logging.getLogger(__name__)
 
-MAX_SCRAPES = 8  # connections served at once; one more is closed at once (a scraper asks again)
-SCRAPE_TIMEOUT_S = 5.0  # to send the request, and for each read of the answer
+# mtc.shared.scrape_server's bounds, the same as the head's /metrics.
+MAX_SCRAPES = scrape_server.MAX_SCRAPES  # connections served at once; one more is closed at once (a scraper asks again)
+SCRAPE_TIMEOUT_S = scrape_server.REQUEST_DEADLINE_S  # from a connection's accept to the end of its request
 
 
 class MetricsServer:
     """A running ``/metrics`` server of one sidecar; ``close()`` stops it."""
 
-    def __init__(self, server: "_ScrapeServer", thread: threading.Thread, errors: "_ErrorCounter"):
-        self._server, self._thread, self._errors = server, thread, errors
+    def __init__(self, server: ScrapeServer, errors: "_ErrorCounter"):
+        self._server, self._errors = server, errors
 
     @property
     def port(self) -> int:
-        return self._server.server_port
+        return self._server.port
 
     @property
     def refused(self) -> int:
@@ -57,70 +58,7 @@ class MetricsServer:
         if self._errors is not None:
             logging.getLogger("mtc").removeHandler(self._errors)
             self._errors = None
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(timeout=10)
-
-
-class _ScrapeHandler(http.server.BaseHTTPRequestHandler):
-    timeout = SCRAPE_TIMEOUT_S  # set on the connection: a scraper that sends nothing is dropped
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
-        if urlsplit(self.path).path not in ("/metrics", "/"):
-            self.send_error(404, "only /metrics is served here")
-            return
-        try:
-            body = generate_latest(self.server.registry)
-        except Exception:
-            log.exception("host %s: cannot collect the metrics", self.server.host_id)
-            self.send_error(500, "the metrics could not be collected; see the sidecar's log")
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not logged
-        pass
-
-
-class _ScrapeServer(http.server.HTTPServer):
-    """HTTP on one address, one thread per connection, at most ``MAX_SCRAPES`` connections at once:
-    past them a connection is closed unserved, so idle or half-open connections hold no more than
-    ``MAX_SCRAPES`` threads, each for at most ``SCRAPE_TIMEOUT_S`` per read."""
-
-    request_queue_size = 64
-
-    def __init__(self, addr: tuple[str, int], registry: Any, host_id: str):
-        self.registry, self.host_id, self.refused = registry, host_id, 0
-        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
-        if ":" in addr[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(addr, _ScrapeHandler)
-
-    def server_bind(self) -> None:  # HTTPServer's also looks the host name up in DNS, which may hang
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            self.shutdown_request(request)
-            return
-        threading.Thread(target=self._serve_one, args=(request, client_address), daemon=True,
-                         name="mtc-metrics-scrape").start()
-
-    def _serve_one(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:  # a scraper that went away or timed out: nothing to report
-            pass
-        finally:
-            self.shutdown_request(request)
-            self._slots.release()
+            self._server.close()
 
 
 def serve_metrics(port: int, service: Any, addr: str = "127.0.0.1") -> MetricsServer:
@@ -135,16 +73,13 @@ def serve_metrics(port: int, service: Any, addr: str = "127.0.0.1") -> MetricsSe
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SidecarCollector(service, errors))
     try:
-        server = _ScrapeServer((addr, port), registry, service.host_id)
+        server = ScrapeServer(addr, port, registry, name=f"host {service.host_id}", logger=log)
     except (OSError, OverflowError) as e:
         raise ConfigError(f"host {service.host_id}: cannot serve metrics on {addr}:{port}: {e}; give --metrics-port "
                           "a free port (and --metrics-host an address of this host)") from e
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True,
-                              name="mtc-metrics")
-    thread.start()
     logging.getLogger("mtc").addHandler(errors)
-    log.info("host %s: metrics on %s:%d/metrics", service.host_id, addr, server.server_port)
-    return MetricsServer(server, thread, errors)
+    log.info("host %s: metrics on %s:%d/metrics", service.host_id, addr, server.port)
+    return MetricsServer(server, errors)
 
 
 class _ErrorCounter(logging.Handler):

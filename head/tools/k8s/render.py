@@ -228,6 +228,9 @@ def _main(p: Plan) -> dict:
     }
     if p.options.metrics_port:  # scraped through the PodMonitoring (pod_monitoring)
         main["env"].append({"name": "MTC_METRICS_PORT", "value": str(p.options.metrics_port)})
+        # Every interface, said explicitly: the PodMonitoring scrapes the pod's IP (the node's, on the host
+        # network), and kubectl port-forward reaches the pod on 127.0.0.1.
+        main["env"].append({"name": "MTC_METRICS_ADDRESS", "value": "0.0.0.0"})
         main["ports"] = [{"name": "metrics", "containerPort": p.options.metrics_port}]
     return main
 
