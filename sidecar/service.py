@@ -213,10 +213,13 @@ class SidecarService:
                 from mtc.shared.objstore import open_store
                 from mtc.sidecar.backup.tier import BackupTier
 
+                from mtc.shared.job_key import JobKey
+
+                key = JobKey.from_secret(self._peer_token)  # the job's secret: MTC_JOB_KEY, else the token
                 if create:
-                    tier = self._backups[url] = BackupTier(url, self.store, self.host_id)
+                    tier = self._backups[url] = BackupTier(url, self.store, self.host_id, key=key)
                 else:
-                    tier = self._readers[url] = BackupTier(url, self.store, self.host_id,
+                    tier = self._readers[url] = BackupTier(url, self.store, self.host_id, key=key,
                                                            store=open_store(url, create=False))
             return tier
 

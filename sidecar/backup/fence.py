@@ -34,10 +34,18 @@ Then:
 
 Finalizes of the same backup (same generation and name) are equivalent and run side by side: the
 manifest is create-only, and the one that finds it written checks that it holds the same bytes.
+
+Anyone who can write the bucket can write under ``finalizing/`` too, and a marker that someone keeps
+rewriting looks alive. So with a job key (``mtc.shared.job_key``) every marker's content carries a tag
+over its name and content, and a marker whose tag does not check is no finalize: it is never waited
+for, never stops one, and is counted and warned about once (``job_key.rejected``); a finalize never
+gives way to anything but a marker this job signed. A finalize that does give way says which marker
+made it, and ``superseded`` counts them: a backup that was not made is not harmless.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -48,8 +56,9 @@ import time
 import uuid
 
 from mtc.shared import backup_layout as layout
+from mtc.shared import job_key
 from mtc.shared.errors import BackupSupersededError
-from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, TransientStoreError
+from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, TransientStoreError, UntrustedObjectError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,9 @@ CHECK_DEADLINE_S = 5.0
 RELEASE_DEADLINE_S = 30.0
 RELEASE_TRIES, RELEASE_PAUSE_S = 12, 10.0  # then in the background: about an hour with GCS's deadline
 PROCESS = uuid.uuid4().hex[:12]  # this process: a marker of this host from another one is a dead finalize
+KIND = "finalize marker"
+MAX_MARKER_BYTES = 16 << 10
+superseded: collections.Counter[str] = collections.Counter()  # why -> finalizes that gave way (metrics)
 
 _MARKER_RE = re.compile(r"(\d{20})\.(\d{8}T\d{6}Z-step-\d{12})\.([A-Za-z0-9_-]+)\.([0-9a-f]{12})\.([0-9a-f]{12})")
 
@@ -115,25 +127,56 @@ def sweep_dead(store: ObjectStore, host: str) -> None:
             store.delete(m.obj)
 
 
+def signed_doc(key: job_key.JobKey, obj: str, doc: dict) -> bytes:
+    """A marker's content: ``doc`` with the job key's tag over ``obj`` and ``doc`` (no tag with no key)."""
+    body = json.dumps(doc, sort_keys=True).encode()
+    tag = key.sign(KIND, obj, body)
+    return body if tag is None else json.dumps({"doc": doc, "tag": tag}, sort_keys=True).encode()
+
+
+def genuine(key: job_key.JobKey, m: "Marker", content: bytes) -> bool:
+    """Whether ``content`` of marker ``m`` was written by a finalize of this job (always, with no key)."""
+    if not key.enabled:
+        return True
+    try:
+        outer = json.loads(content)
+        body = json.dumps(outer["doc"], sort_keys=True).encode()
+        tag = outer["tag"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        body, tag = content, None
+    verdict = key.check(KIND, m.obj, body, tag)
+    if verdict != job_key.OK:
+        job_key.refuse(KIND, m.obj, verdict, what_happens="no finalize waits for it or gives way to it")
+        return False
+    return True
+
+
 class _Watch:
     """What this finalize saw of other finalizes' markers: whether each one is alive (its content changed
-    while looked at), dead (unchanged for ``DEAD_AFTER_S``), or not known yet."""
+    while looked at), dead (unchanged for ``DEAD_AFTER_S``), forged (not signed by this job: never a
+    finalize), or not known yet."""
 
-    def __init__(self, store: ObjectStore):
+    def __init__(self, store: ObjectStore, key: job_key.JobKey | None = None):
         self._store = store
+        self._key = key or job_key.JobKey.none()
         self._seen: dict[str, tuple[bytes, float]] = {}  # marker -> (content, when that content was first read)
         self.alive: set[str] = set()
         self.listed: dict[str, float] = {}  # marker -> when it was first listed
 
     def look(self, m: Marker) -> str | None:
-        """"alive", "dead", "gone" (removed meanwhile), or None (not known yet, or could not be read now)."""
+        """"alive", "dead", "gone" (removed meanwhile), "forged" (not this job's), or None (not known yet, or
+        could not be read now)."""
         self.listed.setdefault(m.obj, time.monotonic())
         try:
-            content = self._store.get_bytes(m.obj)
+            content = self._store.get_bytes(m.obj, max_bytes=MAX_MARKER_BYTES)
         except ObjectNotFoundError:
             return "gone"
+        except UntrustedObjectError:
+            return "forged" if self._key.enabled else None
         except TransientStoreError:
             return None
+        if not genuine(self._key, m, content):
+            return "forged"
         now = time.monotonic()  # after the read: the content is at least as new as this moment's
         seen = self._seen.get(m.obj)
         if seen is None or seen[0] != content:
@@ -151,8 +194,10 @@ class FinalizeFence:
     for removing the marker (a finalize fenced off by a newer head keeps its marker alive until it has
     stopped, and still takes it away)."""
 
-    def __init__(self, store: ObjectStore, plain: ObjectStore, name: str, host: str, generation: int | None):
+    def __init__(self, store: ObjectStore, plain: ObjectStore, name: str, host: str, generation: int | None,
+                 *, key: job_key.JobKey | None = None):
         self._store, self._plain = store, plain
+        self._key = key or job_key.JobKey.none()
         gen = int(generation or 0)
         obj = f"{layout.FINALIZING}{gen:020d}.{name}.{host_part(host)}.{PROCESS}.{uuid.uuid4().hex[:12]}"
         self.me = Marker(obj, gen, name, host_part(host), PROCESS)
@@ -164,11 +209,11 @@ class FinalizeFence:
         self._lost: str | None = None  # why this finalize may no longer run (its lease ran out)
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
-        self._newer = _Watch(store)  # newer finalizes of other generations seen by check()
+        self._newer = _Watch(store, self._key)  # newer finalizes of other generations seen by check()
 
     def _doc(self, beat: int) -> bytes:
-        return json.dumps({"backup": self.me.backup, "host": self._host, "pid": os.getpid(),
-                           "started": self._started, "beat": beat}).encode()
+        return signed_doc(self._key, self.me.obj, {"backup": self.me.backup, "host": self._host, "pid": os.getpid(),
+                                                   "started": self._started, "beat": beat})
 
     def announce(self) -> None:
         self._store.put_bytes(self.me.obj, self._doc(0), if_absent=True)
@@ -212,7 +257,7 @@ class FinalizeFence:
 
     def wait_turn(self) -> None:
         """Return once no older finalize runs (after announce); BackupSupersededError if a newer one does."""
-        watch = _Watch(self._store)
+        watch = _Watch(self._store, self._key)
         logged: set[str] = set()
         while True:
             markers = list_markers(self._store)
@@ -226,16 +271,18 @@ class FinalizeFence:
                     self._remove(m, "left by an earlier process of this host")
                     continue
                 state = watch.look(m)
-                if state == "gone":
+                if state in ("gone", "forged"):
                     continue
                 if state == "dead":
                     self._remove(m, f"unchanged for {DEAD_AFTER_S:.0f} s: no finalize keeps it alive (its host "
                                     "or daemon died, or no finalize ever wrote it)" + self._outside(m))
                 elif m.key > self.me.key and state == "alive":
-                    raise BackupSupersededError(
-                        f"the finalize of backup {self.me.backup} on host {self._host} did not start: "
-                        f"{m.describe()} runs (the head gave up on this one); it makes nothing visible and prunes "
-                        "nothing, the newer one does")
+                    raise self._superseded(
+                        "newer finalize running",
+                        f"the finalize of backup {self.me.backup} on host {self._host} did not start: {m.describe()} "
+                        f"runs (its marker {m.obj} is kept alive; the head gave up on this one). Backup "
+                        f"{self.me.backup} was NOT made; the newer finalize makes its own backup visible, and if none "
+                        "appears, that marker is not what it claims to be")
                 elif m.key < self.me.key and now - watch.listed[m.obj] >= ABANDONED_AFTER_S:
                     self._remove(m, f"still there after {ABANDONED_AFTER_S:.0f} s: taken for a finalize stuck in a "
                                     "store operation")
@@ -279,12 +326,21 @@ class FinalizeFence:
             for m in markers:
                 if m.key <= self.me.key:
                     continue
-                if m.generation <= self.me.generation or self._newer.look(m) == "alive":
-                    raise BackupSupersededError(
+                state = self._newer.look(m)
+                if state in ("forged", "gone"):
+                    continue
+                if m.generation <= self.me.generation or state == "alive":
+                    raise self._superseded(
+                        "newer finalize started",
                         f"the finalize of backup {self.me.backup} on host {self._host} stopped: {m.describe()} "
-                        "started meanwhile (the head gave up on this one); it makes nothing visible and prunes "
-                        "nothing more, the newer one does")
+                        f"started meanwhile (marker {m.obj}; the head gave up on this one). Backup {self.me.backup} "
+                        "was NOT made: nothing more is made visible or pruned by this finalize")
             self._checked = time.monotonic()
+
+    def _superseded(self, why: str, message: str) -> BackupSupersededError:
+        superseded[why] += 1
+        log.warning("mtc: %s", message)
+        return BackupSupersededError(message)
 
     def _judge_own(self, markers: list[Marker]) -> None:
         if self._expired():

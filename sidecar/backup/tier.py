@@ -17,6 +17,8 @@ from typing import Callable
 
 from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
+from mtc.shared.backup_seals import Seals, read_restore_version, seal_object
+from mtc.shared.job_key import JobKey
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.objstore import open_store
 from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore
@@ -33,8 +35,11 @@ class BackupTier:
     """Backups of one host's ramdisk to an object store (a GCS bucket or a local directory)."""
 
     def __init__(self, url: str, ram: RamStore, host_id: str, *, threads: int = 4,
-                 store: ObjectStore | None = None):
+                 store: ObjectStore | None = None, key: JobKey | None = None):
+        """``key``: the job key that seals backups and checks seals and fence markers (default: from the
+        environment, ``JobKey.from_secret``)."""
         self.url = url
+        self._key = key if key is not None else JobKey.from_secret()
         self._ram = ram
         self._host = host_id
         self._store = store or open_store(url)
@@ -100,7 +105,7 @@ class BackupTier:
             guard()  # a fenced-off head announces nothing
         if generation is None:
             generation = (HeadLease(self._ram.root).current() or {}).get("generation")
-        fence = FinalizeFence(leased, self._store, name, self._host, generation)
+        fence = FinalizeFence(leased, self._store, name, self._host, generation, key=self._key)
         fence.announce()
         try:
             self._sweep()
@@ -117,6 +122,8 @@ class BackupTier:
             if missing:
                 raise CorruptBlobError(f"backup {name}: {len(missing)} blob(s) missing from {self.url} "
                                        f"({missing[0]}, ...); the backup is not made visible")
+            if not store.exists(layout.manifest_object(name)):
+                self._seals(store).write(store, name, manifest_json)  # before the manifest makes it visible
             created = store.put_bytes(layout.manifest_object(name), manifest_json, if_absent=True)
             if not created and store.get_bytes(layout.manifest_object(name)) != manifest_json:
                 raise ManifestError(f"backup {name} is already in {self.url} with another manifest; a backup "
@@ -126,19 +133,30 @@ class BackupTier:
             fence.release()
         return {"name": name, "created": created, "deleted_backups": deleted}
 
+    def _seals(self, store: ObjectStore) -> Seals:
+        return Seals(store, self._key, self.url)
+
+    def _names(self, store: ObjectStore, seals: Seals | None = None) -> list[str]:
+        """The backups under ``store``, newest first, whose seal checks (``Seals.verify``): a manifest
+        planted or copied under another name is neither chosen, nor counted by retention."""
+        objects = store.list(layout.BACKUPS)
+        return (seals or self._seals(store)).verify(layout.names_from_listing(objects), objects)
+
     def _retain(self, store: ObjectStore, max_to_keep: int) -> list[str]:
-        if not layout.names_from_listing(store.list(layout.BACKUPS))[max_to_keep:]:
+        if not self._names(store)[max_to_keep:]:
             return []
         # The blobs are listed before the backups that say which are live: a blob uploaded after
         # this listing (for a backup not visible yet) is never deleted by this retention.
         blobs = store.list(layout.BLOBS)
-        names = layout.names_from_listing(store.list(layout.BACKUPS))
+        names = self._names(store)
         old = names[max_to_keep:]
         if not old:
             return []
-        # Manifests first: a backup stops existing before any of its blobs can go.
+        # Manifests first: a backup stops existing before any of its blobs can go; then their seals.
         for n in old:
             store.delete(layout.manifest_object(n))
+        for n in old:
+            store.delete(seal_object(n))
         for obj in store.list(layout.DAMAGED):  # the marks of backups that no longer exist
             if obj[len(layout.DAMAGED):].removesuffix(".json") in old:
                 store.delete(obj)
@@ -155,7 +173,7 @@ class BackupTier:
 
     def list_names(self) -> list[str]:
         """Backup names, newest first."""
-        return layout.names_from_listing(self._store.list(layout.BACKUPS))
+        return self._names(self._store)
 
     def listing(self, deadline_s: float | None = None) -> dict:
         """Backups (newest first, with their steps) and the content of ``restore.version``; the
@@ -166,16 +184,15 @@ class BackupTier:
         at start-up; the store's own deadline is for background uploads).
         """
         store = self._store if deadline_s is None else self._store.with_deadline(deadline_s)
-        names = layout.names_from_listing(store.list(layout.BACKUPS))
-        try:
-            rv = store.get_bytes(layout.RESTORE_VERSION).decode().strip()
-        except ObjectNotFoundError:
-            rv = None
-        damaged = read_damaged(store)
+        seals = self._seals(store)
+        names = self._names(store, seals)
+        rv = read_restore_version(store)
+        damaged = {**read_damaged(store), **seals.refused}
+        listed = sorted({*names, *seals.refused}, key=layout.order_key, reverse=True)
         return {"backups": [{"name": n, "step": layout.parse_backup_name(n)} for n in names if n not in damaged],
                 "restore_version": rv,
                 "damaged": [{"name": n, "step": layout.parse_backup_name(n), "why": damaged[n]}
-                            for n in names if n in damaged]}
+                            for n in listed if n in damaged]}
 
     def scrub(self, blobs: list[str], bytes_per_s: float, repair: list[str], damaged: dict[str, str],
               ramdisk: list[str] = (), *, sizes: dict[str, int] | None = None, clear: list[str] = ()) -> dict:
@@ -201,7 +218,10 @@ class BackupTier:
         return out
 
     def manifest(self, name: str) -> bytes:
-        return self._store.get_bytes(layout.manifest_object(name))
+        """The manifest of backup ``name``, checked against its seal (ManifestError when it fails)."""
+        data = self._store.get_bytes(layout.manifest_object(name))
+        self._seals(self._store).check_manifest(name, data)
+        return data
 
     def fetch(self, blobs: list[str], sizes: dict[str, int] | None = None) -> dict:
         """Download ``blobs`` the ramdisk lacks, each verified against its name before it counts; with

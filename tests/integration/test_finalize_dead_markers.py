@@ -13,6 +13,7 @@ Restores from the backups are compared bit for bit.
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import jax
@@ -124,29 +125,46 @@ PLANTED = (f"{layout.FINALIZING}99999999999999999999.99991231T235959Z-step-99999
            f"{'e' * 12}.{'f' * 12}")
 
 
-def test_a_planted_marker_of_a_huge_generation_stops_no_backup(ramdisk, tmp_path):
+def test_a_planted_marker_kept_alive_stops_no_backup_and_holds_none_up(ramdisk, tmp_path):
+    """A marker under ``finalizing/`` the job did not sign (a huge generation, a newer backup's name),
+    rewritten every 0.5 s by someone with write access to the bucket, as a live finalize's is: before the
+    job key, every finalize gave way to it (BackupSupersededError) for as long as it was kept alive."""
     bucket = tmp_path / "bucket"
     devices = sorted(jax.devices(), key=lambda d: d.id)
     with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4) as cluster:
         cfg = _config(cluster, bucket)
         store = open_store(cfg.backup_root)
-        store.put_bytes(PLANTED, json.dumps({"backup": "planted"}).encode())
-        with CheckpointManager(cfg) as m:
-            for step in (1, 2, 3):
-                m.save(step, state(step, devices))
-                m.wait_until_finished()
-                report = m.wait_for_backup()
-                assert report.error is None and report.step == step, report
-                assert report.seconds < fence.DEAD_AFTER_S + 10, report
-            assert store.list(layout.FINALIZING) == []
-            log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts)
-            assert "head generation 99999999999999999999" in log and "a file planted there" in log, log[-3000:]
-            assert "BackupSupersededError" not in log, log[-3000:]
-            names = layout.names_from_listing(store.list(layout.BACKUPS))
-            assert [layout.parse_backup_name(n) for n in names] == [3, 2], names
-            for h in cluster.hosts:
-                cluster.wipe(h)
-                cluster.restart(h)
-            for step in (3, 2):
-                assert_trees_bitwise_equal(state(step, devices), m.restore(step, target=target(devices)))
+        stop = threading.Event()
+
+        def keep_alive() -> None:
+            beat = 0
+            while not stop.is_set():
+                beat += 1
+                store.put_bytes(PLANTED, json.dumps({"backup": "planted", "beat": beat}).encode())
+                stop.wait(0.5)
+
+        writer = threading.Thread(target=keep_alive, daemon=True)
+        writer.start()
+        try:
+            with CheckpointManager(cfg) as m:
+                for step in (1, 2, 3):
+                    m.save(step, state(step, devices))
+                    m.wait_until_finished()
+                    report = m.wait_for_backup()
+                    assert report.error is None and report.step == step, report
+                    assert report.seconds < fence.DEAD_AFTER_S, report  # not even waited out as dead
+                log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts)
+                assert f"{fence.KIND} {PLANTED} failed the job key's check" in log, log[-3000:]
+                assert "BackupSupersededError" not in log and "was NOT made" not in log, log[-3000:]
+                names = layout.names_from_listing(store.list(layout.BACKUPS))
+                assert [layout.parse_backup_name(n) for n in names] == [3, 2], names
+                for h in cluster.hosts:
+                    cluster.wipe(h)
+                    cluster.restart(h)
+                for step in (3, 2):
+                    assert_trees_bitwise_equal(state(step, devices), m.restore(step, target=target(devices)))
+        finally:
+            stop.set()
+            writer.join()
+        assert store.list(layout.FINALIZING) == [PLANTED]  # ignored as if absent, not this job's to remove
         store.close()

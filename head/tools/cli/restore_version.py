@@ -13,8 +13,10 @@ from mtc.head.tools.cli.common import last_line
 
 def cmd_restore_version(args: argparse.Namespace) -> int:
     from mtc.shared import backup_layout as layout
+    from mtc.shared.backup_seals import Seals, read_restore_version
+    from mtc.shared.job_key import JobKey
     from mtc.shared.config import MTCConfig
-    from mtc.shared.objstore import ObjectNotFoundError, StoreError, open_store
+    from mtc.shared.objstore import StoreError, open_store
 
     try:
         root = args.backup_root or MTCConfig(base_output_directory=args.base_output_directory,
@@ -28,7 +30,11 @@ def cmd_restore_version(args: argparse.Namespace) -> int:
               + (_GCS_HINT if str(root).startswith("gs://") else ""), file=sys.stderr)
         return 1
     try:
-        names = layout.names_from_listing(store.list(layout.BACKUPS))
+        objects = store.list(layout.BACKUPS)
+        # Only the backups this job sealed (its key from MTC_JOB_KEY or MTC_PEER_TOKEN, as the sidecars'),
+        # as restore sees them; without a key, all of them, unchecked.
+        seals = Seals(store, JobKey.from_secret(), root)
+        names = seals.verify(layout.names_from_listing(objects), objects)
         held = [] if names else store.list("")
         if not names and not held:
             print(f"mtc restore-version: error: the backup root {root} does not exist or is empty: nothing was "
@@ -44,9 +50,12 @@ def cmd_restore_version(args: argparse.Namespace) -> int:
                   f"{', '.join(tops[:8])}{' ...' if len(tops) > 8 else ''}{hint}", file=sys.stderr)
             return 1
         try:
-            current = store.get_bytes(layout.RESTORE_VERSION).decode().strip()
-        except ObjectNotFoundError:
-            current = None
+            current = read_restore_version(store)
+        except ConfigError as e:
+            if args.action != "clear":
+                print(f"mtc restore-version: error: {e}", file=sys.stderr)
+                return 1
+            current = "(unreadable)"
         damaged = {o[len(layout.DAMAGED):].removesuffix(".json") for o in store.list(layout.DAMAGED)}
         if args.action == "show":
             print(f"backups in {root} (newest first):")
@@ -54,6 +63,8 @@ def cmd_restore_version(args: argparse.Namespace) -> int:
                 print(f"  {n}  step {layout.parse_backup_name(n)}" + ("  damaged (restore never takes it)"
                                                                       if n in damaged else "")
                       + ("  <- restore.version" if n == current else ""))
+            for n, why in seals.refused.items():
+                print(f"  {n}  refused: {why}")
             if not names:
                 print("  (none)")
             print(f"restore.version: {current if current else 'not set (restore takes the newest step)'}")

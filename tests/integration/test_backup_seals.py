@@ -1,0 +1,125 @@
+"""What a restore takes from the backup root is what this job sealed, with real sidecar daemons and a
+real backup folder (the job key comes from the cluster's token):
+
+- a copy of the oldest backup's manifest saved under the name of step 999 (and its seal with it) made
+  ``latest_step()`` 999 and the restore fail with StepNotFoundError; now it is left out, with a warning,
+  and the newest real backup restores bit for bit;
+- a manifest changed after it was sealed is not restored: the restore falls back to the backup before;
+- a root written before seals (no seal in it) is still read, with a warning;
+- ``restore.version`` that is a FIFO, or not UTF-8, is a typed error naming it, at once.
+
+Every restore is compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from helpers import assert_trees_bitwise_equal
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.shared import backup_layout as layout
+from mtc.shared import backup_seals
+from mtc.shared.errors import ConfigError
+from mtc.sidecar.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+
+def state(step: int, devices: list) -> dict:
+    rng = np.random.default_rng(step)
+    sh = NamedSharding(Mesh(np.array(devices), ("x",)), P("x"))
+    return {"w": jax.device_put(rng.standard_normal(1 << 12, dtype=np.float32), sh),
+            "b": jax.device_put(rng.standard_normal((8, 16), dtype=np.float32), sh)}
+
+
+def target(devices: list) -> dict:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state(0, devices))
+
+
+@pytest.fixture
+def job(ramdisk, tmp_path):
+    """A 1 x 2 cluster that backed up steps 1, 2, 3 (every step, 3 kept), then lost every ramdisk."""
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, base_output_directory=str(tmp_path / "bucket"), run_name="run",
+                        multi_tier_checkpointing_backup_interval_steps=1, backup_max_to_keep=3)
+        with CheckpointManager(cfg) as m:
+            for step in (1, 2, 3):
+                m.save(step, state(step, devices))
+                m.wait_until_finished()
+                assert m.wait_for_backup().error is None
+        for h in cluster.hosts:
+            cluster.wipe(h)
+            cluster.restart(h)
+        yield cluster, cfg, devices, tmp_path / "bucket" / "run" / "mtc"
+
+
+def _backups(root) -> dict[int, str]:
+    return {layout.parse_backup_name(n): n for n in layout.names_from_listing(os.listdir(root / "backups"))}
+
+
+def test_every_backup_is_sealed_and_a_copied_manifest_under_another_step_is_left_out(job):
+    cluster, cfg, devices, root = job
+    names = _backups(root)
+    assert sorted(names) == [1, 2, 3]
+    for n in names.values():
+        assert (root / "backups" / f"{n}{backup_seals.SUFFIX}").is_file(), f"backup {n} has no seal"
+    forged = names[1].replace("step-000000000001", "step-000000000999")
+    shutil.copy(root / "backups" / f"{names[1]}.json", root / "backups" / f"{forged}.json")
+    shutil.copy(root / "backups" / f"{names[1]}.seal", root / "backups" / f"{forged}.seal")
+    unsealed = names[1].replace("step-000000000001", "step-000000000500")
+    shutil.copy(root / "backups" / f"{names[2]}.json", root / "backups" / f"{unsealed}.json")
+    with CheckpointManager(cfg) as m:
+        assert m.latest_step() == 3
+        assert_trees_bitwise_equal(state(3, devices), m.restore(3, target=target(devices)))
+        assert m.last_restore_report.bytes_by_tier["backup"] > 0
+    log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts)
+    assert f"backup {forged} in" in log and "copied or renamed" in log, log[-3000:]
+    assert f"backup {unsealed}" in log, log[-3000:]
+
+
+def test_a_manifest_changed_after_its_seal_is_not_restored_and_the_one_before_is(job):
+    cluster, cfg, devices, root = job
+    names = _backups(root)
+    newest = root / "backups" / f"{names[3]}.json"
+    newest.write_bytes(newest.read_bytes() + b"\n")  # the same manifest to a parser, other bytes
+    with CheckpointManager(cfg) as m:
+        step = m.latest_step()
+        restored = m.restore(step, target=target(devices)) if step == 2 else m.restore(target=target(devices))
+        assert_trees_bitwise_equal(state(2, devices), restored)
+    log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts)
+    assert "not the one its seal names" in log, log[-3000:]
+
+
+def test_a_root_written_before_seals_is_still_read_with_a_warning(job):
+    cluster, cfg, devices, root = job
+    for p in (root / "backups").glob(f"*{backup_seals.SUFFIX}"):
+        p.unlink()
+    with CheckpointManager(cfg) as m:
+        assert m.latest_step() == 3
+        assert_trees_bitwise_equal(state(3, devices), m.restore(3, target=target(devices)))
+    log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts)
+    assert "holds no sealed backup" in log and "MTC_UNSIGNED_BACKUPS=refuse" in log, log[-3000:]
+
+
+def test_restore_version_that_is_a_fifo_or_not_text_is_a_clear_error_at_once(job):
+    cluster, cfg, devices, root = job
+    os.mkfifo(root / layout.RESTORE_VERSION)
+    with CheckpointManager(cfg) as m:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="restore.version in .* cannot be read as a pin .*not a regular file"):
+            m.latest_step()
+        assert time.monotonic() - t0 < 30
+    os.unlink(root / layout.RESTORE_VERSION)
+    (root / layout.RESTORE_VERSION).write_bytes(b"\xff\xfe" + _backups(root)[2].encode())
+    with CheckpointManager(cfg) as m:
+        with pytest.raises(ConfigError, match="restore.version in .* is not UTF-8 text .*mtc restore-version"):
+            m.latest_step()
