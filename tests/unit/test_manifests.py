@@ -213,7 +213,9 @@ def test_token_lives_in_the_secret_and_is_referenced():
     assert env == {"name": "MTC_PEER_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": secret["metadata"]["name"], "key": "token"}}}
     head = _containers(_pod_specs(js)["pathways-head"])
-    assert all("MTC_PEER_TOKEN" not in json.dumps(c) for c in head.values())  # the head needs none
+    # The head's main container reads it too: its job key signs and checks the compilation cache's entries.
+    assert [e for e in head["main"]["env"] if e["name"] == "MTC_PEER_TOKEN"] == [env]
+    assert all("MTC_PEER_TOKEN" not in json.dumps(c) for name, c in head.items() if name != "main")
 
 
 def test_existing_secret_renders_no_secret():

@@ -224,6 +224,9 @@ def _main(p: Plan) -> dict:
             # mtc's own setting: MaxText's flag parser would refuse peer_port=.
             {"name": "MTC_PEER_PORT", "value": str(p.options.peer_port)},
             {"name": "MTC_PREEMPTION_GRACE_S", "value": f"{p.options.preemption_grace_s:g}"},
+            # The job key (derived from the token) signs and checks the compilation cache's entries: the head
+            # loads only executables this job wrote (docs/architecture.md, "What mtc trusts").
+            {"name": ENV_TOKEN, "valueFrom": {"secretKeyRef": {"name": p.secret_name, "key": TOKEN_KEY}}},
         ],
     }
     if p.options.metrics_port:  # scraped through the PodMonitoring (pod_monitoring)
