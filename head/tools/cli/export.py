@@ -23,6 +23,11 @@ from typing import Any
 
 from mtc.shared.errors import ConfigError, MTCError
 
+# The local_max_to_keep the export configures the hosts it takes with: every step stays. A commit the
+# export causes on a stopped job's folder (a host given the manifest of a step it holds only a record
+# of, or a step fetched back from a backup) prunes that host to this; the job's own is not known here.
+KEEP_EVERY_STEP = 2**31 - 1
+
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
           "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
 
@@ -144,7 +149,7 @@ def run(args: Any) -> int:
         hosts = open_hosts(args.cluster_spec, rows)
         config = MTCConfig(local_checkpoint_directory=str(hosts.spec_path.parent), cluster_spec=str(hosts.spec_path),
                            base_output_directory=args.base_output_directory, run_name=args.run_name,
-                           peer_token=hosts.token, prefetch_on_start=False)
+                           peer_token=hosts.token, prefetch_on_start=False, local_max_to_keep=KEEP_EVERY_STEP)
         devices = hosts.devices  # device ids only map the hosts' shards; arrays go onto one local device
         manager = CheckpointManager(config, dispatcher=ClusterDispatcher(config, devices=devices),
                                     read_only=bool(args.cluster_spec))
