@@ -369,6 +369,14 @@ class CheckpointManager:
             return []
         return self._dispatch.backup_listing()["backups"]
 
+    def refused_backups(self) -> list[dict]:
+        """Backups in the backup tier that no restore takes, with why ({"name", "step", "why"}): marked
+        damaged by a scrub, or failing their seal (written without this job's key, changed, or read
+        with no key); [] without a backup tier."""
+        if not self._config.base_output_directory:
+            return []
+        return list(self._dispatch.backup_listing().get("damaged") or [])
+
     def wait_until_finished(self) -> None:
         """Block until the background save is done.
 

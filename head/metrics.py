@@ -336,7 +336,7 @@ class _Live:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         now = time.time()
         trackers = list(self._m.trackers)
@@ -372,3 +372,11 @@ class _Live:
         yield up
         yield free
         yield size
+        from mtc.shared import job_key
+
+        untrusted = CounterMetricFamily("mtc_untrusted_objects", "Objects this process read from shared storage that "
+                                        "failed the job key's check (ignored as if absent; compilation cache entries "
+                                        "on the head), by kind", labels=["kind"])
+        for kind, n in sorted(job_key.rejected_counts().items()):
+            untrusted.add_metric([kind], n)
+        yield untrusted

@@ -27,6 +27,7 @@ from typing import Iterable, Mapping
 
 from mtc.shared import backup_layout as layout
 from mtc.shared import job_key
+from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import ConfigError, ManifestError
 from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, UntrustedObjectError
 
@@ -141,8 +142,10 @@ class Seals:
         why = {job_key.UNSIGNED: "it has no seal, and this root holds sealed backups (or MTC_UNSIGNED_BACKUPS=refuse)"
                if self.key.enabled else "it has no seal",
                job_key.BAD: "its seal's tag does not match (changed, or written without this job's key)",
-               job_key.UNKNOWN_KEY: f"its seal is of a key this job does not accept ({job_key.ENV_ACCEPTED} lists "
-               "older ones)", job_key.NO_KEY: "this process has no job key"}.get(verdict, verdict)
+               job_key.UNKNOWN_KEY: f"its seal is of another key: a tool reads it with the job's {ENV_TOKEN} (or "
+               f"{job_key.ENV_KEY}) in its environment; after a key rotation, {job_key.ENV_ACCEPTED} lists the older "
+               "keys", job_key.NO_KEY: f"this process has no job key (set the job's {ENV_TOKEN} or {job_key.ENV_KEY})"
+               }.get(verdict, verdict)
         self.refused[name] = f"not sealed by this job: {why}"
         job_key.refuse(KIND, f"backup {name}", verdict if verdict in (job_key.UNSIGNED, job_key.BAD,
                        job_key.UNKNOWN_KEY) else job_key.BAD, self._store.url, "never chosen or restored")

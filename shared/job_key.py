@@ -85,6 +85,14 @@ class JobKey:
         accepted = tuple(_derive(_material(a, ENV_ACCEPTED)) for a in env.get(ENV_ACCEPTED, "").split(",") if a.strip())
         return cls(_derive(material) if material else None, accepted)
 
+    @staticmethod
+    def for_child(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment a process started with a job token of its own (a tool's temporary daemons)
+        needs to keep this job's key: ``MTC_JOB_KEY`` set to the job's secret ({} with none)."""
+        env = os.environ if environ is None else environ
+        material = env.get(ENV_KEY, "").strip() or env.get(ENV_TOKEN, "").strip()
+        return {ENV_KEY: material} if material else {}
+
     @property
     def enabled(self) -> bool:
         return self._key is not None

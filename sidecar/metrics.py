@@ -17,6 +17,10 @@ request, so slow senders hold a slot no longer than that):
   head takes the hosts: ``changes()`` over it counts fencings);
 - ``mtc_sidecar_backup_scrub_blobs_total{outcome}``: backup blobs its scrubs hashed (``checked``), found
   corrupt or missing in the store (``bad``) and re-uploaded from its ramdisk (``repaired``);
+- ``mtc_sidecar_untrusted_objects_total{kind}``: objects read from shared storage that failed the job
+  key's check (a backup seal or finalize marker that is not the job's), ignored as if absent;
+- ``mtc_sidecar_backup_finalizes_superseded_total{why}``: backup finalizes that gave way to another
+  finalize's marker (that backup was not made);
 - ``mtc_sidecar_errors_total{logger}``: error records its ``mtc`` loggers wrote since the server started.
 """
 
@@ -27,7 +31,8 @@ import math
 import threading
 from typing import Any, Iterator
 
-from mtc.shared import scrape_server
+from mtc.shared import job_key, scrape_server
+from mtc.sidecar.backup import fence
 from mtc.shared.errors import ConfigError
 from mtc.shared.scrape_server import ScrapeServer
 
@@ -149,6 +154,18 @@ class _SidecarCollector:
         for outcome, n in svc.backup_scrub_counts().items():
             scrub.add_metric([*host, outcome], n)
         yield scrub
+        untrusted = CounterMetricFamily("mtc_sidecar_untrusted_objects", "Objects read from shared storage that "
+                                        "failed the job key's check (ignored as if absent), by kind",
+                                        labels=["host", "kind"])
+        for kind, n in sorted(job_key.rejected_counts().items()):
+            untrusted.add_metric([*host, kind], n)
+        yield untrusted
+        gave_way = CounterMetricFamily("mtc_sidecar_backup_finalizes_superseded", "Backup finalizes on this host that "
+                                       "gave way to another finalize's marker (that backup was not made), by why",
+                                       labels=["host", "why"])
+        for why, n in sorted(fence.superseded.items()):
+            gave_way.add_metric([*host, why], n)
+        yield gave_way
         errs = CounterMetricFamily("mtc_sidecar_errors", "Error records of mtc's loggers on this host",
                                    labels=["host", "logger"])
         for name, n in sorted(self._errors.snapshot().items()):

@@ -102,7 +102,8 @@ class CompileCache:
         local: the folder JAX reads and writes (private).
         shelf: the ramdisk's folder of signed entries, or None.
         hits, misses: JAX's persistent-cache lookups in this process, by outcome.
-        filled: entries copied into ``local`` by this process (from the shelf or the backup).
+        filled: entries copied into ``local`` by this process (``from_shelf`` of them from the ramdisk's
+            shelf, ``from_backup`` from the backup).
         uploaded: entries this process copied to the backup.
         rejected: entries that failed the job key's check (never loaded).
     """
@@ -119,6 +120,7 @@ class CompileCache:
         self.backup_url = backup_url if shared else None
         self.shelf = Path(shelf) if shelf is not None and shared else None
         self.hits = self.misses = self.filled = self.uploaded = self.rejected = 0
+        self.from_shelf = self.from_backup = 0
         self._in_backup: set[str] = set()  # entries known to be in the backup
         self._on_shelf: set[str] = set()  # entries known to be on the shelf
         self._lock = threading.Lock()
@@ -204,6 +206,7 @@ class CompileCache:
                 if self._accept(entry, tag, data, str(self.shelf)):
                     self._place(self.local, entry, data)
                     have.add(entry)
+                    self.from_shelf += 1
                     n += 1
         store = self._open()
         if store is not None:
@@ -232,6 +235,7 @@ class CompileCache:
                     self._place(self.local, entry, data)
                     have.add(entry)
                     self._in_backup.add(entry)
+                    self.from_backup += 1
                     n += 1
         self.filled += n
         return n
@@ -347,7 +351,8 @@ class CompileCache:
     def summary(self) -> str:
         refused = f", {self.rejected} refused (not signed by this job)" if self.rejected else ""
         return (f"{self.hits} program(s) loaded from the cache, {self.misses} compiled; {self.filled} entries "
-                f"filled, {self.uploaded} uploaded{refused}; {self.entries()} in {self.local}")
+                f"filled ({self.from_shelf} from the ramdisk, {self.from_backup} from the backup), {self.uploaded} "
+                f"uploaded{refused}; {self.entries()} in {self.local}")
 
     def first_report(self) -> str | None:
         """``summary()`` the first time it is asked for, then None (for one log line a run)."""

@@ -299,6 +299,16 @@ def _digest(x: Any) -> str:
     return f"{type(x).__name__}:{x!r}"
 
 
+def _refused_backups(manager: Any) -> str:
+    """What the backup root holds that no restore takes (damaged, or failing its seal), or ""."""
+    from mtc.head.backup.listing import damaged_note
+
+    try:
+        return damaged_note({"damaged": manager.refused_backups()})
+    except (MTCError, AttributeError):
+        return ""
+
+
 def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
            onto: Any = None, custom_metadata: dict | None = None, verify: bool = False,
            progress: Callable[[int, int], None] | None = None) -> ExportReport:
@@ -315,7 +325,8 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
     steps = manager.all_steps()
     if step is None:
         if not steps:
-            raise StepNotFoundError("there is no restorable step to export (mtc status shows what each tier holds)")
+            raise StepNotFoundError("there is no restorable step to export (mtc status shows what each tier holds)"
+                                    + _refused_backups(manager))
         step = steps[-1]
     elif step not in steps:
         raise StepNotFoundError(f"step {step} is not restorable; restorable steps: {steps}")

@@ -30,6 +30,7 @@ from mtc.shared import format as fmt
 from mtc.shared import protocol
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.job_key import JobKey
 
 
 def _steps(d: Path) -> list[bytes]:
@@ -117,7 +118,9 @@ class TempDaemons:
 
     def __init__(self, hosts: Sequence[tuple[str, Path, int]]):
         self.tmp = Path(tempfile.mkdtemp(prefix="mtc-tool-"))
-        self.token = secrets.token_hex(32)  # these daemons' own job token, for this one command
+        # These daemons' own job token, for this one command; they keep the job's key (from this
+        # environment's MTC_JOB_KEY or MTC_PEER_TOKEN) to check the backups' seals with.
+        self.token = secrets.token_hex(32)
         self.procs: list[subprocess.Popen] = []
         self._handlers: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
@@ -131,7 +134,7 @@ class TempDaemons:
                 [sys.executable, "-m", "mtc.sidecar", "serve", "--root", str(d), "--host-id", hid,
                  "--ready-file", str(ready), "--log-file", str(self.tmp / f"{i}.log"),
                  "--parent-pid", str(os.getpid())],
-                env={**os.environ, ENV_TOKEN: self.token}))
+                env={**os.environ, **JobKey.for_child(), ENV_TOKEN: self.token}))
             ready_files.append(ready)
         rows = []
         deadline = time.monotonic() + 60

@@ -204,6 +204,7 @@ def test_cli_export_with_a_symlinked_pending_folder_says_so_and_exits(ramdisk, t
 
 
 def test_cli_export_from_the_backup_tier_on_a_gcs_emulator(ramdisk, tmp_path, fake_gcs_server, monkeypatch):
+    monkeypatch.setenv("MTC_PEER_TOKEN", "export-gcs-test-token-0123456789")  # the backups are sealed with its key
     bucket = f"mtc-{uuid.uuid4().hex[:12]}"
     fake_gcs_server.client().create_bucket(bucket)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", fake_gcs_server.url)
@@ -249,3 +250,24 @@ def test_export_to_gs_on_a_gcs_emulator(ramdisk, fake_gcs_server, monkeypatch):
     assert_trees_bitwise_equal(s, got, check_sharding=False)
     names = {b.name for b in fake_gcs_server.client().list_blobs(bucket)}
     assert {"exp/2/commit_success.txt", "exp/2/items/_METADATA"} <= names
+
+
+def test_cli_export_of_sealed_backups_needs_the_jobs_key_and_says_so(ramdisk, tmp_path, monkeypatch):
+    """The export's own daemons keep the job's key from the environment (MTC_PEER_TOKEN), so they take
+    the job's sealed backups; without it the export takes none, and says why and what to set."""
+    monkeypatch.setenv("MTC_PEER_TOKEN", "export-seal-test-token-0123456789")
+    s = state(6)
+    base = tmp_path / "bucket"
+    with manager(ramdisk, enable_multi_tier_checkpointing=True, multi_tier_checkpointing_backup_interval_steps=1,
+                 base_output_directory=str(base), run_name="run") as m:
+        m.save(6, s)
+        m.wait_until_finished()
+        m.wait_for_backup()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    cmd = [sys.executable, "-m", "mtc.head.tools.cli", "export", "--base-output-directory", str(base), "--run-name", "run"]
+    r = subprocess.run([*cmd, "--to", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "exported step 6" in r.stdout, r.stderr[-3000:]
+    env.pop("MTC_PEER_TOKEN")
+    r = subprocess.run([*cmd, "--to", str(tmp_path / "other")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "step-000000000006" in r.stderr and "MTC_PEER_TOKEN" in r.stderr and "seal" in r.stderr, r.stderr

@@ -255,6 +255,13 @@ def test_sidecar_metrics_of_a_real_daemon(inprocess_daemon, ramdisk):
             PeerClient(svc.peer_address, "x" * 64).have(names[:1])
         assert val(scrape_at(server.port), "mtc_sidecar_peer_refused_total", **h) == val(
             after, "mtc_sidecar_peer_refused_total", **h) + 1
+        # An object of shared storage that fails the job key's check is counted by kind.
+        from mtc.shared import job_key
+
+        kind = {"host": "s0-h0", "kind": "finalize marker"}
+        before = val(after, "mtc_sidecar_untrusted_objects_total", **kind) or 0
+        job_key.refuse("finalize marker", "finalizing/planted-by-a-metrics-test", job_key.UNSIGNED)
+        assert val(scrape_at(server.port), "mtc_sidecar_untrusted_objects_total", **kind) == before + 1
         # Error records of mtc's loggers are counted by logger.
         logging.getLogger("mtc.sidecar.service").error("a test error record")
         errs = scrape_at(server.port)

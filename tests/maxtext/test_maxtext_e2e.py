@@ -62,8 +62,18 @@ def _env(devices: int) -> dict:
     return e
 
 
-def _launch(py: str, flags: list[str], devices: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([py, "-m", "mtc.head.maxtext", *flags], env=_env(devices),
+# The job's token, as a pod gets it from the job's Secret: its key seals the backups and signs the
+# compilation cache's entries, the same for every run of the job.
+JOB_TOKEN = "maxtext-e2e-job-token-0123456789abcdef"
+
+
+def _launch(py: str, flags: list[str], devices: int, log: Path, pod: Path | None = None) -> subprocess.Popen:
+    """MaxText on mtc; ``pod``: the folder of this pod's own temporary files (JAX's private compilation
+    cache): a run in the same pod as an earlier one finds its programs there, one in a new pod does not."""
+    env = dict(_env(devices), MTC_PEER_TOKEN=JOB_TOKEN)
+    if pod is not None:
+        env["MTC_COMPILE_CACHE_DIR"] = str(pod / "jax-cache")
+    return subprocess.Popen([py, "-m", "mtc.head.maxtext", *flags], env=env,
                             stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
@@ -123,8 +133,8 @@ def _cache_report(log_text: str) -> dict:
     """The launcher's first line about the compilation cache: JAX's hits and misses, entries filled."""
     import re
 
-    m = re.search(r"mtc: compilation cache: (\d+) program\(s\) loaded from the cache, (\d+) compiled; (\d+) entries "
-                  r"from the backup", log_text)
+    m = re.search(r"mtc: compilation cache: (\d+) program\(s\) loaded from the cache, (\d+) compiled; \d+ entries "
+                  r"filled \(\d+ from the ramdisk, (\d+) from the backup\)", log_text)
     assert m, "no compilation cache report in the log"
     return {"hits": int(m.group(1)), "compiled": int(m.group(2)), "from_backup": int(m.group(3))}
 
@@ -143,7 +153,8 @@ def test_kill_restart_and_backup_restore_match_the_reference(tmp_path, ramdisk, 
     ref_log = ref / "log.txt"
     logs = [run / f"log{i}.txt" for i in (1, 2, 3)]
 
-    _finish(_launch(maxtext_python, tiny_flags(base_yml, ref, pathways=pathways), devices, ref_log), ref_log)
+    _finish(_launch(maxtext_python, tiny_flags(base_yml, ref, pathways=pathways), devices, ref_log, tmp_path / "pod0"),
+            ref_log)
     reference = metrics(ref)
     assert sorted(reference) == list(range(STEPS))
     last = STEPS - 1
@@ -151,14 +162,15 @@ def test_kill_restart_and_backup_restore_match_the_reference(tmp_path, ramdisk, 
 
     flags = tiny_flags(base_yml, run, pathways=pathways)
     # 1. Killed with SIGKILL once step 6 is committed; restarted: resumes from the ramdisk.
-    _kill_after_commit(_launch(maxtext_python, flags, devices, logs[0]), run, 2 * PERIOD, logs[0])
+    pod = tmp_path / "pod1"  # the restart after the kill runs in the same pod
+    _kill_after_commit(_launch(maxtext_python, flags, devices, logs[0], pod), run, 2 * PERIOD, logs[0])
     seen_first = metrics(run)
-    _kill_after_commit(_launch(maxtext_python, flags, devices, logs[1]), run, 3 * PERIOD, logs[1])
+    _kill_after_commit(_launch(maxtext_python, flags, devices, logs[1], pod), run, 3 * PERIOD, logs[1])
     after_restart = metrics(run)
     # 2. Every ramdisk wiped (the ramdisk root and everything in it): the restart restores the backup.
     assert _backups(run), "no backup was made"
     shutil.rmtree(run / "ramdisk")
-    _finish(_launch(maxtext_python, flags, devices, logs[2]), logs[2])
+    _finish(_launch(maxtext_python, flags, devices, logs[2], tmp_path / "pod2"), logs[2])  # a new pod
     final = metrics(run)
     first, second, third = (p.read_text() for p in logs)
     assert "No existing checkpoints found" in first

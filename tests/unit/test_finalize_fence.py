@@ -17,6 +17,7 @@ from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
 from mtc.shared.errors import BackupSupersededError, ManifestError
 from mtc.shared.hashing import blob_name
+from mtc.shared.job_key import JobKey
 from mtc.shared.objstore.local import LocalStore
 from mtc.shared.objstore.store import TransientStoreError
 from mtc.sidecar.backup import fence
@@ -26,8 +27,18 @@ from mtc.sidecar.ram import RamStore
 pytestmark = pytest.mark.unit
 
 
+# The job's key, explicit: a process that ran a local cluster has a job token in its environment, and
+# the default key comes from it.
+KEY = JobKey.from_secret("finalize-fence-test-token")
+
+
 def _tier(tmp_path, host: str = "h0") -> BackupTier:
-    return BackupTier(str(tmp_path / "bucket"), RamStore(tmp_path / f"ram-{host}"), host)
+    return BackupTier(str(tmp_path / "bucket"), RamStore(tmp_path / f"ram-{host}"), host, key=KEY)
+
+
+def _plant(tier: BackupTier, obj: str) -> None:
+    """A marker this job signed that no finalize keeps alive (one whose finalize died)."""
+    tier._store.put_bytes(obj, fence.signed_doc(KEY, obj, {"beat": 0}))
 
 
 def _backup(tier: BackupTier, step: int, seed: int = 0, when: float | None = None) -> tuple[str, bytes]:
@@ -48,8 +59,8 @@ def _marker(name: str, host: str, process: str = "a" * 12, generation: int = 0) 
 def test_a_marker_left_by_an_earlier_process_of_this_host_goes_at_its_first_upload(tmp_path):
     tier = _tier(tmp_path)
     name, _ = _backup(tier, 1)
-    tier._store.put_bytes(_marker(name, "h0"), b"{}")  # its daemon was killed in the middle of a finalize
-    tier._store.put_bytes(_marker(name, "h1"), b"{}")  # another host's: not this one's to judge
+    _plant(tier, _marker(name, "h0"))  # its daemon was killed in the middle of a finalize
+    _plant(tier, _marker(name, "h1"))  # another host's: not this one's to judge
     tier.upload([])
     assert tier._store.list(layout.FINALIZING) == [_marker(name, "h1")]
 
@@ -58,7 +69,7 @@ def test_an_older_marker_that_no_finalize_keeps_alive_is_removed_after_dead_afte
     monkeypatch.setattr(fence, "DEAD_AFTER_S", 0.6)
     tier = _tier(tmp_path)
     old, _ = _backup(tier, 1, when=time.time() - 60)
-    tier._store.put_bytes(_marker(old, "h1"), b"{}")  # h1 died in its finalize and never came back
+    _plant(tier, _marker(old, "h1"))  # h1 died in its finalize and never came back
     name, manifest = _backup(tier, 2)
     t0 = time.monotonic()
     assert tier.finalize(name, manifest, 2)["created"]
@@ -68,7 +79,7 @@ def test_an_older_marker_that_no_finalize_keeps_alive_is_removed_after_dead_afte
 
 def _live(tier: BackupTier, name: str, host: str, generation: int) -> fence.FinalizeFence:
     """A running finalize of ``name`` on ``host``: announced, beating until released."""
-    f = fence.FinalizeFence(tier._store, tier._store, name, host, generation)
+    f = fence.FinalizeFence(tier._store, tier._store, name, host, generation, key=KEY)
     f.announce()
     return f
 
@@ -108,7 +119,7 @@ def test_an_older_heads_finalize_of_a_later_step_does_not_stop_a_newer_heads(tmp
     monkeypatch.setattr(fence, "DEAD_AFTER_S", 0.5)
     tier = _tier(tmp_path)
     old, _ = _backup(tier, 9)
-    tier._store.put_bytes(_marker(old, "h1", generation=3), b"{}")  # a head since replaced, at step 9
+    _plant(tier, _marker(old, "h1", generation=3))  # a head since replaced, at step 9
     name, manifest = _backup(tier, 4)  # the new head restored step 4 and backs it up
     assert tier.finalize(name, manifest, 2, generation=4)["created"]
 
@@ -121,7 +132,7 @@ def test_a_planted_marker_of_a_huge_generation_stops_no_backup(tmp_path, monkeyp
     ahead): the next backups go through, and the marker is removed once it is known to be dead."""
     monkeypatch.setattr(fence, "DEAD_AFTER_S", 0.6)
     tier = _tier(tmp_path)
-    tier._store.put_bytes(PLANTED, b"{}")
+    _plant(tier, PLANTED)
     for step in (1, 2, 3):
         name, manifest = _backup(tier, step)
         assert tier.finalize(name, manifest, 2, generation=5)["created"]
@@ -132,11 +143,11 @@ def test_a_marker_of_a_generation_beyond_its_own_stops_a_running_finalize_only_i
     monkeypatch.setattr(fence, "CHECK_EVERY_S", 0.0)
     tier = _tier(tmp_path)
     name, _ = _backup(tier, 4)
-    f = fence.FinalizeFence(tier._store, tier._store, name, "h0", 5)
+    f = fence.FinalizeFence(tier._store, tier._store, name, "h0", 5, key=KEY)
     f.announce()
     try:
         f.wait_turn()
-        tier._store.put_bytes(PLANTED, b"{}")  # appears while it runs: never rewritten
+        _plant(tier, PLANTED)  # appears while it runs: never rewritten
         for _ in range(6):
             f.check()
             time.sleep(0.3)
@@ -169,7 +180,7 @@ def test_a_finalize_whose_marker_cannot_be_kept_alive_stops_before_others_take_i
     tier = _tier(tmp_path)
     name, _ = _backup(tier, 4)
     plain = _FailingPuts(str(tmp_path / "bucket"))
-    f = fence.FinalizeFence(tier._store, plain, name, "h0", 5)
+    f = fence.FinalizeFence(tier._store, plain, name, "h0", 5, key=KEY)
     f.announce()
     try:
         f.wait_turn()
@@ -199,3 +210,22 @@ def test_a_backup_name_is_written_once(tmp_path):
     with pytest.raises(ManifestError, match=f"backup {name} is already in .* with another manifest"):
         tier.finalize(name, other, 2)
     assert tier.manifest(name) == manifest
+
+
+def test_a_marker_the_job_did_not_sign_is_no_finalize_it_holds_up_nothing_and_is_counted(tmp_path, monkeypatch):
+    """With a job key, an unsigned marker (anyone who can write the bucket can plant one, and keep it
+    changing so that it looks alive) is never waited for and stops nothing; it is counted, not removed."""
+    from mtc.shared import job_key
+
+    monkeypatch.setattr(fence, "DEAD_AFTER_S", 30.0)
+    tier = _tier(tmp_path)
+    tier._store.put_bytes(PLANTED, b'{"beat": 1}')
+    before = job_key.rejected_counts().get(fence.KIND, 0)
+    t0 = time.monotonic()
+    for step in (1, 2):
+        name, manifest = _backup(tier, step)
+        assert tier.finalize(name, manifest, 2, generation=5)["created"]
+        tier._store.put_bytes(PLANTED, f'{{"beat": {step + 1}}}'.encode())  # "alive"
+    assert time.monotonic() - t0 < 10  # not waited for DEAD_AFTER_S
+    assert len(tier.list_names()) == 2 and tier._store.list(layout.FINALIZING) == [PLANTED]
+    assert job_key.rejected_counts()[fence.KIND] > before
