@@ -44,8 +44,7 @@ def open_regular(path: str | os.PathLike, what: str = "file") -> int:
         if not stat.S_ISREG(st.st_mode):
             raise UntrustedFileError(f"{what} {os.fspath(path)} is not a regular file ({_kind(st.st_mode)}); mtc "
                                      "reads only regular files there (remove it)")
-        os.set_blocking(fd, True)
-        return fd
+        return fd  # O_NONBLOCK does nothing to a regular file's reads: left as it is (no extra calls)
     except BaseException:
         os.close(fd)
         raise

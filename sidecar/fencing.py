@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mtc.shared.errors import FencedError, ProtocolError
-from mtc.sidecar.ram.common import file_key, read_file
+from mtc.sidecar.ram.common import MAX_LEASE_BYTES, file_key, read_file
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class HeadLease:
 
     @contextlib.contextmanager
     def _locked(self):
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -65,7 +65,7 @@ class HeadLease:
             seen = self._seen
             if seen is not None and file_key(os.stat(self._path)) == seen[0]:
                 return _copy(seen[1])
-            data, key = read_file(self._path)
+            data, key = read_file(self._path, MAX_LEASE_BYTES, "head's lease")
             doc = json.loads(data)
         except FileNotFoundError:
             return None
@@ -83,7 +83,9 @@ class HeadLease:
 
     def _write(self, generation: int, head: dict | None) -> None:
         tmp = self.root / f".tmp-{LEASE_FILE}-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # whatever is there (a link planted under its name is not written through)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps({"generation": generation, "head": head}).encode())
         os.replace(tmp, self._path)

@@ -24,6 +24,7 @@ from mtc.shared import format as fmt
 from mtc.shared.buffers import aligned_empty, byte_view
 from mtc.shared.errors import CorruptBlobError, MTCError, StepNotFoundError
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram.common import open_blob
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class BlobStream:
         self._stack = contextlib.ExitStack()
         try:
             self._stack.enter_context(store.pins.hold([blob]))
-            fd = os.open(store.blobs.path(blob), os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: not here
+            fd = open_blob(store.blobs.path(blob))  # FileNotFoundError: not here (or not a regular file)
             try:
                 size = os.fstat(fd).st_size
                 if size != nbytes:

@@ -30,6 +30,7 @@ from mtc.shared import format as fmt
 from mtc.shared import ramdisk, version
 from mtc.shared.errors import ConfigError, ManifestError, NotConfiguredError, StepNotFoundError
 from mtc.shared.host_settings import HostSettings
+from mtc.shared.safe_files import UntrustedFileError, read_regular
 from mtc.shared.tls import TLSFiles
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.jobs import Jobs
@@ -109,9 +110,16 @@ class SidecarService:
         path = self.store.root / HOST_FILE
         doc = json.dumps({"host": self.host_id}).encode()
         try:
-            if not path.exists() or path.read_bytes() != doc:
+            try:
+                same = read_regular(path, 64 << 10, "host note") == doc
+            except (FileNotFoundError, UntrustedFileError):  # missing, or not a regular file: written again
+                same = False
+            if not same:
                 tmp = path.with_name(f".{HOST_FILE}.tmp")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the job's files: its user's only
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)  # a link planted under its name is not written through
+                # The job's files: its user's only.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 with os.fdopen(fd, "wb") as f:
                     f.write(doc)
                 os.replace(tmp, path)

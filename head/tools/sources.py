@@ -31,14 +31,16 @@ from mtc.shared import protocol
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.shared.job_key import JobKey
+from mtc.shared.safe_files import read_regular
+from mtc.sidecar.ram.common import MAX_MANIFEST_BYTES
 
 
 def _steps(d: Path) -> list[bytes]:
     out = []
     for f in sorted((d / "mtc" / "steps").glob("*.json"), reverse=True):
         try:
-            out.append(f.read_bytes())
-        except OSError:
+            out.append(read_regular(f, MAX_MANIFEST_BYTES, "step manifest"))
+        except OSError:  # gone, unreadable, or not a regular file (UntrustedFileError)
             continue
     return out
 
@@ -95,7 +97,7 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path, int]]:
 def _noted(d: Path) -> str | None:
     """The host id the sidecar that served ``d`` wrote there (``host.json``), if any."""
     try:
-        host = json.loads((d / "mtc" / "host.json").read_text()).get("host")
+        host = json.loads(read_regular(d / "mtc" / "host.json", 64 << 10, "host note")).get("host")
     except (OSError, ValueError, AttributeError):
         return None
     return host if isinstance(host, str) and host else None

@@ -34,6 +34,7 @@ from mtc.shared import backup_layout as layout
 from mtc.shared.hashing import new_hasher
 from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram.common import open_blob
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def printable(text: str, limit: int = _WHY_CHARS) -> str:
 def hash_file(path: str) -> str:
     """The blob name of a file's bytes, read in chunks."""
     h = new_hasher()
-    with open(path, "rb") as f:
+    with os.fdopen(open_blob(path), "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()

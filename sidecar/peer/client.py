@@ -25,6 +25,7 @@ from mtc.shared.hashing import check_blob_name
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.shared.tls import TLSFiles, client_context, describe
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram.common import open_blob
 from mtc.sidecar.peer.wire import HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, BadCopyError, peer_failure, receive_blob, send_blob_file
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ class PeerClient:
         """Send blob ``name`` from ``store`` to the peer (``send_blob_file``); whether the peer added it."""
         check_blob_name(name)
         with store.pins.hold([name]):
-            with open(store.blobs.path(name), "rb") as f:
+            with os.fdopen(open_blob(store.blobs.path(name)), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 rid = self._send("put", {"blob": name}, [size])
                 try:

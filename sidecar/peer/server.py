@@ -22,6 +22,7 @@ from mtc.shared.hashing import check_blob_name
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.shared.tls import TLSFiles, server_context
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram.common import open_blob
 from mtc.sidecar.tcpserver import ThreadedTCPServer
 from mtc.sidecar.peer.client import TLSDialing, dial_with_tls
 from mtc.sidecar.peer.wire import (HAVE_BATCH, MAX_BLOB_BYTES, MAX_PEER_HEADER, StalledTransferError, YieldedCopyError,
@@ -209,7 +210,7 @@ class PeerServer(ThreadedTCPServer):
         # Pinned while the file is open and mapped: collection must not recycle it under the send.
         with self.store.pins.hold([name]):
             try:
-                f = open(self.store.blobs.path(name), "rb")
+                f = os.fdopen(open_blob(self.store.blobs.path(name)), "rb")
             except FileNotFoundError:
                 return self._reply(conn, Reply(req.id, error=RemoteError(
                     "FileNotFoundError", f"host {self.host_id} does not hold blob {name}")))

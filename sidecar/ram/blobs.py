@@ -24,7 +24,8 @@ from mtc.shared.buffers import byte_view
 from mtc.shared.errors import CorruptBlobError, InsufficientSpaceError
 from mtc.shared.hashing import blob_name, new_hasher
 from mtc.sidecar.ram import readers
-from mtc.sidecar.ram.common import FREE_PREFIX, HUGE_PAGE, TMP_PREFIX, check_name, temp_name, temp_path, valid_name
+from mtc.sidecar.ram.common import (FREE_PREFIX, HUGE_PAGE, TMP_PREFIX, check_name, open_blob, temp_name, temp_path,
+                                    valid_name)
 from mtc.sidecar.ram.mapped import Landing, MapCache
 from mtc.sidecar.ram.pool import FreePool
 
@@ -112,7 +113,7 @@ class BlobFiles:
         """
         path = self.path(name)
         for _ in range(3):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # FileNotFoundError: not there
+            fd = open_blob(path)  # FileNotFoundError: not there (or not a regular file: not a copy)
             try:
                 st = os.fstat(fd)
                 key = (st.st_dev, st.st_ino)

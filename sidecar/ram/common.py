@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import secrets
@@ -11,11 +12,16 @@ import numpy as np
 
 from mtc.shared.errors import InsufficientSpaceError
 from mtc.shared.hashing import HEX_LEN, check_blob_name, is_blob_name
+from mtc.shared.safe_files import UntrustedFileError, open_regular
 
 TMP_PREFIX = ".tmp-"
 FREE_PREFIX = TMP_PREFIX + "free-"
 HUGE_PAGE = 2 << 20  # a tmpfs huge page (x86-64, arm64 with 4 KiB base pages)
 MAX_STEP = 10**12 - 1
+# The most a step's manifest file may hold (the record of every shard: far more than a 4,096-host job's), and
+# the most the head's lease may: larger files on the ramdisk are not read.
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_LEASE_BYTES = 64 << 10
 
 
 def format_binary_bytes(n: int) -> str:
@@ -82,15 +88,29 @@ def read_fd(fd: int, size: int) -> bytes:
         size = 1 << 16
 
 
-def read_file(path: str | os.PathLike) -> tuple[bytes, tuple]:
+def read_file(path: str | os.PathLike, max_bytes: int, what: str = "file") -> tuple[bytes, tuple]:
     """The bytes of a small file and its ``file_key``, with raw calls (open, fstat, read, close):
-    a buffered open adds a tty check, seeks and a second fstat to each."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    a buffered open adds a tty check, seeks and a second fstat to each. The file must be a regular
+    one reached without a link, of at most ``max_bytes`` (``mtc.shared.safe_files``): else an
+    UntrustedFileError (an OSError) naming ``what``."""
+    fd = open_regular(path, what)
     try:
         st = os.fstat(fd)
+        if st.st_size > max_bytes:
+            raise UntrustedFileError(f"{what} {os.fspath(path)} has {st.st_size} bytes, more than the {max_bytes} "
+                                     "one of its kind may have; it is not read (remove it)")
         return read_fd(fd, st.st_size), file_key(st)
     finally:
         os.close(fd)
+
+
+def open_blob(path: str | os.PathLike) -> int:
+    """A read-only descriptor of a blob's file; FileNotFoundError when the name is not a regular
+    file reached without a link (a link or a FIFO planted under a blob's name: not a copy here)."""
+    try:
+        return open_regular(path, "blob")
+    except UntrustedFileError as e:
+        raise FileNotFoundError(errno.ENOENT, str(e), os.fspath(path)) from None
 
 
 def free_bytes(root: Path) -> int:

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from mtc.shared.errors import InsufficientSpaceError, ManifestError, StepNotFoundError
-from mtc.sidecar.ram.common import TMP_PREFIX, check_step, file_key, read_fd, read_file, temp_path
+from mtc.shared.safe_files import UntrustedFileError
+from mtc.sidecar.ram.common import (MAX_MANIFEST_BYTES, TMP_PREFIX, check_step, file_key, open_regular, read_fd,
+                                    read_file, temp_path)
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +140,8 @@ class StepCatalog:
             mine = self._pending.get(step)
             if mine is not None and _file_key(os.stat(path)) == mine[0]:
                 return mine[1]  # the version this process wrote (files are replaced, never rewritten)
-            return read_file(path)[0]
-        except FileNotFoundError:
+            return read_file(path, MAX_MANIFEST_BYTES, "host manifest")[0]
+        except (FileNotFoundError, UntrustedFileError):
             return None
 
     def pending_dirs(self) -> dict[int, Path]:
@@ -213,11 +215,14 @@ class StepCatalog:
                 if cached is not None and cached[0] == key:
                     error = cached[1]
                 else:
-                    fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                    fd = open_regular(p, "step manifest")  # not through a link, not a FIFO
                     try:
                         st = os.fstat(fd)
                         key = _file_key(st)
                         try:
+                            if st.st_size > MAX_MANIFEST_BYTES:
+                                raise ManifestError(f"{p} has {st.st_size} bytes, more than a step manifest may "
+                                                    f"have ({MAX_MANIFEST_BYTES})")
                             parse_step(read_fd(fd, st.st_size), step, p)
                             error = None
                         except ManifestError as e:
@@ -252,12 +257,12 @@ class StepCatalog:
         step = check_step(step)
         path = self._step_file(step)
         try:
-            data = read_file(path)[0]
+            data = read_file(path, MAX_MANIFEST_BYTES, "step manifest")[0]
             if self._valid.get(step) != data:  # the same bytes as last time need no second parse
                 parse_step(data, step, path)
                 self._valid[step] = data
             return data
-        except (FileNotFoundError, ManifestError):
+        except (FileNotFoundError, ManifestError, UntrustedFileError):
             raise StepNotFoundError(f"step {step} is not committed in the ramdisk {self.root}; "
                                     f"committed steps: {self.committed()}") from None
 
@@ -283,7 +288,10 @@ class StepCatalog:
         cached = self._blobs_cache.get(path)
         if cached is not None and cached[0] == (key if key is not None else _file_key(os.stat(path))):
             return set(cached[1])
-        data, key = read_file(path)
+        try:
+            data, key = read_file(path, MAX_MANIFEST_BYTES, "step manifest")
+        except UntrustedFileError as e:
+            raise ManifestError(str(e)) from None
         try:
             names = frozenset(self._blobs_of(data))
         except ManifestError:

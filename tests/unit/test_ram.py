@@ -605,7 +605,7 @@ def test_a_commit_lists_each_folder_once_and_reads_back_nothing_it_wrote(store, 
     real_listdir, real_scandir, real_read = os.listdir, os.scandir, ram_steps.read_file
     monkeypatch.setattr(os, "listdir", lambda p=".": listed.append(os.path.basename(p)) or real_listdir(p))
     monkeypatch.setattr(os, "scandir", lambda p=".": listed.append(os.path.basename(p)) or real_scandir(p))
-    monkeypatch.setattr(ram_steps, "read_file", lambda p: read.append(os.path.basename(p)) or real_read(p))
+    monkeypatch.setattr(ram_steps, "read_file", lambda p, *a: read.append(os.path.basename(p)) or real_read(p, *a))
     names = save_step(store, 3, [rand_bytes(1000, 3)])
     assert sorted(listed) == ["blobs", "pending", "steps"]
     assert read == []  # not the step file it wrote, nor the ones it checked before
