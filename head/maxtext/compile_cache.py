@@ -26,11 +26,19 @@ Every read opens a regular file or object of at most ``MAX_ENTRY_BYTES``, never 
 fill copies at most ``FILL_MAX_ENTRIES`` entries and ``FILL_MAX_BYTES`` (the programs a run compiles,
 a few per run), removes its temporaries, and the shelf takes at most ``SHELF_SHARE`` of the ramdisk
 (it never takes room a save needs: what does not fit stays in the backup).
+
+An entry this job signed can still fail when it runs (a program that raises, or crashes the process,
+on this machine): then every restart would load it again. So the entries a start copied in are on
+probation (``.mtc-probation.json`` in JAX's folder) until that start's first save; a start that finds
+the list of an earlier one, which never got that far, drops those entries (from JAX's folder, the
+shelf and the backup), copies none of them in again, and lets JAX compile them. A crash before the
+first save for any other reason costs one compilation of what the cache had; never a restart loop.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -56,6 +64,9 @@ FILL_MAX_ENTRIES = 64
 FILL_MAX_BYTES = 2 * GiB
 SHELF_SHARE = 0.05  # of the ramdisk's size, for the shelf's entries together
 _TEMP = ".fill-"
+# In JAX's folder: the entries this start copied in, until its first save (see ``CompileCache.passed``).
+PROBATION = ".mtc-probation.json"
+MAX_PROBATION_BYTES = 1 * MiB
 
 _EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
 
@@ -121,6 +132,7 @@ class CompileCache:
         self.shelf = Path(shelf) if shelf is not None and shared else None
         self.hits = self.misses = self.filled = self.uploaded = self.rejected = 0
         self.from_shelf = self.from_backup = 0
+        self.dropped = 0  # entries of an earlier start that never reached its first save (probation)
         self._in_backup: set[str] = set()  # entries known to be in the backup
         self._on_shelf: set[str] = set()  # entries known to be on the shelf
         self._lock = threading.Lock()
@@ -185,7 +197,11 @@ class CompileCache:
         within the fill's budget; entries that fail the check are skipped (and counted)."""
         private_folder(self.local)
         self._clean_temps(self.local)
-        have = {p.name for p in self.local.iterdir()}
+        suspects = self._take_probation()
+        if suspects:
+            self._drop(suspects)
+        have = {p.name for p in self.local.iterdir()} | suspects  # the suspects: not copied in again
+        placed: list[str] = []
         budget = [FILL_MAX_ENTRIES, FILL_MAX_BYTES]
         n = 0
         if self.shelf is not None and self.shelf.is_dir():
@@ -207,6 +223,7 @@ class CompileCache:
                     self._place(self.local, entry, data)
                     have.add(entry)
                     self.from_shelf += 1
+                    placed.append(entry)
                     n += 1
         store = self._open()
         if store is not None:
@@ -236,9 +253,63 @@ class CompileCache:
                     have.add(entry)
                     self._in_backup.add(entry)
                     self.from_backup += 1
+                    placed.append(entry)
                     n += 1
         self.filled += n
+        if placed:
+            self._place(self.local, PROBATION, json.dumps(sorted(placed)).encode())
         return n
+
+    # --- probation -----------------------------------------------------------------------
+
+    def _take_probation(self) -> set[str]:
+        """The entries an earlier start copied in and never saw its first save with (the list removed)."""
+        path = self.local / PROBATION
+        try:
+            names = json.loads(read_regular(path, MAX_PROBATION_BYTES, "compilation cache probation list"))
+        except FileNotFoundError:
+            return set()
+        except (UntrustedFileError, OSError, ValueError) as e:
+            names = []
+            log.warning("mtc: compilation cache: %s not read (%s); removed", path, e)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        if not isinstance(names, list):
+            return set()
+        return {n for n in names if isinstance(n, str) and n.endswith(SUFFIX) and "/" not in n and not n.startswith(".")}
+
+    def _drop(self, entries: set[str]) -> None:
+        """Remove ``entries`` from JAX's folder, the shelf and the backup."""
+        log.warning("mtc: compilation cache: the last start in this pod copied %d program(s) in from the ramdisk or "
+                    "the backup and ended before its first save; they are dropped (here, on the ramdisk and in the "
+                    "backup) and compiled again, so that a program that fails when it runs cannot make a restart "
+                    "loop", len(entries))
+        for entry in entries:
+            try:
+                (self.local / entry).unlink()
+            except FileNotFoundError:
+                pass
+        if self.shelf is not None and self.shelf.is_dir():
+            for p in self.shelf.iterdir():
+                parsed = self._parse(p.name)
+                if parsed is not None and parsed[0] in entries:
+                    p.unlink(missing_ok=True)
+        store = self._open()
+        if store is not None:
+            for name in store.list(PREFIX):
+                parsed = self._parse(name[len(PREFIX):])
+                if parsed is not None and parsed[0] in entries:
+                    store.delete(name)
+        self.dropped += len(entries)
+
+    def passed(self) -> None:
+        """The first save of this start succeeded: the programs it copied in ran; off probation."""
+        try:
+            (self.local / PROBATION).unlink()
+        except FileNotFoundError:
+            pass
 
     @staticmethod
     def _within(budget: list[int], size: int, what) -> bool:
@@ -350,6 +421,7 @@ class CompileCache:
 
     def summary(self) -> str:
         refused = f", {self.rejected} refused (not signed by this job)" if self.rejected else ""
+        refused += f", {self.dropped} dropped (on probation from a start that did not save)" if self.dropped else ""
         return (f"{self.hits} program(s) loaded from the cache, {self.misses} compiled; {self.filled} entries "
                 f"filled ({self.from_shelf} from the ramdisk, {self.from_backup} from the backup), {self.uploaded} "
                 f"uploaded{refused}; {self.entries()} in {self.local}")

@@ -418,6 +418,7 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
                             elastic=bool(getattr(config, "elastic_enabled", False)))
         if saved and _cache is not None:
             if (report := _cache.first_report()) is not None:
+                _cache.passed()  # the programs it copied in ran: no longer on probation
                 log.info("mtc: compilation cache: %s", report)
             _cache.sync_in_background()  # what compiled since the last save, to the backup
         return saved
