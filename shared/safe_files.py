@@ -18,6 +18,9 @@ import stat
 from mtc.shared.errors import MTCError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+# The most a step's manifest file may hold (the record of every shard: far more than a 4,096-host
+# job's); a larger file on a ramdisk is not read.
+MAX_MANIFEST_BYTES = GiB
 
 
 class UntrustedFileError(MTCError, OSError):

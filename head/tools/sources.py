@@ -31,8 +31,7 @@ from mtc.shared import protocol
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.shared.job_key import JobKey
-from mtc.shared.safe_files import read_regular
-from mtc.sidecar.ram.common import MAX_MANIFEST_BYTES
+from mtc.shared.safe_files import MAX_MANIFEST_BYTES, read_regular
 
 
 def _steps(d: Path) -> list[bytes]:

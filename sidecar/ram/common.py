@@ -18,10 +18,7 @@ TMP_PREFIX = ".tmp-"
 FREE_PREFIX = TMP_PREFIX + "free-"
 HUGE_PAGE = 2 << 20  # a tmpfs huge page (x86-64, arm64 with 4 KiB base pages)
 MAX_STEP = 10**12 - 1
-# The most a step's manifest file may hold (the record of every shard: far more than a 4,096-host job's), and
-# the most the head's lease may: larger files on the ramdisk are not read.
-MAX_MANIFEST_BYTES = 1 << 30
-MAX_LEASE_BYTES = 64 << 10
+MAX_LEASE_BYTES = 64 << 10  # the most the head's lease may hold: a larger file there is not read
 
 
 def format_binary_bytes(n: int) -> str:

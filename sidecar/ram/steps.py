@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from mtc.shared.errors import InsufficientSpaceError, ManifestError, StepNotFoundError
-from mtc.shared.safe_files import UntrustedFileError
-from mtc.sidecar.ram.common import (MAX_MANIFEST_BYTES, TMP_PREFIX, check_step, file_key, open_regular, read_fd,
-                                    read_file, temp_path)
+from mtc.shared.safe_files import MAX_MANIFEST_BYTES, UntrustedFileError, open_regular
+from mtc.sidecar.ram.common import TMP_PREFIX, check_step, file_key, read_fd, read_file, temp_path
 
 log = logging.getLogger(__name__)
 
