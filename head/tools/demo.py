@@ -386,15 +386,32 @@ def _tool(name: str) -> str | None:
     return str(rel) if "/" in str(rel) else f"./{rel}"
 
 
+TOKEN_FILE = "job-token"  # in a kept work folder: the demo job's token (its backups are sealed with its key)
+
+
+def _keep_token(work: Path) -> None:
+    """Leave the demo job's token beside its kept folders (mode 0600): the tools read its sealed backups
+    only with the job's key."""
+    path = work / TOKEN_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(_job_token() + "\n")
+
+
 def kept_message(work: Path) -> str:
     """Where --keep left the job's folders, and the commands to look at them (runnable as written: with this
     environment's ``mtc``)."""
     mtc = _tool("mtc") or f"{sys.executable} -m mtc.head.tools.cli"
+    if (work / TOKEN_FILE).is_file():  # the job's token: its key seals the backups the tools read
+        mtc = f"MTC_PEER_TOKEN=$(cat {work / TOKEN_FILE}) {mtc}"
     pip = _tool("pip") or f"{sys.executable} -m pip"
     hosts = " ".join(str(p) for p in sorted((work / "cluster").glob("s*-h*")) if p.is_dir())
     backup = f"--base-output-directory {work / 'backup'} --run-name {RUN_NAME}"
     return (f"kept: the hosts' ramdisk folders in {work / 'cluster'}, the backups in {work / 'backup'} "
-            f"(run name {RUN_NAME}), the head's log {work / 'head.log'}. Look at them with:\n"
+            f"(run name {RUN_NAME}), the head's log {work / 'head.log'}"
+            + (f", the job's token {work / TOKEN_FILE}" if (work / TOKEN_FILE).is_file() else "")
+            + ". Look at them with:\n"
             f"  {mtc} status --local-checkpoint-directory {hosts} {backup}\n"
             f"  {mtc} restore-version show {backup}\n"
             f"  {mtc} export --to {work / 'export'} --local-checkpoint-directory {hosts} --verify\n"
@@ -486,6 +503,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         rc = subprocess.run(cmd, env=_worker_env()).returncode
         if args.keep:
+            _keep_token(work)
             print(kept_message(work))
         return rc
     finally:

@@ -177,8 +177,15 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                      "--base-output-directory and --run-name are not the job's")
     for h, e in sorted(verified["errors"].items()):
         notes.append(f"{h} could not hash its blobs ({e}): its copies are counted unverified")
+    by_why: dict[str, list[dict]] = {}
     for d in listing.get("damaged", []):
-        notes.append(f"backup {d['name']} (step {d['step']}) is damaged, restore never chooses it: {d['why']}")
+        by_why.setdefault(d["why"], []).append(d)
+    for why, ds in by_why.items():  # one note per reason: a root of another key's backups is one line
+        what = "not taken" if why.startswith("not sealed by this job") else "damaged"
+        names = ", ".join(f"{d['name']} (step {d['step']})" for d in ds[:3]) + (f" and {len(ds) - 3} more"
+                                                                               if len(ds) > 3 else "")
+        notes.append(f"backup{'s' if len(ds) > 1 else ''} {names} {'are' if len(ds) > 1 else 'is'} {what}, restore "
+                     f"never chooses {'them' if len(ds) > 1 else 'it'}: {why}")
     if unreachable:
         notes.append("hosts that did not answer (no step is confirmed on them): "
                      + "; ".join(f"{h} ({e})" for h, e in sorted(unreachable.items())))
