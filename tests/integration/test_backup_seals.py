@@ -123,3 +123,45 @@ def test_restore_version_that_is_a_fifo_or_not_text_is_a_clear_error_at_once(job
     with CheckpointManager(cfg) as m:
         with pytest.raises(ConfigError, match="restore.version in .* is not UTF-8 text .*mtc restore-version"):
             m.latest_step()
+
+
+def test_a_rotated_key_reads_the_older_keys_backups_only_while_they_are_accepted(job):
+    """The job moves to a key of its own (MTC_JOB_KEY): with the token's key listed in
+    MTC_JOB_KEYS_ACCEPTED, the backups it sealed restore bit for bit; without it, they are refused
+    (never restored) and the error says why; new backups are sealed with the new key."""
+    cluster, cfg, devices, root = job
+    new_key = "a-new-job-key-0123456789abcdef0123"
+
+    def restart(**env):
+        for h in cluster.hosts:
+            cluster.restart(h, env={"MTC_JOB_KEY": new_key, **env})
+
+    restart(MTC_JOB_KEYS_ACCEPTED=cluster.peer_token)
+    with CheckpointManager(cfg) as m:
+        assert m.latest_step() == 3
+        assert_trees_bitwise_equal(state(3, devices), m.restore(3, target=target(devices)))
+    restart()  # the old key no longer accepted
+    with CheckpointManager(cfg) as m:
+        assert m.backups() == []
+        refused = m.refused_backups()
+        assert sorted(d["step"] for d in refused) == [1, 2, 3], refused
+        assert all("another key" in d["why"] and "MTC_JOB_KEYS_ACCEPTED" in d["why"] for d in refused), refused
+        m.save(4, state(4, devices))
+        m.wait_until_finished()
+        assert m.wait_for_backup().error is None
+        assert [b["step"] for b in m.backups()] == [4]
+    assert sorted(_backups(root)) == [1, 2, 3, 4]  # retention never deletes what it cannot check
+    seal = (root / "backups" / f"{_backups(root)[4]}{backup_seals.SUFFIX}").read_text()
+    from mtc.shared.job_key import JobKey
+
+    assert f'"{JobKey.from_secret(environ={"MTC_JOB_KEY": new_key}).key_id}-' in seal
+
+
+def test_refuse_unsigned_backups_refuses_a_root_written_before_seals(job, monkeypatch):
+    cluster, cfg, devices, root = job
+    for p in (root / "backups").glob(f"*{backup_seals.SUFFIX}"):
+        p.unlink()
+    for h in cluster.hosts:
+        cluster.restart(h, env={"MTC_UNSIGNED_BACKUPS": "refuse"})
+    with CheckpointManager(cfg) as m:
+        assert m.backups() == [] and sorted(d["step"] for d in m.refused_backups()) == [1, 2, 3]
