@@ -380,3 +380,11 @@ class _Live:
         for kind, n in sorted(job_key.rejected_counts().items()):
             untrusted.add_metric([kind], n)
         yield untrusted
+        from mtc.head import supervisor
+
+        restarts = CounterMetricFamily("mtc_supervisor_restarts", "Restarts of the training process by the head pod's "
+                                       "supervisor so far (this process is the last of them), by cause: the signal "
+                                       "that killed the one before, or exit", labels=["cause"])
+        for cause, n in sorted((supervisor.promotion().get("restarts") or {}).items()):
+            restarts.add_metric([cause], n)
+        yield restarts

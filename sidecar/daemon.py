@@ -22,7 +22,6 @@ travel as payloads, one per shard each way, some of a read's sent straight from 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import logging
@@ -41,6 +40,7 @@ from mtc.shared import auth, protocol, tls, wire_errors
 from mtc.shared.auth import resolve_token
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
+from mtc.shared.lifeline import die_with_parent
 from mtc.shared.protocol import RemoteError, Reply, Request
 from mtc.sidecar import ops
 from mtc.sidecar.metrics import serve_metrics
@@ -51,7 +51,6 @@ from mtc.sidecar.tcpserver import ServerStopping, ThreadedTCPServer
 log = logging.getLogger(__name__)
 
 _SHUTDOWN_GRACE_S = 30.0
-_PR_SET_PDEATHSIG = 1
 
 
 class SidecarDaemon(ThreadedTCPServer):
@@ -270,19 +269,6 @@ if set(_DATA) != ops.DATA_OPS:
 # --- command line --------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        log.warning("PR_SET_PDEATHSIG is not available here; this daemon will outlive its parent")
-        return
-    if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 def _write_ready(path: Path, doc: dict) -> None:
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     tmp.write_text(json.dumps(doc))
@@ -292,7 +278,7 @@ def _write_ready(path: Path, doc: dict) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM or SIGINT; returns the exit code."""
     if args.parent_pid:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid, "this daemon")
     os.umask(0o077)  # least privilege: what the daemon writes (ramdisk, logs, address files) is its own
     host, port = protocol.parse_address(args.listen)
     handlers: list[logging.Handler] = [logging.FileHandler(args.log_file) if args.log_file

@@ -255,3 +255,42 @@ def test_cluster_mode_head_killed_and_restarted(tmp_path, ramdisk, maxtext_pytho
     assert set(got) == set(range(STEPS))
     for step, m in got.items():
         assert m == reference[step], f"step {step}: {m} != reference {reference[step]}"
+
+
+def _children(pid: int) -> list[int]:
+    """The children of ``pid``, oldest first (by their start time)."""
+    kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return sorted(kids, key=lambda k: int(Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[19]))
+
+
+def test_a_killed_training_process_is_replaced_in_the_pod_by_the_warm_standby(tmp_path, ramdisk, maxtext_python,
+                                                                                base_yml):
+    """``python3 -m mtc.head.maxtext`` supervises: the training process killed with SIGKILL after a commit
+    is replaced by the standby (MaxText already imported), which restores from the ramdisk and trains
+    to the end, in the same log and the same pod; the losses equal an uninterrupted run's."""
+    ref, run = tmp_path / "ref", ramdisk / "run"
+    for d in (ref, run):
+        d.mkdir(parents=True)
+    env = dict(MTC_SUPERVISOR="0")  # the reference runs as a plain program
+    _finish(subprocess.Popen([maxtext_python, "-m", "mtc.head.maxtext", *tiny_flags(base_yml, ref, pathways=False)],
+                             env=dict(_env(1), MTC_PEER_TOKEN=JOB_TOKEN, **env), stdout=(ref / "log.txt").open("ab"),
+                             stderr=subprocess.STDOUT), ref / "log.txt")
+    reference = metrics(ref)
+    log = run / "log.txt"
+    proc = _launch(maxtext_python, tiny_flags(base_yml, run, pathways=False), 1, log, tmp_path / "pod")
+    deadline = time.monotonic() + 600
+    while not _step_file(run, 2 * PERIOD).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.05)
+    training, standby = _children(proc.pid)  # started first, then the standby behind it
+    os.kill(training, signal.SIGKILL)
+    _finish(proc, log)
+    text = log.read_text()
+    assert "killed by SIGKILL; restart 1" in text and f"standby pid {standby} takes over" in text, text[-4000:]
+    assert "promoted standby" in text and "modules imported before it was told to go" in text
+    restored = [line for line in text.splitlines() if "mtc: restored step" in line]
+    assert len(restored) == 1 and "ram " in restored[0], restored
+    final = metrics(run)
+    assert set(final) == set(range(STEPS))
+    for step, m in final.items():
+        assert m == reference[step], f"step {step}: {m} != reference {reference[step]}"
