@@ -8,15 +8,17 @@ import os
 import sys
 
 from mtc.head import supervisor
+from mtc.head.maxtext import WARM
 
-# What a standby imports while it waits: everything the launcher and MaxText's training import, short
-# of a device or a backend (MaxText's train module initialises neither when imported).
-WARM = ("jax", "numpy", "mtc.head.maxtext.launcher", "mtc.head.manager", "mtc.head.maxtext.compile_cache",
-        "maxtext.trainers.pre_train.train")
 
 if supervisor.ENV_PROMOTION in os.environ or not supervisor.enabled():
     from mtc.head.maxtext.launcher import main
 
     sys.exit(main())
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-sys.exit(supervisor.Supervisor(["-m", "mtc.head.maxtext", *sys.argv[1:]], WARM).run())
+try:
+    pod = supervisor.Supervisor(["-m", "mtc.head.maxtext", *sys.argv[1:]], WARM)
+except supervisor.SupervisorConfigError as e:
+    print(f"mtc: {e}", file=sys.stderr)
+    sys.exit(2)
+sys.exit(pod.run())

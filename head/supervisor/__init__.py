@@ -60,6 +60,10 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _promotion: dict = {}
 
 
+class SupervisorConfigError(ValueError):
+    """A supervisor setting (``MTC_RESTARTS``, ``MTC_RESTART_WINDOW_S``) that does not parse, named."""
+
+
 def _on(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -90,9 +94,7 @@ def _positive(env: Mapping[str, str], name: str, default: float, kind=float) -> 
     except ValueError:
         value = -1
     if value < 0:
-        from mtc.shared.errors import ConfigError
-
-        raise ConfigError(f"{name}={text!r} is not a number >= 0; unset it for the default ({default})")
+        raise SupervisorConfigError(f"{name}={text!r} is not a number >= 0; unset it for the default ({default})")
     return value
 
 

@@ -4,7 +4,7 @@ program under the supervisor (``mtc.head.supervisor``). ``python -m mtc.head.max
 import logging
 import sys
 
-from mtc.head.supervisor import Supervisor
+from mtc.head.supervisor import Supervisor, SupervisorConfigError
 
 
 def main(argv: list[str]) -> int:
@@ -18,7 +18,12 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return Supervisor(argv, warm).run()
+    try:
+        pod = Supervisor(argv, warm)
+    except SupervisorConfigError as e:
+        print(f"mtc: {e}", file=sys.stderr)
+        return 2
+    return pod.run()
 
 
 sys.exit(main(sys.argv[1:]))

@@ -170,3 +170,11 @@ def test_a_killed_supervisor_takes_its_children_with_it(ramdisk, tmp_path):
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in children)
+
+
+@pytest.mark.parametrize("env,says", [({"MTC_RESTARTS": "many"}, "MTC_RESTARTS='many' is not a number"),
+                                      ({"MTC_RESTART_WINDOW_S": "-5"}, "MTC_RESTART_WINDOW_S='-5' is not a number")])
+def test_a_bad_setting_is_one_line_naming_it(tmp_path, env, says):
+    r = subprocess.run([sys.executable, "-m", "mtc.head.supervisor", "--", SCRIPT, str(tmp_path), "1", "x"],
+                       env=dict(os.environ, **env), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
