@@ -443,12 +443,19 @@ class CompileCache:
 
 def for_launcher(argv: list[str], cfg, environ=None) -> CompileCache | None:
     """The cache the MaxText launcher keeps for this run, or None: ``MTC_COMPILE_CACHE=0``, a
-    ``jax_cache_dir=`` on the command line (the user's own), multi-tier checkpointing off, or a JAX
-    folder that is not private (said in a warning)."""
+    ``jax_cache_dir=`` on the command line (the user's own), multi-tier checkpointing off, Pathways
+    (``JAX_PLATFORMS`` names its ``proxy`` backend: Pathways caches its own compilations, and
+    ``pathwaysutils.initialize()`` turns JAX's persistent cache off), or a JAX folder that is not
+    private (said in a warning)."""
     env = os.environ if environ is None else environ
     if env.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     if any(a.startswith("jax_cache_dir=") for a in argv[1:]) or not cfg.enable_multi_tier_checkpointing:
+        return None
+    platforms = env.get("JAX_PLATFORMS", "")
+    if "proxy" in platforms:  # as pathwaysutils.is_pathways_backend_used() tells, before JAX starts
+        log.info("mtc: compilation cache: not used on Pathways (JAX_PLATFORMS=%s): Pathways keeps its own compilation "
+                 "cache, and pathwaysutils turns JAX's persistent cache off; mtc leaves it alone", platforms)
         return None
     local = Path(env[ENV_DIR]) if env.get(ENV_DIR) else default_folder()
     try:

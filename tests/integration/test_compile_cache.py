@@ -267,3 +267,20 @@ def test_entries_a_start_copied_in_are_dropped_and_compiled_again_if_it_never_sa
     shutil.rmtree(local)
     fresh = run(local, backup, shelf=shelf)  # a start that saves leaves no probation behind
     assert fresh["filled"] >= 1 and fresh["hits"] >= 1 and not (local / cc.PROBATION).exists(), fresh
+
+
+def test_on_pathways_the_launcher_leaves_the_compilation_cache_to_pathways(tmp_path, caplog):
+    """pathwaysutils turns JAX's persistent cache off on Pathways (it keeps its own): mtc fills and
+    uploads nothing there, and says so."""
+    import logging
+
+    from mtc.shared.config import MTCConfig
+
+    cfg = MTCConfig.from_flags(["enable_multi_tier_checkpointing=True", f"local_checkpoint_directory={tmp_path / 'rd'}",
+                                "local_checkpoint_period=2", "multi_tier_checkpointing_backup_interval_steps=4",
+                                f"base_output_directory={tmp_path / 'out'}", "run_name=r"], ignore_unknown=True)
+    env = {cc.ENV_DIR: str(tmp_path / "private"), "MTC_PEER_TOKEN": TOKEN}
+    with caplog.at_level(logging.INFO, logger=cc.log.name):
+        assert cc.for_launcher(["x"], cfg, {**env, "JAX_PLATFORMS": "proxy"}) is None
+    assert "not used on Pathways" in caplog.text
+    assert cc.for_launcher(["x"], cfg, {**env, "JAX_PLATFORMS": "cpu"}) is not None
