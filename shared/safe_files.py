@@ -21,6 +21,8 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # The most a step's manifest file may hold (the record of every shard: far more than a 4,096-host
 # job's); a larger file on a ramdisk is not read.
 MAX_MANIFEST_BYTES = GiB
+# The most a small JSON note on a ramdisk may hold (the head's lease, the host note).
+MAX_NOTE_BYTES = 64 * KiB
 
 
 class UntrustedFileError(MTCError, OSError):

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from mtc.shared.errors import FencedError, ProtocolError
-from mtc.sidecar.ram.common import MAX_LEASE_BYTES, file_key, read_file
+from mtc.shared.safe_files import MAX_NOTE_BYTES
+from mtc.sidecar.ram.common import file_key, read_file, replace_file
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class HeadLease:
             seen = self._seen
             if seen is not None and file_key(os.stat(self._path)) == seen[0]:
                 return _copy(seen[1])
-            data, key = read_file(self._path, MAX_LEASE_BYTES, "head's lease")
+            data, key = read_file(self._path, MAX_NOTE_BYTES, "head's lease")
             doc = json.loads(data)
         except FileNotFoundError:
             return None
@@ -82,13 +83,7 @@ class HeadLease:
         return _copy(lease)
 
     def _write(self, generation: int, head: dict | None) -> None:
-        tmp = self.root / f".tmp-{LEASE_FILE}-{os.getpid()}"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # whatever is there (a link planted under its name is not written through)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps({"generation": generation, "head": head}).encode())
-        os.replace(tmp, self._path)
+        replace_file(self._path, json.dumps({"generation": generation, "head": head}).encode())
 
     def claim(self, generation: int, head: dict) -> dict:
         """Take this ramdisk for ``head`` if ``generation`` is newer than the lease's; the lease after.

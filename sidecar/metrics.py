@@ -32,9 +32,9 @@ import threading
 from typing import Any, Iterator
 
 from mtc.shared import job_key, scrape_server
-from mtc.sidecar.backup import fence
 from mtc.shared.errors import ConfigError
 from mtc.shared.scrape_server import ScrapeServer
+from mtc.sidecar.backup import fence
 
 log = logging.getLogger(__name__)
 

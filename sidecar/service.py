@@ -30,13 +30,14 @@ from mtc.shared import format as fmt
 from mtc.shared import ramdisk, version
 from mtc.shared.errors import ConfigError, ManifestError, NotConfiguredError, StepNotFoundError
 from mtc.shared.host_settings import HostSettings
-from mtc.shared.safe_files import UntrustedFileError, read_regular
+from mtc.shared.safe_files import MAX_NOTE_BYTES, UntrustedFileError, read_regular
 from mtc.shared.tls import TLSFiles
 from mtc.sidecar.fencing import HeadLease
 from mtc.sidecar.jobs import Jobs
 from mtc.sidecar.ops import MUTATING_OPS
 from mtc.sidecar.peer import PeerServer
 from mtc.sidecar.ram import RamStore
+from mtc.sidecar.ram.common import replace_file
 from mtc.sidecar.committed import CommittedSteps
 from mtc.sidecar.reads import BoxReader
 from mtc.sidecar.replication import Pull, pull_blobs
@@ -111,18 +112,11 @@ class SidecarService:
         doc = json.dumps({"host": self.host_id}).encode()
         try:
             try:
-                same = read_regular(path, 64 << 10, "host note") == doc
+                same = read_regular(path, MAX_NOTE_BYTES, "host note") == doc
             except (FileNotFoundError, UntrustedFileError):  # missing, or not a regular file: written again
                 same = False
             if not same:
-                tmp = path.with_name(f".{HOST_FILE}.tmp")
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)  # a link planted under its name is not written through
-                # The job's files: its user's only.
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(doc)
-                os.replace(tmp, path)
+                replace_file(path, doc)  # the job's files: its user's only
         except OSError as e:  # a note for tools; the sidecar serves without it
             log.warning("host %s: could not write %s: %s", self.host_id, path, e)
 

@@ -11,4 +11,3 @@ MaxText until the launcher runs.
 # initialises neither when it is imported).
 WARM = ("jax", "numpy", "mtc.head.maxtext.launcher", "mtc.head.manager", "mtc.head.maxtext.compile_cache",
         "maxtext.trainers.pre_train.train")
-

@@ -305,7 +305,7 @@ def _refused_backups(manager: Any) -> str:
 
     try:
         return damaged_note({"damaged": manager.refused_backups()})
-    except (MTCError, AttributeError):
+    except MTCError:  # the root could not be listed: the error stays the one about the step
         return ""
 
 

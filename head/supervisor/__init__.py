@@ -32,7 +32,6 @@ were imported before it was told to go.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -98,13 +97,6 @@ def _positive(env: Mapping[str, str], name: str, default: float, kind=float) -> 
     return value
 
 
-@dataclasses.dataclass
-class _Child:
-    proc: subprocess.Popen
-    ready: bool = False  # the standby said its imports are done
-    started: float = 0.0
-
-
 def describe_status(code: int) -> str:
     if code < 0:
         try:
@@ -142,25 +134,24 @@ class Supervisor:
         self._stopping: int | None = None  # the signal that asked the supervisor to stop
         self._stop_seen = False
         self._wake_r, self._wake_w = os.pipe()
-        self._training: _Child | None = None
-        self._standby: _Child | None = None
+        self._training: subprocess.Popen | None = None
+        self._standby: subprocess.Popen | None = None
 
     # --- children --------------------------------------------------------------------------
 
-    def _spawn(self) -> _Child:
+    def _spawn(self) -> subprocess.Popen:
+        """A child that imports ``warm`` and waits for its go (its stdout and stderr are the pod's)."""
         argv = [sys.executable, "-m", "mtc.head.supervisor.standby", "--parent-pid", str(os.getpid()),
                 "--warm", ",".join(self.warm), "--", *self.target]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=None, stdout=None, env=self.env,
-                                pass_fds=(), close_fds=True)
-        return _Child(proc, started=time.monotonic())
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, env=self.env)
 
-    def _go(self, child: _Child, died_at: float | None, standby: bool = False) -> None:
+    def _go(self, child: subprocess.Popen, died_at: float | None, standby: bool = False) -> None:
         record = {"restart": len(self.restarts), "restarts": dict(self.causes), "died_at": died_at,
                   "standby": standby}
-        assert child.proc.stdin is not None
+        assert child.stdin is not None
         try:
-            child.proc.stdin.write(f"go {json.dumps(record)}\n".encode())
-            child.proc.stdin.flush()
+            child.stdin.write(f"go {json.dumps(record)}\n".encode())
+            child.stdin.flush()
         except BrokenPipeError:  # it died meanwhile: the loop sees its exit
             pass
 
@@ -169,14 +160,14 @@ class Supervisor:
         if s is None:
             return
         try:
-            s.proc.stdin.close()  # EOF: a waiting standby exits 0
+            s.stdin.close()  # EOF: a waiting standby exits 0
         except OSError:
             pass
         try:
-            s.proc.wait(timeout=5)
+            s.wait(timeout=5)
         except subprocess.TimeoutExpired:  # still importing
-            s.proc.kill()
-            s.proc.wait()
+            s.kill()
+            s.wait()
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -194,25 +185,25 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._stop_standby()
-            if self._training is not None and self._training.proc.poll() is None:
-                self._training.proc.kill()
-                self._training.proc.wait()
+            if self._training is not None and self._training.poll() is None:
+                self._training.kill()
+                self._training.wait()
 
     def _run(self) -> int:
         self._training = self._spawn()
         self._go(self._training, None)
         log.info("mtc: supervisor (pid %d): training process pid %d started%s", os.getpid(),
-                 self._training.proc.pid, "; a standby follows" if self.standby_on else " (no standby: MTC_STANDBY=0)")
+                 self._training.pid, "; a standby follows" if self.standby_on else " (no standby: MTC_STANDBY=0)")
         if self.standby_on:
             self._standby = self._spawn()
         forwarded = False
         while True:
             code = self._wait_training()
             if code is None:  # a stop signal
-                if not forwarded and self._training.proc.poll() is None:
+                if not forwarded and self._training.poll() is None:
                     log.info("mtc: supervisor: %s: passed to the training process (pid %d) as SIGTERM",
-                             signal.Signals(self._stopping).name, self._training.proc.pid)
-                    self._training.proc.send_signal(signal.SIGTERM)
+                             signal.Signals(self._stopping).name, self._training.pid)
+                    self._training.send_signal(signal.SIGTERM)
                     forwarded = True
                     self._stop_standby()
                 continue
@@ -236,18 +227,18 @@ class Supervisor:
             self.causes[cause] = self.causes.get(cause, 0) + 1
             standby = self._standby
             self._standby = None
-            warm = standby is not None and standby.proc.poll() is None
+            warm = standby is not None and standby.poll() is None
             self._training = standby if warm else self._spawn()
             self._go(self._training, died_at, standby=warm)
             log.warning("mtc: supervisor: the training process %s; restart %d (of at most %d in %.0f s): %s pid %d "
                         "takes over", describe_status(code), len(self.restarts), self.max_restarts, self.window_s,
-                        "standby" if warm else "a new process", self._training.proc.pid)
+                        "standby" if warm else "a new process", self._training.pid)
             if self.standby_on:
                 self._standby = self._spawn()
 
     def _wait_training(self) -> int | None:
         """The training process's exit status, or None when a stop signal came first."""
-        proc = self._training.proc
+        proc = self._training
         while True:
             if self._stopping is not None and not self._stop_seen:
                 self._stop_seen = True

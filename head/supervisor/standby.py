@@ -13,7 +13,6 @@ program, which then meets the same error itself.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import runpy
 import sys
@@ -21,9 +20,6 @@ import time
 
 from mtc.head import supervisor
 from mtc.shared.lifeline import die_with_parent
-
-log = logging.getLogger("mtc.head.supervisor")
-
 
 def _args(argv: list[str]) -> tuple[int, list[str], list[str]]:
     parent, warm = 0, []

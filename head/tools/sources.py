@@ -31,7 +31,7 @@ from mtc.shared import protocol
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.shared.job_key import JobKey
-from mtc.shared.safe_files import MAX_MANIFEST_BYTES, read_regular
+from mtc.shared.safe_files import MAX_MANIFEST_BYTES, MAX_NOTE_BYTES, read_regular
 
 
 def _steps(d: Path) -> list[bytes]:
@@ -96,7 +96,7 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path, int]]:
 def _noted(d: Path) -> str | None:
     """The host id the sidecar that served ``d`` wrote there (``host.json``), if any."""
     try:
-        host = json.loads(read_regular(d / "mtc" / "host.json", 64 << 10, "host note")).get("host")
+        host = json.loads(read_regular(d / "mtc" / "host.json", MAX_NOTE_BYTES, "host note")).get("host")
     except (OSError, ValueError, AttributeError):
         return None
     return host if isinstance(host, str) and host else None

@@ -18,7 +18,6 @@ TMP_PREFIX = ".tmp-"
 FREE_PREFIX = TMP_PREFIX + "free-"
 HUGE_PAGE = 2 << 20  # a tmpfs huge page (x86-64, arm64 with 4 KiB base pages)
 MAX_STEP = 10**12 - 1
-MAX_LEASE_BYTES = 64 << 10  # the most the head's lease may hold: a larger file there is not read
 
 
 def format_binary_bytes(n: int) -> str:
@@ -99,6 +98,21 @@ def read_file(path: str | os.PathLike, max_bytes: int, what: str = "file") -> tu
         return read_fd(fd, st.st_size), file_key(st)
     finally:
         os.close(fd)
+
+
+def replace_file(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` as ``path`` (mode 0600) through a temporary beside it, renamed over it: whatever
+    was at the temporary's name (a link planted there) is removed first, not written through."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def open_blob(path: str | os.PathLike) -> int:
