@@ -44,6 +44,7 @@ def test_every_ramdisk_emptied_under_live_daemons_restores_from_backup_and_saves
             m.save(1, one)
             m.wait_until_finished()
             assert m.wait_for_backup().step == 1
+            m.wait_for_replication()  # no peer copy still landing while the folders are emptied
             for h in cluster.hosts:  # under the running daemons: none of them restarts
                 _empty(cluster.ramdisk(h))
             assert m.latest_step() == 1  # from the backup
