@@ -21,7 +21,8 @@ from mtc.shared.backup_seals import Seals, read_restore_version, seal_object
 from mtc.shared.job_key import JobKey
 from mtc.shared.errors import CorruptBlobError, ManifestError, StepNotFoundError
 from mtc.shared.objstore import open_store
-from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore
+from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, UntrustedObjectError
+from mtc.shared.safe_files import MAX_MANIFEST_BYTES
 from mtc.sidecar.backup.fence import FinalizeFence, sweep_dead
 from mtc.sidecar.backup.scrub import Scrubber, read_damaged
 from mtc.sidecar.faults import crash_point
@@ -148,7 +149,9 @@ class BackupTier:
         # The blobs are listed before the backups that say which are live: a blob uploaded after
         # this listing (for a backup not visible yet) is never deleted by this retention.
         blobs = store.list(layout.BLOBS)
-        names = self._names(store)
+        objects = store.list(layout.BACKUPS)
+        listed = layout.names_from_listing(objects)
+        names = self._seals(store).verify(listed, objects)
         old = names[max_to_keep:]
         if not old:
             return []
@@ -162,12 +165,26 @@ class BackupTier:
                 store.delete(obj)
         live: set[str] = set()
         for n in names[:max_to_keep]:
-            live |= fmt.StepManifest.from_json(store.get_bytes(layout.manifest_object(n)),
+            live |= fmt.StepManifest.from_json(store.get_bytes(layout.manifest_object(n), max_bytes=MAX_MANIFEST_BYTES),
                                                source=f"backup {n}").blob_names()
+        # A manifest this retention leaves in place keeps its blobs, whether or not its seal checked
+        # this time: a seal that did not check is never chosen, but a seal that a listing or a read
+        # missed once must not cost a backup its blobs (only the manifests deleted above lose theirs).
+        for n in sorted(set(listed) - set(names)):
+            live |= self._blobs_named_by(store, n)
         for obj in blobs:
             if obj[len(layout.BLOBS):] not in live:
                 store.delete(obj)
         return old
+
+    @staticmethod
+    def _blobs_named_by(store: ObjectStore, name: str) -> set[str]:
+        """The blobs backup ``name``'s manifest names; none when it is gone or is no manifest."""
+        try:
+            data = store.get_bytes(layout.manifest_object(name), max_bytes=MAX_MANIFEST_BYTES)
+            return fmt.StepManifest.from_json(data, source=f"backup {name}").blob_names()
+        except (ObjectNotFoundError, UntrustedObjectError, ManifestError, ValueError):
+            return set()
 
     # --- restore side --------------------------------------------------------------------
 

@@ -835,7 +835,11 @@ class Soak:
                 if name not in after:
                     self._note("a backup was pruned while the soak checked it")
                     continue
-                raise Violation(f"backup {name} is listed without its blobs {sorted(names - present)[:3]}")
+                gone = sorted(names - present)
+                readable = [b for b in gone[:3] if self.backup.read(f"blobs/{b}") is not None]
+                raise Violation(f"backup {name} is listed without its blobs {gone[:3]} ({len(gone)} missing; "
+                                f"{len(readable)} of the first {min(3, len(gone))} still readable by name: "
+                                f"{'a listing that left them out' if readable else 'deleted'})")
 
     def _check_leaks(self) -> None:
         expected = {p for h, p in self.cluster.pids().items() if self.cluster.is_running(h)}
