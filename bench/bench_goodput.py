@@ -102,9 +102,15 @@ import env as mx_env  # noqa: E402
 import pathways_cpu  # noqa: E402
 
 PROBE = REPO / "bench" / "goodput_probe.py"
-CONTENDERS = ("mtc", "orbax", "orbax-cached", "orbax-every-step", "mtc-backup-only")
+CONTENDERS = ("mtc", "orbax", "orbax-supervised", "mtc-pod-restart", "orbax-cached", "orbax-every-step",
+              "mtc-backup-only")
+DEFAULT_CONTENDERS = ("mtc", "orbax", "orbax-supervised")
+SUPERVISED = ("mtc", "orbax-supervised", "mtc-backup-only")  # run under mtc's supervisor (a warm standby)
 ELASTIC = "slice_lost_elastic"  # in --faults: the mtc contenders run in MaxText's elastic mode
-DEFAULT_FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt")
+POD_LOST = "head_pod_lost"
+DEFAULT_FAULTS = ("kill_head", "kill_sidecar", "host_replaced", "slice_lost", "preempt", POD_LOST)
+# What a supervised standby imports while it waits: what the contender's training program imports.
+ORBAX_WARM = ("jax", "numpy", "maxtext.trainers.pre_train.train")
 FAULTS = (*DEFAULT_FAULTS, ELASTIC)
 SLICES, HOSTS = 2, 2
 METRICS = ("learning/loss", "learning/grad_norm", "learning/param_norm")
@@ -155,6 +161,32 @@ class Contender:
     period: int  # steps between checkpoints (mtc: local; orbax: its only tier)
     backup_steps: int = 0  # mtc only
     why: str = ""
+    supervised: bool = False  # the pod runs mtc's supervisor around the training process
+
+
+@dataclasses.dataclass
+class Pod:
+    """One start of the head pod: its process (the training process, or the supervisor around it)."""
+
+    index: int
+    spawned: float
+    dir: Path
+    proc: subprocess.Popen
+    ended: float | None = None
+    rc: int | None = None
+    restart_at: float | None = None  # set by a failure that ended it: when the next pod starts
+    preempted: float | None = None  # SIGTERM sent then; SIGKILL after the grace
+
+
+@dataclasses.dataclass
+class Strike:
+    """A failure as it struck: what it ended (a training process, the pod, or nothing)."""
+
+    t: float
+    failure: Failure
+    ended: str | None = None  # "process", "pod", or None (the job went on, or it found nothing to end)
+    pid: int | None = None
+    pod: int | None = None
 
 
 @dataclasses.dataclass
@@ -170,6 +202,9 @@ class Segment:
     failed_at: float | None = None
     log: str = ""
     hits: list = dataclasses.field(default_factory=list)  # (Failure, time) the process went on through
+    pod: int = 0
+    nth: int = 0  # its place among its pod's training processes
+    pid: int | None = None
 
     def first(self, name: str) -> float | None:
         return next((m["t"] for m in self.marks if m["mark"] == name), None)
@@ -192,6 +227,45 @@ class Segment:
 
     def steps(self) -> list[tuple[int, float]]:
         return [(m["step"], m["t"]) for m in self.marks if m["mark"] == "step"]
+
+
+def processes(pods: list[Pod], strikes: list[Strike]) -> list[Segment]:
+    """The training processes of a contender's pods, in order, from their marks (each carries its pid):
+    a pod's first process started with the pod, a later one (a supervisor's restart) at its ``start``
+    mark; one ends when the next starts or its pod ends."""
+    out: list[Segment] = []
+    for pod in pods:
+        marks = _read_marks(pod.dir / "marks.jsonl")
+        pids: list[int] = []
+        for m in marks:
+            if m.get("pid") not in pids:
+                pids.append(m.get("pid"))
+        segs = []
+        for j, pid in enumerate(pids):
+            mine = [m for m in marks if m.get("pid") == pid]
+            start = next((m["t"] for m in mine if m["mark"] == "start"), mine[0]["t"])
+            # The pod's own start, unless a failure ended a process of this pod before this one started.
+            ended_before = any(k.pod == pod.index and k.ended == "process" and pod.spawned <= k.t <= start
+                               for k in strikes)
+            spawned = pod.spawned if j == 0 and not ended_before else start
+            segs.append(Segment(len(out) + len(segs), spawned, mine, log=str(pod.dir / "log.txt"), pod=pod.index,
+                                nth=j, pid=pid))
+        for a, b in zip(segs, segs[1:]):
+            a.ended = max([m["t"] for m in a.marks] + [a.spawned])
+            a.ended = min(b.spawned, next((k.t for k in strikes if k.pid == a.pid and k.ended), a.ended))
+        if segs:
+            segs[-1].ended, segs[-1].rc = pod.ended, pod.rc
+        for seg in segs:
+            end = seg.ended if seg.ended is not None else math.inf
+            for k in strikes:
+                if not seg.spawned <= k.t <= end:
+                    continue
+                if k.ended and (k.pid == seg.pid or (k.ended == "pod" and k.pod == pod.index)):
+                    seg.failure, seg.failed_at = k.failure, k.t
+                elif not k.ended and k.pod == pod.index:
+                    seg.hits.append((k.failure, k.t))
+        out += segs
+    return out
 
 
 def _read_marks(path: Path) -> list[dict]:
@@ -256,14 +330,23 @@ class Runner:
         return e
 
     def spawn(self, c: Contender, seg_dir: Path, flags: list[str], env_extra: dict) -> subprocess.Popen:
-        """A new pod: fresh home and working directory, nothing kept but what the flags point at."""
+        """A new pod: fresh home and working directory, nothing kept but what the flags point at. A
+        supervised contender's pod runs mtc's supervisor, which runs the training process and its standby."""
         if seg_dir.exists():
             shutil.rmtree(seg_dir)
         (seg_dir / "home").mkdir(parents=True)
         env = self.env(seg_dir / "home", seg_dir / "marks.jsonl", env_extra)
         log = (seg_dir / "log.txt").open("wb")
-        return subprocess.Popen([self.py, str(PROBE), c.kind, *flags], cwd=seg_dir / "home", env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        cmd = [self.py, str(PROBE), c.kind, *flags]
+        if c.supervised:
+            from mtc.head.maxtext import WARM
+
+            warm = WARM if c.kind == "mtc" else ORBAX_WARM
+            # The schedule's failures come far more often than a job's: the crash-loop bound is not what is measured.
+            env["MTC_RESTARTS"] = "100000"
+            cmd = [self.py, "-m", "mtc.head.supervisor", "--warm", ",".join(warm), "--", *cmd[1:]]
+        return subprocess.Popen(cmd, cwd=seg_dir / "home", env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
     # -- the uninterrupted run -----------------------------------------------------------------
 
@@ -290,6 +373,10 @@ class Runner:
     # -- a contender under the schedule --------------------------------------------------------
 
     def run(self, c: Contender, failures: list[Failure], delay: float) -> dict:
+        """Train ``c`` under the schedule: each failure strikes at its drawn wall time, whatever the job
+        is doing (``--defer-failures``: only once the training process has trained ``--fault-min-steps``
+        steps since it started or since its last elastic retry). A pod that a failure ended starts again
+        ``delay`` seconds later; hosts that a failure took come back, empty, ``delay`` seconds later."""
         d = self.work / c.name
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -313,130 +400,185 @@ class Runner:
             if c.name == "orbax-cached":  # JAX's compilation cache where a new pod finds it: the bucket
                 extra.append(f"jax_cache_dir={d / 'bucket' / 'jax-cache'}")
         flags = self.flags(d / "bucket", d / "metrics.txt", extra)
-        segments: list[Segment] = []
+        pods: list[Pod] = []
+        strikes: list[Strike] = []
         pending = list(failures)
         events: list[dict] = []  # what the harness did, with its time
+        back: list[dict] = []  # hosts to bring back: {"at", "hosts", "seen_after" (an elastic error first)}
         t_start = time.time()
+        pod: Pod | None = None
+        restart_at: float | None = t_start
+        last_progress = t_start
         try:
             while True:
-                seg = Segment(len(segments), time.time())
-                segments.append(seg)
-                seg_dir = d / f"pod{seg.index}"
-                proc = self.spawn(c, seg_dir, flags, env_extra)
-                hit = None
-                while proc.poll() is None:
-                    time.sleep(0.05)
-                    if time.time() - t_start > self.a.budget:
-                        proc.kill()
-                        proc.wait()
-                        raise SystemExit(f"{c.name}: over the wall-clock budget ({self.a.budget:.0f} s); "
-                                         f"see {seg_dir / 'log.txt'}")
-                    if not pending or time.time() - t_start < pending[0].at_s:
-                        continue
-                    seg.marks = _read_marks(seg_dir / "marks.jsonl")
-                    logged = [s for s, _ in seg.steps()]
-                    current = [st for st, t in seg.steps() if t >= attempts(seg)[-1][0]]
-                    if len(current) < self.a.fault_min_steps:
-                        continue  # a failure hits a process that trains: it waits for its first steps
-                    if _retrying(seg):
-                        continue  # ... and, after an elastic retry, for the retry's first step
-                    if max(logged) >= self.a.steps - 1 or seg.first("final") is not None:
+                now = time.time()
+                if now - t_start > self.a.budget:
+                    raise SystemExit(f"{c.name}: over the wall-clock budget ({self.a.budget:.0f} s); "
+                                     f"see {d}/pod*/log.txt")
+                for entry in list(back):  # replaced hosts come back, empty
+                    if now >= entry["at"] and (entry["seen_after"] is None or pod is None or any(
+                            m["mark"] == "elastic_event" and m["t"] >= entry["seen_after"]
+                            for m in _read_marks(pod.dir / "marks.jsonl"))):
+                        back.remove(entry)
+                        for host in entry["hosts"]:
+                            if not cluster.call(op="alive")["alive"].get(host, True):
+                                cluster.call(op="restart", host=host)
+                        events.append({"t": time.time(), "what": entry["what"]})
+                if pod is None and restart_at is not None and now >= restart_at:
+                    pod = Pod(len(pods), time.time(), d / f"pod{len(pods)}", None)  # type: ignore[arg-type]
+                    pod.proc = self.spawn(c, pod.dir, flags, env_extra)
+                    pods.append(pod)
+                    restart_at = None
+                if pod is not None and pod.proc.poll() is not None:
+                    pod.ended, pod.rc = time.time(), pod.proc.returncode
+                    marks = _read_marks(pod.dir / "marks.jsonl")
+                    if pod.rc == 0 and any(m["mark"] == "final" for m in marks):
+                        break  # trained to the end
+                    if pod.restart_at is not None:  # a failure ended it
+                        restart_at = pod.restart_at
+                    elif pod.preempted is not None:  # it saved and left: the pod comes back on another node
+                        restart_at = pod.ended + delay
+                    else:  # a crash nobody caused: start it again, and say so
+                        events.append({"t": pod.ended, "what": f"process exited {pod.rc} by itself",
+                                       "segment": pod.index})
+                        if sum(1 for e in events if "by itself" in e["what"]) > 3:
+                            raise SystemExit(f"{c.name}: the training process keeps failing; see {pod.dir / 'log.txt'}:\n"
+                                             + (pod.dir / "log.txt").read_text(errors="replace")[-3000:])
+                        restart_at = pod.ended + delay
+                    pod = None
+                    continue
+                if pod is not None and pod.preempted is not None and now > pod.preempted + self.a.grace + 30:
+                    os.killpg(pod.proc.pid, signal.SIGKILL)
+                    events.append({"t": now, "what": "grace period over: SIGKILL"})
+                    pod.preempted = -math.inf
+                if pod is not None and now - last_progress > 20:
+                    last_progress = now
+                    self.progress(c, pod, strikes, t_start)
+                if pending and now - t_start >= pending[0].at_s:
+                    marks = _read_marks(pod.dir / "marks.jsonl") if pod is not None else []
+                    if self.finished(marks):
                         pending.clear()  # trained to the end: what is left is its exit
+                    elif not self.a.defer_failures or (pod is not None and self.ready_for_failure(marks)):
+                        k = self.strike(c, pending.pop(0), pod, cluster, delay, events, back)
+                        strikes.append(k)
+                        if k.failure.cls == POD_LOST and pod is None:  # the new pod was lost before it started
+                            restart_at = k.t + delay
                         continue
-                    f = pending.pop(0)
-                    seg.failure, seg.failed_at = f, time.time()
-                    hit = self.inject(c, f, proc, cluster, delay, events, seg_dir / "marks.jsonl")
-                    if hit == "goes_on":  # the process survives (a sidecar, an elastic retry): the next may hit it
-                        seg.hits.append((f, seg.failed_at))
-                        seg.failure, seg.failed_at, hit = None, None, None
-                        continue
-                    break
-                rc = proc.wait()
-                seg.ended, seg.rc = time.time(), rc
-                seg.marks = _read_marks(seg_dir / "marks.jsonl")
-                seg.log = str(seg_dir / "log.txt")
-                if hit is None and rc == 0 and any(m["mark"] == "final" for m in seg.marks):
-                    break  # trained to the end
-                if hit is None:  # a crash nobody caused: restart it, and say so
-                    events.append({"t": time.time(), "what": f"process exited {rc} by itself", "segment": seg.index})
-                    if sum(1 for e in events if "by itself" in e["what"]) > 3:
-                        raise SystemExit(f"{c.name}: the training process keeps failing; see {seg.log}:\n"
-                                         + Path(seg.log).read_text()[-3000:])
-                wait = delay - (time.time() - (seg.failed_at or seg.ended))
-                if wait > 0:
-                    time.sleep(wait)
-                self.after(c, seg.failure, cluster, events)
+                time.sleep(0.05)
         finally:
+            if pod is not None and pod.proc.poll() is None:
+                os.killpg(pod.proc.pid, signal.SIGKILL)
+                pod.proc.wait()
             if cluster is not None:
                 cluster.close()
+        segments = processes(pods, strikes)
         final = next((m["t"] for m in segments[-1].marks if m["mark"] == "final"), None)
-        t_end = final or max(s.ended or 0 for s in segments)
-        return {"contender": c, "segments": segments, "events": events, "t_start": t_start, "wall_s": t_end - t_start,
-                "metrics": metrics(d / "metrics.txt")}
+        t_end = final or max(p.ended or 0 for p in pods)
+        return {"contender": c, "segments": segments, "pods": pods, "strikes": strikes, "events": events,
+                "t_start": t_start, "wall_s": t_end - t_start, "metrics": metrics(d / "metrics.txt")}
 
-    def inject(self, c: Contender, f: Failure, proc: subprocess.Popen, cluster: Cluster | None, delay: float,
-               events: list, marks: Path) -> str:
+    def finished(self, marks: list[dict]) -> bool:
+        steps = [m["step"] for m in marks if m["mark"] == "step"]
+        return bool(steps) and max(steps) >= self.a.steps - 1 or any(m["mark"] == "final" for m in marks)
+
+    def ready_for_failure(self, marks: list[dict]) -> bool:
+        """``--defer-failures``: the current training process has trained ``--fault-min-steps`` steps since
+        it started or since its last elastic retry, and no retry is under way."""
+        starts = [m for m in marks if m["mark"] == "start"]
+        if not starts:
+            return False
+        pid = starts[-1]["pid"]
+        seg = Segment(0, starts[-1]["t"], [m for m in marks if m.get("pid") == pid])
+        current = [st for st, t in seg.steps() if t >= attempts(seg)[-1][0]]
+        return len(current) >= self.a.fault_min_steps and not _retrying(seg)
+
+    def progress(self, c: Contender, pod: Pod, strikes: list[Strike], t_start: float) -> None:
+        steps = [m["step"] for m in _read_marks(pod.dir / "marks.jsonl") if m["mark"] == "step"]
+        print(f"  {c.name}: {time.time() - t_start:.0f} s, pod {pod.index}, step {max(steps) if steps else '-'} of "
+              f"{self.a.steps}, {len(strikes)} failures so far", flush=True)
+
+    @staticmethod
+    def training_pid(c: Contender, pod: Pod | None) -> int | None:
+        """The pod's training process: the pod's own process, or under the supervisor its oldest child (the
+        standby is started after the process it stands behind)."""
+        if pod is None or pod.proc.poll() is not None:
+            return None
+        if not c.supervised:
+            return pod.proc.pid
+        try:
+            kids = Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        alive = []
+        for k in kids:
+            try:
+                fields = Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                alive.append((int(fields[19]), int(k)))  # (start time in clock ticks, pid)
+        return min(alive)[1] if alive else None
+
+    def strike(self, c: Contender, f: Failure, pod: Pod | None, cluster: Cluster | None, delay: float,
+               events: list, back: list) -> Strike:
         now = time.time()
-        if f.cls == ELASTIC and cluster is not None:
-            sl = f.pick % SLICES
-            hosts = cluster.hosts[sl * HOSTS:(sl + 1) * HOSTS]
+        k = Strike(now, f, pod=pod.index if pod is not None else None)
+        hosts: list[str] = []
+        if cluster is not None and f.cls in ("host_replaced", "slice_lost", ELASTIC):
+            if f.cls == "host_replaced":
+                hosts = [cluster.hosts[f.pick % len(cluster.hosts)]]
+            else:
+                sl = f.pick % SLICES
+                hosts = cluster.hosts[sl * HOSTS:(sl + 1) * HOSTS]
             for host in hosts:
                 cluster.call(op="wipe", host=host)
-            events.append({"t": now, "what": f"{ELASTIC}: slice {sl} lost (its sidecars killed, ramdisks wiped); "
-                                             "the training process stays"})
-            # The slice comes back (replaced, empty) --restart-delay seconds after the loss, and not before
-            # the job has seen it gone (on Pathways its devices fail the next step; here mtc's next save
-            # finds its sidecars gone): a slice back before that would have been no loss to the job.
-            while proc.poll() is None and time.time() - now < self.a.budget and not any(
-                    m["mark"] == "elastic_event" and m["t"] >= now for m in _read_marks(marks)):
-                time.sleep(0.05)
-            time.sleep(max(0.0, now + delay - time.time()))
-            for host in hosts:
-                cluster.call(op="restart", host=host)
-            events.append({"t": time.time(), "what": f"slice {sl} back, empty (hosts {', '.join(hosts)})"})
-            return "goes_on"
+            # The hosts come back (replaced, empty) ``delay`` after the loss; in elastic mode not before the job
+            # has seen them gone (on Pathways its devices fail the next step; here mtc's next save finds its
+            # sidecars gone): a slice back before that would have been no loss to the job.
+            back.append({"at": now + delay, "hosts": hosts, "seen_after": now if f.cls == ELASTIC else None,
+                         "what": f"hosts {', '.join(hosts)} back, empty"})
+        if f.cls == ELASTIC and cluster is not None:
+            events.append({"t": now, "what": f"{ELASTIC}: hosts {', '.join(hosts)} lost (sidecars killed, ramdisks "
+                                             "wiped); the training process stays"})
+            return k
         if f.cls == "kill_sidecar":
             if cluster is None:
                 events.append({"t": now, "what": "kill_sidecar: no sidecar (nothing happens)"})
-                return "goes_on"
+                return k
             host = cluster.hosts[f.pick % len(cluster.hosts)]
             cluster.call(op="kill", host=host)
+            back.append({"at": now + delay, "hosts": [host], "seen_after": None,  # the container restarts
+                         "what": f"sidecar {host} restarted"})
             events.append({"t": now, "what": f"kill -9 sidecar {host}"})
-            time.sleep(delay)  # the container restarts; the node's ramdisk kept
-            cluster.call(op="restart", host=host)
-            events.append({"t": time.time(), "what": f"sidecar {host} restarted"})
-            return "goes_on"
+            return k
+        if hosts:
+            events.append({"t": now, "what": f"{f.cls}: hosts {', '.join(hosts)} lost (ramdisks wiped)"})
+        if pod is None or pod.proc.poll() is not None:
+            events.append({"t": now, "what": f"{f.cls}: no training process (the pod is restarting)"
+                                             + ("; the new pod is lost too" if f.cls == POD_LOST else "")})
+            k.ended = "pod" if f.cls == POD_LOST else None
+            return k
         if f.cls == "preempt":
-            proc.send_signal(signal.SIGTERM)
+            pod.proc.send_signal(signal.SIGTERM)
+            pod.preempted = now
+            k.ended = "pod"
             events.append({"t": now, "what": "SIGTERM (preemption notice)"})
-            try:
-                proc.wait(timeout=self.a.grace + 30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                events.append({"t": time.time(), "what": "grace period over: SIGKILL"})
-            return "ended"
-        os.killpg(proc.pid, signal.SIGKILL)
-        events.append({"t": now, "what": f"{f.cls}: kill -9 of the training process"})
-        if cluster is not None and f.cls == "host_replaced":
-            host = cluster.hosts[f.pick % len(cluster.hosts)]
-            cluster.call(op="wipe", host=host)
-            events.append({"t": time.time(), "what": f"host {host} lost (ramdisk wiped)"})
-        if cluster is not None and f.cls in ("slice_lost", ELASTIC):
-            sl = f.pick % SLICES
-            for host in cluster.hosts[sl * HOSTS:(sl + 1) * HOSTS]:
-                cluster.call(op="wipe", host=host)
-            events.append({"t": time.time(), "what": f"slice {sl} lost (its hosts' ramdisks wiped)"})
-        return "ended"
-
-    def after(self, c: Contender, f: Failure | None, cluster: Cluster | None, events: list) -> None:
-        """What comes back before the new pod: replaced hosts, empty."""
-        if cluster is None or f is None or f.cls not in ("host_replaced", "slice_lost", ELASTIC):
-            return
-        alive = cluster.call(op="alive")["alive"]
-        for host, up in alive.items():
-            if not up:
-                cluster.call(op="restart", host=host)
-                events.append({"t": time.time(), "what": f"host {host} back, empty"})
+            return k
+        if f.cls == POD_LOST or not c.supervised:
+            os.killpg(pod.proc.pid, signal.SIGKILL)
+            pod.restart_at = now + delay
+            k.ended, k.pid = "pod", pod.proc.pid
+            events.append({"t": now, "what": f"{f.cls}: kill -9 of the " + ("head pod (the supervisor, the training "
+                          "process and its standby)" if c.supervised else "training process (its pod)")})
+            return k
+        pid = self.training_pid(c, pod)
+        if pid is None:
+            events.append({"t": now, "what": f"{f.cls}: no training process (the supervisor is starting one)"})
+            return k
+        os.kill(pid, signal.SIGKILL)
+        k.ended, k.pid = "process", pid
+        events.append({"t": now, "what": f"{f.cls}: kill -9 of the training process (pid {pid}); its pod stays"})
+        return k
 
 
 # --- accounting --------------------------------------------------------------------------------
@@ -448,6 +590,14 @@ RESTART_STAGES = ("restart_delay", "start_imports", "init", "setup", "restore", 
 # One in the same process, by MaxText's elastic retry: the failure until the error reaches the retry
 # (detect), the wait for the slices (slice_wait), then MaxText's initialize again, ...
 ELASTIC_STAGES = ("detect", "slice_wait", "init", "setup", "restore", "compile", "first_step")
+SHORT = {"restart_delay": "restart", "start_imports": "imports", "first_step": "1st step", "slice_wait": "slices"}
+STAGE_HELP = {"detect": "the fault until its error reached MaxText's elastic retry",
+              "slice_wait": "the retry's wait for every slice",
+              "restart_delay": "the failure until the training program runs (a new pod: the restart delay and the "
+                               "interpreter's start; in the pod: the supervisor's detection and the standby's promotion)",
+              "start_imports": "its imports (a standby did them before)", "init": "MaxText's initialize",
+              "setup": "until the restore", "restore": "the restore", "compile": "the train step's compilation",
+              "first_step": "the first step"}
 _CHAIN = (("init", "initialized"), ("setup", "restore_begin"), ("restore", "restore_end"), ("compile", "compiled"),
           ("first_step", "step"))
 
@@ -458,13 +608,15 @@ def _mark_at(seg: Segment, name: str, t: float) -> float | None:
                  and (name != "compiled" or m.get("prefix") == "train")), None)
 
 
-def stages_of(seg: Segment, failed_at: float | None, event: dict | None = None) -> dict:
+def stages_of(seg: Segment, failed_at: float | None, event: dict | None = None, cut: float = math.inf) -> dict:
     """[failure, first step after it] cut at the marks: the stages add up to the whole.
 
     Without ``event``: the segment's process start (a restart: ``failed_at`` is when the process
     before it failed; None: the job's own start). With ``event`` (an ``elastic_event`` mark of
     this segment): the recovery in the same process from that retried error, ``failed_at`` the
-    fault that caused it. Each mark is the first one after the one before."""
+    fault that caused it. Each mark is the first one after the one before. ``cut``: when the next
+    failure ended this recovery before its first step: the stage under way then gets the rest, the
+    ones after it are None."""
     if event is None:
         t0 = seg.spawned if failed_at is None else failed_at
         points, chain = [("restart_delay", seg.spawned)], (("start_imports", "imported"), *_CHAIN)
@@ -478,10 +630,16 @@ def stages_of(seg: Segment, failed_at: float | None, event: dict | None = None) 
         t = at if at is not None else t
     out, prev = {name: None for name in STAGES}, t0
     for name, t in points:
+        if t is not None and t > cut:
+            t = cut
         if t is None:
-            continue
+            if cut == math.inf:
+                continue
+            t = cut
         out[name] = max(0.0, t - prev)
         prev = max(prev, t)
+        if prev >= cut:
+            break
     out["total"] = prev - t0
     return out
 
@@ -540,29 +698,36 @@ def _short(restore: dict) -> str:
     return out
 
 
-def restored_line(log: str) -> dict:
-    """mtc's report of the restore (or MaxText's own line): step, source, phases."""
-    text = Path(log).read_text(errors="replace") if log else ""
-    for line in text.splitlines():
-        if "mtc: restored step" in line:
-            return {"mtc": line.split("mtc: ", 1)[1]}
-    for line in text.splitlines():
-        if "restoring from this run's directory step" in line:
-            return {"maxtext": line.split("] ", 1)[-1]}
+def _restore_in(seg: Segment, t0: float, t1: float | None) -> dict:
+    """The restore's report between t0 and t1: mtc's (its ``mtc_restored`` mark), or MaxText's own line
+    (``maxtext_restored``), else {}."""
+    for mark, key in (("mtc_restored", "mtc"), ("maxtext_restored", "maxtext")):
+        line = next((m["line"] for m in seg.marks if m["mark"] == mark and m["t"] >= t0
+                     and (t1 is None or m["t"] <= t1)), None)
+        if line:
+            return {key: line}
     return {}
 
 
-def _restore_in(seg: Segment, t0: float, t1: float | None) -> dict:
-    """mtc's report of a restore between t0 and t1 (its ``mtc_restored`` mark), else {}."""
-    line = next((m["line"] for m in seg.marks if m["mark"] == "mtc_restored" and m["t"] >= t0
-                 and (t1 is None or m["t"] <= t1)), None)
-    return {"mtc": line} if line else {}
+def endings(result: dict) -> list[tuple[float, str, str | None]]:
+    """Every end of a training process or pod, in time order: (when, what ended it, the end's kind:
+    "process" (the supervisor restarts it in the pod) or "pod" (a new pod, after the restart delay))."""
+    out = [(k.t, k.failure.cls, k.ended) for k in result["strikes"] if k.ended]
+    struck = {(k.pod, k.pid) for k in result["strikes"] if k.ended} | {(k.pod, None) for k in result["strikes"]
+                                                                      if k.ended == "pod"}
+    segs: list[Segment] = result["segments"]
+    for a, b in zip(segs, segs[1:]):  # a process that ended with no failure: it exited by itself
+        if a.failure is None and a.ended is not None and (a.pod, a.pid) not in struck and (a.pod, None) not in struck:
+            out.append((a.ended, f"exit {a.rc if a.pod != b.pod else ''}".strip() + " (by itself)",
+                        "pod" if a.pod != b.pod else "process"))
+    return sorted(out)
 
 
 def account(result: dict, ref: dict) -> dict:
     segs: list[Segment] = result["segments"]
     seen: set[int] = set()
     recoveries, recomputed_total = [], 0
+    again_at: dict[tuple[int, int], list[int]] = {}  # (segment, attempt) -> steps it trained again
     for i, seg in enumerate(segs):
         runs = attempts(seg)
         for k, (t_begin, event) in enumerate(runs):
@@ -570,6 +735,7 @@ def account(result: dict, ref: dict) -> dict:
             in_attempt = [(s, t) for s, t in seg.steps() if t_begin <= t < t_next]
             steps = [s for s, _ in in_attempt]
             again = sorted(set(steps) & seen)
+            again_at[(i, k)] = again
             recomputed_total += len(again)
             first_at = in_attempt[0][1] if in_attempt else None
             if event is not None:  # a recovery in the same process: MaxText's elastic retry
@@ -580,24 +746,36 @@ def account(result: dict, ref: dict) -> dict:
                 if f and f.cls != ELASTIC:
                     cls += " (elastic)"
                 recoveries.append({
-                    "cls": cls, "kind": "elastic", "segment": i, "attempt": k, "pid": seg.marks[0].get("pid")
-                    if seg.marks else None, "stages": st, "recomputed": len(again), "failed_at": failed_at,
-                    "first_step_at": first_at, "error": event.get("error", ""),
+                    "cls": cls, "kind": "elastic", "segment": i, "attempt": k, "pid": seg.pid, "stages": st,
+                    "recomputed": len(again), "failed_at": failed_at, "first_step_at": first_at,
+                    "error": event.get("error", ""), "cut": False,
                     "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
                     "resumed_at": steps[0] if steps else None, "restore": _restore_in(seg, t_begin, first_at)})
-            elif i > 0:  # a recovery by a new process
-                prev = segs[i - 1]
-                failed_at = prev.failed_at or prev.ended
-                st = stages_of(seg, failed_at)
-                cls = prev.failure.cls if prev.failure else f"exit {prev.rc}"
-                recoveries.append({
-                    "cls": cls, "kind": "restart", "segment": i, "attempt": 0, "pid": seg.marks[0].get("pid")
-                    if seg.marks else None, "stages": st, "recomputed": len(again), "failed_at": failed_at,
-                    "first_step_at": first_at,
-                    "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
-                    "resumed_at": steps[0] if steps else None,
-                    "restore": _restore_in(seg, t_begin, first_at) or restored_line(seg.log)})
             seen |= set(steps)
+    # A recovery by a new process (the supervisor's, in the pod) or a new pod: from each end to the first step
+    # after it, or to the next end when that came first (a failure during a recovery: the recovery is cut).
+    ends = endings(result)
+    for e, (t0, cls, kind) in enumerate(ends):
+        t_next = ends[e + 1][0] if e + 1 < len(ends) else math.inf
+        i = next((j for j, s in enumerate(segs) if t0 <= s.spawned < t_next), None)
+        seg = segs[i] if i is not None else None
+        steps = seg.steps() if seg is not None else []
+        first_at = steps[0][1] if steps and steps[0][1] < t_next else None
+        cut = first_at is None
+        end = first_at if first_at is not None else min(t_next, result["t_start"] + result["wall_s"])
+        if seg is not None:
+            st = stages_of(seg, t0, cut=end if cut else math.inf)
+        else:  # no process started before the next end (a pod lost again while it restarted)
+            st = {**{name: None for name in STAGES}, "restart_delay": end - t0, "total": end - t0}
+        again = again_at.get((i, 0), []) if not cut else []
+        recoveries.append({
+            "cls": cls + (" (cut)" if cut else ""), "kind": "in-pod" if kind == "process" else "restart",
+            "segment": i, "attempt": 0, "pid": seg.pid if seg is not None else None, "stages": st,
+            "recomputed": len(again), "failed_at": t0, "first_step_at": first_at, "cut": cut,
+            "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
+            "resumed_at": steps[0][0] if first_at is not None else None,
+            "restore": _restore_in(seg, seg.spawned, first_at) if seg is not None and first_at is not None else {}})
+    recoveries.sort(key=lambda r: r["failed_at"])
     trained = max(seen) + 1 if seen else 0
     # The uninterrupted run's own time to the same step (spawn to that step's end).
     ideal = ref["step_at"].get(trained - 1, ref["first_step_s"] + (trained - 1) * ref["step_s"])
@@ -667,9 +845,12 @@ def print_tables(accs: list[dict], ref: dict, args, preds: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=160)
+    con = Console(width=min(160, max(100, shutil.get_terminal_size((120, 24)).columns)))
+    when = "failures deferred until a process trains (--defer-failures)" if args.defer_failures else \
+        "failures at their drawn times"
     t = Table(title=f"goodput: {args.steps} steps, MTBF {args.mtbf:g} s, seed {args.seed}, restart delay "
-                    f"{args.restart_delay:g} s (uninterrupted: {ref['wall_s']:.1f} s, {ref['step_s']:.3f} s a step)")
+                    f"{args.restart_delay:g} s, {when} (uninterrupted: {ref['wall_s']:.1f} s, "
+                    f"{ref['step_s']:.3f} s a step; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     for col in ("contender", "period", "wall s", "step s", "ratio", "predicted", "failures", "lost s/failure",
                 "recomputed", "final state", "metrics"):
         t.add_column(col, justify="right" if col not in ("contender",) else "left")
@@ -692,16 +873,28 @@ def print_tables(accs: list[dict], ref: dict, args, preds: dict) -> None:
                       f"{pr['cost_before']:.1%}; the first-order sum 1 - C - F: {pr['first_order']:.1%}; "
                       f"steps recomputed per failure {pr['recomputed_per_failure']:.1f} (the model's half period "
                       f"{a['period'] / 2:.1f}): with them, {pr['as_came']:.1%}", highlight=False)
-    r = Table(title="each recovery, in seconds (the stages add up to the total, failure to first step)")
-    for col in ("contender", "fault", *STAGES, "total", "recomputed", "restore"):
-        r.add_column(col, justify="left" if col in ("contender", "fault", "restore") else "right")
+    used = [name for name in STAGES if any(rec["stages"][name] is not None for a in accs for rec in a["recoveries"])]
+    r = Table(title="each recovery, in seconds (the stages add up to the total, failure to first step; "
+                    "\"cut\": the next failure struck before it)")
+    for col in ("#", "contender", "fault", "kind", *(SHORT.get(n, n) for n in used), "total", "again"):
+        r.add_column(col, justify="left" if col in ("contender", "fault", "kind") else "right")
+    notes, n = [], 0
     for a in accs:
         for rec in a["recoveries"]:
+            n += 1
             st = rec["stages"]
-            r.add_row(a["name"], rec["cls"], *[("-" if st[s] is None else f"{st[s]:.1f}") for s in STAGES],
-                      f"{st['total']:.1f}", str(rec["recomputed"]),
-                      _short(rec["restore"]))
+            r.add_row(str(n), a["name"], rec["cls"], rec["kind"], *[("-" if st[s] is None else f"{st[s]:.1f}")
+                                                                    for s in used],
+                      f"{st['total']:.1f}", str(rec["recomputed"]))
+            if rec["restore"]:
+                notes.append(f"  #{n} {_short(rec['restore'])}")
     con.print(r)
+    con.print("again: steps trained again. Stages: " + "; ".join(f"{SHORT.get(s, s)}: {STAGE_HELP[s]}" for s in used),
+              highlight=False)
+    if notes:
+        con.print("restores:", highlight=False)
+        for line in notes:
+            con.print(line, highlight=False, soft_wrap=True)
 
 
 def timeline(accs: list[dict], results: list[dict], path: Path) -> None:
@@ -804,7 +997,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="steps each contender trains (200)")
     p.add_argument("--restart-delay", type=float, default=5.0, help="seconds from a failure to the new pod (5)")
     p.add_argument("--grace", type=float, default=30.0, help="preemption grace period, seconds (30)")
-    p.add_argument("--contenders", default="mtc,orbax", help=f"of {', '.join(CONTENDERS)}")
+    p.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                   help=f"of {', '.join(CONTENDERS)} (default {','.join(DEFAULT_CONTENDERS)})")
     p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                    help=f"fault classes to draw from (default {','.join(DEFAULT_FAULTS)}; known: {', '.join(FAULTS)})")
     p.add_argument("--model", choices=sorted(MODELS), default="default")
@@ -815,9 +1009,12 @@ def main(argv: list[str] | None = None) -> int:
                         "time alone (right where the background work has cores of its own)")
     p.add_argument("--period", type=int, default=0, help="force every contender's period (default: each its own)")
     p.add_argument("--max-failures", type=int, default=0, help="stop drawing failures after this many (0: no cap)")
-    p.add_argument("--fault-min-steps", type=int, default=1,
-                   help="a failure waits until the process has trained this many steps since it started or since its "
-                        "last elastic retry (1)")
+    p.add_argument("--defer-failures", action="store_true",
+                   help="a failure waits until the training process has trained --fault-min-steps steps since it "
+                        "started or since its last elastic retry (default: failures strike at their drawn times, "
+                        "during recoveries too)")
+    p.add_argument("--fault-min-steps", type=int, default=1, help="with --defer-failures: the steps a failure waits "
+                                                                  "for (1)")
     p.add_argument("--budget", type=float, default=1800.0, help="wall-clock cap per contender, seconds (1800)")
     p.add_argument("--workdir", type=Path, default=None, help="default: a fresh folder on /dev/shm")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, marks) afterwards")
@@ -857,9 +1054,12 @@ def main(argv: list[str] | None = None) -> int:
             orbax_cost = measure_save_cost(runner, "orbax", ref)
             young = math.sqrt(2 * max(orbax_cost, 1e-3) * a.mtbf)
             op = a.period or max(1, round(young / ref["step_s"]))
+            young_why = f"Young/Daly: sqrt(2 x {orbax_cost:.3f} s x {a.mtbf:g} s) = {young:.1f} s"
             if "orbax" in names:
-                contenders.append(Contender("orbax", "orbax", op, why=f"Young/Daly: sqrt(2 x {orbax_cost:.3f} s x "
-                                                                      f"{a.mtbf:g} s) = {young:.1f} s"))
+                contenders.append(Contender("orbax", "orbax", op, why=young_why))
+            if "orbax-supervised" in names:
+                contenders.append(Contender("orbax-supervised", "orbax", op, supervised=True,
+                                            why=f"as orbax, under mtc's supervisor; {young_why}"))
             if "orbax-cached" in names:
                 contenders.append(Contender("orbax-cached", "orbax", op, why="as orbax, with jax_cache_dir in the bucket"))
             if "orbax-every-step" in names:
@@ -870,12 +1070,16 @@ def main(argv: list[str] | None = None) -> int:
             mp = a.period or mp
             backup = a.backup_steps or 4 * mp
             if "mtc" in names:
-                contenders.insert(0, Contender("mtc", "mtc", mp, backup, why))
+                contenders.insert(0, Contender("mtc", "mtc", mp, backup, why, supervised=True))
+            if "mtc-pod-restart" in names:
+                contenders.append(Contender("mtc-pod-restart", "mtc", mp, backup, "as mtc, without its supervisor: "
+                                            "a failed training process restarts its pod"))
             if "mtc-backup-only" in names:
-                contenders.append(Contender("mtc-backup-only", "mtc", backup, backup, "local period = backup's"))
+                contenders.append(Contender("mtc-backup-only", "mtc", backup, backup, "local period = backup's",
+                                            supervised=True))
         for c in contenders:
             print(f"  {c.name}: period {c.period} steps{f', backups every {c.backup_steps}' if c.backup_steps else ''}"
-                  f" ({c.why})", flush=True)
+                  f"{', supervised' if c.supervised else ''} ({c.why})", flush=True)
         horizon = 3 * ref["wall_s"] + 600
         failures = schedule(a.seed, a.mtbf, faults, horizon)
         if a.max_failures:

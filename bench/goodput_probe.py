@@ -17,6 +17,7 @@ recovery into stages:
 - ``compiled``: the train step's ahead-of-time compilation returned;
 - ``step``: MaxText logged ``completed step: N`` (``step`` = N);
 - ``mtc_restored``: mtc logged its restore's report (``line``: what follows ``mtc: ``);
+- ``maxtext_restored``: MaxText's standard checkpointing logged its restore (``line``);
 - ``elastic_event`` / ``slices_ready`` (with ``GOODPUT_ELASTIC=1``, MaxText's elastic mode on CPU
   through ``bench/pathways_cpu.py``'s stand-ins for Pathways): an error reached pathwaysutils'
   elastic retry; the retry has its slices and starts an attempt (``initialized`` and the marks
@@ -104,6 +105,8 @@ def _install_marks() -> None:
                 mark("step", step=int(msg.split(",")[0].split(":")[1]))
             elif msg.startswith("mtc: restored step "):
                 mark("mtc_restored", line=msg[len("mtc: "):])
+            elif "restoring from this run's directory step" in msg:
+                mark("maxtext_restored", line=msg)
 
     logging.getLogger().addHandler(Steps(level=logging.INFO))
 

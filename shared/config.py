@@ -96,6 +96,10 @@ class MTCConfig:
     - ``prefetch_on_start``: creating the manager starts pulling, in the background, what the
       hosts lack of the newest restorable step (from peers, else the backup), so that
       ``restore`` finds it local (default true).
+    - ``restore_host_wait_s``: how long a restore waits for hosts it needs that do not answer (a
+      replaced host or slice still starting, after a failure or at the job's start) before it fails
+      (``MTC_RESTORE_HOST_WAIT_S``; default 120; 0: fail at once). It plans again every few seconds,
+      and says which hosts it waits for.
     - ``metrics_port``: serve Prometheus metrics at ``/metrics`` on this port of the head
       (``MTC_METRICS_PORT``; 0: no metrics).
     - ``metrics_address``: the address the head's ``/metrics`` binds (``MTC_METRICS_ADDRESS``;
@@ -132,6 +136,7 @@ class MTCConfig:
     cluster_spec: str = ""
     tls_dir: str = ""
     max_save_wait_s: float | None = None
+    restore_host_wait_s: float = 120.0
     prefetch_on_start: bool = True
     metrics_port: int = 0
     metrics_address: str = "0.0.0.0"
@@ -227,6 +232,9 @@ class MTCConfig:
         if not 0 <= self.peer_port <= 65535:
             p.append(f"peer_port={self.peer_port} is out of range; use 1..65535, or 0 to pick "
                      "a free port")
+        if not (math.isfinite(self.restore_host_wait_s) and self.restore_host_wait_s >= 0):
+            p.append(f"restore_host_wait_s={self.restore_host_wait_s} must be a finite number of seconds >= 0 "
+                     "(0: a restore fails at once when a host it needs does not answer)")
         if not 0 <= self.metrics_port <= 65535:
             p.append(f"metrics_port={self.metrics_port} is out of range; use 1..65535, or 0 for no "
                      "metrics")
@@ -397,6 +405,7 @@ def _kind_of(annotation: str) -> _Kind:
         "bool": _Kind(bool, False),
         "int": _Kind(int, False),
         "str": _Kind(str, False),
+        "float": _Kind(float, False),
         "int | None": _Kind(int, True),
         "float | None": _Kind(float, True),
     }
@@ -407,7 +416,7 @@ _KINDS: dict[str, _Kind] = {f.name: _kind_of(f.type) for f in dataclasses.fields
 # mtc's own settings: not MaxText flags, so a MaxText command line cannot carry them.
 _MTC_OWN = ("local_max_to_keep", "backup_max_to_keep", "backup_scrub_interval_s", "backup_scrub_bytes_per_s",
             "backup_scrub_backups", "backup_scrub_ramdisk", "replication_factor", "peer_port", "peer_token",
-            "cluster_spec", "tls_dir", "max_save_wait_s", "prefetch_on_start", "metrics_port",
+            "cluster_spec", "tls_dir", "max_save_wait_s", "restore_host_wait_s", "prefetch_on_start", "metrics_port",
             "metrics_address", "twin_check", "twin_check_hash")
 
 

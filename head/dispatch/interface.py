@@ -312,8 +312,12 @@ def raise_host_failures(what: str, failures: Mapping[str, BaseException]) -> Non
         raise e
     kinds = {wire_errors.name_of(e) for e in failures.values()}
     error = errors.CorruptBlobError if kinds == {"CorruptBlobError"} else errors.MTCError
-    raise error(f"{what} failed on {len(failures)} hosts: "
+    err = error(f"{what} failed on {len(failures)} hosts: "
                 + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(failures.items())))
+    # What a caller acts on: a newer head's fence first, else a host that did not answer (it may come back).
+    err.__cause__ = next((e for e in failures.values() if isinstance(e, errors.FencedError)), None) or next(
+        (e for e in failures.values() if isinstance(e, errors.HostUnreachableError)), None)
+    raise err
 
 
 def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:

@@ -27,10 +27,12 @@ from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import (CorruptBlobError, HostUnreachableError, ManifestError, MTCError, StepNotFoundError,
-                               StepsUnconfirmedError)
+from mtc.shared.errors import (CorruptBlobError, FencedError, HostUnreachableError, ManifestError, MTCError,
+                               StepNotFoundError, StepsUnconfirmedError, cause_in_chain)
 
 log = logging.getLogger(__name__)
+
+HOST_WAIT_POLL_S = 1.0  # how often a restore that waits for hosts plans again
 
 # How long listing the backups may retry an unreachable store (latest_step, restore wait on it).
 LISTING_DEADLINE_S = 30.0
@@ -219,6 +221,34 @@ class Restorer:
 
     def restore(self, step: int | None, target: Any, partial: Any,
                 prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
+        """Restore, waiting up to ``restore_host_wait_s`` for hosts it needs that do not answer: a host or
+        slice replaced after a failure comes back empty a little after the head restarts (on a CPU or
+        multi-controller backend nothing else makes the head wait for it). It plans again every
+        ``HOST_WAIT_POLL_S``; a newer head's fence, or any other error, is raised at once."""
+        wait_s = self._config.restore_host_wait_s
+        deadline, since = time.monotonic() + wait_s, time.monotonic()
+        said = 0.0
+        while True:
+            try:
+                return self._restore_checked(step, target, partial, prefetched, pull)
+            except MTCError as e:
+                if cause_in_chain(e, FencedError) is not None or cause_in_chain(e, HostUnreachableError) is None:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if wait_s > 0:
+                        e.add_note(f"(the restore waited {time.monotonic() - since:.0f} s for the hosts that did "
+                                   "not answer: restore_host_wait_s)")
+                    raise
+                if time.monotonic() - said >= 10.0:
+                    said = time.monotonic()
+                    log.warning("restore: %s; waiting for the hosts that do not answer (%.0f s more: "
+                                "restore_host_wait_s)", e, left)
+                time.sleep(min(HOST_WAIT_POLL_S, left))
+                prefetched = None
+
+    def _restore_checked(self, step: int | None, target: Any, partial: Any,
+                         prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
         try:
             return self._restore_once(step, target, partial, prefetched, pull)
         except CorruptBlobError as e:
