@@ -851,17 +851,19 @@ def print_tables(accs: list[dict], ref: dict, args, preds: dict) -> None:
     t = Table(title=f"goodput: {args.steps} steps, MTBF {args.mtbf:g} s, seed {args.seed}, restart delay "
                     f"{args.restart_delay:g} s, {when} (uninterrupted: {ref['wall_s']:.1f} s, "
                     f"{ref['step_s']:.3f} s a step; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    for col in ("contender", "period", "wall s", "step s", "ratio", "predicted", "failures", "lost s/failure",
-                "recomputed", "final state", "metrics"):
+    for col in ("contender", "period", "wall s", "step s", "ratio", "predicted", "failures", "lost s/fail",
+                "again", "bit for bit"):
         t.add_column(col, justify="right" if col not in ("contender",) else "left")
     for a in accs:
-        t.add_row(a["name"], f"{a['period']}" + (f" (+backup {a['backup_steps']})" if a["backup_steps"] else ""),
+        same = "yes" if a["final_equal"] and a["metrics_equal"] else \
+            ("STATE DIFFERS" if not a["final_equal"] else "METRICS DIFFER")
+        t.add_row(a["name"], f"{a['period']}" + (f"+{a['backup_steps']}" if a["backup_steps"] else ""),
                   f"{a['wall_s']:.1f}", f"{a['step_s_run']:.3f}", f"{a['ratio']:.1%}",
                   f"{preds.get(a['name'], {}).get('in_run', math.nan):.1%}",
-                  str(a["failures"]), f"{a['lost_per_failure_s']:.1f}", str(a["recomputed"]),
-                  "equal" if a["final_equal"] else "DIFFERS", "equal" if a["metrics_equal"] else "DIFFER")
+                  str(a["failures"]), f"{a['lost_per_failure_s']:.1f}", str(a["recomputed"]), same)
     con.print(t)
-    con.print("step s: a step's mean time under checkpointing (the uninterrupted run's: "
+    con.print("period: steps between saves (+ mtc's backup interval). again: steps trained again. "
+              "step s: a step's mean time under checkpointing (the uninterrupted run's: "
               f"{ref['step_s']:.3f} s). predicted: mtc plan's model, (1 - F) / (1 + C), on this run's costs: "
               "what the saves took from the steps (C), the restore, the restart and the MTBF as they came (F).",
               highlight=False)

@@ -29,10 +29,10 @@ a few per run), removes its temporaries, and the shelf takes at most ``SHELF_SHA
 
 An entry this job signed can still fail when it runs (a program that raises, or crashes the process,
 on this machine): then every restart would load it again. So the entries a start copied in are on
-probation (``.mtc-probation.json`` in JAX's folder) until that start's first save; a start that finds
-the list of an earlier one, which never got that far, drops those entries (from JAX's folder, the
+probation (``.mtc-probation.json`` in JAX's folder) until that start's second train step (or its first
+save); a start that finds the list of an earlier one, which never got that far, drops those entries (from JAX's folder, the
 shelf and the backup), copies none of them in again, and lets JAX compile them. A crash before the
-first save for any other reason costs one compilation of what the cache had; never a restart loop.
+second step for any other reason costs one compilation of what the cache had; never a restart loop.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ FILL_MAX_ENTRIES = 64
 FILL_MAX_BYTES = 2 * GiB
 SHELF_SHARE = 0.05  # of the ramdisk's size, for the shelf's entries together
 _TEMP = ".fill-"
-# In JAX's folder: the entries this start copied in, until its first save (see ``CompileCache.passed``).
+# In JAX's folder: the entries this start copied in, until its second step or first save (``CompileCache.passed``).
 PROBATION = ".mtc-probation.json"
 MAX_PROBATION_BYTES = 1 * MiB
 
@@ -132,7 +132,8 @@ class CompileCache:
         self.shelf = Path(shelf) if shelf is not None and shared else None
         self.hits = self.misses = self.filled = self.uploaded = self.rejected = 0
         self.from_shelf = self.from_backup = 0
-        self.dropped = 0  # entries of an earlier start that never reached its first save (probation)
+        self.dropped = 0  # entries of an earlier start that never reached its second step (probation)
+        self._steps = 0  # train steps that asked to be saved (step_seen)
         self._in_backup: set[str] = set()  # entries known to be in the backup
         self._on_shelf: set[str] = set()  # entries known to be on the shelf
         self._lock = threading.Lock()
@@ -263,7 +264,7 @@ class CompileCache:
     # --- probation -----------------------------------------------------------------------
 
     def _take_probation(self) -> set[str]:
-        """The entries an earlier start copied in and never saw its first save with (the list removed)."""
+        """The entries an earlier start copied in and never saw its second step or first save with (the list removed)."""
         path = self.local / PROBATION
         try:
             names = json.loads(read_regular(path, MAX_PROBATION_BYTES, "compilation cache probation list"))
@@ -283,7 +284,7 @@ class CompileCache:
     def _drop(self, entries: set[str]) -> None:
         """Remove ``entries`` from JAX's folder, the shelf and the backup."""
         log.warning("mtc: compilation cache: the last start in this pod copied %d program(s) in from the ramdisk or "
-                    "the backup and ended before its first save; they are dropped (here, on the ramdisk and in the "
+                    "the backup and ended before its second step; they are dropped (here, on the ramdisk and in the "
                     "backup) and compiled again, so that a program that fails when it runs cannot make a restart "
                     "loop", len(entries))
         for entry in entries:
@@ -304,8 +305,14 @@ class CompileCache:
                     store.delete(name)
         self.dropped += len(entries)
 
+    def step_seen(self) -> bool:
+        """One more train step asked to be saved; True from the second on (the first step's results were
+        read by then: the programs ran)."""
+        self._steps += 1
+        return self._steps >= 2
+
     def passed(self) -> None:
-        """The first save of this start succeeded: the programs it copied in ran; off probation."""
+        """The programs this start copied in ran (two steps, or a save): off probation."""
         try:
             (self.local / PROBATION).unlink()
         except FileNotFoundError:
@@ -421,7 +428,7 @@ class CompileCache:
 
     def summary(self) -> str:
         refused = f", {self.rejected} refused (not signed by this job)" if self.rejected else ""
-        refused += f", {self.dropped} dropped (on probation from a start that did not save)" if self.dropped else ""
+        refused += f", {self.dropped} dropped (on probation from a start that ended before its second step)" if self.dropped else ""
         return (f"{self.hits} program(s) loaded from the cache, {self.misses} compiled; {self.filled} entries "
                 f"filled ({self.from_shelf} from the ramdisk, {self.from_backup} from the backup), {self.uploaded} "
                 f"uploaded{refused}; {self.entries()} in {self.local}")

@@ -417,9 +417,7 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
         saved = _saves.save(checkpoint_manager, step, ocp.args.Composite(**items), force,
                             elastic=bool(getattr(config, "elastic_enabled", False)))
         if saved and _cache is not None:
-            if (report := _cache.first_report()) is not None:
-                _cache.passed()  # the programs it copied in ran: no longer on probation
-                log.info("mtc: compilation cache: %s", report)
+            _cache_ran()
             _cache.sync_in_background()  # what compiled since the last save, to the backup
         return saved
 
@@ -467,6 +465,11 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
         return restored, params
 
     def should_save_at(checkpoint_manager, step, config, force):
+        # MaxText asks after every step, and reads a step's metrics at the next one: by the second ask the
+        # programs this start copied into the compilation cache have run. Not waiting for a save keeps a
+        # start that a failure struck between saves from condemning good entries.
+        if isinstance(checkpoint_manager, ours) and _cache is not None and _cache.step_seen():
+            _cache_ran()
         if isinstance(checkpoint_manager, ours) and checkpoint_manager.reached_preemption(step):
             return True  # the step a SIGTERM found the job at, whatever the periods say
         return should_save(checkpoint_manager, step, config, force)
@@ -483,6 +486,13 @@ def _hook_data_and_preemption(checkpointing: Any, emergency: Any, ours: type) ->
     checkpointing.load_state_if_possible = load_state_if_possible
     checkpointing._should_save_checkpoint_at_step = should_save_at
     emergency.save, emergency.restore = save, restore
+
+
+def _cache_ran() -> None:
+    """The programs this start copied into the compilation cache ran (two steps, or a save): off probation."""
+    if _cache is not None and (report := _cache.first_report()) is not None:
+        _cache.passed()
+        log.info("mtc: compilation cache: %s", report)
 
 
 def _export_last_step(manager: Any) -> None:

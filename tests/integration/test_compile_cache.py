@@ -44,8 +44,10 @@ cache.wait_filled()
 import jax, numpy as np
 fn = {"double": lambda x: x * 2.0 + 1.0, "square": lambda x: x * x - 3.0, "plus100": lambda x: x + 100.0}[program]
 out = np.asarray(jax.jit(fn)(np.arange(16, dtype=np.float32)))  # one program: in and out not computed by jax
-if not os.environ.get("ENDS_BEFORE_ITS_FIRST_SAVE"):
-    cache.passed()  # as the launcher does after the first save
+if cache.step_seen() and not os.environ.get("ENDS_BEFORE_ITS_SECOND_STEP"):
+    raise SystemExit("off probation at the first step: before any result of its programs was read")
+if not os.environ.get("ENDS_BEFORE_ITS_SECOND_STEP") and cache.step_seen():
+    cache.passed()  # as the launcher does at the second step (or the first save)
 cache.sync()
 cache.close()
 print(json.dumps({"hits": cache.hits, "misses": cache.misses, "filled": cache.filled, "uploaded": cache.uploaded,
@@ -245,27 +247,28 @@ def test_the_launcher_turns_the_cache_off_rather_than_use_a_folder_others_can_wr
     assert ok is not None and ok.key.enabled and ok.backup_url == cfg.backup_root
 
 
-def test_entries_a_start_copied_in_are_dropped_and_compiled_again_if_it_never_saved(ramdisk, tmp_path):
+def test_entries_a_start_copied_in_are_dropped_and_compiled_again_if_it_ended_before_its_second_step(ramdisk,
+                                                                                                     tmp_path):
     """An entry this job signed that fails when it runs would fail every restart: the entries a start
-    copied in stay on probation until its first save, and the next start in the pod drops them (from
+    copied in stay on probation until its second train step (or first save), and the next start in the pod drops them (from
     JAX's folder, the shelf and the backup) and compiles them, once."""
     backup, shelf, local = tmp_path / "bucket", ramdisk / cc.LOCAL_NAME, tmp_path / "jax"
     first = run(local, backup, shelf=shelf)
     assert first["uploaded"] >= 1, first
-    shutil.rmtree(local)  # a new pod (JAX's folder has one path on every pod), whose first start never saves
-    doomed = run(local, backup, shelf=shelf, env={"ENDS_BEFORE_ITS_FIRST_SAVE": "1"})
+    shutil.rmtree(local)  # a new pod (JAX's folder has one path on every pod), whose first start ends after one step
+    doomed = run(local, backup, shelf=shelf, env={"ENDS_BEFORE_ITS_SECOND_STEP": "1"})
     assert doomed["filled"] >= 1 and doomed["hits"] >= 1, doomed
     assert (local / cc.PROBATION).is_file()
     again = run(local, backup, shelf=shelf)  # the restart in that pod
     assert again["dropped"] >= 1 and again["filled"] == 0 and again["hits"] == 0 and again["misses"] >= 1, again
-    assert "ended before its first save" in again["log"], again["log"][-2000:]
+    assert "ended before its second step" in again["log"], again["log"][-2000:]
     assert again["out"] == EXPECTED["double"] and not (local / cc.PROBATION).exists()
     assert again["uploaded"] >= 1  # what it compiled went back to the backup and the shelf
     assert sorted(p.name for p in shelf.iterdir()) == sorted(p.name for p in (backup / "compile-cache").iterdir())
     then = run(local, backup, shelf=shelf)  # and is used from then on
     assert then["hits"] >= 1 and then["misses"] == 0 and then["dropped"] == 0, then
     shutil.rmtree(local)
-    fresh = run(local, backup, shelf=shelf)  # a start that saves leaves no probation behind
+    fresh = run(local, backup, shelf=shelf)  # a start that trains leaves no probation behind
     assert fresh["filled"] >= 1 and fresh["hits"] >= 1 and not (local / cc.PROBATION).exists(), fresh
 
 
