@@ -1,48 +1,61 @@
 """Goodput under failures: real MaxText on mtc against MaxText's standard Orbax checkpointing.
 
     python bench/bench_goodput.py [--mtbf 90] [--seed 1] [--steps 200] [--restart-delay 5]
-        [--contenders mtc,orbax] [--faults kill_head,kill_sidecar,host_replaced,slice_lost,preempt[,slice_lost_elastic]]
+        [--contenders mtc,orbax,orbax-supervised] [--defer-failures]
+        [--faults kill_head,kill_sidecar,host_replaced,slice_lost,preempt,head_pod_lost[,slice_lost_elastic]]
         [--model default|small] [--json FILE] [--timeline goodput.png]
 
 Every contender trains the same model on the same data (a Grain parquet file this benchmark
 writes, every row different, so a data iterator that started over changes every later loss)
 for ``--steps`` steps, under the same seeded failure schedule (gaps drawn exponentially with mean
-``--mtbf`` seconds of wall time, a class drawn for each). A failure hits a training process
-that has trained at least one step (``--fault-min-steps``) since it started or since its last
-elastic retry. After one, the harness starts the job again
-as Kubernetes restarts a pod, ``--restart-delay`` seconds later: a new process, with a fresh
-home and working directory, so only what a pod keeps survives (the ramdisks the failure spared,
-the bucket).
+``--mtbf`` seconds of wall time, a class drawn for each). A failure strikes at its drawn time
+whatever the job is doing: during a recovery it kills that recovery, and the next one starts
+from the tiers again (``--defer-failures``: as before, a failure waits until the training process
+has trained ``--fault-min-steps`` steps since it started or since its last elastic retry; the
+table's title says which). A failure that ends the head pod is followed, ``--restart-delay`` seconds
+later, by a new pod as Kubernetes starts one: a new process, with a fresh home and working
+directory, so only what a pod keeps survives (the ramdisks the failure spared, the bucket). A
+supervised contender's pod runs ``python -m mtc.head.supervisor`` around the training process:
+a failure of the training process alone is the supervisor's to handle in the pod (its warm
+standby takes over), with no restart delay.
 
-Contenders:
+Contenders (the default: the first three):
 
-- ``mtc``: ``python3 -m mtc.head.maxtext`` (through ``bench/goodput_probe.py``) in cluster mode,
-  2 slices x 2 hosts of real sidecar daemons (one device each), with the local period that
-  ``mtc plan`` recommends for this state and MTBF, backups every ``--backup-steps``. Its costs
-  are ``mtc plan --measure``'s, but for the save's cost to training: measured in this job, as
-  Orbax's is (a short run saving every step). Here the four sidecars' writes, replication and
-  uploads share the training's two cores, so a save costs the steps far more than the few
-  milliseconds it blocks (``--mtc-cost blocked`` plans with those alone, right on a host whose
-  background work has cores of its own);
+- ``mtc``: ``python3 -m mtc.head.maxtext`` (through ``bench/goodput_probe.py``) under its supervisor
+  and standby, in cluster mode, 2 slices x 2 hosts of real sidecar daemons (one device each), with
+  the local period that ``mtc plan`` recommends for this state and MTBF, backups every
+  ``--backup-steps``. Its costs are ``mtc plan --measure``'s, but for the save's cost to training:
+  measured in this job, as Orbax's is (a short run saving every step). Here the four sidecars'
+  writes, replication and uploads share the training's two cores, so a save costs the steps far
+  more than the few milliseconds it blocks (``--mtc-cost blocked`` plans with those alone, right on
+  a host whose background work has cores of its own);
 - ``orbax``: MaxText's own standard checkpointing (async Orbax, to a local directory standing for
-  the bucket) at the period Young/Daly gives for its own save cost, measured the same way;
-- ``orbax-cached``: ``orbax`` with MaxText's ``jax_cache_dir`` in the bucket, where a new pod
-  finds it (what a user who knows the compilation cache would pick);
-- ``orbax-every-step``, ``mtc-backup-only`` (mtc's local period as long as the backup's): what a
-  user might pick instead.
+  the bucket) at the period Young/Daly gives for its own save cost, measured the same way, as
+  users run it today: a failed training process restarts its pod;
+- ``orbax-supervised``: ``orbax`` under the same supervisor (a standby that imported JAX and
+  MaxText): what the supervisor gives without mtc's tiers;
+- ``mtc-pod-restart``: ``mtc`` without its supervisor (a failed training process restarts its pod);
+  ``orbax-cached``: ``orbax`` with MaxText's ``jax_cache_dir`` in the bucket, where a new pod finds
+  it (what a user who knows the compilation cache would pick); ``orbax-every-step``,
+  ``mtc-backup-only`` (mtc's local period as long as the backup's): what a user might pick instead.
 
-Fault classes and what each contender gets:
+Fault classes and what each contender gets (a failure that ends the training process ends its
+pod where the contender is not supervised):
 
 - ``kill_head``: kill -9 of the training process;
+- ``head_pod_lost``: kill -9 of the head pod's every process (the supervisor, the training process
+  and its standby): a new pod, cold, after the restart delay;
 - ``kill_sidecar``: kill -9 of one sidecar daemon, restarted after the delay (the training goes
   on); Orbax has no sidecar: nothing happens to it;
-- ``host_replaced``: a host dies, the training process with it, and comes back empty; for Orbax
-  the training process is killed (its checkpoints are in the bucket);
+- ``host_replaced``: a host dies, the training process with it, and comes back empty after the
+  delay (a restarted mtc process waits for it in its restore); for Orbax the training process is
+  killed (its checkpoints are in the bucket);
 - ``slice_lost``: every host of one slice dies, the training process with them, and they come
-  back empty; for Orbax the training process is killed;
-- ``preempt``: SIGTERM, with a grace period (``MTC_PREEMPTION_GRACE_S``): mtc saves the step
-  reached and exits; MaxText's standard path has no handler on this machine (its preemption
-  check needs JAX's distributed service): the signal ends it as a kill would;
+  back empty after the delay; for Orbax the training process is killed;
+- ``preempt``: SIGTERM to the pod, with a grace period (``MTC_PREEMPTION_GRACE_S``): mtc saves the
+  step reached and exits (the supervisor ends with it); MaxText's standard path has no handler on
+  this machine (its preemption check needs JAX's distributed service): the signal ends it as a kill
+  would; a new pod after the delay;
 - ``slice_lost_elastic`` (not in the default list): every sidecar of one slice is killed -9 and
   its ramdisk wiped while the training process STAYS. With it in ``--faults`` the mtc contenders
   run in MaxText's elastic mode (``elastic_enabled=True``, ``enable_single_controller=True``),
@@ -60,14 +73,18 @@ Fault classes and what each contender gets:
 
 What it prints: per contender the effective training time ratio (the uninterrupted run's time
 for the steps trained, over the wall time), the steps recomputed, seconds lost per failure, and
-every recovery split into stages: restart delay, process start and imports, JAX and MaxText
+every recovery split into stages: restart (a new pod: the restart delay and the interpreter's
+start; in the pod: the supervisor's detection and the standby's promotion), imports, JAX and MaxText
 initialisation, setup until the restore, the restore (with mtc's own report: inventory, pull,
-load, bytes by tier), compilation, and the first step after it. A recovery in the same process
+load, bytes by tier), compilation, and the first step after it. A recovery that the next failure
+cut ("(cut)", ``cut`` in the JSON) ends at that failure: the stage under way then gets the rest.
+``kind`` says how it recovered: "in-pod" (the supervisor's restart), "restart" (a new pod) or
+"elastic". A recovery in the same process
 (``kind`` "elastic" in the JSON) has instead of the first two: detection (the failure until the
 error reaches pathwaysutils' retry) and the wait for the slices (until the retry starts the next
 attempt); then MaxText's ``initialize`` again, setup, restore, compilation, first step. The stages
 not in a recovery's kind are None ("-" in the table); the others add up to the recovery, failure
-to first step after it. Steps recomputed are counted per attempt of the train function. Every contender's final state
+to first step after it (or to the failure that cut it). Steps recomputed are counted per attempt of the train function. Every contender's final state
 (a SHA-256 of every leaf) and every step's logged metrics are compared with the uninterrupted
 run's: a mismatch fails the run (exit 1). (MaxText writes a step's metrics when the next step
 ends, so a step restored from, whose process was killed before that, has no line: only such a
@@ -799,7 +816,9 @@ def account(result: dict, ref: dict) -> dict:
             "lost_per_failure_s": (statistics.mean(r["lost_s"] for r in recoveries) if recoveries else 0.0),
             "final_equal": bool(final and final["digest"] == ref["digest"]), "metrics_equal": not bad_steps,
             "metrics_differ_at": sorted(bad_steps)[:10], "metrics_unlogged_at": unlogged[:10],
-            "events": result["events"]}
+            "events": result["events"], "supervised": result["contender"].supervised,
+            "strikes": [{"t": k.t, "cls": k.failure.cls, "ended": k.ended, "pid": k.pid, "pod": k.pod}
+                        for k in result["strikes"]]}
 
 
 # --- the planner against the measurement -------------------------------------------------------

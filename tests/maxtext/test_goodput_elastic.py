@@ -31,7 +31,7 @@ def test_elastic_slice_loss_recovers_in_the_same_process(maxtext_python, tmp_pat
     out, work = tmp_path / "goodput.json", ramdisk / "work"
     r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_goodput.py"), "--model", "small", "--steps", "40",
                         "--mtbf", "15", "--seed", "3", "--faults", bench_goodput.ELASTIC, "--max-failures", "1",
-                        "--fault-min-steps", "10",
+                        "--defer-failures", "--fault-min-steps", "10",
                         "--contenders", "mtc", "--mtc-cost", "blocked", "--restart-delay", str(DELAY),
                         "--workdir", str(work), "--json", str(out), "--timeline", str(tmp_path / "g.png")],
                        capture_output=True, text=True, timeout=900)
