@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from mtc.head.restore import manifest_gift
 from mtc.head.backup.listing import BackupLister, damaged_note, without_backup
@@ -33,6 +34,22 @@ from mtc.shared.errors import (CorruptBlobError, FencedError, HostUnreachableErr
 log = logging.getLogger(__name__)
 
 HOST_WAIT_POLL_S = 1.0  # how often a restore that waits for hosts plans again
+_T = TypeVar("_T")
+# What a host that is not there (yet) answers: its daemon is not running or restarting, or does not answer.
+# A TLS or authentication failure is not among them: waiting would not change it.
+_GONE = ("connection refused", "connection lost (daemon", "no answer within")
+
+
+class _NewerMayExist(StepsUnconfirmedError):
+    """Steps are known, but hosts that did not answer may hold newer ones (``Restorer.all_steps`` waits)."""
+
+
+def _may_come_back(e: BaseException) -> bool:
+    """``e`` names hosts that did not answer, each because it is not there (yet), not because it refused us."""
+    if cause_in_chain(e, HostUnreachableError) is None:
+        return False
+    reasons = list(e.hosts.values()) if isinstance(e, StepsUnconfirmedError) and getattr(e, "hosts", None) else [str(e)]
+    return all(any(g in str(r) for g in _GONE) for r in reasons)
 
 # How long listing the backups may retry an unreachable store (latest_step, restore wait on it).
 LISTING_DEADLINE_S = 30.0
@@ -91,7 +108,14 @@ class Restorer:
     def all_steps(self, repair: bool = True) -> list[int]:
         """Restorable steps, ascending; with ``repair`` (a head that took the hosts: the repair
         changes them), hosts with a damaged copy of a step manifest get it back first, as for a
-        restore's choice, so that the newest step listed is the one ``restore()`` would choose."""
+        restore's choice, so that the newest step listed is the one ``restore()`` would choose.
+        While hosts that may hold a step do not answer, it waits for them (``_waiting_for_hosts``)."""
+        return self._waiting_for_hosts("listing the steps", lambda: self._all_steps(repair, strict=True),
+                                       fallback=lambda: self._all_steps(repair, strict=False))
+
+    def _all_steps(self, repair: bool, strict: bool = False) -> list[int]:
+        """``strict``: while a host does not answer, a newer step than those known may be on it (a step the
+        backup does not have yet): ``_NewerMayExist``, for ``all_steps`` to wait for the host."""
         listing = self.backup_listing()
         if listing["restore_version"]:
             return [self.pinned_backup(listing)[1]]
@@ -107,6 +131,11 @@ class Restorer:
         steps |= {whole} if whole is not None else set()
         if not steps and inv.unreachable:  # "no step" is not known while a host that may hold one is not asked
             raise self._unconfirmed(inv)
+        if strict and inv.unreachable:
+            hosts = dict(sorted(inv.unreachable.items()))
+            raise _NewerMayExist(f"steps up to {max(steps)} are confirmed, but {len(hosts)} host(s) could not be asked "
+                                 "and may hold newer ones (" + "; ".join(f"{h}: {e}" for h, e in hosts.items()) + ")",
+                                 hosts=hosts)
         return sorted(steps)
 
     def _no_host_answered(self, inv: Inventory) -> bool:
@@ -221,31 +250,49 @@ class Restorer:
 
     def restore(self, step: int | None, target: Any, partial: Any,
                 prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
-        """Restore, waiting up to ``restore_host_wait_s`` for hosts it needs that do not answer: a host or
-        slice replaced after a failure comes back empty a little after the head restarts (on a CPU or
-        multi-controller backend nothing else makes the head wait for it). It plans again every
-        ``HOST_WAIT_POLL_S``; a newer head's fence, or any other error, is raised at once."""
-        wait_s = self._config.restore_host_wait_s
-        deadline, since = time.monotonic() + wait_s, time.monotonic()
-        said = 0.0
+        """Restore ``step`` (None: the newest restorable), waiting for hosts it needs (``_waiting_for_hosts``)."""
+        first = [prefetched]
+
+        def once() -> tuple[Any, RestoreReport]:
+            pre, first[0] = first[0], None  # a prefetch is only the first try's
+            return self._restore_checked(step, target, partial, pre, pull)
+
+        return self._waiting_for_hosts("restore", once)
+
+    def _waiting_for_hosts(self, what: str, fn: Callable[[], _T], fallback: Callable[[], _T] | None = None) -> _T:
+        """``fn()``, tried again every ``HOST_WAIT_POLL_S`` for up to ``restore_host_wait_s`` while it fails
+        because hosts do not answer: a host or slice replaced after a failure comes back empty a little
+        after the head restarts (on a CPU or multi-controller backend nothing else makes the head wait for
+        it), and at a job's start the head can be up before its hosts. A newer head's fence, any other
+        error, and a reader's (``read_only``: a tool answers at once) are raised at once. ``fallback``: the
+        answer without those hosts, when ``fn`` only found that they may know more (``_NewerMayExist``)."""
+        wait_s = 0.0 if self.read_only else self._config.restore_host_wait_s
+        since = time.monotonic()
+        said = -math.inf
         while True:
             try:
-                return self._restore_checked(step, target, partial, prefetched, pull)
+                return fn()
             except MTCError as e:
-                if cause_in_chain(e, FencedError) is not None or cause_in_chain(e, HostUnreachableError) is None:
+                if cause_in_chain(e, FencedError) is not None:
                     raise
-                left = deadline - time.monotonic()
+                left = since + wait_s - time.monotonic()
+                if fallback is not None and isinstance(e, _NewerMayExist) and (left <= 0 or not _may_come_back(e)):
+                    if wait_s > 0 and _may_come_back(e):
+                        log.warning("%s: %s; after %.0f s, going on without them (restore_host_wait_s)", what, e,
+                                    time.monotonic() - since)
+                    return fallback()
+                if not _may_come_back(e):
+                    raise
                 if left <= 0:
                     if wait_s > 0:
-                        e.add_note(f"(the restore waited {time.monotonic() - since:.0f} s for the hosts that did "
-                                   "not answer: restore_host_wait_s)")
+                        e.add_note(f"(the {what} waited {time.monotonic() - since:.0f} s for the hosts that did not "
+                                   "answer: restore_host_wait_s)")
                     raise
                 if time.monotonic() - said >= 10.0:
                     said = time.monotonic()
-                    log.warning("restore: %s; waiting for the hosts that do not answer (%.0f s more: "
-                                "restore_host_wait_s)", e, left)
+                    log.warning("%s: %s; waiting for the hosts that do not answer (%.0f s more: restore_host_wait_s)",
+                                what, e, left)
                 time.sleep(min(HOST_WAIT_POLL_S, left))
-                prefetched = None
 
     def _restore_checked(self, step: int | None, target: Any, partial: Any,
                          prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:

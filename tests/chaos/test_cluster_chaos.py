@@ -66,7 +66,7 @@ def test_kill_9_of_a_daemon_during_saves_never_exposes_a_partial_step(ramdisk):
     outcomes = {"ok": 0, "failed": 0}
     with LocalCluster(ramdisk / "cluster", 2, 2, devices_per_host=2) as cluster:
         cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), cluster_spec=str(cluster.spec_path),
-                        local_checkpoint_period=1)
+                        local_checkpoint_period=1, restore_host_wait_s=0)  # a host down: answer at once
         with CheckpointManager(cfg) as m:
             good: dict[int, dict] = {}
             # Clean saves first: the baseline, and how long a (warm) save takes here.

@@ -105,7 +105,7 @@ def save_and_catch_a_transfer(m: CheckpointManager, cluster: LocalCluster, first
 def test_kill_9_of_the_source_mid_blob_counts_no_partial_blob_and_completes_when_it_returns(ramdisk):
     with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4) as cluster:
         cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), cluster_spec=str(cluster.spec_path),
-                        local_checkpoint_period=1)
+                        local_checkpoint_period=1, restore_host_wait_s=0)
         with CheckpointManager(cfg) as m:
             step, state, receiver = save_and_catch_a_transfer(m, cluster, 1)
             source = next(h for h in cluster.hosts if h != receiver)

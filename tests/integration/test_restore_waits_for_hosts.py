@@ -80,3 +80,46 @@ def test_with_no_wait_a_restore_fails_at_once_naming_the_hosts(local_cluster):
 def test_a_bad_wait_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match="restore_host_wait_s=-1"):
         MTCConfig(restore_host_wait_s=-1.0)
+
+
+def test_the_latest_step_waits_for_hosts_that_come_back(local_cluster):
+    """MaxText asks for the latest step before it restores: while hosts that may hold a step do not
+    answer, that is not known ("no step" would start training over), so it waits for them too."""
+    with CheckpointManager(_config(local_cluster)) as m:
+        m.save(1, _state(1))
+        m.wait_until_finished()
+    for h in local_cluster.hosts[:2]:
+        local_cluster.kill(h)
+    t = threading.Timer(2.0, lambda: [local_cluster.restart(h) for h in local_cluster.hosts[:2]])
+    with CheckpointManager(_config(local_cluster, restore_host_wait_s=60)) as m:
+        t.start()
+        assert m.latest_step() == 1
+        assert_trees_bitwise_equal(_state(1), m.restore(1, target=_target()))
+    t.join()
+
+
+def test_a_newer_step_on_a_host_that_is_back_is_not_passed_over_for_the_backup(local_cluster, tmp_path):
+    """Step 2 is in the backup, step 3 only on the hosts. While a host does not answer, step 3 is not
+    confirmed, but the backup's step 2 is: answering 2 then would retrain every step since. So the
+    latest step waits for the host (and says so), and is 3; a reader, or ``restore_host_wait_s=0``,
+    answers at once with what it can confirm."""
+    backup = dict(base_output_directory=str(tmp_path / "bucket"), run_name="r",
+                  multi_tier_checkpointing_backup_interval_steps=2)
+    with CheckpointManager(_config(local_cluster, **backup)) as m:
+        for step in (2, 3):
+            m.save(step, _state(step))
+            m.wait_until_finished()
+        assert m.wait_for_backup().error is None
+    down = local_cluster.hosts[0]
+    local_cluster.wipe(down)
+    local_cluster.kill(down)
+    t0 = time.monotonic()
+    with CheckpointManager(_config(local_cluster, restore_host_wait_s=0, **backup)) as m:
+        at_once = m.latest_step()
+    assert time.monotonic() - t0 < 30 and at_once in (2, 3)
+    t = threading.Timer(2.0, lambda: local_cluster.restart(down))
+    with CheckpointManager(_config(local_cluster, restore_host_wait_s=60, **backup)) as m:
+        t.start()
+        assert m.latest_step() == 3
+        assert_trees_bitwise_equal(_state(3), m.restore(3, target=_target()))
+    t.join()

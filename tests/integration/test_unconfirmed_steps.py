@@ -85,7 +85,8 @@ def test_a_head_with_the_wrong_tls_or_no_tls_raises_instead_of_no_step(ramdisk, 
 def test_a_host_down_makes_no_step_an_error_naming_it_until_it_is_back(ramdisk):
     with LocalCluster(ramdisk / "c", 1, 2, devices_per_host=4) as cluster:
         cfg = MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
-                        local_checkpoint_period=1, replication_factor=1)
+                        local_checkpoint_period=1, replication_factor=1,
+                        restore_host_wait_s=0)  # answer at once (by default it waits for the host to come back)
         with CheckpointManager(cfg) as m:
             m.save(1, _state(1))
             m.wait_until_finished()
