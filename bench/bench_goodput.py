@@ -48,10 +48,11 @@ pod where the contender is not supervised):
 - ``kill_sidecar``: kill -9 of one sidecar daemon, restarted after the delay (the training goes
   on); Orbax has no sidecar: nothing happens to it;
 - ``host_replaced``: a host dies, the training process with it, and comes back empty after the
-  delay (a restarted mtc process waits for it in its restore); for Orbax the training process is
-  killed (its checkpoints are in the bucket);
+  delay; for Orbax the training process is killed (its checkpoints are in the bucket). Nothing
+  trains before the host is back (on Pathways a new process waits for the slice's devices): a
+  supervised pod's supervisor is stopped (SIGSTOP) until then, for every contender alike;
 - ``slice_lost``: every host of one slice dies, the training process with them, and they come
-  back empty after the delay; for Orbax the training process is killed;
+  back empty after the delay; otherwise as ``host_replaced``;
 - ``preempt``: SIGTERM to the pod, with a grace period (``MTC_PREEMPTION_GRACE_S``): mtc saves the
   step reached and exits (the supervisor ends with it); MaxText's standard path has no handler on
   this machine (its preemption check needs JAX's distributed service): the signal ends it as a kill
@@ -193,6 +194,7 @@ class Pod:
     rc: int | None = None
     restart_at: float | None = None  # set by a failure that ended it: when the next pod starts
     preempted: float | None = None  # SIGTERM sent then; SIGKILL after the grace
+    suspended: bool = False  # its supervisor is stopped until lost hosts are back (see Runner.strike)
 
 
 @dataclasses.dataclass
@@ -438,9 +440,13 @@ class Runner:
                             for m in _read_marks(pod.dir / "marks.jsonl"))):
                         back.remove(entry)
                         for host in entry["hosts"]:
-                            if not cluster.call(op="alive")["alive"].get(host, True):
+                            if cluster is not None and not cluster.call(op="alive")["alive"].get(host, True):
                                 cluster.call(op="restart", host=host)
                         events.append({"t": time.time(), "what": entry["what"]})
+                        if entry.get("resume") is not None and pod is not None and pod.index == entry["resume"] \
+                                and pod.suspended and pod.proc.poll() is None:
+                            pod.suspended = False
+                            os.kill(pod.proc.pid, signal.SIGCONT)
                 if pod is None and restart_at is not None and now >= restart_at:
                     pod = Pod(len(pods), time.time(), d / f"pod{len(pods)}", None)  # type: ignore[arg-type]
                     pod.proc = self.spawn(c, pod.dir, flags, env_extra)
@@ -541,14 +547,16 @@ class Runner:
         now = time.time()
         k = Strike(now, f, pod=pod.index if pod is not None else None)
         hosts: list[str] = []
-        if cluster is not None and f.cls in ("host_replaced", "slice_lost", ELASTIC):
+        if f.cls in ("host_replaced", "slice_lost", ELASTIC):
             if f.cls == "host_replaced":
-                hosts = [cluster.hosts[f.pick % len(cluster.hosts)]]
+                hosts = [f"s{f.pick % (SLICES * HOSTS) // HOSTS}-h{f.pick % HOSTS}"]
             else:
                 sl = f.pick % SLICES
-                hosts = cluster.hosts[sl * HOSTS:(sl + 1) * HOSTS]
-            for host in hosts:
-                cluster.call(op="wipe", host=host)
+                hosts = [f"s{sl}-h{h}" for h in range(HOSTS)]
+            if cluster is not None:
+                hosts = [h for h in hosts if h in cluster.hosts]
+                for host in hosts:
+                    cluster.call(op="wipe", host=host)
             # The hosts come back (replaced, empty) ``delay`` after the loss; in elastic mode not before the job
             # has seen them gone (on Pathways its devices fail the next step; here mtc's next save finds its
             # sidecars gone): a slice back before that would have been no loss to the job.
@@ -569,7 +577,8 @@ class Runner:
             events.append({"t": now, "what": f"kill -9 sidecar {host}"})
             return k
         if hosts:
-            events.append({"t": now, "what": f"{f.cls}: hosts {', '.join(hosts)} lost (ramdisks wiped)"})
+            events.append({"t": now, "what": f"{f.cls}: hosts {', '.join(hosts)} lost"
+                                             + (" (ramdisks wiped)" if cluster is not None else "")})
         if pod is None or pod.proc.poll() is not None:
             events.append({"t": now, "what": f"{f.cls}: no training process (the pod is restarting)"
                                              + ("; the new pod is lost too" if f.cls == POD_LOST else "")})
@@ -588,13 +597,22 @@ class Runner:
             events.append({"t": now, "what": f"{f.cls}: kill -9 of the " + ("head pod (the supervisor, the training "
                           "process and its standby)" if c.supervised else "training process (its pod)")})
             return k
-        pid = self.training_pid(c, pod)
+        pid = None if pod.suspended else self.training_pid(c, pod)
         if pid is None:
-            events.append({"t": now, "what": f"{f.cls}: no training process (the supervisor is starting one)"})
+            events.append({"t": now, "what": f"{f.cls}: no training process (the supervisor is " +
+                           ("waiting for lost hosts)" if pod.suspended else "starting one)")})
             return k
+        if hosts:
+            # The training process dies with its hosts, and none can train before they are back (on Pathways a
+            # new one waits for the slice's devices): the supervisor is stopped until then, for every
+            # contender alike (mtc's restore would wait for its sidecars; Orbax has nothing to wait on here).
+            os.kill(pod.proc.pid, signal.SIGSTOP)
+            pod.suspended = True
+            back[-1]["resume"] = pod.index  # the entry above: the supervisor goes on when the hosts are back
         os.kill(pid, signal.SIGKILL)
         k.ended, k.pid = "process", pid
-        events.append({"t": now, "what": f"{f.cls}: kill -9 of the training process (pid {pid}); its pod stays"})
+        events.append({"t": now, "what": f"{f.cls}: kill -9 of the training process (pid {pid}); its pod stays"
+                                         + (", its supervisor stopped until the hosts are back" if hosts else "")})
         return k
 
 

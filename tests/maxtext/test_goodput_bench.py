@@ -2,7 +2,8 @@
 classes, struck at their drawn wall times (during recoveries too), under mtc (its supervisor and
 standby in the head pod; cluster mode, real daemons, real MaxText) and under MaxText's standard
 checkpointing with the same supervisor: the training process killed (restarted in the pod), a
-slice lost (the training process dies with it; the slice comes back empty after the delay), a
+slice lost (the training process dies with it; the slice comes back empty after the delay, and the
+supervisor's restart waits for it), a
 sidecar killed (the training goes on through it), the head pod lost (a new pod, cold, after the
 delay). Then the figures are checked against the run's own marks: each recovery's stages add up to
 it (failure to first step, or to the next failure that cut it), the steps recomputed are the steps
@@ -27,7 +28,7 @@ import bench_goodput  # noqa: E402
 
 FAULTS = ["kill_head", "slice_lost", "kill_sidecar", bench_goodput.POD_LOST]
 DELAY = 2.0
-MTBF = 6.0
+MTBF = 5.0
 
 
 def _marks(pod: Path) -> list[dict]:
@@ -39,7 +40,7 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
                 and bench_goodput.schedule(s, MTBF, FAULTS, 1e4)[0].cls != "kill_sidecar")
     out = tmp_path / "goodput.json"
     work = ramdisk / "work"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_goodput.py"), "--model", "small", "--steps", "300",
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_goodput.py"), "--model", "small", "--steps", "200",
                         "--mtbf", str(MTBF), "--seed", str(seed), "--faults", ",".join(FAULTS), "--max-failures", "4",
                         "--contenders", "mtc,orbax-supervised", "--mtc-cost", "blocked", "--restart-delay", str(DELAY),
                         "--workdir", str(work), "--json", str(out),
@@ -71,8 +72,11 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
             if k["cls"] == bench_goodput.POD_LOST:  # a new pod, after the delay
                 assert rec["kind"] == "restart" and st["restart_delay"] >= DELAY, (name, rec)
             else:  # the supervisor's restart in the pod: the standby had imported everything
-                assert rec["kind"] == "in-pod" and st["restart_delay"] < DELAY, (name, rec)
-                assert st["start_imports"] < 0.5, (name, rec)
+                assert rec["kind"] == "in-pod" and st["start_imports"] < 0.5, (name, rec)
+                if k["cls"] == "kill_head":  # at once
+                    assert st["restart_delay"] < DELAY, (name, rec)
+                else:  # once the lost slice is back: nothing trains without it
+                    assert st["restart_delay"] >= DELAY, (name, rec)
             restored = re.search(r"(?:restored step|directory step) (\d+)", next(iter(rec["restore"].values()), ""))
             if restored:
                 assert rec["resumed_at"] == int(restored.group(1)) + 1, (name, rec)
@@ -88,7 +92,7 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
             for steps in by_pid.values():
                 trained += sorted(steps)
         assert acc["recomputed"] == len(trained) - len(set(trained)), (name, acc["recomputed"])
-        assert set(trained) == set(range(300))
+        assert set(trained) == set(range(200))
         assert 0 < acc["ratio"] < 1 and acc["wall_s"] > acc["ideal_s"]
     mtc = accs["mtc"]
     assert {k["cls"] for k in mtc["strikes"]} == set(FAULTS)
