@@ -71,13 +71,17 @@ def test_status_tells_the_truth(tmp_path, capsys):
             assert "from backup" in st["reason"]
         path.write_bytes(bytes(data[:5]) + bytes([data[5] ^ 0x01]) + bytes(data[6:]))  # repaired
 
-        # Its twin loses a blob of step 3 too: no host holds it; status names the blob.
+        # Its twin loses a blob of step 3 too: no host holds it; status names the blob. Step 3 is still
+        # what a restore takes if it has a backup, or if a backup of another step holds the same bytes
+        # (blobs are named by content: here step 1's columns 2-3 + 1 are step 3's columns 0-1 + 3).
         (twin / "blobs" / blob).unlink()
         st = _status(capsys, *args)
         rows = {r["step"]: r for r in st["steps"]}
-        in_backup = bool(rows[3]["backups"])
+        in_backup = bool(rows[3]["backups"]) or (backup / "r" / "mtc" / "blobs" / blob).exists()
         assert f"blob {blob[:12]}.. on no host" in rows[3]["why_not"]
-        assert st["choice"] == (3 if in_backup else 2)
+        assert st["choice"] == (3 if in_backup else 2), (st["reason"], rows[3])
+        with CheckpointManager(cfg.replace(prefetch_on_start=False)) as m:  # the restore's own choice, the same
+            assert m.latest_step() == st["choice"]
 
         # A pinned backup wins, whatever the hosts hold.
         name = backups[-1]["name"]
@@ -134,3 +138,44 @@ def test_a_stopped_multi_host_job_is_read_with_the_host_ids_its_folders_hold(tmp
     # Named by hand, a folder's id is taken as given; one given twice is refused.
     assert main(["status", "--local-checkpoint-directory", f"s0-h0={renamed[0]}", f"s0-h0={renamed[1]}"]) == 2
     assert "two folders hold host s0-h0" in capsys.readouterr().err
+
+
+def test_status_names_the_step_a_restore_takes_when_lost_blobs_are_in_an_older_backup(ramdisk, tmp_path, capsys):
+    """`mtc status` asks the restore's own choice (Restorer.choose_step): a step whose blobs that no
+    host holds are all in the backup of an older step (an array that did not change) is whole, and
+    restore takes it. Status once kept its own copy of the choice, without that rule, and named the
+    older backup's step."""
+    from helpers import random_array
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
+
+    frozen = random_array(np.random.default_rng(1), (8, 512), np.float32)
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mesh = Mesh(np.array(devices), ("x",))
+
+    def state(step: int) -> dict:
+        w = random_array(np.random.default_rng(step), (64, 64), np.float32)
+        return {"frozen": jax.device_put(frozen, NamedSharding(mesh, P("x"))),
+                "w": jax.device_put(w, NamedSharding(mesh, P()))}
+
+    backup = tmp_path / "backup"
+    with LocalCluster(ramdisk / "cluster", 2, 1, devices_per_host=4) as cluster:
+        cfg = MTCConfig(local_checkpoint_directory=str(ramdisk), cluster_spec=str(cluster.spec_path),
+                        local_checkpoint_period=1, base_output_directory=str(backup), run_name="r",
+                        multi_tier_checkpointing_backup_interval_steps=100, replication_factor=1)
+        with CheckpointManager(cfg) as m:
+            m.save(1, state(1))
+            m.wait_until_finished()
+            assert m.wait_for_backup().step == 1
+            m.save(2, state(2))  # only "w" changed
+            m.wait_until_finished()
+        cluster.kill("s1-h0")  # slice 1 lost: its half of "frozen" is only in the backup of step 1
+        spec = json.loads(cluster.spec_path.read_text())
+        sub = tmp_path / "slice0.json"
+        sub.write_text(json.dumps({**spec, "hosts": [h for h in spec["hosts"] if h["slice"] == 0]}))
+        st = _status(capsys, "--cluster-spec", str(sub), "--base-output-directory", str(backup), "--run-name", "r")
+        small = cfg.replace(cluster_spec=str(sub), prefetch_on_start=False)
+        with CheckpointManager(small, dispatcher=ClusterDispatcher(small, devices=devices[:4])) as m:
+            assert m.latest_step() == 2
+        rows = {r["step"]: r for r in st["steps"]}
+        assert st["choice"] == 2, (st["reason"], rows)
+        assert rows[2]["restorable"] and "backups of other steps" in rows[2]["why_not"], rows[2]

@@ -153,15 +153,26 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                                   "is fixed (mtc restore-version set NAME) or cleared")
     else:
         pin_broken = False
-        good = [r for r in rows if r.restorable]
-        choice = good[-1].step if good else None
+        choice, where, why_none = _restore_choice(dispatch, config, listing)
+        row = next((r for r in rows if r.step == choice), None)
+        if verify and row is not None and "corrupt" in row.why_not:
+            # --verify knows what a restore only finds when it reads the copy: it would plan again without
+            # it, and take the newest step that is whole without the corrupt copies, from where they are.
+            good = [r for r in rows if r.restorable and r.step <= choice]
+            choice = good[-1].step if good else None
+            if good:
+                r = good[-1]
+                on_hosts = r.hosts and r.min_copies > 0 and not unreachable and "no good copy" not in r.why_not
+                where = "from the hosts" if on_hosts else f"from backup {r.backups[0]}"
         if choice is None:
             reason = "no step is restorable" + (f"; hosts not answering: {', '.join(sorted(unreachable))}"
-                                                if unreachable else "")
+                                                if unreachable else "") + (f" ({why_none})" if why_none else "")
         else:
-            r = good[-1]
-            from_hosts = r.hosts and r.min_copies > 0 and not unreachable and "no good copy" not in r.why_not
-            where = "from the hosts" if from_hosts else f"from backup {r.backups[0]}"
+            for r in rows:
+                if r.step == choice and not r.restorable:  # whole with blobs from the backups of other steps
+                    r.restorable = True
+                    r.why_not = "; ".join(filter(None, [r.why_not, "restorable: the blobs no host holds are in "
+                                                                   "the backups of other steps"]))
             skipped = [f"step {x.step}: {x.why_not}" for x in rows if x.step > choice]
             reason = f"step {choice}, the newest whose every blob has a copy, {where}" + (
                 f" (newer: {'; '.join(skipped)})" if skipped else "")
@@ -194,6 +205,20 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                   backups=listing["backups"], restore_version=rv, choice=choice, reason=reason, notes=notes,
                   backup_error=backup_error, damaged=listing.get("damaged", []), backup_root_missing=bool(root_missing),
                   pin_broken=pin_broken, verified=verified if verify else None)
+
+
+def _restore_choice(dispatch: Any, config: MTCConfig, listing: dict) -> tuple[int | None, str, str]:
+    """(the step a restore would take, from where, why none): the restore's own choice
+    (``Restorer.choose_step``, read-only: it repairs nothing), so that status and restore never differ."""
+    from mtc.head.restore.restorer import Restorer
+
+    restorer = Restorer(dispatch, config, strategy=None, replicate=lambda committed: None)  # type: ignore[arg-type]
+    restorer.read_only = True
+    try:
+        step, backup_name, _, _ = restorer.choose_step(None, listing)
+    except MTCError as e:
+        return None, "", f"{type(e).__name__}: {str(e).split(';')[0]}"
+    return step, "from the hosts" if backup_name is None else f"from backup {backup_name}", ""
 
 
 def _pull_failures(inv: dict, step: int) -> str:
