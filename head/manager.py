@@ -158,6 +158,10 @@ class CheckpointManager:
             HostLostError: a host stopped answering (a ``jax.errors.JaxRuntimeError`` whose text
                 starts with ``DATA_LOSS``, which elastic training retries on).
         """
+        # From the first save on, the job trains: a host that does not answer is a failure the save
+        # reports (elastic training retries it), and latest_step(), which MaxText asks around saves, must not
+        # wait for the host as a restart does (restore_host_wait_s).
+        self._restorer.waits_for_hosts = False
         with host_lost_as_elastic(), self._metrics.errors("save"):
             return self._save(step, state, force)
 
@@ -468,6 +472,7 @@ class CheckpointManager:
         self._check_versions()
         result, self.last_restore_report = self._metrics.restored(
             *self._restorer.restore(step, target, partial, prefetched, pull))
+        self._restorer.waits_for_hosts = False  # restored: as after the first save (see save)
         return uncommit_lone(target, result) if pull and target is not None else result
 
     def manifest(self, step: int | None = None) -> fmt.StepManifest:

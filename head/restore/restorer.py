@@ -77,6 +77,9 @@ class Restorer:
         self._lister = BackupLister(dispatch, config)
         self._manifests: dict[str, fmt.StepManifest] = {}  # digest -> manifest (see _remember)
         self.read_only = False  # a reader's (mtc export of a running job): never changes the hosts
+        # A starting head waits for hosts that do not answer (restore_host_wait_s); the manager turns this off
+        # once it saved or restored: then a host that goes away is a failure, not a host still starting.
+        self.waits_for_hosts = True
         self._given: set[tuple[int, str, str]] = set()  # (step, manifest digest, host) a reader gave it to
 
     # --- what there is ---------------------------------------------------------------------
@@ -266,7 +269,7 @@ class Restorer:
         it), and at a job's start the head can be up before its hosts. A newer head's fence, any other
         error, and a reader's (``read_only``: a tool answers at once) are raised at once. ``fallback``: the
         answer without those hosts, when ``fn`` only found that they may know more (``_NewerMayExist``)."""
-        wait_s = 0.0 if self.read_only else self._config.restore_host_wait_s
+        wait_s = self._config.restore_host_wait_s if self.waits_for_hosts and not self.read_only else 0.0
         since = time.monotonic()
         said = -math.inf
         while True:
