@@ -113,6 +113,8 @@ class Restorer:
         changes them), hosts with a damaged copy of a step manifest get it back first, as for a
         restore's choice, so that the newest step listed is the one ``restore()`` would choose.
         While hosts that may hold a step do not answer, it waits for them (``_waiting_for_hosts``)."""
+        if not self.waits_for_hosts or self.read_only:  # no wait: one inventory, not a strict one and a fallback
+            return self._all_steps(repair)
         return self._waiting_for_hosts("listing the steps", lambda: self._all_steps(repair, strict=True),
                                        fallback=lambda: self._all_steps(repair, strict=False))
 
