@@ -1164,8 +1164,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not a.keep and a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-        elif a.keep:
-            print(f"kept: {work}")
+        else:  # asked for: on /dev/shm it holds memory until removed
+            held = sum(f.stat().st_size for f in work.rglob("*") if f.is_file() and not f.is_symlink())
+            print(f"kept: {work} ({held / 2**30:.1f} GiB; remove it when done)")
 
 
 if __name__ == "__main__":

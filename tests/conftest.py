@@ -18,6 +18,37 @@ import pytest  # noqa: E402
 _SHM = Path("/dev/shm")
 
 
+# The suite runs real ramdisks, sidecars and MaxText on tmpfs: with less memory than this free, the
+# kernel's OOM killer ends test workers mid-test and the run hangs or fails far from the cause.
+MIN_FREE_GIB = 6
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller checked
+        return
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return
+    free_kib = next((int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    if free_kib is None or free_kib >= MIN_FREE_GIB << 20:
+        return
+    held = []
+    if _SHM.is_dir():
+        for entry in _SHM.iterdir():
+            try:
+                size = sum(f.stat().st_size for f in ([entry] if entry.is_file() else entry.rglob("*")) if f.is_file())
+            except OSError:
+                continue
+            held.append((size, entry))
+    held.sort(reverse=True)
+    biggest = "".join(f"\n  {size / 2**30:6.1f} GiB  {entry}" for size, entry in held[:8] if size >= 2**28)
+    pytest.exit(f"only {free_kib / 2**20:.1f} GiB of memory is free; the tests need {MIN_FREE_GIB} GiB (tmpfs "
+                f"ramdisks, sidecars, MaxText). Files on tmpfs hold memory until removed"
+                + (f"; the largest in {_SHM}:{biggest}\nremove what is not in use" if biggest else "")
+                + ", or stop what else is running.", returncode=3)
+
+
 @pytest.fixture
 def ramdisk():
     """A fresh directory on tmpfs (/dev/shm when present), removed afterwards."""
