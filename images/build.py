@@ -309,7 +309,8 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def resolve(requirements: Sequence[str], python: str, exclude_newer: str) -> str:
+def resolve(requirements: Sequence[str], python: str, exclude_newer: str,
+            pinned: dict[str, str] | None = None) -> str:
     """uv's lock text (exact pins, every file's sha256) for ``requirements`` on the image platform.
 
     uv resolves for a target that need not be the interpreter running this (``--python-version``,
@@ -318,12 +319,21 @@ def resolve(requirements: Sequence[str], python: str, exclude_newer: str) -> str
     ``exclude_newer``: the same requirements and date give the same lock on any machine, which is
     what ``lock --check`` proves. No uv or pip configuration of this machine is read, and no cached
     index page (``--refresh``: a stale one once gave an older ml-dtypes than the index held).
+
+    ``pinned`` (name -> version): constraints the resolution must keep (``lock --check`` passes the
+    lock's own pins: a release the index lists later with an older upload date, which has happened,
+    does not make a good lock fail its check).
     """
     cmd = uv_command() + [
         "pip", "compile", "-", "--quiet", "--no-config", "--refresh", "--no-header", "--no-annotate", "--generate-hashes",
         "--only-binary", ":all:", "--python-version", python,
         "--python-platform", f"{ARCH}-manylinux_{GLIBC[0]}_{GLIBC[1]}", "--exclude-newer", exclude_newer]
-    out = subprocess.run(cmd, input="\n".join(requirements) + "\n", capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="mtc-lock-") as tmp:
+        if pinned:
+            constraints = Path(tmp) / "pins.txt"
+            constraints.write_text("".join(f"{name}=={version}\n" for name, version in sorted(pinned.items())))
+            cmd += ["--constraint", str(constraints)]
+        out = subprocess.run(cmd, input="\n".join(requirements) + "\n", capture_output=True, text=True)
     if out.returncode != 0:
         raise LockError(f"uv could not resolve {' '.join(requirements)} for Python {python} "
                         f"(exit {out.returncode}):\n{out.stderr.strip()}")
@@ -384,7 +394,8 @@ def cmd_lock(args: argparse.Namespace) -> int:
     else:
         exclude_newer = args.exclude_newer or utc_now()
     try:
-        text = render_lock(resolve(reqs, python, exclude_newer), reqs, python, project()["version"],
+        text = render_lock(resolve(reqs, python, exclude_newer, old.pins if args.check else None), reqs, python,
+                           project()["version"],
                            protocol_version(), exclude_newer)
     except LockError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -397,15 +408,15 @@ def cmd_lock(args: argparse.Namespace) -> int:
             diff = difflib.unified_diff(path.read_text().splitlines(), text.splitlines(), str(path),
                                         f"resolved again (exclude-newer {exclude_newer})", lineterm="", n=0)
             print("\n".join(list(diff)[:40]))
-            print(f"{path} differs from what uv resolves today with the same requirements and date; "
+            print(f"{path} differs from what uv resolves today with the same requirements, date and pins; "
                   "run python images/build.py lock to re-lock", file=sys.stderr)
             return 1
         if path == LOCK and (not IMAGE_VERSIONS.exists() or IMAGE_VERSIONS.read_text() != image_versions_text(lock)):
             print(f"{IMAGE_VERSIONS} does not hold the lock's versions ({tag(lock)}), which mtc manifests render "
                   "names in its image tags; run python images/build.py lock", file=sys.stderr)
             return 1
-        print(f"ok: {path} is reproduced exactly: {len(lock.pins)} pins, resolved with files before "
-              f"{exclude_newer}, tag {tag(lock)}")
+        print(f"ok: {path} is reproduced exactly from its requirements and pins: {len(lock.pins)} pins, every "
+              f"file's hash, resolved with files before {exclude_newer}, tag {tag(lock)}")
         return 0
     path.write_text(text)
     if path == LOCK:
