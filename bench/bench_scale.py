@@ -1,4 +1,4 @@
-"""The control plane at the seed's scale, by simulation: what one save costs the head, against hosts.
+"""The control plane at the seed's scale, by simulation: what one save and one restore cost the head, against hosts.
 
     python bench/bench_scale.py [--hosts 64,512,4096] [--layers 32] [--budget-s 120]
 
@@ -19,9 +19,14 @@ FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
   runs multi-slice): every host's inventory (its own share's digest and bitmap) parsed, and
   ``covered_by_shares`` deciding that every copy exists, with no manifest read; and without
   twins (FSDP over every host): ``plan_shares`` sending each host's share to another slice;
-- the CPU to read and check the whole manifest (``StepManifest.from_json``): what a restore, a
-  host that fetches it, and the head's replication and backup planning after each commit pay
-  (a keeper only hashes it before it commits); skipped past ``--budget-s``, with an estimate.
+- the CPU to read and check the whole manifest (``StepManifest.from_json``): what a host that
+  fetches it, and the head's replication and backup planning after each commit pay (a keeper only
+  hashes it before it commits); skipped past ``--budget-s``, with an estimate.
+
+Per restore onto the topology that saved the step (a restart, the common case): every host's
+inventory parsed, the manifest's header read alone (``fmt.StepHeader``), the step chosen by parts
+(every host holds the part it wrote), the layout checked and the load request every host gets; its
+head CPU and bytes per host, beside a restore that reads every row (a host that lost its part).
 
 Ratios in one run, not absolute times. The data itself (the shards' bytes) is not counted.
 """
@@ -35,7 +40,7 @@ import math
 import time
 
 from mtc.head.dispatch.interface import HostInventory, choose_keepers
-from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares
+from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 
@@ -111,8 +116,9 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         doc = json.loads(s)
         assert doc["host"] == h and doc["step"] == 1
     t1 = time.process_time()
+    devices = {f"h{h}": list(range(h * DEVICES_PER_HOST, (h + 1) * DEVICES_PER_HOST)) for h in range(hosts)}
     data, digest = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
-                                   topology={"hosts": sorted(per_host)}, fingerprint={}, parts=parts)
+                                   topology={"hosts": sorted(per_host), "devices": devices}, fingerprint={}, parts=parts)
     t2 = time.process_time()
     keepers = choose_keepers(sorted(per_host), lambda h: int(h[1:]) // HOSTS_PER_SLICE, 1, KEEPERS)
     where = [[k, f"10.0.{i}.1:7001"] for i, k in enumerate(keepers)]
@@ -124,19 +130,76 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     sent2 = decisions + len(data) * len(keepers)
     repl_s, repl_received = replication_decision(hosts, len(per_host["h0"]))
     plan_s, _ = replication_decision(hosts, len(per_host["h0"]), twins=False)
-    keeper_s = None
+    keeper_s = old_restore_s = None
     if parse:
         p0 = time.process_time()
         m = fmt.StepManifest.from_json(data)
         keeper_s = time.process_time() - p0
         assert m.digest == digest
+        old_restore_s = keeper_s + restore_by_rows(m, per_host)
+    restore = restore_side(records, per_host, data, digest)
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
             "keeper_parse_s": keeper_s, "replication_s": repl_s, "replication_received": repl_received,
-            "plan_s": plan_s,
+            "plan_s": plan_s, "old_restore_s": old_restore_s, **restore,
             "head_sent": sent1 + sent2, "head_received": recv1,
             "before_sent": sent1 + len(data) * hosts}
+
+
+def _inventory_wire(per_host: dict[str, list[fmt.HostShard]], digest: str) -> dict[str, str]:
+    """Each host's inventory answer for the step: it committed a record, and holds its part whole."""
+    wire = {}
+    for h, shards in per_host.items():
+        names = sorted({s.blob for s in shards})
+        own = protocol.blob_list_digest(names)
+        wire[h] = json.dumps({"host": h, "damaged": [], "steps": [
+            {"step": 1, "blobs": len(names), "local_blobs": len(names), "step_blobs": len(names), "digest": own,
+             "held": protocol.encode_bitmap([True] * len(names)), "manifest": digest, "part": True, "own": own,
+             "copies": []}]})
+    return wire
+
+
+def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.HostShard]], data: bytes,
+                 digest: str) -> dict:
+    """The head's side of a restore onto the topology that saved the step (a restart): every host's
+    inventory parsed, the manifest's header read (``fmt.StepHeader``: one line, the head's only read
+    of the manifest), the step chosen (``step_views``: every part whole where it was written), the
+    layout checked (each device on the host that wrote it), and the load request every host gets
+    (the arrays, each sharding described once). Its head CPU, and bytes sent and received."""
+    wire = _inventory_wire(per_host, digest)
+    line = data.partition(b"\n")[0]
+    t0 = time.process_time()
+    inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
+    header = fmt.StepHeader.from_line(line)
+    views = step_views(inv, None, lambda s, d: header if d == digest else None)
+    assert views[1].by_parts and views[1].restorable
+    host_of = {d: h for h, ids in header.devices.items() for d in ids}  # the topology now: the same hosts
+    assert all(host_of[d] == h for h, ids in header.devices.items() for d in ids)
+    table: dict[int, int] = {}
+    descs, specs = [], []
+    for r in header.arrays:
+        if id(r.sharding) not in table:
+            table[id(r.sharding)] = len(descs)
+            descs.append(r.sharding)
+        specs.append({"key": r.key, "shape": list(r.shape), "dtype": r.dtype, "sharding": table[id(r.sharding)]})
+    request = json.dumps({"step": 1, "arrays": specs, "shardings": descs, "manifest": digest}, separators=(",", ":"))
+    spent = time.process_time() - t0
+    hosts = len(per_host)
+    return {"restore_s": spent, "restore_sent": len(request) * hosts,
+            "restore_received": sum(len(w) for w in wire.values()) + len(line)}
+
+
+def restore_by_rows(m: fmt.StepManifest, per_host: dict[str, list[fmt.HostShard]]) -> float:
+    """Head CPU past the manifest's parse of a restore that reads every row (a host lost its part, a
+    resharded target): the inventories mapped onto the blob names, every blob's holders."""
+    wire = _inventory_wire(per_host, m.digest)
+    t0 = time.process_time()
+    inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
+    view = step_views(inv, lambda s, d: m)[1]
+    holders = view.by_name(sorted(m.blob_names()))
+    assert holders is not None and all(holders.values())
+    return time.process_time() - t0
 
 
 def replication_decision(hosts: int, shards_per_host: int, twins: bool = True) -> tuple[float, int]:
@@ -203,6 +266,22 @@ def main() -> None:
               f"{_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
               f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | "
               f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} |")
+    print(f"\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")
+    print("| hosts | head CPU | head sends | head receives | head sends per host | head receives per host "
+          "| reading every row instead (a host lost its part; head CPU) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        old = (f"{r['old_restore_s']:.2f} s" if r["old_restore_s"] is not None
+               else f"skipped (about {r['keeper_estimate_s']:.0f} s and more)")
+        print(f"| {r['hosts']} | {r['restore_s'] * 1e3:,.0f} ms | {_mib(r['restore_sent'])} | "
+              f"{_mib(r['restore_received'])} | {_mib(r['restore_sent'] / r['hosts'])} | "
+              f"{_mib(r['restore_received'] / r['hosts'])} | {old} |")
+    if len(rows) >= 2:
+        a0, a1 = rows[0], rows[-1]
+        print(f"\n- restore, {a1['hosts'] / a0['hosts']:.0f}x the hosts: head bytes sent per host "
+              f"{(a1['restore_sent'] / a1['hosts']) / (a0['restore_sent'] / a0['hosts']):.2f}x, received per host "
+              f"{(a1['restore_received'] / a1['hosts']) / (a0['restore_received'] / a0['hosts']):.2f}x; head CPU at "
+              f"{a1['hosts']} hosts {a1['restore_s']:.2f} s (target <= 1 s)")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         k = a1["hosts"] / a0["hosts"]

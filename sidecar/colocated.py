@@ -241,9 +241,12 @@ class ColocatedSidecar:
         plans = []
         reads: dict[tuple[int, fmt.Box], int] = {}
         jobs = []
+        rebuilt: dict[int, Any] = {}  # arrays of one sharding share its description (parse_load): rebuilt once
         for i, spec in enumerate(arrays):
             shape, dtype = spec["shape"], spec["dtype"]
-            sharding = shardings.rebuild(spec["sharding"], devices_by_id)
+            sharding = rebuilt.get(id(spec["sharding"]))
+            if sharding is None:
+                sharding = rebuilt[id(spec["sharding"])] = shardings.rebuild(spec["sharding"], devices_by_id)
             placed = []
             for dev, idx in sharding.addressable_devices_indices_map(shape).items():
                 box = fmt.box_from_index(idx, shape)

@@ -46,12 +46,18 @@ class CommittedSteps:
 
     # --- manifests -----------------------------------------------------------------------
 
-    def manifest_bytes(self, step: int, *, here_only: bool = False) -> bytes:
+    def manifest_bytes(self, step: int, *, here_only: bool = False, header_only: bool = False) -> bytes:
         """The whole manifest of committed ``step`` (fetched from a keeper first if need be;
-        with ``here_only``, RecordOnlyError instead when this host committed only a record)."""
-        if here_only and self.index.manifest(step) is None and self._record(step) is not None:
+        with ``here_only``, RecordOnlyError instead when this host committed only a record). With
+        ``header_only``, its first line alone (``fmt.StepHeader``): a host that committed a record
+        fetches only that line from a keeper, and keeps its record."""
+        rec = self._record(step) if self.index.manifest(step) is None else None
+        if here_only and rec is not None:
             raise RecordOnlyError(f"host {self.host_id} keeps only a record of step {step}, not its manifest")
-        return self.manifest(step).to_json()
+        if header_only and rec is not None:
+            return bytes(self._fetch_manifest(rec, header_only=True)).partition(b"\n")[0]
+        data = self.manifest(step).to_json()
+        return bytes(data).partition(b"\n")[0] if header_only else data
 
     def has_readable(self, step: int) -> bool:
         """Whether ``step`` is committed here with a manifest that passes its checks."""

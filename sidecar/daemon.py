@@ -257,7 +257,10 @@ def _read(service: SidecarService, header: tuple, payloads: Sequence) -> tuple[A
     step, boxes, manifest, stream = header
     out, errors = ops.method_of(service, "read")(step, boxes, manifest=manifest, stream=stream)
     streamed = [i for i, p in enumerate(out) if isinstance(p, BlobStream)]
-    return {"step": step, "errors": [list(e) for e in errors], "streamed": streamed}, out
+    # The blob each stream is (the head hashes the bytes against it: one planned from the header alone
+    # knows no blob names; this host's part, checked against the manifest's digest, names them).
+    blobs = [out[i].blob for i in streamed]
+    return {"step": step, "errors": [list(e) for e in errors], "streamed": streamed, "blobs": blobs}, out
 
 
 # The table's data operations (``ops.DATA_OPS``), as the daemon serves them.

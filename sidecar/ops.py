@@ -173,7 +173,10 @@ def _manifest(args: dict, payloads: Sequence[bytes]) -> Args:
     here_only = args.get("here_only", False)
     if not isinstance(here_only, bool):
         raise ProtocolError("manifest: 'here_only' must be true or false")
-    return (step_arg(args),), {"here_only": here_only}
+    header_only = args.get("header_only", False)
+    if not isinstance(header_only, bool):
+        raise ProtocolError("manifest: 'header_only' must be true or false")
+    return (step_arg(args),), {"here_only": here_only, "header_only": header_only}
 
 
 def _commit(args: dict, payloads: Sequence[bytes]) -> Args:
@@ -420,13 +423,16 @@ def parse_load(args: dict, carried: int = 0, mode: str = "colocated") -> tuple[i
     """A colocated ``load``'s header: (step, the arrays to build, manifest digest or None).
 
     Each array is ``{"key", "shape", "dtype", "sharding", "as_bytes"?}``: its shape and dtype are
-    checked here (the dtype returned as a ``numpy.dtype``); its sharding where it is rebuilt on
-    this host's devices."""
+    checked here (the dtype returned as a ``numpy.dtype``); its sharding, an index into the request's
+    ``"shardings"`` (each description sent once: a mesh lists every device), where it is rebuilt on
+    this host's devices. Arrays of one sharding get the same description object."""
     _no_payloads("load", carried)
     step = step_arg(args)
-    arrays = args.get("arrays")
+    arrays, table = args.get("arrays"), args.get("shardings")
     if not isinstance(arrays, list):
         raise ProtocolError("load: 'arrays' must be a list of {key, shape, dtype, sharding}")
+    if not (isinstance(table, list) and all(isinstance(d, dict) for d in table)):
+        raise ProtocolError("load: 'shardings' must be a list of sharding descriptions")
     out = []
     for i, spec in enumerate(arrays):
         where = f"load: arrays[{i}]"
@@ -439,10 +445,11 @@ def parse_load(args: dict, carried: int = 0, mode: str = "colocated") -> tuple[i
             dtype = fmt.dtype_from_name(spec["dtype"])
         except (ManifestError, TypeError, ValueError) as e:
             raise ProtocolError(f"{where}: {e}") from None
-        if not isinstance(spec.get("sharding"), dict):
-            raise ProtocolError(f"{where}: 'sharding' must be an object (a sharding's description)")
+        idx = spec.get("sharding")
+        if type(idx) is not int or not 0 <= idx < len(table):
+            raise ProtocolError(f"{where}: 'sharding' must be an index into 'shardings' (0 to {len(table) - 1})")
         as_bytes = _flag(spec, "as_bytes", where)
-        out.append({"key": spec["key"], "shape": shape, "dtype": dtype, "sharding": spec["sharding"],
+        out.append({"key": spec["key"], "shape": shape, "dtype": dtype, "sharding": table[idx],
                     "as_bytes": as_bytes})
     manifest = _manifest_digest(args, "load")
     return step, out, manifest

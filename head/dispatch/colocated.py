@@ -368,9 +368,9 @@ class ColocatedDispatcher(Dispatcher):
         replies, failures = self._control_each("verify", step=step)
         return {**replies, **{h: {"error": host_failure(e)} for h, e in failures.items()}}
 
-    def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
+    def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes:
         ((_, _, (data,)),) = self._exchange("manifest", [self._hosts_of_rows().index(host)], (), None,
-                                            {"step": step, "here_only": here_only})
+                                            {"step": step, "here_only": here_only, "header_only": header_only})
         return data
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
@@ -379,6 +379,7 @@ class ColocatedDispatcher(Dispatcher):
         groups: dict[tuple, list[int]] = {}
         specs: list[dict] = []
         cpu_shardings: list[Any] = []
+        described: dict[Any, dict] = {}  # one description per sharding: a mesh lists every device
         for i, r in enumerate(requests):
             rec = r.record
             if r.sharding is None:  # host numpy leaf: comes back as raw bytes, replicated
@@ -388,7 +389,10 @@ class ColocatedDispatcher(Dispatcher):
             else:
                 cpu_s = _cpu_sharding(r.sharding, self._cpu_of)
                 spec = {"key": rec.key, "shape": list(rec.shape), "dtype": rec.dtype}
-            spec["sharding"] = shardings.describe(cpu_s)
+            desc = described.get(cpu_s)
+            if desc is None:
+                desc = described[cpu_s] = shardings.describe(cpu_s)
+            spec["sharding"] = desc
             specs.append(spec)
             cpu_shardings.append(cpu_s)
             devices = tuple(sorted(cpu_s.device_set, key=lambda d: d.id))
@@ -398,7 +402,16 @@ class ColocatedDispatcher(Dispatcher):
             out_specs = tuple(
                 jax.ShapeDtypeStruct(tuple(specs[i]["shape"]), fmt.dtype_from_name(specs[i]["dtype"]),
                                      sharding=cpu_shardings[i]) for i in idxs)
-            req = self._request_array({"step": step, "arrays": [specs[i] for i in idxs], "manifest": manifest},
+            table: dict[int, int] = {}  # id(description) -> its index in this request's "shardings"
+            descs: list[dict] = []
+            arrays_doc = []
+            for i in idxs:
+                desc = specs[i]["sharding"]
+                if id(desc) not in table:
+                    table[id(desc)] = len(descs)
+                    descs.append(desc)
+                arrays_doc.append({**specs[i], "sharding": table[id(desc)]})
+            req = self._request_array({"step": step, "arrays": arrays_doc, "shardings": descs, "manifest": manifest},
                                       list(devices))
             fn = self._obj.load.specialize(out_specs_fn=lambda r, _o=out_specs: _o)
             arrays = fn(req)

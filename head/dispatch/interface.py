@@ -181,10 +181,32 @@ class Dispatcher(abc.ABC):
                 causes.append(f"{h}: its copy differs from the one the other hosts agree on")
         raise errors.StepNotFoundError(f"no host could give the manifest of step {step}: " + "; ".join(causes))
 
+    def manifest_header(self, step: int, digest: str) -> fmt.StepHeader:
+        """The header of the step manifest of ``step`` with ``digest`` (``fmt.StepHeader``: one line,
+        O(arrays + hosts)), from the hosts in the order of ``manifest``; a host that keeps a record
+        fetches the line from a keeper. StepNotFoundError when none gives it (an older format too)."""
+        hosts = sorted(self.hosts())
+        likely = choose_keepers(hosts, self.slice_of, step, self._keepers)
+        causes: list[str] = []
+        for h in likely + [h for h in hosts if h not in likely]:
+            try:
+                header = fmt.StepHeader.from_line(self._manifest_from(h, step, False, header_only=True),
+                                                  source=f"step {step} manifest header on {h}")
+            except (errors.MTCError, OSError) as e:
+                causes.append(f"{h}: {e}")
+                if len(causes) >= 3:  # the keepers and one more: the whole manifest is the way after that
+                    break
+                continue
+            if header.digest == digest:
+                return header
+            causes.append(f"{h}: its copy differs from the one the other hosts agree on")
+        raise errors.StepNotFoundError(f"no host could give the manifest header of step {step}: " + "; ".join(causes))
+
     @abc.abstractmethod
-    def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes | str:
+    def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes | str:
         """Host ``host``'s step manifest of ``step`` (its text); with ``here_only``, RecordOnlyError
-        where the host keeps only a record of it. The errors are the sidecar's, typed."""
+        where the host keeps only a record of it; with ``header_only``, its first line alone. The
+        errors are the sidecar's, typed."""
 
     @abc.abstractmethod
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,

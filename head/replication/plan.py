@@ -14,6 +14,7 @@ data-parallel job plans no transfer at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
@@ -149,29 +150,80 @@ class StepView:
 
     ``holders[i]`` is the set of hosts that hold the i-th of the step's sorted blob names
     (hosts that have the step committed, as their inventories say).
+
+    A view ``by_parts`` was made from the manifest's header alone: every host that wrote a part
+    of the step holds that part whole, so every blob has a copy and no blob name was read. Its
+    ``holders`` (and ``digest``) are read from the whole manifest only when asked for
+    (``resolve``: the view as ``step_views`` makes it without the header), which a restore onto
+    the hosts and shardings that saved the step never does.
     """
 
     step: int
     digest: str
-    holders: tuple[frozenset, ...]
+    known: tuple[frozenset, ...] | None  # holders per sorted blob name; None: by parts, not read yet
     hosts: tuple[str, ...]  # hosts that have the step committed
     whole: tuple[str, ...] = ()  # those of them that hold all of their own share of it
     manifest: str = ""  # the digest of the step manifest these hosts agree on
+    resolve: Callable[[], "StepView | None"] | None = dataclasses.field(default=None, compare=False, repr=False)
+    part_blobs: int = 0  # by parts: the blobs of the hosts' own parts, in all (a blob two hosts wrote counts twice)
+
+    @property
+    def by_parts(self) -> bool:
+        return self.known is None
+
+    @functools.cached_property
+    def full(self) -> "StepView | None":
+        """This view with every blob's holders (a ``by_parts`` view reads the manifest for it once)."""
+        if self.known is not None:
+            return self
+        return self.resolve() if self.resolve is not None else None
+
+    @property
+    def holders(self) -> tuple[frozenset, ...]:
+        full = self.full
+        return full.known if full is not None and full.known is not None else ()
 
     @property
     def restorable(self) -> bool:
         """Every blob has a copy on some host."""
-        return all(self.holders)
+        return self.known is None or all(self.known)
 
     def by_name(self, names: Sequence[str]) -> dict[str, set[str]] | None:
         """blob -> holders, given the step's sorted blob names; None if they are not this step's."""
-        if len(names) != len(self.holders) or protocol.blob_list_digest(names) != self.digest:
+        full = self.full
+        if full is None or full.known is None:
             return None
-        return {b: set(hs) for b, hs in zip(names, self.holders)}
+        if len(names) != len(full.known) or protocol.blob_list_digest(names) != full.digest:
+            return None
+        return {b: set(hs) for b, hs in zip(names, full.known)}
+
+
+def _without_steps(inv: HostInventory, steps: set[int]) -> HostInventory:
+    return dataclasses.replace(inv, steps=tuple(s for s in inv.steps if s.step not in steps))
+
+
+def _whole_by_parts(step: int, manifest: str, rows: Mapping[str, StepHolding],
+                    header: Callable[[int, str], "fmt.StepHeader | None"]) -> bool:
+    """Whether every host that wrote a part of ``step`` (its manifest's header says which) answered
+    that it holds that part whole, under ``manifest``: O(hosts), no blob name read."""
+    if not rows:
+        return False
+    h = header(step, manifest)
+    if h is None or not h.parts:
+        return False
+    for host, _ in h.parts:
+        s = rows.get(host)
+        if s is None or s.manifest != manifest:
+            return False
+        held = s.local_blobs == s.blobs if s.part else (bool(s.own) and s.own in s.copies)
+        if not held:
+            return False
+    return True
 
 
 def step_views(inventories: Mapping[str, HostInventory],
-               resolve: Callable[[int, str], "fmt.StepManifest | None"] | None = None) -> dict[int, StepView]:
+               resolve: Callable[[int, str], "fmt.StepManifest | None"] | None = None,
+               header: Callable[[int, str], "fmt.StepHeader | None"] | None = None) -> dict[int, StepView]:
     """step -> StepView, from every reachable host's inventory.
 
     Hosts agree on a step's blob list (they committed the same manifest); if some did not
@@ -179,7 +231,34 @@ def step_views(inventories: Mapping[str, HostInventory],
     A host that committed only a record reports its own part (``StepHolding.part``); those rows
     are read with the step's manifest, which ``resolve(step, digest)`` gives (None: it cannot,
     and such a host then holds nothing of the step as far as this view is concerned).
+
+    With ``header(step, digest)`` (the manifest's header line, ``fmt.StepHeader``), a step whose
+    every part is held whole by the host that wrote it is a ``by_parts`` view: restorable, and its
+    blob rows are read only when asked for. The head's work is then O(hosts) per step.
     """
+    if header is not None:
+        out: dict[int, StepView] = {}
+        rows: dict[int, dict[str, StepHolding]] = {}
+        for host, inv in inventories.items():
+            if not inv.error:
+                for s in inv.steps:
+                    rows.setdefault(s.step, {})[host] = s
+        for step, by_host in sorted(rows.items()):
+            votes = Counter(s.manifest for s in by_host.values())
+            manifest = max(votes, key=lambda d: (votes[d], d))
+            if _whole_by_parts(step, manifest, by_host, header):
+                agreeing = {h: s for h, s in by_host.items() if s.manifest == manifest}
+                whole = tuple(sorted(h for h, s in agreeing.items() if s.local_blobs == s.blobs))
+
+                def full(step: int = step) -> StepView | None:
+                    return step_views(inventories, resolve).get(step)
+
+                out[step] = StepView(step, "", None, tuple(sorted(agreeing)), whole, manifest, resolve=full,
+                                     part_blobs=sum(s.blobs for s in agreeing.values()))
+        if out:
+            rest = step_views({h: _without_steps(inv, set(out)) for h, inv in inventories.items()}, resolve)
+            return dict(sorted({**rest, **out}.items()))
+        return step_views(inventories, resolve)
     full: dict[int, dict[tuple[int, str, str], tuple[list[set[str]], list[str]]]] = {}
     parts: dict[int, dict[str, list[tuple[str, StepHolding]]]] = {}
     whole: dict[int, set[str]] = {}

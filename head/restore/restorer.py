@@ -25,7 +25,7 @@ from mtc.head.replication.plan import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, Pulled, RestoreReport
 from mtc.head.restore.plan import RestorePlan, make_plan, plan_target
 from mtc.head.save import CommittedStep
-from mtc.shared import backup_layout
+from mtc.shared import backup_layout, shardings
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import (CorruptBlobError, FencedError, HostUnreachableError, ManifestError, MTCError,
@@ -76,6 +76,7 @@ class Restorer:
         self._replicate = replicate
         self._lister = BackupLister(dispatch, config)
         self._manifests: dict[str, fmt.StepManifest] = {}  # digest -> manifest (see _remember)
+        self._headers: dict[str, fmt.StepHeader | None] = {}  # digest -> its header line (None: none gave it)
         self.read_only = False  # a reader's (mtc export of a running job): never changes the hosts
         # A starting head waits for hosts that do not answer (restore_host_wait_s); the manager turns this off
         # once it saved or restored: then a host that goes away is a failure, not a host still starting.
@@ -89,7 +90,7 @@ class Restorer:
         some host: the one that saved it, a data-parallel twin or a peer copy, so a host that
         lost its ramdisk does not make a step unrestorable."""
         inv = self._dispatch.inventories()
-        return Inventory(views=step_views(inv, self._manifest_for), unreachable={h: i.error for h, i in inv.items() if i.error},
+        return Inventory(views=step_views(inv, self._manifest_for, self._header_for), unreachable={h: i.error for h, i in inv.items() if i.error},
                          backup_unreachable=(listing or {}).get("unreachable"),
                          damaged={h: i.damaged for h, i in inv.items() if i.damaged})
 
@@ -320,6 +321,12 @@ class Restorer:
             step, backup_name, fallback, inv = self.choose_step(asked, listing)
             view = inv.views.get(step) if backup_name is None else None
             agreed = view.manifest if view is not None and view.manifest else None
+            header = self._headers.get(agreed) if view is not None and view.by_parts and agreed else None
+            if header is not None:
+                requests, finish = plan_target(header.as_manifest(), target, partial)
+                if self._same_layout(header, requests):
+                    manifest = None
+                    break
             try:
                 manifest = self._manifest(step, backup_name, agreed)
                 break
@@ -329,6 +336,8 @@ class Restorer:
                 log.warning("backup %s cannot be restored (%s); choosing again without it", backup_name, e)
                 listing = without_backup(listing, backup_name, f"its manifest fails its checks: {e}")
         t1 = time.perf_counter()
+        if manifest is None:  # onto the hosts and shardings that saved it: each host loads its own part
+            return self._load_own_parts(step, header, requests, finish, t0, t1, view, prefetched)
         requests, finish = plan_target(manifest, target, partial)
         pulled = Pulled()
         plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing), pull)
@@ -356,6 +365,78 @@ class Restorer:
         log.info("- restore step %d; duration=%.3fs; size=%d bytes", step, report.total_s,
                  sum(r.record.nbytes for r in requests))
         return result, report
+
+    def _load_own_parts(self, step: int, header: fmt.StepHeader, requests: list[LoadRequest], finish: Callable,
+                        t0: float, t1: float, view: Any, prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport]:
+        """The restore of a step onto the hosts and shardings that saved it, from the header alone: every
+        host that wrote a part holds it whole (``StepView.by_parts``), so nothing is pulled, and each host
+        reads its own shards by its own part. The head reads no shard row: its work is O(arrays + hosts)."""
+        arrays = self._dispatch.load(step, requests, None, header.digest)
+        t2 = time.perf_counter()
+        result = finish(arrays)
+        nbytes = sum(r.record.nbytes for r in requests)
+        blobs = view.part_blobs
+        counted = prefetched is not None and prefetched.step == step
+        by_tier, blobs_by_tier = {"peer": 0, "backup": 0}, {"peer": 0, "backup": 0}
+        if counted:  # the start-up pull refilled hosts before this look: where those bytes really came from
+            for tier in by_tier:
+                by_tier[tier] = prefetched.bytes_by_tier.get(tier, 0)
+                blobs_by_tier[tier] = prefetched.blobs_by_tier.get(tier, 0)
+        report = RestoreReport(step=step, bytes_by_tier={"ram": max(0, nbytes - sum(by_tier.values())), **by_tier},
+                               blobs_by_tier={"ram": max(0, blobs - sum(blobs_by_tier.values())), **blobs_by_tier},
+                               source="cluster",
+                               skipped_copies=(), inventory_s=t1 - t0, pull_s=0.0, load_s=t2 - t1,
+                               total_s=time.perf_counter() - t0, prefetched=counted)
+        log.info("- restore step %d; duration=%.3fs; size=%d bytes (each host its own part)", step, report.total_s,
+                 nbytes)
+        return result, report
+
+    def _same_layout(self, header: fmt.StepHeader, requests: list[LoadRequest]) -> bool:
+        """Whether every request is a jax array asked for in the sharding it was saved with, on devices
+        of the hosts that wrote them (``header.devices``): then each host's own part is exactly what it
+        loads. O(arrays + devices); the boxes are compared only where the descriptions differ."""
+        devices = header.devices
+        if devices is None:  # saved by a version that did not record them
+            return False
+        try:
+            if any(self._dispatch.host_of_device(d) != h for h, ids in devices.items() for d in ids):
+                return False
+        except MTCError:  # a device this topology does not have
+            return False
+        saved_on = {d for ids in devices.values() for d in ids}
+        checked: dict[tuple, bool] = {}
+        for r in requests:
+            rec = r.record
+            if rec.kind == "numpy" and r.sharding is None:  # every host wrote it whole: its own part has it
+                continue
+            if rec.kind != "jax" or r.sharding is None or rec.sharding is None or rec.prng_impl:
+                return False
+            key = (id(r.sharding), rec.shape, id(rec.sharding))
+            ok = checked.get(key)
+            if ok is None:
+                desc = shardings.describe(r.sharding)
+                ok = desc == rec.sharding
+                if not ok:
+                    saved = shardings.described_device_boxes(rec.sharding, rec.shape)
+                    ok = saved is not None and saved == shardings.device_boxes(r.sharding, rec.shape)
+                ok = ok and {d.id for d in r.sharding.device_set} <= saved_on
+                checked[key] = ok
+            if not ok:
+                return False
+        return True
+
+    def _header_for(self, step: int, digest: str) -> fmt.StepHeader | None:
+        """The header of the manifest ``digest`` of ``step`` (one line from a host), kept; None when no
+        host gives it (an older format, keepers gone): the step is then viewed by its blob rows."""
+        if digest not in self._headers:
+            try:
+                self._headers[digest] = self._dispatch.manifest_header(step, digest)
+            except MTCError as e:
+                log.info("step %d: no manifest header (%s); reading it by its rows", step, e)
+                self._headers[digest] = None
+            while len(self._headers) > 16:
+                self._headers.pop(next(iter(self._headers)))
+        return self._headers[digest]
 
     def _manifest(self, step: int, backup_name: str | None, digest: str | None = None) -> fmt.StepManifest:
         if backup_name is not None:
@@ -394,6 +475,9 @@ class Restorer:
         listing = self.backup_listing()
         step, backup_name, fallback, inv = self.choose_step(None, listing)
         view = inv.views.get(step) if backup_name is None else None
+        if view is not None and view.by_parts:  # every part is whole where it was written: nothing to bring
+            return PrefetchReport(step=step, source="cluster", bytes_by_tier={"peer": 0, "backup": 0},
+                                  blobs_by_tier={"peer": 0, "backup": 0}, seconds=time.perf_counter() - t0)
         manifest = self._manifest(step, backup_name, view.manifest if view is not None and view.manifest else None)
         requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
         if closing():  # closed before anything moved: a job that did not want it

@@ -23,12 +23,12 @@ from mtc.shared.format.base import (Box, box_from_index, box_intersect, box_shap
                                     dtype_from_name, dtype_name)
 from mtc.shared.format.files import collect_blob_names, step_digest, step_format
 from mtc.shared.format.host import COMMIT_FORMAT, HOST_FORMAT, CommitRecord, HostManifest, HostShard
-from mtc.shared.format.step import (FORMAT, ArrayRecord, ShardRecord, StepManifest, check_step_bytes,
+from mtc.shared.format.step import (FORMAT, ArrayRecord, ShardRecord, StepHeader, StepManifest, check_step_bytes,
                                     encode_step)
 
 __all__ = [
     "COMMIT_FORMAT", "FORMAT", "HOST_FORMAT", "ArrayRecord", "Box", "CommitRecord", "HostManifest", "HostShard",
-    "ShardRecord", "StepManifest", "box_from_index", "box_intersect", "box_shape", "box_slices", "box_str",
+    "ShardRecord", "StepHeader", "StepManifest", "box_from_index", "box_intersect", "box_shape", "box_slices", "box_str",
     "check_step_bytes", "collect_blob_names", "dtype_from_name", "dtype_name", "encode_step", "step_digest",
     "step_format",
 ]

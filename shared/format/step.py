@@ -1,5 +1,5 @@
 """Step manifests (``mtc/3``, and ``mtc/2`` / ``mtc/1`` still read): ``ShardRecord``, ``ArrayRecord``,
-``StepManifest``, ``encode_step`` (a manifest from its arrays and the hosts' parts) and
+``StepManifest``, ``StepHeader`` (its first line alone), ``encode_step`` (a manifest from its arrays and the hosts' parts) and
 ``check_step_bytes`` (the cheap checks of a keeper), with the parsers behind ``StepManifest.from_json``."""
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ class StepManifest:
     def to_json(self) -> bytes:
         """The document (for one read from bytes: exactly those bytes)."""
         if self.local_part is not None:
-            raise ManifestError(f"step {self.step}: a host's local view of the manifest (the part of "
-                                f"{self.local_part} only) is never written or sent; read the whole manifest")
+            raise ManifestError(f"step {self.step}: a partial view of the manifest (host {self.local_part}'s part, "
+                                "or the header only) is never written or sent; read the whole manifest")
         return self._encoded[0]
 
     @property
@@ -164,6 +164,84 @@ class StepManifest:
         if "digest" in m.__dict__:  # (an mtc/1 document has none: it is written anew as mtc/3)
             m.__dict__["_encoded"] = (data, m.digest)
         return m
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHeader:
+    """The header line of an ``mtc/3`` step manifest, read alone: the arrays (without shards), the
+    tree, the topology and one (host, part digest) per host part. What a restore onto the topology
+    that saved the step needs on the head: each host reads its own part, so the head never parses a
+    shard row (``StepHeader.from_line``: O(arrays + hosts), checked against its digest).
+
+    ``devices`` (host -> the device ids whose shards it wrote) is in the topology of steps saved by
+    this version and later; None for older ones (a restore then reads the whole manifest)."""
+
+    step: int
+    digest: str
+    arrays: tuple[ArrayRecord, ...]
+    tree: Any
+    parts: tuple[tuple[str, str], ...]
+    topology: dict
+    fingerprint: dict
+    created: float = 0.0
+
+    @property
+    def devices(self) -> dict[str, tuple[int, ...]] | None:
+        devs = self.topology.get("devices")
+        return {h: tuple(ids) for h, ids in devs.items()} if isinstance(devs, dict) else None
+
+    def as_manifest(self) -> StepManifest:
+        """A ``StepManifest`` of the arrays without shards (a restore's requests are planned from it);
+        never written (``to_json`` refuses), and its ``digest`` is the whole manifest's."""
+        m = StepManifest(step=self.step, arrays=self.arrays, tree=self.tree, created=self.created,
+                         topology=self.topology, fingerprint=self.fingerprint, parts=self.parts)
+        m.__dict__["digest"] = self.digest
+        m.__dict__["_local_part"] = "(header only)"
+        return m
+
+    @classmethod
+    def from_line(cls, line: bytes, *, source: str = "manifest header") -> "StepHeader":
+        """The header from its line (the first of the manifest's bytes; the rest is ignored)."""
+        line = bytes(line).partition(b"\n")[0]
+        doc = load_json(line, source)
+        expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+        digest = doc.pop("digest", None)
+        expect(isinstance(digest, str) and digest == doc_digest(doc), source,
+               "its header does not match its digest (changed after it was written); not using it")
+        expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
+        step = doc.get("step")
+        expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
+               f"step {step!r} is not a non-negative integer")
+        table, docs, metas = doc.get("shardings"), doc.get("arrays"), doc.get("parts")
+        expect(isinstance(table, list), source, "'shardings' is missing or not a list")
+        expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
+        expect(isinstance(metas, list) and all(isinstance(m, dict) and isinstance(m.get("host"), str)
+                                               and isinstance(m.get("digest"), str) for m in metas),
+               source, "'parts' is missing or malformed")
+        for i, desc in enumerate(table):
+            shardings_lib.check_desc(desc, f"{source}: shardings[{i}]")
+        arrays = []
+        for i, a in enumerate(docs):
+            where = f"{source}: arrays[{i}]"
+            expect(isinstance(a, dict), where, "not an object")
+            idx = a.get("sharding")
+            expect(idx is None or (isinstance(idx, int) and 0 <= idx < len(table)), where,
+                   f"sharding {idx!r} is not an index of 'shardings'")
+            shallow = {k: v for k, v in a.items() if k not in ("sharding", "boxes")}
+            if a.get("kind") != "scalar":
+                shallow.update(sharding=None if idx is None else table[idx], shards=None)
+            arrays.append(_array_from_doc(shallow, where, require_cover=False))
+        keys = [r.key for r in arrays]
+        expect(len(set(keys)) == len(keys), source, "duplicate array keys")
+        topology = doc.get("topology") or {}
+        expect(isinstance(topology, dict), source, "'topology' is not an object")
+        devs = topology.get("devices")
+        expect(devs is None or (isinstance(devs, dict) and all(
+            isinstance(ids, list) and all(isinstance(d, int) for d in ids) for ids in devs.values())),
+            source, "'topology.devices' is not host -> [device ids]")
+        return cls(step=step, digest=digest, arrays=tuple(arrays), tree=doc.get("tree"),
+                   parts=tuple((m["host"], m["digest"]) for m in metas), topology=dict(topology),
+                   fingerprint=dict(doc.get("fingerprint") or {}), created=float(doc.get("created", 0.0)))
 
 
 def _devices_derivable(a: ArrayRecord) -> bool:

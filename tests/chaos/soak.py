@@ -122,7 +122,11 @@ class HostNetwork:
     daemons listen on their own address, so the head and the other hosts reach them over the bridge.
     """
 
-    def __init__(self, tag: int, hosts: list[str]):
+    def __init__(self, tag: int | None, hosts: list[str]):
+        """``tag`` None: one no other soak of this machine holds (``claim_tag``), kept until ``close()``."""
+        self._claim: int | None = None
+        if tag is None:
+            tag, self._claim = claim_tag()
         self.tag = tag
         self.net = f"10.231.{tag % 250}"
         self.bridge = f"mtsb{tag}"
@@ -238,6 +242,12 @@ class HostNetwork:
         _ip("link", "del", self.bridge, check=False)
         self.up = False
 
+    def release(self) -> None:
+        """Give the tag back, once closed for good (its lock also ends with this process)."""
+        if self._claim is not None:
+            os.close(self._claim)
+            self._claim = None
+
 
 def _tc(*args: str, check: bool = True) -> None:
     r = subprocess.run(["tc", *args], capture_output=True, text=True)
@@ -255,6 +265,32 @@ def _ip(*args: str, check: bool = True) -> None:
     r = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and r.returncode != 0:
         raise OSError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+_TAGS = 250  # a tag names the namespaces, the bridge and the subnet 10.231.<tag>: at most 250 soaks at once
+
+
+def claim_tag() -> tuple[int, int]:
+    """(a tag, the descriptor of its lock): a tag no other soak on this machine holds now (two pytest
+    workers run soaks side by side; tags from their pids overlapped and each took the other's
+    namespaces for its own leftovers), nor left namespaces of. The lock (flock) ends with the process."""
+    import fcntl
+
+    d = Path(tempfile.gettempdir()) / "mtc-soak-tags"
+    d.mkdir(exist_ok=True)
+    taken = {n.split("-")[2] for n in leftover_netns()}
+    for i in range(_TAGS):
+        tag = (os.getpid() + i) % _TAGS
+        if str(tag) in taken:
+            continue
+        fd = os.open(d / str(tag), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return tag, fd
+    raise OSError(f"every soak network tag is held or has namespaces left (ip netns list | grep mtc-soak-)")
 
 
 def leftover_netns(tag_prefix: str = "mtc-soak-") -> list[str]:
@@ -453,6 +489,7 @@ class Soak:
         self.counts = {c: 0 for c in FAULT_CLASSES}
         self.could_draw: set[str] = set()
         # Children this process had before the soak (a test session's emulator fixture) are not the soak's.
+        self.networks: list[HostNetwork] = []  # its segments' networks: their tags, for the leftover check
         self.preexisting = {c.pid for c in psutil.Process().children(recursive=True)}  # classes some segment could inject (no root: fewer)
         self.max_seen = {"fds": 0, "sockets": 0, "temp_blobs": 0}
         self.mounts: list[Path] = []
@@ -504,12 +541,15 @@ class Soak:
             names = [f"s{s}-h{h}" for s in range(slices) for h in range(hosts)]
             self.tmpfs = self._mount_ramdisks(root, names)
             if self.tmpfs and shutil.which("ip"):
-                net = HostNetwork((os.getpid() + k) % 1000, names)
+                net = None
                 try:
+                    net = HostNetwork(None, names)
+                    self.networks.append(net)  # its tag is held until the leftover check (run_soak)
                     self.net = net.start()
                 except OSError as e:
                     self.out(f"  (no network namespaces: {e}; net_cut is not drawn)")
-                    net.close()
+                    if net is not None:
+                        net.close()
                 if self.net is not None and not self.net.nft:
                     self.out("  (no nft: install nftables; net_loss and net_latency are not drawn)")
                 elif self.net is not None and "net_latency" in self.only:
@@ -987,11 +1027,6 @@ def _fds(pid: int) -> tuple[int, int]:
             n += 1
             socks += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
     return n, socks
-
-
-def k_max(soak: "Soak") -> int:
-    """How many segments the run started (for the leftover check of their network namespaces)."""
-    return len(list(soak.workdir.glob("seg*"))) + 1 if soak.workdir.exists() else 64
 
 
 def _step_of(p: Path) -> int | None:
@@ -1555,8 +1590,9 @@ def run_soak(seed: int, *, minutes: float | None = None, trials: int | None = No
                      if c.status() != psutil.STATUS_ZOMBIE and c.pid not in soak.preexisting]
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                   if str(workdir) in line]
-        namespaces = [n for n in leftover_netns() if n.startswith(f"mtc-soak-")
-                      and n.split("-")[2] in {str((os.getpid() + k) % 1000) for k in range(max(1, k_max(soak)))}]
+        namespaces = [n for n in leftover_netns() if n.split("-")[2] in {str(net.tag) for net in soak.networks}]
+        for net in soak.networks:
+            net.release()
         if leftovers or mounts or namespaces:
             raise Violation(f"left behind: processes {[c.pid for c in leftovers]}, mounts {mounts}, "
                             f"network namespaces {namespaces}")

@@ -62,7 +62,7 @@ def _needs_root_and_nft() -> None:
 @pytest.fixture
 def net():
     _needs_root_and_nft()
-    n = soak.HostNetwork((os.getpid() + 500) % 1000, ["a", "b"])
+    n = soak.HostNetwork(None, ["a", "b"])
     servers: list[subprocess.Popen] = []
 
     def serve(kind: str, port: int) -> str:
@@ -86,6 +86,7 @@ def net():
             p.stdout.close()
         n.close()
     assert not [x for x in soak.leftover_netns() if x.startswith(f"mtc-soak-{n.tag}-")]
+    n.release()
 
 
 def _round_trip(sock: socket.socket, data: bytes) -> tuple[float, bytes]:

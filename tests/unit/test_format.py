@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import ml_dtypes
@@ -116,6 +117,31 @@ def test_the_head_builds_a_step_from_parts_it_does_not_parse():
     assert [(s.box, s.blob, s.devices) for s in w.shards] == [(((0, 2), (0, 2)), B1, (0, 2)),
                                                               (((2, 4), (0, 2)), B2, (1, 3))]
     assert m.blob_names() == {B1, B2} and m.to_json() == data
+
+
+def test_the_header_alone_gives_the_arrays_without_reading_a_part():
+    meta, parts = _parts()
+    meta["topology"] = {**meta["topology"], "devices": {"h0": [0, 1], "h1": [2, 3]}}
+    data, digest = fmt.encode_step(**meta, parts=parts)
+    whole = fmt.StepManifest.from_json(data)
+    header = fmt.StepHeader.from_line(data)  # the first line; the parts are not looked at
+    assert header.digest == digest and header.step == 3 and [h for h, _ in header.parts] == ["h0", "h1"]
+    assert header.parts == whole.parts and header.devices == {"h0": (0, 1), "h1": (2, 3)}
+    assert [dataclasses.replace(a, shards=()) for a in whole.arrays] == list(header.arrays)
+    assert all(not a.shards for a in header.arrays)
+    view = header.as_manifest()
+    assert view.digest == digest and [a.key for a in view.arrays] == ["['w']", "['step']"]
+    with pytest.raises(ManifestError, match="never written"):
+        view.to_json()
+    # A changed header is refused; an older step (no devices) reads, without them; mtc/2 is not a header.
+    doc = json.loads(data.split(b"\n")[0])
+    doc["arrays"][0]["shape"] = [2, 4]
+    with pytest.raises(ManifestError, match="does not match its digest"):
+        fmt.StepHeader.from_line(json.dumps(doc).encode())
+    old, _ = fmt.encode_step(**{**meta, "topology": {"hosts": ["h0", "h1"]}}, parts=parts)
+    assert fmt.StepHeader.from_line(old).devices is None
+    with pytest.raises(ManifestError, match="expected 'mtc/3'"):
+        fmt.StepHeader.from_line(GOLDEN_V2.encode() if isinstance(GOLDEN_V2, str) else GOLDEN_V2)
 
 
 @pytest.mark.parametrize("change, message", [

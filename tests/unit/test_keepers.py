@@ -128,6 +128,36 @@ def test_the_head_reads_part_rows_with_the_manifest(services):
     assert fmt.CommitRecord.parse(services["h2"].store.catalog.read(4)) is not None
 
 
+def test_a_step_whose_parts_are_whole_where_written_is_seen_from_the_header_alone(services):
+    import dataclasses
+
+    from mtc.head.dispatch.interface import HostInventory
+    from mtc.head.replication.plan import step_views
+
+    manifest, digest, _ = _save(services, 4, ["h0"])
+    inv = {h: HostInventory.from_wire(h, svc.committed.inventory()) for h, svc in services.items()}
+    header = fmt.StepHeader.from_line(manifest)
+    m = fmt.StepManifest.from_json(manifest)
+    read = []
+
+    def resolve(s, d):
+        read.append(s)
+        return m if (s, d) == (4, digest) else None
+
+    view = step_views(inv, resolve, lambda s, d: header if (s, d) == (4, digest) else None)[4]
+    assert view.by_parts and view.restorable and view.hosts == ("h0", "h1", "h2") and not read
+    assert view.part_blobs >= len(m.blob_names())
+    # Asked for its holders, it reads the rows once, and they say what the view by rows says.
+    assert view.by_name(sorted(m.blob_names())) == step_views(inv, resolve)[4].by_name(sorted(m.blob_names()))
+    assert read == [4, 4]
+    # A host that lacks a blob of its part, or one that did not answer: read by its rows, as before.
+    h1 = inv["h1"].steps[0]
+    short = {**inv, "h1": dataclasses.replace(inv["h1"], steps=(dataclasses.replace(h1, local_blobs=h1.blobs - 1),))}
+    assert not step_views(short, resolve, lambda s, d: header)[4].by_parts
+    gone = {h: i for h, i in inv.items() if h != "h2"}
+    assert not step_views(gone, resolve, lambda s, d: header)[4].by_parts
+
+
 def test_a_keeper_whose_copy_was_changed_is_not_believed(services):
     manifest, digest, _ = _save(services, 3, ["h0", "h1"])
     path = services["h0"].store.root / "steps" / f"{3:012d}.json"

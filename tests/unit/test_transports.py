@@ -126,13 +126,16 @@ def test_the_colocated_data_operations_check_their_headers_as_the_daemon_does(tm
 @pytest.mark.parametrize("args,match", [
     ({"step": "one", "arrays": []}, "'step' must be an integer"),
     ({"step": 1, "arrays": "all"}, "'arrays' must be a list"),
-    ({"step": 1, "arrays": [{"key": 3}]}, r"arrays\[0\] is not an object with a 'key'"),
-    ({"step": 1, "arrays": [{"key": "a", "shape": [-1], "dtype": "float32", "sharding": {}}]}, "'shape'"),
-    ({"step": 1, "arrays": [{"key": "a", "shape": [2], "dtype": "no-such-type", "sharding": {}}]}, "no-such-type"),
-    ({"step": 1, "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": "all"}]}, "'sharding'"),
-    ({"step": 1, "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": {}, "as_bytes": 1}]},
+    ({"step": 1, "shardings": [{}], "arrays": [{"key": 3}]}, r"arrays\[0\] is not an object with a 'key'"),
+    ({"step": 1, "shardings": [{}], "arrays": [{"key": "a", "shape": [-1], "dtype": "float32", "sharding": 0}]}, "'shape'"),
+    ({"step": 1, "shardings": [{}], "arrays": [{"key": "a", "shape": [2], "dtype": "no-such-type", "sharding": 0}]}, "no-such-type"),
+    ({"step": 1, "shardings": [{}], "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": "all"}]}, "'sharding'"),
+    ({"step": 1, "shardings": [{}], "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": 1}]},
+     "index into 'shardings'"),
+    ({"step": 1, "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": 0}]}, "'shardings' must be a list"),
+    ({"step": 1, "shardings": [{}], "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": 0, "as_bytes": 1}]},
      "'as_bytes'"),
-    ({"step": 1, "arrays": [], "manifest": 5}, "'manifest'"),
+    ({"step": 1, "shardings": [], "arrays": [], "manifest": 5}, "'manifest'"),
 ])
 def test_the_colocated_load_checks_its_header_with_the_table(tmp_path, args, match):
     """The colocated ``load`` (the ``read`` of colocated mode), driven as the head drives it: a request

@@ -315,8 +315,8 @@ class ClusterDispatcher(Dispatcher):
             results[h] = HostInventory.unreachable(h, host_failure(e))
         return {h: results[h] for h in self.topology.host_ids}
 
-    def _manifest_from(self, host: str, step: int, here_only: bool) -> bytes:
-        reply = self.lanes.call(host, "manifest", {"step": step, "here_only": here_only})
+    def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes:
+        reply = self.lanes.call(host, "manifest", {"step": step, "here_only": here_only, "header_only": header_only})
         if len(reply.payloads) != 1:
             raise ProtocolError(f"host {host}: no manifest payload")
         return bytes(reply.payloads[0])

@@ -30,7 +30,7 @@ from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import protocol, wire_errors
 from mtc.shared.errors import ConfigError, HostUnreachableError, ProtocolError
-from mtc.shared.hashing import new_hasher
+from mtc.shared.hashing import is_blob_name, new_hasher
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class _Read:
 
     plan: BoxRead
     dest: np.ndarray  # a view into the target box buffer (may be strided for a piece)
-    blob: str | None = None  # the saved shard that is exactly what is read: streamed, hashed here
+    blob: str | None = None  # the saved shard that is exactly what is read: streamed, hashed here ("": the host names it)
     tried: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # (host, error type, cause)
     host_verifies: bool = False  # its stream failed its hash here: the host hashes it next time
 
@@ -76,6 +76,9 @@ class ClusterLoader:
                 boxes = list(dict.fromkeys(dev_box.values()))
             bufs: dict[Box, np.ndarray] = {}
             exact = {s.box: s.blob for s in rec.shards}  # a read of exactly a saved shard is streamed
+            # Planned from the manifest's header (no shard rows): every whole box is asked for as a stream,
+            # and the host names the blob it sends (``_Read.blob`` "").
+            unnamed = rec.kind == "jax" and not rec.shards
             for box in boxes:
                 shape = fmt.box_shape(box)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -83,7 +86,8 @@ class ClusterLoader:
                 if nbytes:
                     owners = [self._owner(d) for d, b in dev_box.items() if b == box]
                     for plan in box_reads(rec, box, owners, self._topology.host_ids, holders, self._host_or_none):
-                        reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()], exact.get(plan.region)))
+                        blob = exact.get(plan.region, "" if unnamed and plan.whole else None)
+                        reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()], blob))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
         self._run_reads(step, reads, manifest)
         out: list[Any] = []
@@ -142,12 +146,14 @@ class ClusterLoader:
         tmp: dict[int, np.ndarray] = {}
         stream = [i for i, r in enumerate(batch) if r.blob is not None and not r.host_verifies]
         hashers: dict[int, Any] = {}
+        named: dict[int, str] = {}  # index -> the blob the host says it streamed
 
         def alloc(header: dict, sizes: list[int]) -> list[Any]:
             if "error" in header:
                 return [protocol.aligned_buffer(n) for n in sizes]
             errors = {e[0] for e in read_errors(header.get("result"))}
             streamed = _streamed(h, header.get("result"), stream, errors)
+            named.update(_stream_blobs(h, header.get("result"), streamed))
             if len(sizes) != len(batch):
                 raise ProtocolError(f"host {h}: read answered {len(sizes)} payloads for {len(batch)} boxes")
             out = []
@@ -176,12 +182,13 @@ class ClusterLoader:
             i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}
         for i, hasher in hashers.items():
             got = hasher.hexdigest()
-            if got != batch[i].blob:
+            want = batch[i].blob or named.get(i)
+            if got != want:
                 r = batch[i]
                 log.warning("host %s: the bytes of blob %s (%r %s) it sent hash to %s; asking it to check its copy",
-                            h, r.blob, r.plan.key, fmt.box_str(r.plan.region), got)
+                            h, want, r.plan.key, fmt.box_str(r.plan.region), got)
                 r.host_verifies = True
-                failed[i] = (None, f"blob {r.blob} arrived corrupt (hashes to {got})")
+                failed[i] = (None, f"blob {want} arrived corrupt (hashes to {got})")
         for i, buf in tmp.items():
             if i not in failed and buf.nbytes:
                 batch[i].dest[...] = buf.view(batch[i].dest.dtype).reshape(batch[i].dest.shape)
@@ -195,6 +202,15 @@ class ClusterLoader:
             raise HostUnreachableError(msg + "; restart the host's daemon and retry the restore")
         host, kind, _ = r.tried[-1]
         raise_remote(host, kind, msg)
+
+
+def _stream_blobs(h: str, result: Any, streamed: set[int]) -> dict[int, str]:
+    """index -> the blob name a read answer gives for each box it streamed, in the order of ``streamed``."""
+    names = result.get("blobs", []) if isinstance(result, dict) else []
+    order = result.get("streamed", []) if isinstance(result, dict) else []
+    if not isinstance(names, list) or len(names) != len(order) or not all(is_blob_name(n) for n in names):
+        raise ProtocolError(f"host {h}: read answer 'blobs' {names!r:.100} does not name a blob per box streamed")
+    return {i: n for i, n in zip(order, names) if i in streamed}
 
 
 def _streamed(h: str, result: Any, asked: list[int], errors: set[int]) -> set[int]:

@@ -1,0 +1,113 @@
+"""A restore onto the hosts and shardings that saved a step reads no shard row on the head: each host
+loads its own part, the head plans from the manifest's header (O(arrays + hosts)). Anything else (a
+resharded target, a host that lost its part) reads the whole manifest, and every restore stays bit
+for bit. What the head parses is counted by a spy on the host-part parser, in the head's process."""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from helpers import assert_trees_bitwise_equal, random_array
+from mtc.head import CheckpointManager, MTCConfig
+from mtc.shared import format as fmt
+from mtc.sidecar.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+
+def make_state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    m = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(m, spec))
+
+    return {
+        "params": {
+            "w": put(random_array(rng, (64, 48), np.float32), P(None, "model")),
+            "emb": put(random_array(rng, (32, 16), ml_dtypes.bfloat16), P("data", "model")),
+            "b": put(random_array(rng, (24,), np.int8), P()),
+        },
+        "one": jax.device_put(random_array(rng, (5, 3), np.float32), jax.devices()[5]),
+        "rng": random_array(rng, (4,), np.uint32),  # host numpy: every host wrote it
+        "step": seed,
+    }
+
+
+@pytest.fixture
+def rows_parsed(monkeypatch):
+    """How many shard rows the head has parsed (host parts read by ``HostManifest.from_json``)."""
+    count = [0]
+    real = fmt.HostManifest.from_json.__func__
+
+    def counting(cls, data, **kw):
+        part = real(cls, data, **kw)
+        count[0] += len(part.shards)
+        return part
+
+    monkeypatch.setattr(fmt.HostManifest, "from_json", classmethod(counting))
+    return count
+
+
+def manager(cluster: LocalCluster, **kw) -> CheckpointManager:
+    return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root),
+                                       cluster_spec=str(cluster.spec_path), local_checkpoint_period=1, **kw))
+
+
+def like(state):
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, state)
+
+
+def test_a_restore_onto_the_saving_topology_reads_no_shard_row(local_cluster, rows_parsed):
+    s1, s2 = make_state(1), make_state(2)
+    with manager(local_cluster) as m:
+        m.save(1, s1)
+        m.save(2, s2)
+        m.wait_until_finished()
+    rows_parsed[0] = 0
+    with manager(local_cluster) as m:  # a restarted head: its start-up pull, the step choice and the restores
+        assert m.latest_step() == 2
+        assert_trees_bitwise_equal(s2, m.restore())
+        rep = m.last_restore_report
+        assert rep.step == 2 and rep.bytes_by_tier["ram"] > 0 and rep.bytes_by_tier["peer"] == 0
+        assert_trees_bitwise_equal(s1, m.restore(1))
+        assert_trees_bitwise_equal(s2, m.restore(2, target=like(s2)))
+        assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a same-topology restore"
+
+
+def test_a_resharded_restore_reads_the_rows_and_stays_bit_for_bit(local_cluster, rows_parsed):
+    state = make_state(3)
+    with manager(local_cluster) as m:
+        m.save(3, state)
+        m.wait_until_finished()
+    rows_parsed[0] = 0
+    with manager(local_cluster) as m:
+        m1 = Mesh(np.array(jax.devices()[::-1]), ("x",))
+        target = like(state)
+        target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.float32, sharding=NamedSharding(m1, P("x")))
+        got = m.restore(3, target=target)
+        assert_trees_bitwise_equal(state, got, check_sharding=False)
+        assert got["params"]["w"].sharding == target["params"]["w"].sharding
+        assert rows_parsed[0] > 0  # planned from the saved boxes: the control that the spy sees the parser
+
+
+def test_a_host_that_lost_its_part_is_refilled_by_the_rows(local_cluster, rows_parsed):
+    state = make_state(4)
+    with manager(local_cluster, replication_factor=2) as m:
+        m.save(4, state)
+        m.wait_until_finished()
+        m.wait_for_replication()
+    local_cluster.wipe("s0-h1")  # its ramdisk is lost: its part is held by its peer copies only
+    local_cluster.restart("s0-h1")
+    rows_parsed[0] = 0
+    with manager(local_cluster, replication_factor=2, prefetch_on_start=False) as m:
+        assert_trees_bitwise_equal(state, m.restore(4))
+        rep = m.last_restore_report
+        assert rep.bytes_by_tier["peer"] > 0
+        assert rows_parsed[0] > 0
