@@ -42,7 +42,7 @@ import time
 from mtc.head.dispatch.interface import HostInventory, choose_keepers
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.shared import format as fmt
-from mtc.shared import protocol
+from mtc.shared import protocol, shardings
 
 DEVICES_PER_HOST = 8
 KEEPERS = 2
@@ -183,7 +183,8 @@ def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.Ho
             table[id(r.sharding)] = len(descs)
             descs.append(r.sharding)
         specs.append({"key": r.key, "shape": list(r.shape), "dtype": r.dtype, "sharding": table[id(r.sharding)]})
-    request = json.dumps({"step": 1, "arrays": specs, "shardings": descs, "manifest": digest}, separators=(",", ":"))
+    request = json.dumps({"step": 1, "arrays": specs, "shardings": [shardings.pack(d) for d in descs],
+                          "manifest": digest}, separators=(",", ":"))
     spent = time.process_time() - t0
     hosts = len(per_host)
     return {"restore_s": spent, "restore_sent": len(request) * hosts,

@@ -40,6 +40,38 @@ def describe(sharding: Any) -> dict:
     return {"type": "other", "device_ids": ids, "repr": repr(sharding)[:200]}
 
 
+def pack(desc: Mapping) -> dict:
+    """``desc`` for the wire: its ``device_ids`` as runs of consecutive ids (``device_runs``: [[first,
+    count], ...]), so that a mesh over every device of a job (0..N-1: one run) is a few bytes, not N
+    numbers, in a request every host gets. ``unpack`` gives the description back."""
+    ids = desc.get("device_ids")
+    if not isinstance(ids, list) or len(ids) < 4:
+        return dict(desc)
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    if 2 * len(runs) >= len(ids):
+        return dict(desc)
+    return {**{k: v for k, v in desc.items() if k != "device_ids"}, "device_runs": runs}
+
+
+def unpack(desc: Any, where: str, limit: int = 1 << 24) -> Any:
+    """A description from the wire (``pack``): ``device_runs`` expanded, checked; others as they are."""
+    if not isinstance(desc, dict) or "device_runs" not in desc:
+        return desc
+    runs = desc["device_runs"]
+    if not (isinstance(runs, list) and all(isinstance(r, list) and len(r) == 2 and all(type(x) is int and x >= 0
+                                                                                        for x in r) for r in runs)
+            and sum(r[1] for r in runs) <= limit):
+        raise ManifestError(f"{where}: 'device_runs' is not a list of [first id, count] (at most {limit} ids)")
+    out = {k: v for k, v in desc.items() if k != "device_runs"}
+    out["device_ids"] = [first + k for first, count in runs for k in range(count)]
+    return out
+
+
 def rebuild(desc: Mapping, devices_by_id: Mapping[int, Any] | None = None):
     """The jax Sharding that ``describe`` described, on the devices of this process."""
     import jax

@@ -33,7 +33,7 @@ import operator
 import json
 from typing import Any, Callable, Sequence
 
-from mtc.shared import backup_layout, op_table
+from mtc.shared import backup_layout, op_table, shardings
 from mtc.shared import format as fmt
 from mtc.shared.errors import ManifestError, ProtocolError
 from mtc.shared.hashing import is_blob_name
@@ -433,6 +433,10 @@ def parse_load(args: dict, carried: int = 0, mode: str = "colocated") -> tuple[i
         raise ProtocolError("load: 'arrays' must be a list of {key, shape, dtype, sharding}")
     if not (isinstance(table, list) and all(isinstance(d, dict) for d in table)):
         raise ProtocolError("load: 'shardings' must be a list of sharding descriptions")
+    try:
+        table = [shardings.unpack(d, f"load: shardings[{i}]") for i, d in enumerate(table)]
+    except ManifestError as e:
+        raise ProtocolError(str(e)) from None
     out = []
     for i, spec in enumerate(arrays):
         where = f"load: arrays[{i}]"

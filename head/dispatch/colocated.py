@@ -411,7 +411,8 @@ class ColocatedDispatcher(Dispatcher):
                     table[id(desc)] = len(descs)
                     descs.append(desc)
                 arrays_doc.append({**specs[i], "sharding": table[id(desc)]})
-            req = self._request_array({"step": step, "arrays": arrays_doc, "shardings": descs, "manifest": manifest},
+            req = self._request_array({"step": step, "arrays": arrays_doc, "shardings": [shardings.pack(d) for d in descs],
+                                       "manifest": manifest},
                                       list(devices))
             fn = self._obj.load.specialize(out_specs_fn=lambda r, _o=out_specs: _o)
             arrays = fn(req)

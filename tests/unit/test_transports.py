@@ -155,6 +155,22 @@ def test_the_colocated_load_checks_its_header_with_the_table(tmp_path, args, mat
         col._dispatch({"op": "close"})
 
 
+def test_a_mesh_over_consecutive_devices_travels_as_runs():
+    from mtc.shared import shardings
+    from mtc.shared.errors import ManifestError
+
+    desc = {"type": "named", "mesh_shape": [2, 8], "axis_names": ["d", "f"], "device_ids": list(range(16)), "spec": ["f"]}
+    packed = shardings.pack(desc)
+    assert packed["device_runs"] == [[0, 16]] and "device_ids" not in packed
+    assert shardings.unpack(packed, "x") == desc
+    odd = {**desc, "device_ids": [0, 5, 2, 7, 1, 9, 3, 11, 4, 13, 6, 15, 8, 10, 12, 14]}
+    assert shardings.pack(odd) == odd  # runs would not be shorter: sent as they are
+    with pytest.raises(ManifestError, match="device_runs"):
+        shardings.unpack({**packed, "device_runs": [[0, -1]]}, "x")
+    with pytest.raises(ManifestError, match="at most"):
+        shardings.unpack({**packed, "device_runs": [[0, 1 << 30]]}, "x")
+
+
 def test_good_requests_answer_the_same_in_both_transports(both):
     colocated, cluster = both
     # Unconfigured sidecars refuse what needs the head's settings, with one type.
