@@ -76,7 +76,7 @@ class Restorer:
         self._replicate = replicate
         self._lister = BackupLister(dispatch, config)
         self._manifests: dict[str, fmt.StepManifest] = {}  # digest -> manifest (see _remember)
-        self._headers: dict[str, fmt.StepHeader | None] = {}  # digest -> its header line (None: none gave it)
+        self._headers: dict[str, fmt.StepHeader] = {}  # manifest digest -> its header line, as a host gave it
         self.read_only = False  # a reader's (mtc export of a running job): never changes the hosts
         # A starting head waits for hosts that do not answer (restore_host_wait_s); the manager turns this off
         # once it saved or restored: then a host that goes away is a failure, not a host still starting.
@@ -427,16 +427,18 @@ class Restorer:
 
     def _header_for(self, step: int, digest: str) -> fmt.StepHeader | None:
         """The header of the manifest ``digest`` of ``step`` (one line from a host), kept; None when no
-        host gives it (an older format, keepers gone): the step is then viewed by its blob rows."""
-        if digest not in self._headers:
+        host gives it (an older format, the keepers gone): the step is then viewed by its blob rows."""
+        header = self._headers.get(digest)
+        if header is None:
             try:
-                self._headers[digest] = self._dispatch.manifest_header(step, digest)
-            except MTCError as e:
+                header = self._dispatch.manifest_header(step, digest)
+            except MTCError as e:  # not kept: the keepers may answer next time
                 log.info("step %d: no manifest header (%s); reading it by its rows", step, e)
-                self._headers[digest] = None
+                return None
+            self._headers[digest] = header
             while len(self._headers) > 16:
                 self._headers.pop(next(iter(self._headers)))
-        return self._headers[digest]
+        return header
 
     def _manifest(self, step: int, backup_name: str | None, digest: str | None = None) -> fmt.StepManifest:
         if backup_name is not None:

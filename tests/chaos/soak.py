@@ -108,6 +108,10 @@ class Violation(AssertionError):
     """An invariant did not hold."""
 
 
+class CannotDraw(Exception):
+    """No class the run may draw (``--only``) can be injected on any of its segments here."""
+
+
 class HeadDied(RuntimeError):
     pass
 
@@ -488,6 +492,7 @@ class Soak:
         self.class_rng = random.Random(seed)
         self.counts = {c: 0 for c in FAULT_CLASSES}
         self.could_draw: set[str] = set()
+        self.cannot: dict[str, str] = {}  # class -> why a segment could not draw it
         # Children this process had before the soak (a test session's emulator fixture) are not the soak's.
         self.networks: list[HostNetwork] = []  # its segments' networks: their tags, for the leftover check
         self.preexisting = {c.pid for c in psutil.Process().children(recursive=True)}  # classes some segment could inject (no root: fewer)
@@ -507,6 +512,9 @@ class Soak:
             topo, backend = self.segments[k % len(self.segments)]
             self._segment(k, topo, backend, deadline, max_trials)
             k += 1
+            if k >= len(self.segments) and not self.could_draw:  # a whole pass, and no trial could run
+                raise CannotDraw("no fault class this run may draw can be injected here: " + "; ".join(
+                    f"{c} {why}" for c, why in sorted(self.cannot.items())))
             if deadline is None and max_trials is None and k >= len(self.segments):
                 return
 
@@ -583,7 +591,12 @@ class Soak:
             for _ in range(2):
                 self._clean_save()
             n = 0
-            while n < self.trials_per_segment:
+            if not self._available():
+                why = self._unavailable()
+                self.cannot.update({c: why[c] for c in why if c not in self.could_draw})
+                self.out("  (nothing to draw on this segment: " + "; ".join(f"{c} {r}" for c, r in sorted(why.items()))
+                         + ")")
+            while n < self.trials_per_segment and self._available():
                 if max_trials is not None and self.trial >= max_trials:
                     break
                 if deadline is not None and time.monotonic() >= deadline:
@@ -908,19 +921,24 @@ class Soak:
     # --- trials ---------------------------------------------------------------------------------
 
     def _available(self) -> list[str]:
-        out = []
+        return [c for c in FAULT_CLASSES if c in self.only and c not in self._unavailable()]
+
+    def _unavailable(self) -> dict[str, str]:
+        """class -> why it cannot be injected on this segment, for the classes the run may draw."""
+        out = {}
         for c in FAULT_CLASSES:
             if c not in self.only:
                 continue
             if c in GCS_ONLY and self.server is None:
-                continue
-            if c == "ramdisk_full" and not self.tmpfs:
-                continue
-            if c in NET_CLASSES and self.net is None:
-                continue
-            if c in NFT_CLASSES and not self.net.nft or c == "net_latency" and not self.net.relays:
-                continue
-            out.append(c)
+                out[c] = "needs a GCS segment (this one backs up to a local folder)"
+            elif c == "ramdisk_full" and not self.tmpfs:
+                out[c] = "needs root, to mount a tmpfs ramdisk per host"
+            elif c in NET_CLASSES and self.net is None:
+                out[c] = "needs root and iproute2 (ip), for a network namespace per host"
+            elif c in NFT_CLASSES and not self.net.nft:
+                out[c] = "needs nftables (apt-get install nftables)"
+            elif c == "net_latency" and not self.net.relays:
+                out[c] = "needs the delaying relay, which did not start (see the segment's note)"
         return out
 
     def _one_trial(self) -> None:
@@ -1616,6 +1634,9 @@ def main(argv: list[str] | None = None) -> int:
                         out=lambda m: print(m, flush=True), only=a.only, keep=a.keep)
     except Violation:
         return 1
+    except CannotDraw as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows = soak.summary_rows()
     took = time.perf_counter() - t0
     print_rich_table(rows, f"soak seed {seed}: {soak.trial} trials in {took / 60:.1f} min")

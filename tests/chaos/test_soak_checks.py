@@ -64,3 +64,11 @@ def test_a_listed_backup_without_its_blob_is_a_violation(checked):
     tier._store.delete(layout.blob_object(blob))
     with pytest.raises(soak.Violation, match=f"backup {name}.json is listed without its blobs"):
         s._check_backups()
+
+
+def test_a_soak_given_only_classes_it_cannot_draw_says_why_and_stops():
+    """``--only gcs_outage`` on local segments alone: no trial can run. It said ``min() arg is an empty
+    sequence`` (or, with a trial count, would never end); now it names each class and what it needs."""
+    with pytest.raises(soak.CannotDraw, match="gcs_outage needs a GCS segment"):
+        soak.run_soak(3, trials=2, trials_per_segment=2, segments=[((1, 2), "local")], only=["gcs_outage"],
+                      out=lambda m: None)
