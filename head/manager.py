@@ -13,7 +13,9 @@ API, the lifecycle, the version check and the claim on the hosts (fencing).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import signal
 import threading
 import time
 import weakref
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from mtc.head import lease, metrics
-from mtc.head.backup.runner import BackupRunner
+from mtc.head.backup.runner import BackupRequest, BackupRunner
 from mtc.head.dispatch.factory import make_dispatcher
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.elastic import as_host_lost, host_lost_as_elastic
@@ -96,6 +98,7 @@ class CheckpointManager:
         self.last_restore_report: RestoreReport | None = None
         self._closing = threading.Event()
         self._preemption: PreemptionNotice | None = None
+        self._backup_request: BackupRequest | None = None  # watch_backup_requests
         self._strategy = ReplicationStrategy(config.replication_factor)
         self._replicator = Replicator(self._dispatch, config, self._strategy, self._closing)
         self._backups = BackupRunner(self._dispatch, config)
@@ -136,7 +139,7 @@ class CheckpointManager:
         """True when ``step`` is due under ``local_checkpoint_period``."""
         return self._config.enable_checkpointing and self._config.should_save(step)
 
-    def save(self, step: int, state: Any, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, force: bool = False, backup: bool = False) -> bool:
         """Save ``state`` as ``step`` if due (or ``force``).
 
         Returns once the state is copied to host memory; the write continues in the
@@ -146,13 +149,17 @@ class CheckpointManager:
             step: a new step number (>= 0); a committed step is never written again.
             state: a pytree of ``jax.Array``s, numpy arrays and scalars (typed PRNG keys too).
             force: save although ``local_checkpoint_period`` says the step is not due.
+            backup: save (as ``force``) and back the step up to the backup root once it is committed,
+                whatever the backup interval says (after a backup still running): a step worth
+                keeping, or one before a stop. A request by signal does the same for the next save
+                (``watch_backup_requests``).
 
         Returns:
             Whether a save started (False: not due, or checkpointing disabled).
 
         Raises:
             ValueError: ``step`` is not a non-negative integer, or is committed already.
-            ConfigError: the manager is ``read_only``.
+            ConfigError: the manager is ``read_only``; ``backup`` without a backup root.
             VersionMismatchError: a sidecar runs other versions (the first save or restore checks).
             FencedError: a newer head took the hosts.
             HostLostError: a host stopped answering (a ``jax.errors.JaxRuntimeError`` whose text
@@ -162,8 +169,23 @@ class CheckpointManager:
         # reports (elastic training retries it), and latest_step(), which MaxText asks around saves, must not
         # wait for the host as a restart does (restore_host_wait_s).
         self._restorer.waits_for_hosts = False
+        asked = self._backup_request is not None and self._backup_request.pending
+        if (backup or asked) and not self._config.backup_enabled and self._config.enable_checkpointing:
+            if not backup:  # by signal: said once, and training goes on
+                self._backup_request.pending = False
+                log.error("a backup was asked for (signal), but this job has no backup root "
+                          "(base_output_directory); nothing is backed up")
+            else:
+                raise ConfigError(f"save(step {step}, backup=True): this job has no backup root; set "
+                                  "base_output_directory (and run_name) to back steps up. Nothing was saved")
+        elif asked:
+            backup = True
         with host_lost_as_elastic(), self._metrics.errors("save"):
-            return self._save(step, state, force)
+            started = self._save(step, state, force or backup, backup)
+        if started and asked and backup:
+            self._backup_request.pending = False
+            log.info("step %d: saved and backed up as asked (signal)", step)
+        return started
 
     @property
     def in_flight_step(self) -> int | None:
@@ -179,7 +201,24 @@ class CheckpointManager:
             self._known_steps = set(self._cluster_steps())
         return step in self._known_steps
 
-    def _save(self, step: int, state: Any, force: bool) -> bool:
+    @property
+    def backup_requested(self) -> bool:
+        """Whether a backup was asked for by signal and the next ``save`` call will make it."""
+        return self._backup_request is not None and self._backup_request.pending and self._config.backup_enabled
+
+    def watch_backup_requests(self, signum: int = signal.SIGUSR1) -> None:
+        """Opt in (call from the main thread): ``signum`` (SIGUSR1) asks for a backup, which the next
+        ``save`` call makes: it saves that step (due or not) and backs it up at once, whatever the
+        backup interval. An operator's way to have a step in the bucket now (before a maintenance
+        stop) without changing the training script: ``kill -USR1 <pid>``; the mtc supervisor passes it
+        to the training process, and the MaxText launcher opts in. Without a backup root, a request
+        is logged as an error and training goes on."""
+        if self._backup_request is None:
+            self._backup_request = BackupRequest()
+        self._backup_request.signum = signum
+        self._backup_request.previous = signal.signal(signum, self._backup_request.ask)
+
+    def _save(self, step: int, state: Any, force: bool, backup: bool = False) -> bool:
         self._check_open()
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -205,7 +244,7 @@ class CheckpointManager:
         blocked = time.perf_counter() - t0
         self._pending_step = step
         self._pending = self._executor.submit(self._write, step, leaves, tree_doc, staged, waited,
-                                              blocked, stage_s, t0)
+                                              blocked, stage_s, t0, backup)
         return True
 
     def _wait_previous(self) -> float:
@@ -219,7 +258,7 @@ class CheckpointManager:
             pass
         return time.perf_counter() - t0
 
-    def _write(self, step, leaves, tree_doc, staged, waited, blocked, stage_s, t0) -> SaveReport:
+    def _write(self, step, leaves, tree_doc, staged, waited, blocked, stage_s, t0, backup=False) -> SaveReport:
         committed = None
         try:
             t1 = time.perf_counter()
@@ -234,7 +273,7 @@ class CheckpointManager:
             # with shards) by whichever of them needs it first, in the background, not here.
             done = CommittedStep(step, data, digest=digest, hosts=tuple(committed))
             self._replicator.submit(done)
-            self._backups.maybe_start(done)
+            self._backups.maybe_start(done, now=backup)
             report = SaveReport.of_commit(step, leaves, committed, waited_for_previous_s=waited, blocked_s=blocked,
                                           stage_s=stage_s, phase1_s=t2 - t1, phase2_s=t3 - t2, total_s=t3 - t0)
             self.last_save_report = self._metrics.saved(report)
@@ -543,6 +582,10 @@ class CheckpointManager:
             self._prefetch_executor.shutdown(wait=True)
             self._replicator.close()
             self._backups.close()
+            request = self._backup_request
+            if request is not None:  # the handler before watch_backup_requests, where a thread may set one
+                with contextlib.suppress(ValueError, TypeError):
+                    signal.signal(request.signum, request.previous if request.previous is not None else signal.SIG_DFL)
             if self.head is not None and self._fenced is None:
                 lease.release(self._dispatch, self.head)
             self._dispatch.close()

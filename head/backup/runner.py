@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 from mtc.head.backup.plan import assign_uploads, backup_due
 from mtc.head.backup.scrub import ScrubLoop
@@ -24,6 +24,19 @@ from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
 
 log = logging.getLogger(__name__)
+
+
+class BackupRequest:
+    """A backup asked for by signal (``CheckpointManager.watch_backup_requests``): the handler only
+    sets ``pending``; the next save backs its step up. The handler before it is kept (``previous``)."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.signum = 0
+        self.previous: Any = None
+
+    def ask(self, signum: int, frame: Any) -> None:
+        self.pending = True  # nothing else in a signal handler: the save, in the training loop, acts on it
 
 
 class BackupRunner:
@@ -38,10 +51,19 @@ class BackupRunner:
         self.listeners: list[Callable[[BackupReport], None]] = []  # each backup's report, once it ended (metrics)
         self.scrub = ScrubLoop(dispatch, config)
 
-    def maybe_start(self, committed: CommittedStep) -> None:
-        """Start the backup of a committed step in the background if it is due."""
+    def maybe_start(self, committed: CommittedStep, now: bool = False) -> None:
+        """Start the backup of a committed step in the background if it is due; with ``now`` (asked
+        for: ``save(..., backup=True)``), whatever the interval, after a backup still running (not
+        skipped). The interval counts from it, as from any backup."""
         step = committed.step
         self.scrub.start()
+        if now:
+            self._last = (step, time.monotonic())
+            skipped, self._skipped = self._skipped, 0
+            log.info("backup of step %d asked for: it starts %s", step,
+                     "after the one running" if self.running else "now")
+            self._pending = self._executor.submit(self._run, committed, skipped)
+            return
         if not backup_due(self._config, step, self._last, time.monotonic()):
             return
         running = self._pending

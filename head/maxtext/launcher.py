@@ -219,6 +219,8 @@ def install() -> None:
         manager = OrbaxCompatibleManager(cfg)
         if _notice is not None:
             manager.mtc_manager.watch_preemption(notice=_notice)
+        if cfg.backup_enabled and threading.current_thread() is threading.main_thread():
+            manager.mtc_manager.watch_backup_requests()  # SIGUSR1: back the next step up now
         _managers.append(manager)
         return manager
 

@@ -199,8 +199,10 @@ class OrbaxCompatibleManager:
     # --- save / restore ----------------------------------------------------------------------
 
     def save(self, step: int, args: Any = None, *, force: bool = False, metrics: Any = None,
-             custom_metadata: Any = None) -> bool:
+             custom_metadata: Any = None, backup: bool = False) -> bool:
         """Save every item of ``args`` as ``step`` if due (or ``force``); whether a save started.
+        ``backup`` (as Orbax's): save it and back it up now, whatever the interval
+        (``CheckpointManager.save``); so does a backup asked for by signal, at the next step.
 
         Returns after the device-to-host copy. A step that is committed or being saved is not
         saved again (False). An earlier background save's error is raised here, as Orbax does;
@@ -213,12 +215,12 @@ class OrbaxCompatibleManager:
         if self._mgr.has_step(int(step)):
             log.info("step %d is already saved or being saved; not saving it again", step)
             return False
-        if not (force or self._mgr.should_save(int(step))):
+        if not (force or backup or self._mgr.backup_requested or self._mgr.should_save(int(step))):
             return False
         # Byte items are taken now, with the arrays: the iterator's position at this step.
         state = {name: (byte_items.save_tree(kind, item_args) if (kind := byte_items.byte_item(item_args))
                         else item_args.item) for name, item_args in items.items()}
-        return self._mgr.save(int(step), state, force=force)
+        return self._mgr.save(int(step), state, force=force, backup=backup)
 
     def restore(self, step: int | None = None, args: Any = None, directory: Any = None) -> Any:
         """Restore ``step`` (default: the latest) into the items ``args`` names.

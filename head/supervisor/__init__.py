@@ -15,6 +15,9 @@ Every child is started the same way, as a standby (``mtc.head.supervisor.standby
 told to go at once. Children die with the supervisor (``PR_SET_PDEATHSIG``): a ``kill -9`` of the pod
 takes them all, and Kubernetes restarts the pod cold, as before.
 
+- SIGUSR1 to the supervisor (a backup asked for by an operator) goes to the training process where it
+  catches it (``CheckpointManager.watch_backup_requests``; the MaxText launcher does), else it is
+  logged and dropped: SIGUSR1's default action would end the process.
 - SIGTERM (or SIGINT, SIGHUP) to the supervisor goes to the training process as SIGTERM (a preemption:
   it saves the step it reached and exits 0, as without the supervisor); the standby is stopped; the
   supervisor exits with the training process's status and restarts nothing.
@@ -54,6 +57,17 @@ DEFAULT_WINDOW_S = 3600.0
 EXIT_BAD_INPUT = 2
 POLL_S = 0.02  # how often the supervisor looks at its training process (a death is seen within it)
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its ``SigCgt`` mask in /proc)."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 # In a child: what it was told when it was promoted (see promotion()).
 _promotion: dict = {}
@@ -175,10 +189,22 @@ class Supervisor:
         self._stopping = signum
         os.write(self._wake_w, b"s")
 
+    def _on_backup_request(self, signum: int, _frame) -> None:
+        """SIGUSR1 (a backup asked for: ``CheckpointManager.watch_backup_requests``) goes to the training
+        process, only where it catches it: SIGUSR1's default action would end it."""
+        training = self._training
+        if training is None or training.poll() is not None:
+            return
+        if catches(training.pid, signum):
+            os.kill(training.pid, signum)
+        else:
+            os.write(self._wake_w, b"u")  # said by the loop (no logging in a signal handler)
+
     # --- the loop --------------------------------------------------------------------------
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_backup_request)
         try:
             return self._run()
         finally:
@@ -247,5 +273,7 @@ class Supervisor:
             if code is not None:
                 return code
             ready, _, _ = select.select([self._wake_r], [], [], POLL_S)
-            if ready:
-                os.read(self._wake_r, 64)
+            if ready and b"u" in os.read(self._wake_r, 64):
+                log.warning("mtc: supervisor: SIGUSR1 (a backup asked for) not passed on: the training process (pid "
+                            "%d) does not catch it (CheckpointManager.watch_backup_requests), and it would end it",
+                            proc.pid)

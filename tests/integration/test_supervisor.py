@@ -178,3 +178,26 @@ def test_a_bad_setting_is_one_line_naming_it(tmp_path, env, says):
     r = subprocess.run([sys.executable, "-m", "mtc.head.supervisor", "--", SCRIPT, str(tmp_path), "1", "x"],
                        env=dict(os.environ, **env), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_sigusr1_asks_the_training_process_for_a_backup_where_it_watches_for_one(ramdisk, tmp_path):
+    steps = 12
+    want = _reference(tmp_path, steps)
+    run = Run(ramdisk / "job", steps, tmp_path / "out", env={"STEP_SLEEP": "0.3", "BACKUP_ROOT": str(tmp_path / "bk")})
+    run.wait_for(lambda e: e["event"] == "trained" and e["step"] == 2 and e["backups"] == [1])
+    run.proc.send_signal(signal.SIGUSR1)  # an operator, to the pod's supervisor
+    asked = run.wait_for(lambda e: e["event"] == "trained" and len(e["backups"]) == 2)
+    assert asked["backups"][0] == 1 and asked["backups"][1] >= 3  # the next step after the ask, not step 1000
+    assert run.finish() == 0, run.log[-3000:]
+    assert (tmp_path / "out").read_text() == want and len(run.starts()) == 1
+
+
+def test_sigusr1_is_not_passed_to_a_training_process_that_would_die_of_it(ramdisk, tmp_path):
+    steps = 8
+    want = _reference(tmp_path, steps)
+    run = Run(ramdisk / "job", steps, tmp_path / "out", env={"STEP_SLEEP": "0.3"})
+    run.wait_for(lambda e: e["event"] == "trained" and e["step"] == 2)
+    run.proc.send_signal(signal.SIGUSR1)
+    assert run.finish() == 0, run.log[-3000:]
+    assert (tmp_path / "out").read_text() == want and len(run.starts()) == 1  # not killed, not restarted
+    assert "SIGUSR1 (a backup asked for) not passed on" in run.log
