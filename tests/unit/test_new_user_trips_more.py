@@ -277,3 +277,14 @@ def test_demo_does_not_replace_a_backup_folder_it_did_not_make(capsys, tmp_path)
     err = capsys.readouterr().err
     assert one_line(err) and "already holds backup" in err, err
     assert (tmp_path / "backup" / "mine.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("argv, usage, meant", [
+    (["demo", "--quik"], "usage: mtc demo", "did you mean --quick?"),
+    (["size", "--params", "7B", "--hosts", "4", "--jsn"], "usage: mtc size", "did you mean --json?"),
+    (["restore-version", "show", "--bakup-root", "/b"], "usage: mtc restore-version", "did you mean --backup-root?"),
+])
+def test_a_mistyped_option_names_its_command_and_the_option_meant(capsys, argv, usage, meant):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert usage in err and meant in err and "unrecognized arguments" in err and "Traceback" not in err

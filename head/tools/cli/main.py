@@ -48,13 +48,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the command they were given to, with its usage and the option meant
+            _unrecognized(parser, argv, extra)
     except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return 2
     return args.func(args)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, argv: Sequence[str], extra: Sequence[str]) -> None:
+    """Exit 2 with the usage of the (sub)command the unknown arguments were given to, naming the
+    option each one most likely meant (argparse itself would show the top-level usage alone)."""
+    import difflib
+
+    target = parser
+    for token in argv:  # the deepest subcommand named: `mtc restore-version set ...`
+        subs = [a for a in target._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            target = subs[0].choices[token]
+    options = [o for action in target._actions for o in action.option_strings]
+    hints = []
+    for x in extra:
+        near = difflib.get_close_matches(x.split("=", 1)[0], options, n=1, cutoff=0.6) if x.startswith("-") else []
+        if near:
+            hints.append(f"{x}: did you mean {near[0]}?")
+    target.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:

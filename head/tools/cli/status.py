@@ -245,7 +245,7 @@ def _cells(st: Status, r: StepRow) -> tuple[str, ...]:
     notes = "; ".join(filter(None, [r.why_not, f"not replicated: {r.replication}" if r.replication else ""]))
     return (str(r.step), ", ".join(r.hosts) or "-",
             f"yes ({r.min_copies} copies)" if r.replicated else f"no ({r.min_copies})",
-            ", ".join(r.backups) or "-", "yes" if r.restorable else "no",
+            "\n".join(r.backups) or "-", "yes" if r.restorable else "no",
             "<- restore" if r.step == st.choice else "", notes)
 
 
@@ -254,8 +254,14 @@ def render(st: Status, console: Any) -> None:
     from rich.table import Table
 
     table = Table(title=f"steps x tiers ({len(st.hosts)} hosts)")
+    # A backup name is copied into `mtc restore-version set`: one a line, never cut or folded; the other
+    # columns fold where the terminal is narrow.
+    longest = max((len(b) for r in st.steps for b in r.backups), default=0)
     for col in COLUMNS:
-        table.add_column(col)
+        if col == "backups":
+            table.add_column(col, no_wrap=True, min_width=longest)
+        else:
+            table.add_column(col, overflow="fold")
     for r in st.steps:
         table.add_row(*(escape(c) for c in _cells(st, r)))
     console.print(table)
@@ -274,7 +280,7 @@ def render_plain(st: Status) -> None:
     print(f"steps x tiers ({len(st.hosts)} hosts)")
     print("  ".join(COLUMNS))
     for r in st.steps:
-        print("  ".join(c for c in _cells(st, r)).rstrip())
+        print("  ".join(c.replace("\n", ", ") for c in _cells(st, r)).rstrip())
     print(f"backup root: {st.backup_root or 'none configured'}; restore.version: "
           f"{'not known' if st.backup_error else st.restore_version or 'not set'}")
     print(f"restore would choose: {st.reason}")
