@@ -257,3 +257,29 @@ def test_an_unknown_core_kind_is_refused_and_a_custom_resource_is_a_note(tmp_pat
     path = tmp_path / "job.yaml"
     main(["manifests", "check", str(path)])
     assert "note: CheckpointConfiguration c: checkpointing.gke.io/v1 is a custom resource" in capsys.readouterr().out
+
+
+def _head(docs: list[dict]) -> dict:
+    return _jobset(docs)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda c: c.replace("model_name=llama3.1-8b", "..."), "holds '...', which stands for something left out"),
+    (lambda c: c.replace("run_name=", "runname="), "sets no run_name=..."),
+    (lambda c: c.replace("base_output_directory=", "base_output_dir="), "sets no base_output_directory=..."),
+    (lambda c: c + " local_checkpoint_directory=/elsewhere", "sets local_checkpoint_directory twice (/local and /elsewhere)"),
+])
+def test_a_head_command_that_cannot_run_as_written_is_refused(tmp_path, capsys, edit, says):
+    docs = _docs()
+    head = _head(docs)
+    words = head["command"][-1]
+    head["command"][-1] = edit(words)
+    assert head["command"][-1] != words
+    rc, problems, _ = _check(tmp_path, docs, capsys=capsys)
+    assert rc == 1 and any(says in p for p in problems), problems
+
+
+def test_render_refuses_a_placeholder_in_the_command(capsys):
+    assert main(["manifests", "render", "--name", "j", "--base-output-directory", "gs://b/p", "--params", "8e9",
+                 "--command", "..."]) == 2
+    assert "stands for something left out" in capsys.readouterr().err

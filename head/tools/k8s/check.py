@@ -46,7 +46,7 @@ from mtc.shared.sizing import format_bytes, ramdisk_size
 from mtc.head.tools.k8s.images import image_mismatches, image_versions
 from mtc.head.tools.k8s.options import (CSI_DRIVER, DAEMON_IMAGE_NAME, HEAD_IMAGE_NAME, JOBSET_API, RESERVED_PORTS,
                                         SIDECAR_CONTAINER, SIDECAR_IMAGE_NAME)
-from mtc.head.tools.k8s.plan import parse_quantity
+from mtc.head.tools.k8s.plan import parse_quantity, placeholders
 
 K8S_VERSION = "1.32"  # GKE's multi-tier checkpointing needs 1.32.3 or later
 SCHEMA_FILE = "jobset-v1alpha2.schema.json.gz"
@@ -293,6 +293,7 @@ def _check_jobset(js: dict, secrets: dict, r: Report, *, params, peer_token_secr
     head_pod, head = heads[0]
     flags = _flags(head)
     where_head = f"{name}, replicatedJob {head_pod.job}, container {head.name}"
+    _check_command(where_head, head, flags, r)
     if flags.get("enable_multi_tier_checkpointing", "").lower() not in ("true", "1"):
         r.problems.append(f"{where_head}: enable_multi_tier_checkpointing is "
                           f"{flags.get('enable_multi_tier_checkpointing', 'not set')}; set it to true, or MaxText "
@@ -320,6 +321,28 @@ def _check_jobset(js: dict, secrets: dict, r: Report, *, params, peer_token_secr
     _check_ports(name, pods, where_head, head, r)
     _check_tls(name, [(head_pod, head), *sidecars], r)
     return _Seen(str((js.get("metadata") or {}).get("name", "?")), namespace, pods, head_pod, head)
+
+
+def _check_command(where: str, head, flags: dict[str, str], r: Report) -> None:
+    """A head command that cannot run as written: a placeholder left in it, a flag MaxText requires
+    missing, or one given twice with different values (MaxText takes the last: which was meant?)."""
+    words = _words(head)
+    left_out = placeholders(words)
+    if left_out:
+        r.problems.append(f"{where}: the command holds {', '.join(repr(w) for w in left_out)}, which stands for "
+                          "something left out; the container runs it as written: write the whole training command")
+    for key in ("run_name", "base_output_directory"):
+        if not flags.get(key):
+            r.problems.append(f"{where}: the command sets no {key}=...; MaxText needs it (mtc keeps the backups and "
+                              f"the job's key under base_output_directory/run_name): add {key}=VALUE")
+    seen: dict[str, str] = {}
+    for w in words:
+        key, sep, value = w.partition("=")
+        if sep and key.isidentifier():
+            if key in seen and seen[key] != value:
+                r.problems.append(f"{where}: the command sets {key} twice ({seen[key]} and {value}); MaxText takes "
+                                  "the last: keep one")
+            seen[key] = value
 
 
 def _env(c) -> dict[str, str | None]:

@@ -122,12 +122,23 @@ def _slice_shape(compute_type: str, topology: str) -> tuple[Machine, int]:
     return machine, hosts
 
 
+def placeholders(words: list[str]) -> list[str]:
+    """Words of a command that stand for something left out (``...``, ``<ARGS>``): copied from a
+    usage line, they reach the container as they are, and it cannot run."""
+    return [w for w in words if "..." in w or "\u2026" in w or re.fullmatch(r"<[^<>]+>", w)]
+
+
 def _command_flags(command: str) -> dict[str, str]:
     """The ``key=value`` items of the training command (last one wins, as in MaxText)."""
     try:
         words = shlex.split(command)
     except ValueError as e:
         raise ConfigError(f"--command cannot be parsed as a shell command ({e}); check its quotes") from None
+    left_out = placeholders(words)
+    if left_out:
+        raise ConfigError(f"--command holds {', '.join(repr(w) for w in left_out)}, which stands for something "
+                          "left out: the pod would run it as written; give the whole training command, e.g. "
+                          "--command 'python3 -m mtc.head.maxtext maxtext/configs/base.yml model_name=llama3.1-8b'")
     out: dict[str, str] = {}
     for w in words:
         key, sep, value = w.partition("=")
@@ -183,7 +194,7 @@ def _merge_flags(o: ManifestOptions) -> tuple[dict[str, str], tuple[str, ...]]:
     """Every managed MaxText flag's value, and the ``key=value`` items the command lacks."""
     if not o.command.strip():
         raise ConfigError("--command is empty; give the training command, e.g. "
-                          "--command 'python3 -m maxtext.trainers.pre_train.train TRAINING_ARGS'")
+                          "--command 'python3 -m mtc.head.maxtext maxtext/configs/base.yml model_name=llama3.1-8b'")
     given = _command_flags(o.command)
     backup_in_command = any(k in given for k in ("multi_tier_checkpointing_backup_interval_minutes",
                                                  "multi_tier_checkpointing_backup_interval_steps"))
