@@ -49,6 +49,73 @@ def pytest_configure(config):
                 + ", or stop what else is running.", returncode=3)
 
 
+# --- what runs now, during the long tail -----------------------------------------------------------
+# The fast layers fill most of the dots in the first minutes; then a few slow tests (MaxText, the soak)
+# run for minutes each with no output. Every HEARTBEAT_S, the tests running longer than that are named.
+HEARTBEAT_S = 60.0
+
+
+class _Heartbeat:
+    def __init__(self, reporter) -> None:
+        import threading
+
+        self._reporter = reporter
+        self._running: dict[str, float] = {}  # nodeid -> when it started
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._loop, name="test-heartbeat", daemon=True).start()
+
+    def started(self, nodeid: str) -> None:
+        import time
+
+        with self._lock:
+            self._running[nodeid] = time.monotonic()
+
+    def finished(self, nodeid: str) -> None:
+        with self._lock:
+            self._running.pop(nodeid, None)
+
+    def _loop(self) -> None:
+        import time
+
+        while not self._stop.wait(HEARTBEAT_S):
+            now = time.monotonic()
+            with self._lock:
+                slow = sorted((now - t, n) for n, t in self._running.items() if now - t >= HEARTBEAT_S)
+                if slow:
+                    self._reporter.write_line("")
+                    for took, nodeid in slow:
+                        self._reporter.write_line(f"  still running after {took:.0f} s: {nodeid}")
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+_BEAT: list[_Heartbeat] = []  # the controller's (or a run without xdist's), once the session started
+
+
+def pytest_sessionstart(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        _BEAT[:] = [_Heartbeat(reporter)]
+
+
+def pytest_runtest_logstart(nodeid, location):
+    for beat in _BEAT:
+        beat.started(nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    for beat in _BEAT:
+        beat.finished(nodeid)
+
+
+def pytest_sessionfinish(session):
+    for beat in _BEAT:
+        beat.close()
+    _BEAT.clear()
+
+
 @pytest.fixture
 def ramdisk():
     """A fresh directory on tmpfs (/dev/shm when present), removed afterwards."""
