@@ -414,6 +414,7 @@ def kept_message(work: Path) -> str:
             + ". Look at them with:\n"
             f"  {mtc} status --local-checkpoint-directory {hosts} {backup}\n"
             f"  {mtc} restore-version show {backup}\n"
+            f"  {mtc} verify --backup --local-checkpoint-directory {hosts} {backup}\n"
             f"  {mtc} export --to {work / 'export'} --local-checkpoint-directory {hosts} --verify\n"
             f"    (export needs the export extra: {pip} install 'mtc[export]', or {pip} install -e '.[export]' in a "
             "checkout)")

@@ -53,6 +53,7 @@ def test_read_only_commands_create_no_folder_and_say_the_root_does_not_exist(job
         rc = main(["status", *spec, "--base-output-directory", base, *(["--run-name", run] if run else [])])
         out, err = capsys.readouterr()
         assert rc == 1 and "does not exist" in err and "--run-name" in err and "Traceback" not in err, err
+        assert (out + err).count("does not exist") == 1, out + err  # said once, not in the reason too
         assert "restore would choose" in out  # the hosts' steps are still shown
         assert not missing.exists() and _tree(tmp / "backup") == before
     (tmp_path / "empty" / "r" / "mtc").mkdir(parents=True)  # a root that exists and holds nothing: a note

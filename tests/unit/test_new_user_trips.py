@@ -76,6 +76,7 @@ def test_demo_keep_says_where_and_how_to_look(tmp_path):
     assert f"mtc status --local-checkpoint-directory {hosts} --base-output-directory {tmp_path / 'backup'} " \
            "--run-name demo" in text
     assert "mtc restore-version show" in text and "run name demo" in text
+    assert f"mtc verify --backup --local-checkpoint-directory {hosts} --base-output-directory" in text
 
 
 def test_demo_timeline_draws_recoveries_narrow():

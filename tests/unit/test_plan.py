@@ -118,3 +118,15 @@ def test_a_restart_cost_lowers_every_goodput_by_about_its_share_of_the_mtbf_and_
     assert p1.goodput == pytest.approx((1 - p1.local.failures - p1.backup.failures - 0.01) / (1 + saving))
     for name in ("goodput", "backup_only_goodput", "blocking_goodput"):
         assert 0.0095 < getattr(p0, name) - getattr(p1, name) <= 0.01, name
+
+
+def test_readme_plan_transcript_is_what_the_command_prints(capsys):
+    """README shows `mtc plan`'s output for the guide's example: it must be what the command prints now."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"```\n\$ (mtc plan [^\n]+)\n(.*?)```", readme, re.S)
+    assert block, "README lost its mtc plan transcript"
+    assert main(block.group(1).split()[1:]) == 0
+    assert capsys.readouterr().out == block.group(2)

@@ -96,6 +96,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{args.backup_fraction:.0%} of failures need the backup, {args.peer_fraction:.0%} of the rest a peer")
     print(f"costs per host, {how}:")
     for name, v in dataclasses.asdict(costs).items():
+        if name == "restart_s" and not v:  # --restart not given: no line that reads as "a restart is free"
+            continue
         print(f"  {name:18} {v:9.2f} s")
     print("recommended:")
     print(f"  local_checkpoint_period={period}  (every {p.local.interval_s:.0f} s = sqrt(2 x blocked x MTBF_local), "

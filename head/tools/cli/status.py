@@ -176,9 +176,8 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
             skipped = [f"step {x.step}: {x.why_not}" for x in rows if x.step > choice]
             reason = f"step {choice}, the newest whose every blob has a copy, {where}" + (
                 f" (newer: {'; '.join(skipped)})" if skipped else "")
-    if root_missing:
+    if root_missing:  # said once, after the table (the command prints backup_error to stderr)
         backup_error = root_missing
-        reason += f"; {root_missing}"
     elif backup_error:
         reason += (f"; the backup root {config.backup_root} could not be listed ({backup_error}): its backups are "
                    "not known, and a step only they hold is not counted")
