@@ -356,7 +356,7 @@ def _run(workdir: Path, steps: int, period: int, timeline_png: Path, metrics_por
         console.print(table)
         from mtc.head.tools.demo_plot import plot
 
-        plot(tl, timeline_png, steps, FAULT_SHORT)
+        plot(tl, timeline_png, steps, FAULT_SHORT, backup_every=backup_every)
         console.print(f"timeline: {timeline_png}")
         print(json.dumps({"bitwise_equal": ok, "recoveries": len(recoveries),
                           "tiers": sorted({t for r in recoveries for t, n in r.bytes_by_tier.items() if n}),
@@ -477,7 +477,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as e:
         problem = f"mtc demo needs {e.name}: pip install 'mtc[demo]' (or pip install -e '.[demo]' in a checkout)"
     steps = args.steps if args.steps is not None else (20 if args.quick else 40)
-    problem = problem or _check_args(steps, args.period, Path(args.timeline))
+    problem = problem or _check_args(steps, args.period, Path(args.timeline or "demo-out/timeline.png"))
     metrics_port, bad_port = metrics_port_of(getattr(args, "metrics_port", None))
     problem = problem or bad_port
     work = Path(args.workdir)
@@ -498,7 +498,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"mtc demo: --workdir {work} is not a writable directory ({e.strerror or e}); pass another one",
               file=sys.stderr)
         return 2
-    timeline = Path(args.timeline).resolve()
+    timeline = Path(args.timeline if args.timeline is not None else
+                    Path("demo-out") / ("timeline-quick.png" if args.quick else "timeline.png")).resolve()
     cmd = [sys.executable, "-m", "mtc.head.tools.demo", "run", "--workdir", str(work), "--steps", str(steps),
            "--period", str(args.period), "--timeline", str(timeline), "--metrics-port", str(metrics_port)]
     try:

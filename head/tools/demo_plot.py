@@ -1,7 +1,8 @@
 """The picture of ``mtc demo``: training through its faults, each recovery with the tiers it read.
 
 Recoveries are drawn narrow (a quarter of the width between them, their duration written beside
-them), so the picture shows the training, not the waiting.
+them), so the picture shows the training, not the waiting. Every mark is in the legend or the
+caption; labels are placed where they cover no other label and no training step (``_place``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 TIER_COLOR = {"ram": "tab:green", "peer": "tab:blue", "backup": "tab:purple"}
+STALL_S = 0.5  # a pause longer than this before the first step after a recovery is drawn (compiling)
 
 
 def _squeeze(recoveries: list, width: float):
@@ -29,12 +31,43 @@ def _squeeze(recoveries: list, width: float):
     return x
 
 
-def plot(tl: Any, path: Path, steps: int, fault_names: dict) -> None:
-    """The demo's timeline (``demo.Timeline``) as a PNG at ``path``."""
+def stalls(tl: Any) -> list[tuple[float, float]]:
+    """(end of a recovery, its first step) where that pause is longer than ``STALL_S``: the train step
+    compiled again (a new mesh after a slice came or went), when no step is drawn."""
+    out = []
+    for _, t1, *_ in tl.recoveries:
+        after = [t for t, _, _ in tl.steps if t > t1]
+        if after and min(after) - t1 > STALL_S:
+            out.append((t1, min(after)))
+    return out
+
+
+def _place(ax: Any, fig: Any, text: Any, tries: list[tuple[float, float]], avoid: list, points: Any) -> None:
+    """Move ``text`` (an annotation, offset in points) to the first offset of ``tries`` where its box
+    overlaps none of ``avoid`` (boxes already placed) and no point of ``points`` (display coordinates),
+    then add its box to ``avoid``. The last try is kept when none is free."""
+    renderer = fig.canvas.get_renderer()
+    for dx, dy in tries:
+        text.set_position((dx, dy))
+        box = text.get_window_extent(renderer).expanded(1.05, 1.15)
+        if any(box.overlaps(b) for b in avoid):
+            continue
+        if points is not None and len(points) and (
+                (points[:, 0] >= box.x0) & (points[:, 0] <= box.x1)
+                & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1)).any():
+            continue
+        break
+    avoid.append(text.get_window_extent(renderer))
+
+
+def plot(tl: Any, path: Path, steps: int, fault_names: dict, backup_every: int | None = None) -> tuple:
+    """The demo's timeline (``demo.Timeline``) as a PNG at ``path``; returns what the labels are, where they
+    were drawn and where the training steps were (display coordinates: what the test checks for overlaps)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     path.parent.mkdir(parents=True, exist_ok=True)
     # Recoveries take a quarter of the picture between them, training the rest.
@@ -42,7 +75,10 @@ def plot(tl: Any, path: Path, steps: int, fault_names: dict) -> None:
     training_s = max(run_s - sum(t1 - t0 for t0, t1, *_ in tl.recoveries), 1e-3)
     width = training_s / 3 / max(1, len(tl.recoveries))
     x = _squeeze(tl.recoveries, width)
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    ax.set_ylim(0, steps * 1.35)  # room above the run for the faults' names
+    right = max([x(t) for t, _, _ in tl.steps] + [x(t1) for _, t1, *_ in tl.recoveries], default=1.0)
+    ax.set_xlim(-0.02 * right, right * 1.12)
     if tl.steps:
         ax.plot([x(t) for t, _, _ in tl.steps], [s for _, s, _ in tl.steps], ".", color="0.4", ms=3,
                 label="train step")
@@ -53,25 +89,44 @@ def plot(tl: Any, path: Path, steps: int, fault_names: dict) -> None:
         ax.plot([x(t) for t, _ in tl.saves], [s for _, s in tl.saves], "o", mfc="none", color="0.55", ms=5,
                 label="local checkpoint")
     if tl.backups:
+        every = f" (every {backup_every} steps, the first at once)" if backup_every else ""
         ax.plot([x(t) for t, _ in tl.backups], [s for _, s in tl.backups], "s", mfc="none", color="tab:purple",
-                ms=9, label="backup")
-    for t, fault in tl.faults:
+                ms=9, label=f"backup{every}")
+    for i, (t0, t1) in enumerate(stalls(tl)):
+        ax.axvspan(x(t0), x(t1), color="0.85", alpha=0.6, hatch="//", lw=0,
+                   label="first step after a recovery: the train step compiles" if i == 0 else None)
+    ax.plot([], [], "-", color="tab:red", lw=1, label="fault")
+    for tier, color in TIER_COLOR.items():
+        ax.plot([], [], "*", color=color, ms=10, label=f"restored, farthest tier {tier} (shaded: the recovery)")
+    ax.set_xlabel("seconds of training (each recovery drawn narrow, its duration written beside it)")
+    ax.set_ylabel("step")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=8, ncol=3, frameon=False)
+    ax.set_title("mtc demo: training through five faults, and the tier each recovery read from")
+    fig.tight_layout()  # before the labels are placed: the layout moves the axes
+    fig.canvas.draw()
+    points = ax.transData.transform(np.array([(x(t), s) for t, s, _ in tl.steps])) if tl.steps else None
+    placed: list = []
+    texts = []
+    for t, fault in sorted(tl.faults):
         ax.axvline(x(t), color="tab:red", lw=1)
-        ax.text(x(t), steps * 1.02, fault_names[fault], rotation=90, va="top", ha="right", fontsize=8,
-                color="tab:red")
+        label = ax.annotate(fault_names[fault], (x(t), 1.0), xycoords=("data", "axes fraction"),
+                            textcoords="offset points", xytext=(-2, -3), rotation=90, va="top", ha="right",
+                            fontsize=8, color="tab:red")
+        _place(ax, fig, label, [(-2, -3), (11, -3), (-2, -60), (11, -60), (-2, -120), (11, -120)], placed, points)
+        texts.append(label)
     for t0, t1, step, tiers in tl.recoveries:
         tier = (tiers or ["ram"])[-1]  # the farthest tier it needed
         ax.axvspan(x(t0), x(t1), color=TIER_COLOR[tier], alpha=0.2)
         ax.plot([x(t1)], [step], "*", color=TIER_COLOR[tier], ms=13)
-        ax.annotate(f"step {step} from {' + '.join(tiers) or 'ram'}\n{t1 - t0:.1f} s", (x(t1), step),
-                    textcoords="offset points", xytext=(6, -18), fontsize=8, color=TIER_COLOR[tier])
-    for tier, color in TIER_COLOR.items():
-        ax.plot([], [], "*", color=color, ms=10, label=f"restored, farthest tier {tier}")
-    ax.set_xlabel("seconds of training (each recovery drawn narrow, its duration written beside it)")
-    ax.set_ylabel("step")
-    ax.set_ylim(0, steps * 1.05)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=7, frameon=False)
-    ax.set_title("mtc demo: training through five faults, and the tier each recovery read from")
-    fig.tight_layout()
+        label = ax.annotate(f"step {step} from {' + '.join(tiers) or 'ram'}\n{t1 - t0:.1f} s", (x(t1), step),
+                            textcoords="offset points", xytext=(8, -26), fontsize=8, color=TIER_COLOR[tier],
+                            arrowprops=dict(arrowstyle="-", color=TIER_COLOR[tier], lw=0.6, shrinkA=0, shrinkB=4))
+        tries = [(8, -26), (8, -48), (-70, -26), (-70, -48), (8, -70), (-70, -70), (8, 14), (-70, 14), (8, -92)]
+        _place(ax, fig, label, tries, placed, points)
+        texts.append(label)
     fig.savefig(path, dpi=110)
+    renderer = fig.canvas.get_renderer()
+    drawn = ([t.get_text() for t in texts], [t.get_window_extent(renderer) for t in texts],
+             ax.transData.transform(np.array([(x(t), s) for t, s, _ in tl.steps])) if tl.steps else np.zeros((0, 2)))
     plt.close(fig)
+    return drawn

@@ -94,3 +94,46 @@ def test_restore_version_one_level_too_high_says_where_the_backups_are(capsys, t
     assert main(["restore-version", "show", "--backup-root", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert "holds no backups" in err and f"--backup-root {root}" in err and "(none)" not in err, err
+
+
+def _timeline(faults_close: bool):
+    """A demo timeline: 40 steps, five faults (two close together when ``faults_close``), recoveries."""
+    from mtc.head.tools.demo import Timeline
+
+    tl = Timeline()
+    t, step, slices = 0.0, 0, 2
+    faults = {8: "kill_mid_save", 14: "replace_host", 20: "lose_slice", 22 if faults_close else 27: "slice_back",
+              34: "lose_all_ramdisks"}
+    while step < 40:
+        step += 1
+        if step in faults:
+            tl.faults.append((t, faults[step]))
+            tl.recoveries.append((t, t + 2.5, step - 1, ["ram", "peer"] if step % 2 else ["ram"]))
+            t += 2.5 + (3.0 if faults[step] in ("lose_slice", "slice_back") else 0.0)  # a new mesh compiles
+            slices = 1 if faults[step] == "lose_slice" else 2 if faults[step] == "slice_back" else slices
+        t += 0.3
+        tl.steps.append((t, step, slices))
+        if step % 2 == 0:
+            tl.saves.append((t, step))
+        if step % 6 == 0:
+            tl.backups.append((t + 0.1, step))
+    return tl
+
+
+@pytest.mark.parametrize("faults_close", [False, True])
+def test_demo_picture_labels_cover_no_other_label_and_no_step(tmp_path, faults_close):
+    """Labels overlapped the dots and each other ("every ramdisk lost", "4.4 s"); the gap after a slice
+    came or went was unexplained; the backups did not say how often they come."""
+    from mtc.head.tools.demo import FAULT_SHORT
+    from mtc.head.tools.demo_plot import plot, stalls
+
+    tl = _timeline(faults_close)
+    texts, boxes, points = plot(tl, tmp_path / "t.png", 40, FAULT_SHORT, backup_every=6)
+    assert (tmp_path / "t.png").stat().st_size > 10_000 and len(texts) == 5 + 5
+    for i, a in enumerate(boxes):
+        for j, b in enumerate(boxes[:i]):
+            assert not a.overlaps(b), f"{texts[i]!r} covers {texts[j]!r}"
+        inside = [(px, py) for px, py in points if a.x0 <= px <= a.x1 and a.y0 <= py <= a.y1]
+        assert not inside, f"{texts[i]!r} covers {len(inside)} training steps"
+    assert len(stalls(tl)) == 2  # the slice lost and back: drawn and in the legend
+

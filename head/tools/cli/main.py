@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", type=Path, default=None,
                       help="working directory (default: a fresh directory in /dev/shm, else in the temp directory)")
     demo.add_argument("--keep", action="store_true", help="keep the ramdisk and backup folders afterwards")
-    demo.add_argument("--timeline", type=Path, default=Path("demo-out") / "timeline.png",
-                      help="where to write the timeline picture (default demo-out/timeline.png)")
+    demo.add_argument("--timeline", type=Path, default=None,
+                      help="where to write the timeline picture (default demo-out/timeline.png; with --quick "
+                           "demo-out/timeline-quick.png, so the full run's stays)")
     demo.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                       help="serve the head's Prometheus metrics on this port while the demo runs (default: "
                            "MTC_METRICS_PORT, else none): curl -s localhost:PORT/metrics")
