@@ -308,6 +308,22 @@ def test_check_passes_for_the_lock_in_this_environment():
     assert "ok:" in out.stdout
 
 
+def test_the_maxtext_layer_runs_the_images_jax_jaxlib_and_numpy():
+    """The images install jax 0.12 on Python 3.12 (MaxText's); the unit and integration layers run on this
+    machine's python3, where that jaxlib has no wheel (3.11 here), and so on another jax. What crosses the
+    seam is therefore tested on the images' versions by the MaxText layer, whose environment (Python 3.12,
+    tests/maxtext/requirements-cpu.txt: the head and the cluster sidecars) must pin the lock's versions."""
+    lock = build.read_lock()
+    pins = {}
+    for line in (Path(build.REPO) / "tests" / "maxtext" / "requirements-cpu.txt").read_text().splitlines():
+        name, sep, ver = line.strip().partition("==")
+        if sep:
+            pins[name.lower().replace("_", "-")] = ver.split()[0]
+    for name in ("jax", "jaxlib", "numpy", "xxhash", "cloudpickle"):
+        assert pins.get(name) == lock.pins.get(name), (name, pins.get(name), lock.pins.get(name))
+    assert lock.python == "3.12"
+
+
 def test_check_reports_a_lock_whose_jax_differs_from_the_fingerprint(tmp_path):
     real = build.LOCK.read_text()
     jax = build.read_lock().jax
