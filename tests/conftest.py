@@ -49,6 +49,32 @@ def pytest_configure(config):
                 + ", or stop what else is running.", returncode=3)
 
 
+# --- layers: a test's folder is its layer marker ---------------------------------------------------
+LAYERS = ("unit", "integration", "chaos", "maxtext", "images")
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's layer (``-m unit`` selects exactly tests/unit), and refuse a test
+    that carries another folder's ``unit`` marker or sits in tests/unit with a slower layer's marker:
+    the folder and the marker must say the same."""
+    wrong = []
+    for item in items:
+        try:
+            layer = Path(str(item.path)).resolve().relative_to(_HERE).parts[0]
+        except ValueError:
+            continue
+        if layer not in LAYERS:
+            continue
+        marks = {m.name for m in item.iter_markers() if m.name in LAYERS}
+        if layer == "unit" and marks - {"unit"} or layer != "unit" and "unit" in marks:
+            wrong.append(f"{item.nodeid}: in tests/{layer}, marked {', '.join(sorted(marks))}")
+        item.add_marker(getattr(pytest.mark, layer))
+    if wrong:
+        raise pytest.UsageError("tests whose layer marker and folder disagree (move the test, or drop the marker):\n  "
+                                + "\n  ".join(wrong))
+
+
 # --- what runs now, during the long tail -----------------------------------------------------------
 # The fast layers fill most of the dots in the first minutes; then a few slow tests (MaxText, the soak)
 # run for minutes each with no output. Every HEARTBEAT_S, the tests running longer than that are named

@@ -114,7 +114,6 @@ def test_a_kernel_that_refuses_populate_write_gets_the_fallback_logged_once(tmp_
     assert len(refusals) == 1, [r.getMessage() for r in refusals]
 
 
-@pytest.mark.integration
 def test_a_fill_that_runs_out_of_room_is_declined_and_leaves_nothing(tmpfs16):
     from mtc.sidecar.colocated import _Zone
 
@@ -188,7 +187,6 @@ def test_a_colocated_save_on_a_fresh_ramdisk_lands_what_a_warm_one_lands(pages, 
 # --- cluster mode: a daemon receives a write into cold landings ------------------------------
 
 
-@pytest.mark.integration
 def test_a_daemon_receives_a_fresh_ramdisks_first_saves_with_write_then_into_warm_maps(ramdisk, inprocess_daemon):
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -216,7 +214,6 @@ def test_a_daemon_receives_a_fresh_ramdisks_first_saves_with_write_then_into_war
     assert moved[3] == (0, n)  # step 1's files, back from the pool with warm maps: received in place
 
 
-@pytest.mark.integration
 def test_a_receive_that_finds_the_ramdisk_full_goes_on_into_memory(tmpfs16):
     import socket
     import threading

@@ -168,7 +168,6 @@ def test_closing_the_store_lets_go_of_its_maps(tmp_path):
     assert mapped_inodes(root) == set() and temps(store) == []
 
 
-@pytest.mark.integration
 def test_no_room_for_every_shard_lands_none(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
     with store.landings.land([6 * MiB, 6 * MiB, 6 * MiB]) as batch:  # 18 MiB do not fit in 16
@@ -179,7 +178,6 @@ def test_no_room_for_every_shard_lands_none(tmpfs16):
         assert store.space.usage()["free_bytes"] < 5 * MiB  # fallocated: the space is taken before any byte
 
 
-@pytest.mark.integration
 def test_write_shards_hashes_first_when_only_dedupe_makes_the_step_fit(tmpfs16):
     # A step of unchanged shards needs no new space; landing it would. The service stages the
     # shards in memory, hashes them first and writes nothing.
@@ -240,7 +238,6 @@ def test_a_colocated_save_lands_its_shards_and_donation_after_save_is_safe(ramdi
 # --- cluster mode: the daemon receives a write into landings ---------------------------------
 
 
-@pytest.mark.integration
 def test_a_daemon_receives_a_write_into_landings_and_a_refused_one_leaves_nothing(ramdisk, inprocess_daemon):
     # An in-process daemon (real sockets, the real head): its store is in reach, so the test
     # can see the shards published from where the socket put them.

@@ -498,7 +498,6 @@ def test_format_bytes():
 
 # --- space (size-limited tmpfs) ------------------------------------------------------------
 
-@pytest.mark.integration
 def test_step_that_does_not_fit_writes_nothing(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=2)
     data = {1: rand_bytes(4 * MiB, 41), 2: rand_bytes(4 * MiB, 42)}
@@ -521,7 +520,6 @@ def test_step_that_does_not_fit_writes_nothing(tmpfs16):
         assert store.read_blob(json.loads(store.catalog.read(s))["shards"][0]["blob"]) == d
 
 
-@pytest.mark.integration
 def test_step_fits_after_policy_frees_the_oldest(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=2)
     data = {s: rand_bytes(6 * MiB, 50 + s) for s in (1, 2, 3)}
@@ -541,7 +539,6 @@ def test_step_fits_after_policy_frees_the_oldest(tmpfs16):
         assert got == [shared, data[s]]
 
 
-@pytest.mark.integration
 def test_check_space_never_removes_the_newest_step(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
     save_step(store, 1, [rand_bytes(10 * MiB, 60)])
@@ -550,7 +547,6 @@ def test_check_space_never_removes_the_newest_step(tmpfs16):
     assert store.catalog.committed() == [1]
 
 
-@pytest.mark.integration
 def test_disk_full_during_a_write_is_typed_and_leaves_no_temp(tmpfs16):
     store = RamStore(tmpfs16 / "mtc")
     save_step(store, 1, [b"small"])

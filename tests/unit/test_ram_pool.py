@@ -319,7 +319,6 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_ino) for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.integration
 def test_full_ramdisk_reuses_pool_files_in_place(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=2)
     data = {s: rand_bytes(5 * MiB, 110 + s) for s in range(1, 6)}
@@ -339,7 +338,6 @@ def test_full_ramdisk_reuses_pool_files_in_place(tmpfs16):
         assert store.read_blob(blob_name(data[s])) == data[s]
 
 
-@pytest.mark.integration
 def test_full_ramdisk_frees_the_pool_when_a_step_needs_its_space(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
     save_step(store, 1, [rand_bytes(4 * MiB, 120)])
@@ -357,7 +355,6 @@ def test_full_ramdisk_frees_the_pool_when_a_step_needs_its_space(tmpfs16):
     assert store.read_blob(blob_name(big)) == big
 
 
-@pytest.mark.integration
 def test_disk_full_during_a_write_frees_the_pool_and_retries(tmpfs16):
     store = RamStore(tmpfs16 / "mtc", max_to_keep=1)
     save_step(store, 1, [rand_bytes(4 * MiB, 130)])

@@ -16,7 +16,6 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "bench_save_restore.py"
 
 
-@pytest.mark.integration
 def test_bench_smoke(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     # tmpfs when there is one (the benchmark's subject); any directory works for a smoke run.
@@ -53,7 +52,6 @@ def _run_and_check(parent: str) -> None:
     assert not left, f"benchmark left {left} in {parent}"
 
 
-@pytest.mark.integration
 def test_bench_peer_smoke():
     """bench/bench_peer.py end to end, tiny: both fetch tables (a huge-page tmpfs as root) and replication bytes."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -74,7 +72,6 @@ def test_bench_peer_smoke():
                     "1 slice x 4 hosts, sharded over all": "1.00"}, out
 
 
-@pytest.mark.integration
 def test_bench_cluster_smoke():
     """bench/bench_cluster.py end to end, tiny: both fan-out tables (each save and ping both ways) and
     the restore rows against the raw loopback copy, with the restored state checked bit for bit."""
