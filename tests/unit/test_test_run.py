@@ -1,5 +1,5 @@
-"""The test run itself: it names what runs in its long silent tail, and a folder is its layer marker.
-named while it runs (a new user saw 15 minutes of dots and nothing else)."""
+"""The test run itself: a test running longer than the heartbeat is named while it runs (a new user saw
+15 minutes of dots and nothing else), and a test's folder is its layer marker."""
 
 from __future__ import annotations
 
