@@ -196,9 +196,39 @@ def _under(path: tuple, prefix: tuple) -> bool:
     return path[:len(prefix)] == prefix
 
 
+# The export writes through orbax-checkpoint's v1 partial save, whose modules are private (``_src``):
+# the versions it was tested with. Outside them it is refused, before anything is written.
+ORBAX_TESTED = ((0, 12, 8), (0, 13))  # >= 0.12.8, < 0.13
+
+
+def _orbax_version_problem(version: str) -> str | None:
+    """Why ``version`` of orbax-checkpoint is not one the export may use (None: it is)."""
+    parts = []
+    for p in version.split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit()) if p[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    low, high = ORBAX_TESTED
+    if len(parts) >= 2 and low <= tuple(parts) < high:
+        return None
+    return (f"mtc export writes with orbax-checkpoint's partial save, whose modules are private and change between "
+            f"releases; it is tested with {'.'.join(map(str, low))} up to (not including) {'.'.join(map(str, high))}, "
+            f"and this is {version}: pip install 'orbax-checkpoint>=0.12.8,<0.13' (nothing was written)")
+
+
 @functools.lru_cache(maxsize=1)
 def orbax_api() -> Any:
-    """orbax-checkpoint's v1 API and the partial-save parts the export uses (refused if missing)."""
+    """orbax-checkpoint's v1 API and the partial-save parts the export uses (refused if missing, or of a
+    version outside ``ORBAX_TESTED``)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+
+        problem = _orbax_version_problem(dist_version("orbax-checkpoint"))
+    except PackageNotFoundError:
+        problem = None  # not installed: the import below says so
+    if problem:
+        raise ExportError(problem)
     try:
         from orbax.checkpoint import v1 as ocp
         from etils import epath  # orbax-checkpoint's own dependency: imported after it, so a missing one names orbax
