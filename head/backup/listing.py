@@ -17,6 +17,7 @@ import time
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import BackupListingError, HostUnreachableError
+from mtc.shared.objstore.retry import Backoff, retry_call, retry_if
 from mtc.shared.objstore.store import TransientStoreError
 
 log = logging.getLogger("mtc.head.restore.restorer")
@@ -69,23 +70,30 @@ class BackupLister:
         Still failing: BackupListingError naming the backup root, the cause and ``what`` was sought."""
         if "unreachable" not in listing:
             return
-        cause, tries, pause = listing["unreachable"], 1, _RETRY_PAUSE_S[0]
+        cause, tries = listing["unreachable"], [1]
         t0 = time.monotonic()
+
+        def one_try() -> dict:
+            tries[0] += 1
+            try:
+                return self._dispatch.backup_listing(deadline_s=max(0.0, t0 + deadline_s - time.monotonic()))
+            except _UNREACHABLE as e:
+                log.info("backup root %s: listing try %d failed (%s: %s)", self._config.backup_root, tries[0],
+                         type(e).__name__, e)
+                raise
+
         with self._lock:
-            while (left := t0 + deadline_s - time.monotonic()) > 0:
-                tries += 1
-                try:
-                    fresh = self._dispatch.backup_listing(deadline_s=left)
-                except _UNREACHABLE as e:
-                    cause = f"{type(e).__name__}: {e}"
-                    log.info("backup root %s: listing try %d failed (%s)", self._config.backup_root, tries, cause)
-                    time.sleep(max(0.0, min(pause, t0 + deadline_s - time.monotonic())))
-                    pause = min(pause * 2, _RETRY_PAUSE_S[1])
-                    continue
+            try:
+                fresh = retry_call(one_try, policy=retry_if(lambda e: isinstance(e, _UNREACHABLE)),
+                                   deadline=deadline_s, backoff=Backoff(*_RETRY_PAUSE_S), what="backup listing")
+            except _UNREACHABLE as e:
+                cause = f"{type(e).__name__}: {e}"
+            else:
                 self._store_down = False
                 listing.clear()
                 listing.update(fresh)
                 return
+        tries = tries[0]
         raise BackupListingError(
             f"the backup root {self._config.backup_root} could not be listed ({cause}; {tries} tries, the last ones "
             f"over {deadline_s:.0f} s), so whether a backup holds {what} is not known (the hosts alone do not). "
