@@ -38,9 +38,11 @@ from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
 from mtc.shared import shardings, wire_errors
 from mtc.shared.config import MTCConfig
 from mtc.shared.host_settings import HostSettings
+from mtc.shared.objstore.retry import Backoff
 from mtc.shared.errors import ConfigError, HostUnreachableError, ManifestError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
+_JOB_POLL = Backoff(0.005, 0.5)  # how often a long sidecar job is polled: doubling, at most every 0.5 s
 
 SIDECAR_CLASS = "mtc.sidecar.colocated:ColocatedSidecar"
 
@@ -443,7 +445,7 @@ class ColocatedDispatcher(Dispatcher):
             failures = {h: e for h, e in failures.items() if h in per_host}
         jobs = {h: r["job"] for h, r in started.items() if r is not None}
         results: dict[str, Any] = {}
-        wait = 0.005
+        polls = 0
         while True:
             pending = {h: {"job": j} for h, j in jobs.items() if h not in results and h not in failures}
             if not pending:
@@ -457,8 +459,8 @@ class ColocatedDispatcher(Dispatcher):
                     else:
                         results[host] = status["result"]
             if any(h not in results and h not in failures for h in pending):
-                time.sleep(wait)  # polling a remote job: nothing to wait on locally
-                wait = min(wait * 2, 0.5)
+                polls += 1
+                time.sleep(_JOB_POLL.cap(polls))  # polling a remote job: nothing to wait on locally
 
     def _run_job(self, what: str, op: str, **kwargs: Any) -> dict[str, Any]:
         """``_run_jobs``, every host's job required to succeed (``raise_host_failures``)."""

@@ -24,12 +24,13 @@ from mtc.head.save import CommittedStep
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import StepNotFoundError
+from mtc.shared.objstore.retry import Backoff
 
 log = logging.getLogger("mtc.head.manager")  # one log for the manager's background work
 
 # How long replication of a step keeps retrying while a host it needs is down or a pull failed.
 _REPLICATION_PATIENCE_S = 1800.0
-_REPLICATION_RETRY_S = (0.05, 2.0)  # first and longest wait between attempts
+_REPLICATION_RETRY = Backoff(0.05, 2.0)  # first and longest wait between attempts (doubling)
 # How long ``wait_for_replication()`` waits by default before it reports the replication as in progress:
 # long enough for the copies of a healthy step, short enough that a host that cannot take its copies
 # (its ramdisk full) does not hold up the caller for the half hour replication keeps trying.
@@ -125,7 +126,7 @@ class Replicator:
         by_shares = bool(committed.hosts and committed.digest)
         manifest: fmt.StepManifest | None = None
         names: list[str] = []
-        attempts, delay, error = 0, _REPLICATION_RETRY_S[0], None
+        attempts, error = 0, None
         complete = replicated = False
         short: dict[str, str] = {}  # host -> why it lacks copies of the step, from the last attempt
         self._progress = {"step": step, "attempts": 0, "t0": t0, "short": {}, "error": None, "stats": stats}
@@ -168,8 +169,7 @@ class Replicator:
                     "a newer step was saved" if self._newest > step else
                     "the manager closed" if self._closing.is_set() else "gave up retrying")
                 break
-            self._closing.wait(delay)
-            delay = min(delay * 2, _REPLICATION_RETRY_S[1])
+            self._closing.wait(_REPLICATION_RETRY.cap(attempts))
         if short and not replicated:
             error = "; ".join(filter(None, [error, *(f"host {h}: {why}" for h, why in sorted(short.items()))]))
         return self._finish(ReplicationReport(step=step, complete=complete, replicated=replicated,
