@@ -77,7 +77,8 @@ BAD_READS = [({"step": "one"}, "'step'"), ({"step": -1}, "'step'"), ({"gen": "me
              ({"manifest": 5}, "'manifest'"), ({"manifest": "d" * 200}, "'manifest'")]
 BAD_CLUSTER_READS = [({"reads": "all"}, "'reads'"), ({"reads": [["w"]]}, r"reads\[0\]"),
                      ({"reads": [["w", [[0, -1]]]]}, r"reads\[0\]"), ({"stream": [5]}, "'stream'")]
-BAD_COLOCATED_READS = [({"arrays": "all"}, "'arrays'"), ({"arrays": [{"key": 3}]}, r"arrays\[0\]")]
+BAD_COLOCATED_READS = [({"arrays": "all"}, "'arrays'"), ({"arrays": [{"key": 3}]}, r"arrays\[0\]"),
+                       ({"shardings": None}, "'shardings'"), ({"shardings": [{"device_runs": [[0, -1]]}]}, "device_runs")]
 
 
 def _with(header: dict, change: dict) -> dict:
@@ -183,7 +184,7 @@ def test_a_write_with_other_payloads_than_its_shards_is_refused_by_a_daemon(clus
 
 @pytest.mark.parametrize("change,match", BAD_READS + BAD_COLOCATED_READS)
 def test_a_bad_load_header_is_refused_by_the_colocated_transport(colocated, change, match):
-    good = {"step": 1, "arrays": []}
+    good = {"step": 1, "arrays": [], "shardings": []}
     _refused(lambda: colocated.col.load(_request(_with(good, change))), match, colocated.root)
 
 
@@ -239,8 +240,8 @@ def test_a_write_reads_back_bit_for_bit_in_both_transports(colocated, cluster):
             specs = [{"key": leaf.key, "shape": [leaf.value.nbytes], "dtype": "uint8", "as_bytes": True}
                      if leaf.kind == "numpy" else {"key": leaf.key, "shape": list(leaf.shape), "dtype": leaf.dtype}
                      for leaf in leaves]
-            got = host.col.load(_request({"step": 2, "manifest": digest,
-                                          "arrays": [{**s, "sharding": cpu} for s in specs]}))
+            got = host.col.load(_request({"step": 2, "manifest": digest, "shardings": [cpu],
+                                          "arrays": [{**s, "sharding": 0} for s in specs]}))
             back = [np.asarray(a).tobytes() for a in got]
         else:
             reply = host.call("read", {"step": 2, "manifest": digest,
