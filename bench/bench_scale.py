@@ -41,6 +41,7 @@ import time
 
 from mtc.head.dispatch.interface import HostInventory, choose_keepers
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
+from mtc.head.tools.cli.status import copies_by_share
 from mtc.shared import format as fmt
 from mtc.shared import protocol, shardings
 
@@ -187,7 +188,15 @@ def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.Ho
                           "manifest": digest}, separators=(",", ":"))
     spent = time.process_time() - t0
     hosts = len(per_host)
-    return {"restore_s": spent, "restore_sent": len(request) * hosts,
+    # `mtc status`'s summary of the step from the same answers: on how many slices each share is whole.
+    t1 = time.process_time()
+    inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
+    header = fmt.StepHeader.from_line(line)
+    views = step_views(inv, None, lambda s, d: header if d == digest else None)
+    copies = copies_by_share(inv, 1, digest, header, {h: int(h[1:]) // HOSTS_PER_SLICE for h in per_host})
+    assert views[1].by_parts and min(copies) >= 1
+    status_s = time.process_time() - t1
+    return {"restore_s": spent, "status_s": status_s, "restore_sent": len(request) * hosts,
             "restore_received": sum(len(w) for w in wire.values()) + len(line)}
 
 
@@ -269,14 +278,14 @@ def main() -> None:
               f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} |")
     print(f"\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")
     print("| hosts | head CPU | head sends | head receives | head sends per host | head receives per host "
-          "| reading every row instead (a host lost its part; head CPU) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          "| `mtc status` (head CPU) | reading every row instead (a host lost its part; head CPU) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         old = (f"{r['old_restore_s']:.2f} s" if r["old_restore_s"] is not None
                else f"skipped (about {r['keeper_estimate_s']:.0f} s and more)")
         print(f"| {r['hosts']} | {r['restore_s'] * 1e3:,.0f} ms | {_mib(r['restore_sent'])} | "
               f"{_mib(r['restore_received'])} | {_mib(r['restore_sent'] / r['hosts'])} | "
-              f"{_mib(r['restore_received'] / r['hosts'])} | {old} |")
+              f"{_mib(r['restore_received'] / r['hosts'])} | {r['status_s'] * 1e3:,.0f} ms | {old} |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         print(f"\n- restore, {a1['hosts'] / a0['hosts']:.0f}x the hosts: head bytes sent per host "

@@ -111,3 +111,41 @@ def test_a_host_that_lost_its_part_is_refilled_by_the_rows(local_cluster, rows_p
         rep = m.last_restore_report
         assert rep.bytes_by_tier["peer"] > 0
         assert rows_parsed[0] > 0
+
+
+def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parsed, capsys, monkeypatch):
+    """Status of a whole job: from the header and each host's word on its own share (O(hosts)); no
+    shard row parsed, and no host's bitmap over the step's blob names read (what the rows path reads)."""
+    import json
+
+    from mtc.head.replication import plan as replication_plan
+    from mtc.head.tools.cli.main import main
+
+    bits = [0]
+    real = replication_plan.protocol.decode_bitmap
+
+    def counting(held, n):
+        bits[0] += n
+        return real(held, n)
+
+    monkeypatch.setattr(replication_plan.protocol, "decode_bitmap", counting)
+    with manager(local_cluster, replication_factor=2) as m:
+        m.save(1, make_state(1))
+        m.save(2, make_state(2))
+        m.wait_until_finished()
+        assert m.wait_for_replication().replicated
+    rows_parsed[0] = bits[0] = 0
+    assert main(["status", "--cluster-spec", str(local_cluster.spec_path), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert rows_parsed[0] == 0 and bits[0] == 0, (rows_parsed[0], bits[0])
+    assert [(r["step"], r["replicated"], r["min_copies"], r["restorable"]) for r in st["steps"]] == [
+        (1, True, 2, True), (2, True, 2, True)]
+    assert st["choice"] == 2
+    # A host that lost its ramdisk: its share is whole on one slice only; status reads the blob rows.
+    local_cluster.wipe("s1-h1")
+    local_cluster.restart("s1-h1")
+    assert main(["status", "--cluster-spec", str(local_cluster.spec_path), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert rows_parsed[0] + bits[0] > 0
+    assert [(r["step"], r["replicated"], r["min_copies"], r["restorable"]) for r in st["steps"]] == [
+        (1, False, 1, True), (2, False, 1, True)]

@@ -85,7 +85,19 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
         except MTCError:
             return None
 
-    views = step_views(inv, manifest)
+    headers: dict[str, Any] = {}
+
+    def header(step: int, digest: str):
+        """The manifest's header line (O(arrays + hosts)): a step whose every part is whole where it was
+        written is summed up from it and the inventories, without reading a row (``StepView.by_parts``)."""
+        if digest not in headers:
+            try:
+                headers[digest] = dispatch.manifest_header(step, digest)
+            except MTCError:
+                headers[digest] = None
+        return headers[digest]
+
+    views = step_views(inv, manifest, header)
     listing = {"backups": [], "restore_version": None}
     notes: list[str] = []
     backup_error = None
@@ -110,6 +122,13 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                                 "" if backups else "on no host"))
             continue
         n_slices = len(set(slice_of.values()))
+        if v.by_parts and not verify:  # every part whole where it was written: the copies by shares, O(hosts)
+            copies = copies_by_share(inv, step, v.manifest, headers[v.manifest], slice_of)
+            restorable = not unreachable or bool(backups)
+            replicated = bool(copies) and min(copies) >= factor
+            rows.append(StepRow(step, sorted(v.hosts), sorted(v.whole), min(copies) if copies else 0, replicated,
+                                backups, restorable, "", "" if replicated else _pull_failures(inv, step)))
+            continue
         holders = [set(hs) for hs in v.holders]
         corrupt: list[str] = []
         names = _blob_names(dispatch, step) if (verify or not v.restorable) else []
@@ -226,6 +245,22 @@ def _pull_failures(inv: dict, step: int) -> str:
     notes = [f"{h} could not take its copies {age:.0f} s ago: {why}" for h, i in sorted(inv.items())
              for s, why, age in i.pull_failures if s == step]
     return "; ".join(notes) + ("; the head's replication retries while it runs" if notes else "")
+
+
+def copies_by_share(inv: dict, step: int, digest: str, header: Any, slice_of: dict[str, int]) -> list[int]:
+    """For each host's part of ``step``: on how many failure domains (slices; hosts with one slice) a host
+    holds that share whole. Its writer and its data-parallel twins (the same share, held whole), and the
+    hosts that keep copies of it (they keep the whole manifest, and report the shares they hold whole):
+    what the replication decision counts (``covered_by_shares``), without a blob name."""
+    rows = {h: s for h, i in inv.items() if not i.error for s in i.steps if s.step == step and s.manifest == digest}
+    many = len(set(slice_of.values())) > 1
+    out = []
+    for host, _ in header.parts:
+        own = rows[host].own if host in rows else ""
+        holders = {g for g, s in rows.items() if own and ((s.own == own and s.local_blobs == s.blobs)
+                                                          or own in s.copies)}
+        out.append(len({slice_of.get(g, 0) for g in holders} if many else holders))
+    return out
 
 
 def _blob_names(dispatch: Any, step: int) -> list[str]:
