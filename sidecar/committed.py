@@ -11,12 +11,14 @@ the digest; what this sidecar committed repairs a step file damaged under it. ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Sequence
 
 from mtc.shared import format as fmt
-from mtc.shared import protocol
+from mtc.shared import protocol, shardings
+from mtc.shared.format.base import canonical_json
 from mtc.shared.host_reports import HostInventory, StepHolding
 from mtc.shared.errors import ManifestError, MTCError, RecordOnlyError, StepNotFoundError
 from mtc.sidecar.peer import PeerClient
@@ -189,6 +191,61 @@ class CommittedSteps:
             if want not in boxes.get(key, ()):
                 return self.manifest(step)
         return view
+
+    def own_view(self, step: int) -> fmt.StepManifest:
+        """Every array of ``step``, with the shards of this host's own part: from the whole manifest where
+        this host keeps it, else its local view (the header from a keeper, its own part checked against it)."""
+        whole = self.index.manifest(step)
+        if whole is None:
+            rec = self._record(step)
+            if rec is not None:
+                held = self.index.view(step)
+                if held is not None and held[0].digest == rec.digest:
+                    return held[0]
+                return fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True), self.host_id,
+                                                   rec.part, source=f"{self.host_id} step {step} local view")
+            whole = self.manifest(step)
+        mine = whole.part_blobs.get(self.host_id)
+        if mine is None:
+            raise ManifestError(f"host {self.host_id}: step {step} has no part of this host (an older format?)")
+        return dataclasses.replace(whole, arrays=tuple(
+            dataclasses.replace(a, shards=tuple(sh for sh in a.shards if sh.blob in mine)) for a in whole.arrays))
+
+    def designated_uploads(self, step: int) -> list[str]:
+        """The blobs of its own part this host uploads in a backup of ``step`` that the hosts share out among
+        themselves, each unique box by exactly one host and no head planning: of the devices that held a
+        box (its sharding's description), the one its blob's name picks (spreading the boxes over the
+        holders), uploads it; a numpy leaf, which every host wrote, goes to the host its name picks. Which
+        host holds which device is the manifest's ``topology.devices``; ManifestError without it (a step
+        saved by an older version: the head plans the uploads itself)."""
+        view = self.own_view(step)
+        devices = view.topology.get("devices")
+        if not isinstance(devices, dict) or not devices:
+            raise ManifestError(f"step {step} records no devices per host (saved by an older version)")
+        host_of = {int(d): h for h, ids in devices.items() for d in ids}
+        hosts = sorted(devices)
+        out: set[str] = set()
+        holders: dict[tuple, dict] = {}  # (description, shape) -> box -> devices that held it, sorted
+        for rec in view.arrays:
+            for sh in rec.shards:
+                pick = int(sh.blob[:8], 16)
+                if rec.kind != "jax" or rec.sharding is None:
+                    if hosts[pick % len(hosts)] == self.host_id:
+                        out.add(sh.blob)
+                    continue
+                key = (canonical_json(rec.sharding), rec.shape)
+                boxes = holders.get(key)
+                if boxes is None:
+                    boxes = {}
+                    for dev, box in (shardings.described_device_boxes(rec.sharding, rec.shape) or {}).items():
+                        boxes.setdefault(box, []).append(dev)
+                    boxes = holders[key] = {b: sorted(ds) for b, ds in boxes.items()}
+                devs = boxes.get(sh.box)
+                if not devs:  # boxes its description does not give (an unusual sharding): this host uploads it
+                    out.add(sh.blob)
+                elif host_of.get(devs[pick % len(devs)]) == self.host_id:
+                    out.add(sh.blob)
+        return sorted(out)
 
     # --- inventory and verify --------------------------------------------------------------
 

@@ -226,11 +226,21 @@ def _job(args: dict, payloads: Sequence[bytes]) -> Args:
 
 
 def _backup_upload(args: dict, payloads: Sequence[bytes]) -> Args:
+    if "step" in args:  # this host's designated share of the step's boxes, instead of a list of blobs
+        if "blobs" in args:
+            raise ProtocolError("backup_upload: give 'blobs' or 'step', not both")
+        return (None,), {"step": step_arg(args)}
     return (_names(args.get("blobs"), "backup_upload"),), {}
 
 
 def _backup_finalize(args: dict, payloads: Sequence[bytes]) -> Args:
     name = _name(args, "backup_finalize")
+    if not payloads and "step" in args:  # from this host's own copy of the manifest, checked by its digest
+        digest = args.get("digest")
+        if not isinstance(digest, str) or not 0 < len(digest) <= 128:
+            raise ProtocolError("backup_finalize: 'digest' must be the manifest's digest (at most 128 characters)")
+        return (name, None), {"generation": gen_arg(args, where="backup_finalize"), "step": step_arg(args),
+                              "digest": digest}
     (manifest,) = _payloads(payloads, "backup_finalize (the step manifest)", exactly=1)
     return (name, manifest), {"generation": gen_arg(args, where="backup_finalize")}
 

@@ -225,17 +225,25 @@ class SidecarService:
                                                            store=open_store(url, create=False))
             return tier
 
-    def backup_upload(self, blobs: list[str]) -> dict:
-        """Upload the blobs the head assigned to this host (those the store lacks)."""
-        return self._backup_tier().upload(list(blobs))
+    def backup_upload(self, blobs: list[str] | None, step: int | None = None) -> dict:
+        """Upload the blobs the head assigned to this host (those the store lacks); with ``step``
+        instead, this host's share of the step's unique boxes (``Committed.designated_uploads``)."""
+        if step is not None:
+            blobs = self.committed.designated_uploads(step)
+        return self._backup_tier().upload(list(blobs or []))
 
-    def backup_finalize(self, name: str, manifest_json: bytes, max_to_keep: int | None = None, *,
-                        generation: int | None = None) -> dict:
+    def backup_finalize(self, name: str, manifest_json: bytes | None, max_to_keep: int | None = None, *,
+                        generation: int | None = None, step: int | None = None, digest: str | None = None) -> dict:
         """Make backup ``name`` visible, then keep the newest ``max_to_keep`` (default: the head's
         ``backup_max_to_keep``); ``generation`` is the asking head's (``admit`` checked it once):
         checked again before every bucket operation, so that a head fenced off meanwhile neither
         makes a backup visible nor prunes beside the next head."""
         what = f"backup_finalize of {name} on host {self.host_id}"
+        if manifest_json is None:  # this host's own copy of the step's manifest (fetched whole if it kept a record)
+            manifest_json = bytes(self.committed.manifest_bytes(step))
+            if fmt.step_digest(manifest_json) != digest:
+                raise ManifestError(f"host {self.host_id}: its manifest of step {step} is not the one the head "
+                                    f"backs up ({str(digest)[:12]}); not finalizing {name}")
         tier = self._backup_tier()
         keep = self.settings.backup_max_to_keep if max_to_keep is None else max_to_keep
         return tier.finalize(name, manifest_json, keep, guard=lambda: self.lease.check(generation, what),

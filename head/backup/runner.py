@@ -22,6 +22,7 @@ from mtc.head.reports import BackupReport
 from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
+from mtc.shared.errors import MTCError
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +76,46 @@ class BackupRunner:
         skipped, self._skipped = self._skipped, 0
         self._pending = self._executor.submit(self._run, committed, skipped)
 
+    def _parts_plan(self, committed: CommittedStep) -> tuple[list[str], str] | None:
+        """(the hosts that upload their parts, the host that finalizes) for a backup with no manifest read on
+        the head, O(hosts): when every host holds its own part of the step whole (the inventories) and the
+        manifest records which host held which device (its header), the hosts share the uploads out among
+        themselves (each unique box by one host) and a host that keeps the manifest finalizes from its own
+        copy. None when it cannot go that way (a host that lost its part, a step of an older version)."""
+        from mtc.head.replication.plan import whole_by_parts
+
+        step, digest = committed.step, committed.digest
+        if not digest:
+            return None
+        rows = {h: s for h, inv in self._dispatch.inventories().items() if not inv.error
+                for s in inv.steps if s.step == step}
+        header = self._dispatch.manifest_header(step, digest)
+        if header.devices is None or not whole_by_parts(step, digest, rows, lambda s, d: header):
+            return None
+        hosts = [h for h, _ in header.parts]
+        keepers = [h for h in hosts if not rows[h].part] or hosts  # a keeper finalizes from the copy it has
+        return hosts, keepers[0]
+
     def _run(self, committed: CommittedStep, skipped: int) -> BackupReport:
         t0 = time.perf_counter()
         step = committed.step
         try:
-            manifest = committed.manifest
-            hosts = self._dispatch.hosts()
-            up = self._dispatch.backup_upload(assign_uploads(manifest, hosts, self._dispatch.host_of_device))
             name = backup_layout.backup_name(step)
-            host = sorted(up)[0] if up else hosts[0]
-            self._dispatch.backup_finalize(host, name, manifest)
+            up = None
+            try:
+                plan = self._parts_plan(committed)
+                if plan is not None:
+                    up = self._dispatch.backup_upload_parts(step, plan[0])
+            except MTCError as e:  # the head plans them instead; what was uploaded stays (named by content)
+                log.info("backup of step %d: not by the hosts' parts (%s); the head plans the uploads", step, e)
+            if up is not None:
+                self._dispatch.backup_finalize_step(plan[1], name, step, committed.digest)
+            else:
+                manifest = committed.manifest
+                hosts = self._dispatch.hosts()
+                up = self._dispatch.backup_upload(assign_uploads(manifest, hosts, self._dispatch.host_of_device))
+                host = sorted(up)[0] if up else hosts[0]
+                self._dispatch.backup_finalize(host, name, manifest)
             report = BackupReport(
                 step=step, name=name,
                 uploaded_bytes=sum(u.get("uploaded_bytes", 0) for u in up.values()),

@@ -512,6 +512,13 @@ class ColocatedDispatcher(Dispatcher):
         return self._run_job("backup upload", "backup_upload",
                              per_host={h: {"blobs": b} for h, b in assignments.items()})
 
+    def backup_upload_parts(self, step: int, hosts: list[str]) -> dict[str, dict]:
+        return self._run_job("backup upload", "backup_upload", per_host={h: {"step": step} for h in hosts})
+
+    def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
+        replies = dict(self._control("backup_finalize", per_host={host: {}}, name=name, step=step, digest=digest))
+        return replies[host]
+
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         replies = dict(self._control("backup_finalize", per_host={host: {}}, name=name,
                                      payloads=(manifest.to_json(),)))

@@ -232,6 +232,17 @@ class Dispatcher(abc.ABC):
         """Every host uploads the blobs assigned to it; host id -> what it uploaded."""
 
     @abc.abstractmethod
+    def backup_upload_parts(self, step: int, hosts: list[str]) -> dict[str, dict]:
+        """Every host of ``hosts`` uploads its designated share of ``step``'s unique boxes
+        (``Committed.designated_uploads``: the hosts share the work out among themselves, by the
+        manifest's sharding descriptions and ``topology.devices``); host id -> what it uploaded."""
+
+    @abc.abstractmethod
+    def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
+        """``backup_finalize`` from the host's own copy of the manifest of ``step`` (``digest``): the head
+        sends no manifest."""
+
+    @abc.abstractmethod
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         """One host makes backup ``name`` visible (manifest last, create-only), then keeps the
         newest ``backup_max_to_keep`` (the settings the hosts were configured with)."""

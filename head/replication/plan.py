@@ -26,7 +26,7 @@ from mtc.shared import protocol
 log = logging.getLogger(__name__)
 
 __all__ = ["ReplicationStrategy", "StepView", "Transfer", "covered_by_shares", "plan_shares", "step_views",
-           "summarize"]
+           "summarize", "whole_by_parts"]
 
 
 class Transfer(NamedTuple):
@@ -202,7 +202,7 @@ def _without_steps(inv: HostInventory, steps: set[int]) -> HostInventory:
     return dataclasses.replace(inv, steps=tuple(s for s in inv.steps if s.step not in steps))
 
 
-def _whole_by_parts(step: int, manifest: str, rows: Mapping[str, StepHolding],
+def whole_by_parts(step: int, manifest: str, rows: Mapping[str, StepHolding],
                     header: Callable[[int, str], "fmt.StepHeader | None"]) -> bool:
     """Whether every host that wrote a part of ``step`` (its manifest's header says which) answered
     that it holds that part whole, under ``manifest``: O(hosts), no blob name read."""
@@ -246,7 +246,7 @@ def step_views(inventories: Mapping[str, HostInventory],
         for step, by_host in sorted(rows.items()):
             votes = Counter(s.manifest for s in by_host.values())
             manifest = max(votes, key=lambda d: (votes[d], d))
-            if _whole_by_parts(step, manifest, by_host, header):
+            if whole_by_parts(step, manifest, by_host, header):
                 agreeing = {h: s for h, s in by_host.items() if s.manifest == manifest}
                 whole = tuple(sorted(h for h, s in agreeing.items() if s.local_blobs == s.blobs))
 

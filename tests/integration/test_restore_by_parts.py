@@ -149,3 +149,28 @@ def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parse
     assert rows_parsed[0] + bits[0] > 0
     assert [(r["step"], r["replicated"], r["min_copies"], r["restorable"]) for r in st["steps"]] == [
         (1, False, 1, True), (2, False, 1, True)]
+
+
+def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local_cluster, ramdisk, rows_parsed):
+    """The hosts share the uploads out among themselves (each unique box by one of the hosts that hold
+    it) and a keeper finalizes from its own copy: the head reads no shard row. The backup restores bit
+    for bit after every ramdisk is lost."""
+    state = make_state(5)
+    cfg = dict(base_output_directory=str(ramdisk / "bucket"), run_name="r",
+               multi_tier_checkpointing_backup_interval_steps=1)
+    with manager(local_cluster, **cfg) as m:
+        rows_parsed[0] = 0  # from the save on: replication (data-parallel twins) and the backup read no row
+        m.save(5, state)
+        m.wait_until_finished()
+        assert m.wait_for_replication().replicated
+        report = m.wait_for_backup()
+        assert report.error is None and rows_parsed[0] == 0, (report, rows_parsed[0])
+        want = {sh.blob for a in m.manifest(5).arrays for sh in a.shards}
+        assert report.uploaded_blobs == len(want), (report.uploaded_blobs, len(want))  # each once, none left out
+        assert len([h for h, n in report.bytes_by_host.items() if n]) >= 2  # spread over the holders
+    for h in local_cluster.hosts:
+        local_cluster.wipe(h)
+        local_cluster.restart(h)
+    with manager(local_cluster, **cfg) as m:
+        assert_trees_bitwise_equal(state, m.restore(5))
+        assert m.last_restore_report.source != "cluster"

@@ -352,6 +352,15 @@ class ClusterDispatcher(Dispatcher):
         raise_host_failures("backup upload", failures)
         return results
 
+    def backup_upload_parts(self, step: int, hosts: list[str]) -> dict[str, dict]:
+        results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
+            h, "backup_upload", {"step": step}), list(hosts), lane="backup")
+        raise_host_failures("backup upload", failures)
+        return results
+
+    def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
+        return self.lanes.call(host, "backup_finalize", {"name": name, "step": step, "digest": digest}).result
+
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         return self.lanes.call(host, "backup_finalize", {"name": name}, [manifest.to_json()]).result
 
