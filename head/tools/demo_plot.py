@@ -32,14 +32,23 @@ def _squeeze(recoveries: list, width: float):
 
 
 def stalls(tl: Any) -> list[tuple[float, float]]:
-    """(end of a recovery, its first step) where that pause is longer than ``STALL_S``: the train step
-    compiled again (a new mesh after a slice came or went), when no step is drawn."""
+    """(end of a recovery, its first step) where that pause is longer than ``STALL_S`` or five of the run's
+    usual steps: the train step compiled again (a new mesh after a slice came or went), when no step is drawn."""
+    times = sorted(t for t, _, _ in tl.steps)
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    usual = gaps[len(gaps) // 2] if gaps else STALL_S
     out = []
     for _, t1, *_ in tl.recoveries:
-        after = [t for t, _, _ in tl.steps if t > t1]
-        if after and min(after) - t1 > STALL_S:
+        after = [t for t in times if t > t1]
+        if after and min(after) - t1 > min(STALL_S, 5 * usual):
             out.append((t1, min(after)))
     return out
+
+
+def _at_step(tl: Any, t: float, step: int) -> float:
+    """When ``step`` was trained last before ``t`` (a backup is drawn on the step it holds, not when it ended)."""
+    when = [ts for ts, s, _ in tl.steps if s == step and ts <= t]
+    return max(when) if when else t
 
 
 def _place(ax: Any, fig: Any, text: Any, tries: list[tuple[float, float]], avoid: list, points: Any) -> None:
@@ -90,8 +99,8 @@ def plot(tl: Any, path: Path, steps: int, fault_names: dict, backup_every: int |
                 label="local checkpoint")
     if tl.backups:
         every = f" (every {backup_every} steps, the first at once)" if backup_every else ""
-        ax.plot([x(t) for t, _ in tl.backups], [s for _, s in tl.backups], "s", mfc="none", color="tab:purple",
-                ms=9, label=f"backup{every}")
+        ax.plot([x(_at_step(tl, t, s)) for t, s in tl.backups], [s for _, s in tl.backups], "s", mfc="none",
+                color="tab:purple", ms=9, label=f"step backed up{every}")
     for i, (t0, t1) in enumerate(stalls(tl)):
         ax.axvspan(x(t0), x(t1), color="0.85", alpha=0.6, hatch="//", lw=0,
                    label="first step after a recovery: the train step compiles" if i == 0 else None)
