@@ -17,7 +17,6 @@ from mtc.shared import wire_errors
 from mtc.shared.errors import ProtocolError
 from mtc.shared.protocol import loads_message
 
-DIGEST_LEN = 16  # bytes of a blob name's digest (xxh3-128) in a phase-1 answer
 
 
 def encode_request(payload: dict) -> np.ndarray:

@@ -8,8 +8,9 @@ Colocated calls take and return only ``jax.Array``s on one device list, so this 
 array codec around ``SidecarService``:
 - control requests travel as uint8 rows of JSON (one row per device of the list); ``call``
   answers the size of each host's reply, ``fetch`` returns the replies padded to one width;
-- ``write`` takes the staged state and answers the xxh3 digest of every shard, per device,
-  in a fixed-shape uint8 array, from which the head builds the step manifest;
+- ``write`` takes the staged state, writes this host's shards and answers one byte per device
+  (done: the call's output must be an array); the head then fetches each host's part of the step
+  manifest (``part``) and builds the manifest from the parts, unread;
 - on a CPU backend (this object in the head's process) the service also registers a landing
   zone (``mtc.shared.landing_zones``): the head's staging copy lands in mapped ramdisk files, and
   ``write`` hashes and publishes them in place (one copy per save). On Pathways the arrays
@@ -31,7 +32,7 @@ from mtc.shared import format as fmt
 from mtc.shared import landing_zones, shardings, tls, wire_errors
 from mtc.shared.auth import resolve_token
 from mtc.shared.buffers import aligned_empty
-from mtc.shared.colocated_codec import DIGEST_LEN, decode_request, encode_reply
+from mtc.shared.colocated_codec import decode_request, encode_reply
 from mtc.shared.errors import ConfigError, ProtocolError
 from mtc.shared.ramdisk import is_no_space
 from mtc.sidecar import ops
@@ -203,7 +204,7 @@ class ColocatedSidecar:
     # --- data --------------------------------------------------------------------------
 
     def write(self, request, *arrays):
-        """Phase 1: write this host's shards of the staged state; answer digests per device.
+        """Phase 1: write this host's shards of the staged state; answer one byte per device (done).
 
         The header (``ops.parse_write``) names each array's leaf and shape; the arrays are
         checked against it before anything is written."""
@@ -212,22 +213,14 @@ class ColocatedSidecar:
         header = ops.data_header(svc, "write", req, len(arrays), "colocated")
         header.check_arrays([(arr.shape, arr.dtype) for arr in arrays])
         shards = []
-        per_device: dict[Any, list[tuple[int, fmt.Box]]] = {}
-        for i, (arr, spec) in enumerate(zip(arrays, header.arrays)):
+        for arr, spec in zip(arrays, header.arrays):
             whole = tuple((0, n) for n in spec.shape)
             for sh in arr.addressable_shards:
                 box = whole if spec.as_bytes else fmt.box_from_index(sh.index, arr.shape)
                 shards.append((spec.index, box, np.asarray(sh.data)))
-                per_device.setdefault(sh.device, []).append((i, box))
-        manifest = ops.method_of(svc, "write")(header.step, shards, part=header.part)
-        digest = {(s.array, s.box): bytes.fromhex(s.blob) for s in manifest.shards}
-        rows = {}
-        for dev in request.sharding.addressable_devices:
-            row = np.zeros((len(arrays), DIGEST_LEN), np.uint8)
-            for i, box in per_device.get(dev, []):
-                row[i] = np.frombuffer(digest[(header.arrays[i].index, box)], np.uint8)
-            rows[dev] = row
-        return _rows(request, rows, (len(arrays), DIGEST_LEN), np.uint8)
+        ops.method_of(svc, "write")(header.step, shards, part=header.part)
+        return _rows(request, {dev: np.ones(1, np.uint8) for dev in request.sharding.addressable_devices}, (1,),
+                     np.uint8)
 
     def load(self, request):
         """Restore: build each requested array on this host's devices from verified blobs."""

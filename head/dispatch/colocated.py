@@ -34,7 +34,7 @@ from mtc.head.save import plan_commit
 from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones
-from mtc.shared.colocated_codec import DIGEST_LEN, decode_reply, encode_request
+from mtc.shared.colocated_codec import decode_reply, encode_request
 from mtc.shared import shardings, wire_errors
 from mtc.shared.config import MTCConfig
 from mtc.shared.host_settings import HostSettings
@@ -281,7 +281,6 @@ class ColocatedDispatcher(Dispatcher):
     def write(self, step: int, staged: list[_Group]) -> WriteResult:
         for part, g in enumerate(staged):
             sharding = _row_sharding(g.devices)
-            n = len(g.arrays)
             # The header of a write in both modes (docs/architecture.md, "The seam"): each array's
             # leaf and shape; a host numpy leaf travels as its flat bytes, its box its own shape.
             arrays = [{"index": leaf.index, "shape": list(leaf.shape), "as_bytes": True} if leaf.kind == "numpy"
@@ -289,7 +288,7 @@ class ColocatedDispatcher(Dispatcher):
             req = self._request_array({"step": step, "part": part, "gen": self.generation, "arrays": arrays},
                                       g.devices)
             fn = self._obj.write.specialize(out_specs_fn=lambda *a: jax.ShapeDtypeStruct(
-                (len(g.devices), n, DIGEST_LEN), np.uint8, sharding=sharding))
+                (len(g.devices), 1), np.uint8, sharding=sharding))  # one byte a device: done
             jax.block_until_ready(fn(req, *g.arrays))
         # Each host's part of the step manifest, as it wrote it: forwarded, not parsed.
         parts = {host: blobs[0] for host, _, blobs in self._exchange("part", None, (), None, {"step": step})}
