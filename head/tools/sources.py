@@ -11,6 +11,7 @@ those no other folder is. ``ID=DIR`` names it where that cannot tell.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from mtc.shared import format as fmt
 from mtc.shared import protocol
@@ -195,3 +196,29 @@ def open_hosts(cluster_spec: str | None = None, rows: Sequence[tuple[str, Path, 
         raise
     devices = [SimpleNamespace(id=i) for i in range(sum(h.devices for h in spec.hosts))]
     return Hosts(spec_path, temp.token if temp is not None else "", spec, devices, temp)
+
+
+# What a tool reports as its one line and exit status 2 (bad input, hosts it cannot reach or read).
+TOOL_ERRORS = (ConfigError, MTCError, OSError, ValueError)
+
+
+def refused(command: str, e: BaseException) -> int:
+    """Say ``e`` as the one line of ``mtc COMMAND`` and give its exit status (2)."""
+    print(f"mtc {command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+@contextlib.contextmanager
+def job_hosts(cluster_spec: str | None, folders: Sequence[str] | None) -> Iterator[tuple[Hosts, list]]:
+    """The hosts of a job for one command: a running local cluster (its spec), or a temporary daemon on
+    each ramdisk folder of a stopped job (``folder_hosts``), stopped when the block ends; (hosts, the
+    folders' rows). Exactly one of the two must be given (ConfigError otherwise)."""
+    if bool(cluster_spec) == bool(folders):
+        raise ConfigError("give the job's --cluster-spec (a running local cluster) or its "
+                          "--local-checkpoint-directory (ramdisk folders of a stopped job; several allowed)")
+    rows = folder_hosts(folders or [])
+    hosts = open_hosts(cluster_spec, rows)
+    try:
+        yield hosts, rows
+    finally:
+        hosts.close()

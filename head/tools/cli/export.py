@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.errors import ConfigError
 
 # The local_max_to_keep the export configures the hosts it takes with: every step stays. A commit the
 # export causes on a stopped job's folder (a host given the manifest of a step it holds only a record
@@ -112,7 +112,7 @@ def run(args: Any) -> int:
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
     from mtc.head.manager import CheckpointManager
     from mtc.head.tools.cli.common import missing_local_root
-    from mtc.head.tools.sources import folder_hosts, open_hosts
+    from mtc.head.tools.sources import TOOL_ERRORS, folder_hosts, open_hosts, refused
     from mtc.shared.config import MTCConfig
 
     hosts = scratch = manager = None
@@ -159,9 +159,8 @@ def run(args: Any) -> int:
                                     onto=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), progress=update)
         finally:
             stop()
-    except (ConfigError, MTCError, OSError, ValueError) as e:
-        print(f"mtc export: error: {e}", file=sys.stderr)
-        return 2
+    except TOOL_ERRORS as e:
+        return refused("export", e)
     finally:
         if manager is not None:
             manager.close()

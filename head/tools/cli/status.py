@@ -16,7 +16,7 @@ from typing import Any
 
 from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.errors import MTCError
 
 from mtc.head.tools.cli.common import missing_local_root
 
@@ -328,32 +328,23 @@ def run(args: Any) -> int:
     """``mtc status`` (see cli.py for the options). Exit 0; 1 when a host did not answer or the backup
     root could not be listed (what they hold is not known: the answer may be wrong); 2 on bad input."""
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
-    from mtc.head.tools.sources import folder_hosts, open_hosts
+    from mtc.head.tools.sources import TOOL_ERRORS, job_hosts, refused
 
-    hosts = None
     try:
-        if bool(args.cluster_spec) == bool(args.local_checkpoint_directory):
-            raise ConfigError("give the job's --cluster-spec (a running local cluster) or its "
-                              "--local-checkpoint-directory (ramdisk folders of a stopped job; several allowed)")
-        rows = folder_hosts(args.local_checkpoint_directory or [])
-        hosts = open_hosts(args.cluster_spec, rows)
-        spec = json.loads(hosts.spec_path.read_text())
-        config = MTCConfig(local_checkpoint_directory=str(rows[0][1] if rows else hosts.spec_path.parent),
-                           cluster_spec=str(hosts.spec_path), base_output_directory=args.base_output_directory or "",
-                           run_name=args.run_name or "", replication_factor=args.replication_factor,
-                           peer_token=hosts.token)
-        devices = hosts.devices  # device ids only name hosts here: status moves no array
-        dispatch = ClusterDispatcher(config, devices=devices)
-        try:
-            st = collect(dispatch, spec, config, verify=args.verify)
-        finally:
-            dispatch.close()
-    except (ConfigError, MTCError, OSError, ValueError) as e:
-        print(f"mtc status: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if hosts is not None:
-            hosts.close()
+        with job_hosts(args.cluster_spec, args.local_checkpoint_directory) as (hosts, rows):
+            spec = json.loads(hosts.spec_path.read_text())
+            config = MTCConfig(local_checkpoint_directory=str(rows[0][1] if rows else hosts.spec_path.parent),
+                               cluster_spec=str(hosts.spec_path), base_output_directory=args.base_output_directory or "",
+                               run_name=args.run_name or "", replication_factor=args.replication_factor,
+                               peer_token=hosts.token)
+            devices = hosts.devices  # device ids only name hosts here: status moves no array
+            dispatch = ClusterDispatcher(config, devices=devices)
+            try:
+                st = collect(dispatch, spec, config, verify=args.verify)
+            finally:
+                dispatch.close()
+    except TOOL_ERRORS as e:
+        return refused("status", e)
     if args.json:
         print(st.to_json())
     else:

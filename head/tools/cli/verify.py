@@ -14,7 +14,7 @@ import json
 import sys
 
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import ConfigError, MTCError
+from mtc.shared.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,9 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
     from mtc.head.tools.cli.common import missing_local_root
     from mtc.shared.backup_layout import parse_backup_name
-    from mtc.head.tools.sources import folder_hosts, open_hosts
+    from mtc.head.tools.sources import TOOL_ERRORS, job_hosts, refused
 
-    hosts = None
     try:
         if bool(args.cluster_spec) == bool(args.local_checkpoint_directory):
             raise ConfigError("give the job's --cluster-spec (a running local cluster) or its "
@@ -69,23 +68,18 @@ def run(args: argparse.Namespace) -> int:
         if missing:  # nothing to check there, and the hosts would create it
             print(f"mtc verify: error: {missing}", file=sys.stderr)
             return 1
-        rows = folder_hosts(args.local_checkpoint_directory or [])
-        hosts = open_hosts(args.cluster_spec, rows)
-        config = MTCConfig(local_checkpoint_directory=str(rows[0][1] if rows else hosts.spec_path.parent),
-                           cluster_spec=str(hosts.spec_path), base_output_directory=args.base_output_directory,
-                           run_name=args.run_name, peer_token=hosts.token)
-        dispatch = ClusterDispatcher(config, devices=hosts.devices)
-        try:
-            report = scrub_backups(dispatch, backups=args.backups, bytes_per_s=args.bytes_per_s,
-                                   names=args.name or None, ramdisk=args.ramdisk)
-        finally:
-            dispatch.close()
-    except (ConfigError, MTCError, OSError, ValueError) as e:
-        print(f"mtc verify: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if hosts is not None:
-            hosts.close()
+        with job_hosts(args.cluster_spec, args.local_checkpoint_directory) as (hosts, rows):
+            config = MTCConfig(local_checkpoint_directory=str(rows[0][1] if rows else hosts.spec_path.parent),
+                               cluster_spec=str(hosts.spec_path), base_output_directory=args.base_output_directory,
+                               run_name=args.run_name, peer_token=hosts.token)
+            dispatch = ClusterDispatcher(config, devices=hosts.devices)
+            try:
+                report = scrub_backups(dispatch, backups=args.backups, bytes_per_s=args.bytes_per_s,
+                                       names=args.name or None, ramdisk=args.ramdisk)
+            finally:
+                dispatch.close()
+    except TOOL_ERRORS as e:
+        return refused("verify", e)
     if args.json:
         print(json.dumps({"backups": [{"name": b.name, "step": b.step, "checked": b.checked, "bad": list(b.bad),
                                        "repaired": list(b.repaired), "damaged": b.damaged,
