@@ -27,19 +27,11 @@ EXIT_INTERRUPTED = 128 + signal.SIGTERM  # what a shell reports for a process en
 
 def grace_from_env(environ=None) -> float:
     """``MTC_PREEMPTION_GRACE_S`` (seconds, > 0), or the default; a bad value names the variable."""
-    from mtc.shared.errors import ConfigError
+    from mtc.shared.config import env_number
 
-    text = (os.environ if environ is None else environ).get("MTC_PREEMPTION_GRACE_S", "")
-    if not text:
-        return DEFAULT_GRACE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ConfigError(f"MTC_PREEMPTION_GRACE_S={text!r} is not a number of seconds > 0; set it below the pod's "
-                          "terminationGracePeriodSeconds (mtc manifests render sets both)")
-    return value
+    return env_number("MTC_PREEMPTION_GRACE_S", os.environ if environ is None else environ, default=DEFAULT_GRACE_S,
+                      why="seconds; set it below the pod's terminationGracePeriodSeconds (mtc manifests render "
+                          "sets both)")
 
 
 def _say(message: str) -> None:

@@ -45,6 +45,9 @@ TWIN_CHECK_MODES = ("warn", "fail", "off")
 
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
+# The words of on and off for every MTC_* variable (``env_flag``) and MaxText flag mtc reads.
+TRUE_WORDS = _TRUE | {"on"}
+FALSE_WORDS = _FALSE | {"off"}
 _NONE = frozenset({"none", ""})
 
 # Fields that name a path or URL: os.PathLike is accepted and stored as str, so that the
@@ -313,13 +316,8 @@ class MTCConfig:
             var = ENV_PREFIX + name.upper()
             if var in env:
                 values[name] = _parse(kind, env[var], var)
-        known = {ENV_PREFIX + n.upper() for n in _KINDS}
-        for var in env:
-            if var.startswith(ENV_PREFIX) and var not in known:
-                close = difflib.get_close_matches(var, known, n=1, cutoff=0.85)
-                if close:
-                    warnings.warn(f"environment variable {var} is not an mtc flag; "
-                                  f"did you mean {close[0]}?", stacklevel=2)
+        for message in misspelled_env(env):
+            warnings.warn(message, stacklevel=2)
         _check_known(overrides)
         values.update(overrides)
         return cls(**values)
@@ -484,3 +482,77 @@ def _check_known(names: Iterable[str]) -> None:
     for name in names:
         if name not in _KINDS:
             raise ConfigError(_unknown_message(name, "config field"))
+
+
+# --- every MTC_* variable mtc reads ---------------------------------------------------------------------
+# MTCConfig's own are MTC_<FIELD> (``from_env``); these are read by one part of mtc, before a
+# configuration exists (the supervisor, the MaxText launcher) or outside it: name -> (default, meaning).
+PROCESS_ENV: dict[str, tuple[str, str]] = {
+    "MTC_SUPERVISOR": ("1", "0: python -m mtc.head.maxtext runs the training process without its supervisor"),
+    "MTC_STANDBY": ("1", "0: the supervisor keeps no warm standby (a restart is cold, in place)"),
+    "MTC_RESTARTS": ("8", "the most restarts the supervisor makes within MTC_RESTART_WINDOW_S"),
+    "MTC_RESTART_WINDOW_S": ("3600", "the window of MTC_RESTARTS, in seconds"),
+    "MTC_SUPERVISOR_PROMOTION": ("", "set by the supervisor in a promoted process (its restart's record); not for users"),
+    "MTC_PREEMPTION_GRACE_S": ("25", "seconds from a SIGTERM to the exit: the save, then the copies"),
+    "MTC_SAVE_FAILURE_GRACE_S": ("300", "the launcher retries a save whose host was lost for this long"),
+    "MTC_COMPILE_CACHE": ("1", "0: the launcher leaves JAX's compilation cache as MaxText sets it"),
+    "MTC_COMPILE_CACHE_DIR": ("", "JAX's cache folder (default <temp dir>/mtc-compile-cache-<uid>)"),
+    "MTC_EXPORT_ON_FINISH": ("", "1 (MaxText's checkpoint_dir) or a folder: a finished run exports its last step"),
+    "MTC_DATA_RESTART": ("0", "1: a restore whose data position cannot be restored starts the data over, said"),
+    "MTC_JOB_KEY": ("", "the job's key for sealing backups (default: derived from MTC_PEER_TOKEN)"),
+    "MTC_JOB_KEYS_ACCEPTED": ("", "older job keys whose backups are still read (comma-separated)"),
+    "MTC_UNSIGNED_BACKUPS": ("", "refuse: a backup root without seals is not read either"),
+    "MTC_CRASH_AT": ("", "fault injection for tests: a sidecar exits at this crash point"),
+    "MTC_FAIL_AT": ("", "fault injection for tests: a sidecar operation fails at this point"),
+    "MTC_TEST_HEARTBEAT_S": ("60", "the test run names tests running longer than this (tests only)"),
+}
+
+
+def known_env() -> set[str]:
+    """Every ``MTC_*`` variable mtc reads: MTCConfig's ``MTC_<FIELD>`` and ``PROCESS_ENV``."""
+    return {ENV_PREFIX + n.upper() for n in _KINDS} | set(PROCESS_ENV)
+
+
+def misspelled_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``MTC_*`` variable that is not one mtc reads but close to one (as MaxText warns
+    about a misspelled flag): set, it would do nothing. Variables of other tools that share the prefix
+    and resemble none are left alone."""
+    env = os.environ if environ is None else environ
+    known = known_env()
+    out = []
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in known:
+            close = difflib.get_close_matches(var, known, n=1, cutoff=0.85)
+            if close:
+                out.append(f"environment variable {var} is not one mtc reads; did you mean {close[0]}?")
+    return out
+
+
+def env_flag(name: str, environ: Mapping[str, str] | None = None, default: bool = False) -> bool:
+    """The on/off variable ``name``, by the one rule every mtc variable follows: 1/true/yes/on or
+    0/false/no/off (any case), unset or empty the default; anything else is a ConfigError naming it."""
+    text = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in TRUE_WORDS:
+        return True
+    if text in FALSE_WORDS:
+        return False
+    raise ConfigError(f"{name}={text!r} is neither on nor off; set it to 1 or 0 (true/false, yes/no, on/off)")
+
+
+def env_number(name: str, environ: Mapping[str, str] | None = None, *, default: float, integer: bool = False,
+               minimum: float = 0.0, inclusive: bool = False, why: str = "") -> float:
+    """The number ``name`` (unset or empty: ``default``), finite and above ``minimum`` (or equal to it,
+    ``inclusive``); a ConfigError naming the variable otherwise (``why``: what to do, said in the error)."""
+    text = (os.environ if environ is None else environ).get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        value = None
+    if value is None or not (value >= minimum if inclusive else value > minimum) or value == float("inf"):
+        raise ConfigError(f"{name}={text!r} is not a number {'>=' if inclusive else '>'} {minimum:g}"
+                          + (" (a whole one)" if integer else "") + (f"; {why}" if why else ""))
+    return value

@@ -48,6 +48,7 @@ import threading
 from pathlib import Path
 
 from mtc.shared import job_key
+from mtc.shared.config import env_flag
 from mtc.shared.safe_files import GiB, MiB, UntrustedFileError, read_regular
 
 log = logging.getLogger(__name__)
@@ -455,7 +456,7 @@ def for_launcher(argv: list[str], cfg, environ=None) -> CompileCache | None:
     ``pathwaysutils.initialize()`` turns JAX's persistent cache off), or a JAX folder that is not
     private (said in a warning)."""
     env = os.environ if environ is None else environ
-    if env.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(ENV, env, default=True):
         return None
     if any(a.startswith("jax_cache_dir=") for a in argv[1:]) or not cfg.enable_multi_tier_checkpointing:
         return None

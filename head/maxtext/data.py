@@ -39,7 +39,9 @@ PIPELINE_FLAGS = ("dataset_type", "grain_file_type", "grain_train_mixture_config
 
 
 def restart_requested(environ: Any = None) -> bool:
-    return (os.environ if environ is None else environ).get("MTC_DATA_RESTART", "") not in ("", "0", "false", "False")
+    from mtc.shared.config import env_flag
+
+    return env_flag("MTC_DATA_RESTART", os.environ if environ is None else environ, default=False)
 
 
 def _files(pattern: str) -> list[str]:

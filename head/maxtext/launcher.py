@@ -138,10 +138,12 @@ def export_target(config: Any, environ: Any = None) -> dict:
     """Where a finished run exports its last step (``MTC_EXPORT_ON_FINISH``); {} when it does not."""
     import os
 
+    from mtc.shared.config import FALSE_WORDS, TRUE_WORDS
+
     value = (environ if environ is not None else os.environ).get(ENV_EXPORT, "").strip()
-    if value.lower() in ("", "0", "false", "no"):
+    if value.lower() in FALSE_WORDS or not value:  # the one rule for on and off (mtc.shared.config.env_flag)
         return {}
-    to = str(getattr(config, "checkpoint_dir", "") or "") if value.lower() in ("1", "true", "yes") else value
+    to = str(getattr(config, "checkpoint_dir", "") or "") if value.lower() in TRUE_WORDS else value
     if not to:
         raise ConfigError(f"{ENV_EXPORT}=1 exports to MaxText's checkpoint_dir, which this config does not "
                           f"have; set {ENV_EXPORT} to a directory")
@@ -255,13 +257,10 @@ class SaveFailures:
     def __init__(self, environ: Any = None) -> None:
         import os
 
-        raw = (environ if environ is not None else os.environ).get(self.ENV, "300")
-        try:
-            self.grace_s = float(raw)
-        except ValueError:
-            raise ConfigError(f"{self.ENV}={raw!r} is not a number of seconds (e.g. 300; 0 raises at once)") from None
-        if not self.grace_s >= 0:
-            raise ConfigError(f"{self.ENV}={raw!r} must be >= 0 seconds")
+        from mtc.shared.config import env_number
+
+        self.grace_s = env_number(self.ENV, environ if environ is not None else os.environ, default=300.0,
+                                  inclusive=True, why="seconds, e.g. 300 (0 raises at once)")
         self.failing_since: float | None = None
         self.tolerated = 0
         self._last: tuple[int, Any] | None = None  # the last save started: (step, its args)

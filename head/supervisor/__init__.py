@@ -45,6 +45,9 @@ import sys
 import time
 from typing import Mapping, Sequence
 
+from mtc.shared.config import env_flag, env_number
+from mtc.shared.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 ENV_SUPERVISOR = "MTC_SUPERVISOR"  # "0": python -m mtc.head.maxtext runs without a supervisor
@@ -78,7 +81,10 @@ class SupervisorConfigError(ValueError):
 
 
 def _on(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+    try:
+        return env_flag(name, env, default=True)
+    except ConfigError as e:
+        raise SupervisorConfigError(str(e)) from None
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -99,16 +105,11 @@ def set_promotion(record: dict) -> None:
 
 
 def _positive(env: Mapping[str, str], name: str, default: float, kind=float) -> float:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
     try:
-        value = kind(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise SupervisorConfigError(f"{name}={text!r} is not a number >= 0; unset it for the default ({default})")
-    return value
+        return env_number(name, env, default=default, integer=kind is int, inclusive=True,
+                          why=f"unset it for the default ({default})")
+    except ConfigError as e:
+        raise SupervisorConfigError(str(e)) from None
 
 
 def describe_status(code: int) -> str:

@@ -430,3 +430,37 @@ def test_ignore_unknown_warns_about_a_misspelt_checkpoint_flag():
         MTCConfig.from_flags(["model_name=llama3.1-8b", "steps=100", "checkpoint_period=100",
                               "async_checkpointing=True", "enable_emergency_checkpoint=False"],
                              ignore_unknown=True, environ={})
+
+
+def test_readme_lists_every_variable_mtc_reads_and_no_other():
+    import re
+    from pathlib import Path
+
+    from mtc.shared.config import known_env
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(MTC_[A-Z0-9_]+)` \|", section, re.M))
+    assert listed == known_env(), (sorted(known_env() - listed), sorted(listed - known_env()))
+
+
+@pytest.mark.parametrize("env, says", [({"MTC_STANBY": "0"}, "did you mean MTC_STANDBY?"),
+                                        ({"MTC_PREEMPTION_GRACE": "30"}, "did you mean MTC_PREEMPTION_GRACE_S?")])
+def test_a_misspelled_variable_of_any_part_of_mtc_is_warned_about(env, says):
+    with pytest.warns(UserWarning, match=says.replace("?", r"\?")):
+        MTCConfig.from_env(env)
+
+
+@pytest.mark.parametrize("text, on", [("1", True), ("TRUE", True), ("yes", True), ("On", True), ("0", False),
+                                      ("false", False), ("No", False), ("off", False), ("", None)])
+def test_one_rule_for_on_and_off(text, on):
+    from mtc.shared.config import env_flag
+
+    assert env_flag("MTC_X", {"MTC_X": text}, default=None) is on
+
+
+def test_a_value_neither_on_nor_off_names_the_variable():
+    from mtc.shared.config import env_flag
+
+    with pytest.raises(ConfigError, match="MTC_DATA_RESTART='maybe' is neither on nor off"):
+        env_flag("MTC_DATA_RESTART", {"MTC_DATA_RESTART": "maybe"})
