@@ -205,13 +205,7 @@ class StepHeader:
         line = bytes(line).partition(b"\n")[0]
         doc = load_json(line, source)
         expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
-        digest = doc.pop("digest", None)
-        expect(isinstance(digest, str) and digest == doc_digest(doc), source,
-               "its header does not match its digest (changed after it was written); not using it")
-        expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
-        step = doc.get("step")
-        expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
-               f"step {step!r} is not a non-negative integer")
+        digest, step = _checked_header(doc, source)
         table, docs, metas = doc.get("shardings"), doc.get("arrays"), doc.get("parts")
         expect(isinstance(table, list), source, "'shardings' is missing or not a list")
         expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
@@ -354,14 +348,21 @@ def _parse_v2(doc: dict, source: str) -> StepManifest:
     return m
 
 
-def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | None = None) -> StepManifest:
+def _checked_header(doc: dict, source: str) -> tuple[str, int]:
+    """(digest, step) of an mtc/3 header ``doc`` (its "digest" popped), checked: the digest covers the rest,
+    the hash is mtc's, the step a non-negative integer."""
     digest = doc.pop("digest", None)
     expect(isinstance(digest, str) and digest == doc_digest(doc), source,
-            "its header does not match its digest (changed after it was written); not using it")
+           "its header does not match its digest (changed after it was written); not using it")
     expect(doc.get("hash") == HASH_NAME, source, f"hash is {doc.get('hash')!r}, expected {HASH_NAME!r}")
     step = doc.get("step")
     expect(isinstance(step, int) and not isinstance(step, bool) and step >= 0, source,
-            f"step {step!r} is not a non-negative integer")
+           f"step {step!r} is not a non-negative integer")
+    return digest, step
+
+
+def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | None = None) -> StepManifest:
+    digest, step = _checked_header(doc, source)
     table = doc.get("shardings")
     expect(isinstance(table, list), source, "'shardings' is missing or not a list")
     for i, desc in enumerate(table):
