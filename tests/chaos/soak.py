@@ -241,8 +241,9 @@ class HostNetwork:
                 p.wait()
             p.stdout.close()
         self.relays.clear()
-        for ns, _, _ in self.hosts.values():
-            _ip("netns", "del", ns, check=False)  # its veth pair goes with it
+        for ns, veth, _ in self.hosts.values():
+            _ip("netns", "del", ns, check=False)  # its veth pair goes with it, but not at once:
+            _ip("link", "del", veth, check=False)  # the next network of this tag must not find it
         _ip("link", "del", self.bridge, check=False)
         self.up = False
 
@@ -283,10 +284,11 @@ def claim_tag() -> tuple[int, int]:
     d = Path(tempfile.gettempdir()) / "mtc-soak-tags"
     d.mkdir(exist_ok=True)
     taken = {n.split("-")[2] for n in leftover_netns()}
+    links = {p.name for p in Path("/sys/class/net").iterdir()} if Path("/sys/class/net").is_dir() else set()
     for i in range(_TAGS):
         tag = (os.getpid() + i) % _TAGS
-        if str(tag) in taken:
-            continue
+        if str(tag) in taken or f"mtsb{tag}" in links or any(n.startswith(f"mtsv{tag}-") for n in links):
+            continue  # namespaces or links of this tag are still there (a veth goes a little after its netns)
         fd = os.open(d / str(tag), os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
