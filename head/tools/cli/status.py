@@ -254,11 +254,15 @@ def copies_by_share(inv: dict, step: int, digest: str, header: Any, slice_of: di
     what the replication decision counts (``covered_by_shares``), without a blob name."""
     rows = {h: s for h, i in inv.items() if not i.error for s in i.steps if s.step == step and s.manifest == digest}
     many = len(set(slice_of.values())) > 1
+    by_share: dict[str, set[str]] = {}  # share digest -> hosts that hold it whole (one pass: O(hosts))
+    for g, s in rows.items():
+        if s.own and s.local_blobs == s.blobs:
+            by_share.setdefault(s.own, set()).add(g)
+        for d in s.copies:
+            by_share.setdefault(d, set()).add(g)
     out = []
     for host, _ in header.parts:
-        own = rows[host].own if host in rows else ""
-        holders = {g for g, s in rows.items() if own and ((s.own == own and s.local_blobs == s.blobs)
-                                                          or own in s.copies)}
+        holders = by_share.get(rows[host].own, set()) if host in rows and rows[host].own else set()
         out.append(len({slice_of.get(g, 0) for g in holders} if many else holders))
     return out
 
