@@ -514,6 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mtc.head.items import DataPositionError
     from mtc.head.preemption import PreemptionNotice
 
+    from mtc.shared.config import misspelled_env
+
+    for message in misspelled_env():  # MTC_STANBY=0 would do nothing: said, as MaxText says a misspelled flag
+        log.warning("mtc: %s", message)
     argv = list(sys.argv if argv is None else argv)
     if len(argv) < 2:
         print("usage: python3 -m mtc.head.maxtext <MaxText config.yml> key=value ... "

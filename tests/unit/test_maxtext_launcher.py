@@ -82,3 +82,12 @@ def test_outside_elastic_mode_no_manager_is_closed(monkeypatch):
     launcher._retire_previous_managers(types.SimpleNamespace(elastic_enabled=False))
     launcher._retire_previous_managers(types.SimpleNamespace())
     assert kept.closed == 0 and launcher._managers == [kept]
+
+
+def test_the_launcher_warns_about_a_misspelled_mtc_variable(monkeypatch, caplog, capsys):
+    """The launcher (the production head) builds its configuration from MaxText's flags, not from
+    MTCConfig.from_env: it says a misspelled MTC_* variable itself, before anything runs."""
+    monkeypatch.setenv("MTC_STANBY", "0")
+    with caplog.at_level("WARNING", logger=launcher.log.name):
+        assert launcher.main(["mtc.head.maxtext"]) == 2  # the usage line: nothing else ran
+    assert "MTC_STANBY is not one mtc reads; did you mean MTC_STANDBY?" in caplog.text
