@@ -98,6 +98,7 @@ class CheckpointManager:
         self.last_restore_report: RestoreReport | None = None
         self._closing = threading.Event()
         self._preemption: PreemptionNotice | None = None
+        self._preemption_answer: tuple[int, bool] | None = None  # (step, what reached_preemption said)
         self._backup_request: BackupRequest | None = None  # watch_backup_requests
         self._strategy = ReplicationStrategy(config.replication_factor)
         self._replicator = Replicator(self._dispatch, config, self._strategy, self._closing)
@@ -328,8 +329,20 @@ class CheckpointManager:
         return self._preemption
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether a preemption notice came (``watch_preemption``): save ``step`` and stop."""
-        return self._preemption is not None and self._preemption.received
+        """Whether a preemption notice came (``watch_preemption``): save ``step`` and stop.
+
+        One answer per step: the loop asks twice (for ``save``'s ``force``, then whether to stop),
+        and a SIGTERM that lands between the two must not stop the job after a save that did not
+        happen. A notice after the first question of a step counts from the next step on.
+        """
+        if self._preemption is None:
+            return False
+        asked = self._preemption_answer
+        if asked is not None and asked[0] == step:
+            return asked[1]
+        answer = self._preemption.received
+        self._preemption_answer = (step, answer)
+        return answer
 
     def finish_preemption(self) -> dict:
         """After the last save: wait, within what is left of the budget, for its commit and (with

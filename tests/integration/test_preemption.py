@@ -107,3 +107,20 @@ def test_a_bad_budget_names_the_variable():
     with pytest.raises(ConfigError, match="MTC_PREEMPTION_GRACE_S='soon'"):
         grace_from_env({"MTC_PREEMPTION_GRACE_S": "soon"})
     assert PreemptionNotice(grace_s=4).remaining() == 4
+
+
+def test_a_notice_between_the_two_questions_of_a_step_counts_from_the_next_step(ramdisk):
+    # The loop asks reached_preemption(step) for save's force, then whether to stop. A SIGTERM that
+    # lands between the two stopped the job after a save that never happened (it handed back the
+    # step of the last periodic save, 0, in a CI run).
+    from mtc.head import CheckpointManager, MTCConfig
+    from mtc.head.preemption import PreemptionNotice
+
+    notice = PreemptionNotice(grace_s=30)  # not installed: notify() is what SIGTERM does
+    with CheckpointManager(MTCConfig(local_checkpoint_directory=str(ramdisk), local_checkpoint_period=50)) as m:
+        m.watch_preemption(notice=notice)
+        assert m.reached_preemption(7) is False
+        notice.notify()
+        assert m.reached_preemption(7) is False and m.reached_preemption(7) is False
+        assert m.reached_preemption(8) is True and m.reached_preemption(8) is True
+        notice.done()
