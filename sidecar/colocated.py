@@ -228,7 +228,7 @@ class ColocatedSidecar:
 
         req = _request(request)
         svc = self._svc()
-        step, arrays, manifest = ops.data_header(svc, "read", req, 0, "colocated")
+        step, arrays, manifest, keepers = ops.data_header(svc, "read", req, 0, "colocated")
         devices_by_id = {d.id: d for d in _device_list(request)}
         # Every distinct box is read once, all of them on the sidecar's I/O threads.
         plans = []
@@ -251,7 +251,7 @@ class ColocatedSidecar:
                         jobs.append((spec["key"], box, False, None))
                 placed.append((dev, reads[(i, box)]))
             plans.append((shape, sharding, placed))
-        bufs, errors = ops.method_of(svc, "read")(step, jobs, manifest=manifest)
+        bufs, errors = ops.method_of(svc, "read")(step, jobs, manifest=manifest, keepers=keepers)
         if errors:  # on this host no other holder can stand in: the first failure, typed
             _, name, message = errors[0]
             raise wire_errors.decode(svc.host_id, name, message)

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from mtc.shared import format as fmt
 from mtc.shared import protocol, shardings
@@ -70,17 +70,17 @@ class CommittedSteps:
             self.index.drop_manifest(step)
             return False
 
-    def manifest(self, step: int) -> fmt.StepManifest:
+    def manifest(self, step: int, keepers: Mapping[str, str] | None = None) -> fmt.StepManifest:
         """The whole manifest of committed ``step``. Where this host committed only a record
-        (``fmt.CommitRecord``), it is fetched from a keeper, checked against the digest, and
-        replaces the record (ManifestError if no keeper could give it)."""
+        (``fmt.CommitRecord``), it is fetched from a keeper (at ``keepers``' address where given),
+        checked against the digest, and replaces the record (ManifestError if no keeper could give it)."""
         m = self.index.manifest(step)
         if m is None:
             data = self.store.catalog.read(step)
             try:
                 rec = fmt.CommitRecord.parse(data, source=f"{self.host_id} step {step} commit record")
                 if rec is not None:
-                    data = self._fetch_manifest(rec)
+                    data = self._fetch_manifest(rec, keepers=keepers)
                 m = fmt.StepManifest.from_json(data, source=f"{self.host_id} step {step}")
             except ManifestError:
                 # Changed under this live sidecar (bit rot, a stray write): it committed the step
@@ -137,10 +137,15 @@ class CommittedSteps:
         self.index.keep_record(step, data, rec, own)
         return rec, own
 
-    def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False) -> bytes:
+    def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False,
+                        keepers: Mapping[str, str] | None = None) -> bytes:
+        """The manifest (or its header line) of ``rec``'s step from a keeper: at the address the head says
+        it serves at now (``keepers``), else the one the record has (from the save: a keeper whose pod
+        was restarted since may serve elsewhere)."""
         what = "the header of its manifest" if header_only else "its manifest"
         causes = []
         for host, address in rec.keepers:
+            address = (keepers or {}).get(host, address)
             if host == self.host_id or not self.peer_token:
                 causes.append(f"{host}: {'this host' if host == self.host_id else 'no peer token here'}")
                 continue
@@ -154,7 +159,8 @@ class CommittedSteps:
         raise ManifestError(f"host {self.host_id}: step {rec.step} is committed here as a record, and no keeper "
                             f"could give {what} ({'; '.join(causes)}); the head gives it back at restore")
 
-    def view_for(self, step: int, rows: Sequence[tuple]) -> fmt.StepManifest:
+    def view_for(self, step: int, rows: Sequence[tuple],
+                 keepers: Mapping[str, str] | None = None) -> fmt.StepManifest:
         """The manifest to read ``rows`` (key, box, ...) of ``step`` by.
 
         Where this host keeps the whole manifest, that one. Where it committed a record and every
@@ -162,23 +168,24 @@ class CommittedSteps:
         the header fetched from a keeper (one line: arrays and shardings) with its own part, both
         checked against the digest it committed; the other hosts' parts, which grow with hosts x
         shards, are not fetched. Any other read (a resharded restore) fetches the whole manifest.
+        ``keepers``: where the keepers serve now (``_fetch_manifest``).
         """
         whole = self.index.manifest(step)
         if whole is not None:
             return whole
         rec = self._record(step)
         if rec is None:
-            return self.manifest(step)
+            return self.manifest(step, keepers)
         held = self.index.view(step)
         if held is None or held[0].digest != rec.digest:
             try:
-                view = fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True), self.host_id, rec.part,
+                view = fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True, keepers=keepers), self.host_id, rec.part,
                                                    source=f"{self.host_id} step {step} local view")
             except ManifestError as e:
                 log.info("host %s: step %d: no local view (%s); reading by the whole manifest", self.host_id, step, e)
-                return self.manifest(step)
+                return self.manifest(step, keepers)
             if view.step != step or view.digest != rec.digest:
-                return self.manifest(step)
+                return self.manifest(step, keepers)
             boxes = {a.key: {s.box for s in a.shards} for a in view.arrays if a.shards}
             shapes = {a.key: a.shape for a in view.arrays}
             held = (view, boxes, shapes)
@@ -186,10 +193,10 @@ class CommittedSteps:
         view, boxes, shapes = held
         for key, box, *_ in rows:
             if key not in shapes:
-                return self.manifest(step)
+                return self.manifest(step, keepers)
             want = tuple((0, n) for n in shapes[key]) if box is None else tuple(tuple(b) for b in box)
             if want not in boxes.get(key, ()):
-                return self.manifest(step)
+                return self.manifest(step, keepers)
         return view
 
     def own_view(self, step: int) -> fmt.StepManifest:

@@ -254,8 +254,8 @@ def _write(service: SidecarService, header: ops.WriteHeader, payloads: Sequence)
 
 def _read(service: SidecarService, header: tuple, payloads: Sequence) -> tuple[Any, list]:
     """The raw bytes of each box out, one payload each; ``streamed``: those sent from a blob's map."""
-    step, boxes, manifest, stream = header
-    out, errors = ops.method_of(service, "read")(step, boxes, manifest=manifest, stream=stream)
+    step, boxes, manifest, stream, keepers = header
+    out, errors = ops.method_of(service, "read")(step, boxes, manifest=manifest, stream=stream, keepers=keepers)
     streamed = [i for i, p in enumerate(out) if isinstance(p, BlobStream)]
     # The blob each stream is (the head hashes the bytes against it: one planned from the header alone
     # knows no blob names; this host's part, checked against the manifest's digest, names them).

@@ -409,9 +409,22 @@ def _no_payloads(op: str, carried: int) -> None:
         raise ProtocolError(f"{op}: the request carries no payloads, got {carried}")
 
 
+def keepers_arg(args: dict, where: str) -> dict[str, str]:
+    """``keepers``: host -> the peer address it serves at now, for the hosts that keep the step's whole
+    manifest (a host that committed a record fetches the header from them; its record has the addresses
+    they had when the step was saved)."""
+    keepers = args.get("keepers", {})
+    if not (isinstance(keepers, dict) and len(keepers) <= 64 and all(
+            isinstance(h, str) and isinstance(a, str) and 0 < len(h) <= 256 and 0 < len(a) <= 256
+            for h, a in keepers.items())):
+        raise ProtocolError(f"{where}: 'keepers' must map at most 64 host ids to peer addresses")
+    return keepers
+
+
 def parse_read(args: dict, carried: int = 0, mode: str = "cluster"
-               ) -> tuple[int, list[tuple[str, fmt.Box | None]], str | None, list[int]]:
-    """A ``read``'s header: (step, [(key, box or None)], manifest digest or None, indices to stream)."""
+               ) -> tuple[int, list[tuple[str, fmt.Box | None]], str | None, list[int], dict[str, str]]:
+    """A ``read``'s header: (step, [(key, box or None)], manifest digest or None, indices to stream,
+    keepers' addresses)."""
     _no_payloads("read", carried)
     step = step_arg(args)
     reads = args.get("reads")
@@ -426,11 +439,13 @@ def parse_read(args: dict, carried: int = 0, mode: str = "cluster"
     stream = args.get("stream", [])
     if not isinstance(stream, list) or not all(type(i) is int and 0 <= i < len(boxes) for i in stream):
         raise ProtocolError("read: 'stream' must list indices into 'reads' (the boxes the head hashes itself)")
-    return step, boxes, manifest, stream
+    return step, boxes, manifest, stream, keepers_arg(args, "read")
 
 
-def parse_load(args: dict, carried: int = 0, mode: str = "colocated") -> tuple[int, list[dict], str | None]:
-    """A colocated ``load``'s header: (step, the arrays to build, manifest digest or None).
+def parse_load(args: dict, carried: int = 0, mode: str = "colocated"
+               ) -> tuple[int, list[dict], str | None, dict[str, str]]:
+    """A colocated ``load``'s header: (step, the arrays to build, manifest digest or None, keepers'
+    addresses: ``keepers_arg``).
 
     Each array is ``{"key", "shape", "dtype", "sharding", "as_bytes"?}``: its shape and dtype are
     checked here (the dtype returned as a ``numpy.dtype``); its sharding, an index into the request's
@@ -466,7 +481,7 @@ def parse_load(args: dict, carried: int = 0, mode: str = "colocated") -> tuple[i
         out.append({"key": spec["key"], "shape": shape, "dtype": dtype, "sharding": table[idx],
                     "as_bytes": as_bytes})
     manifest = _manifest_digest(args, "load")
-    return step, out, manifest
+    return step, out, manifest, keepers_arg(args, "load")
 
 
 def _bytes_answer(data: bytes) -> tuple[Any, list]:

@@ -175,7 +175,8 @@ class SidecarService:
     # --- restore (mtc.sidecar.reads) ---------------------------------------------------
 
     def read_boxes_each(self, step: int, reads: Sequence[tuple], *, manifest: str | None = None,
-                        stream: Sequence[int] = ()) -> tuple[list, list[tuple[int, str, str]]]:
+                        stream: Sequence[int] = (), keepers: dict[str, str] | None = None
+                        ) -> tuple[list, list[tuple[int, str, str]]]:
         """Read (key, box) or (key, box, as_bytes, out) rows; on a failure, box by box, so that the
         others still count: (buffers, [(index, error type, message)]), with b"" for a failed box.
         Both transports read through this (the daemon's head tries another holder for a failed
@@ -185,9 +186,12 @@ class SidecarService:
         copy differs, every box fails (this host's copy counts as missing, never as data).
 
         ``stream``: rows whose receiver hashes what it gets (the daemon's head); one that is a saved
-        shard comes back as a ``BlobStream`` to send and close (``BoxReader.read_each``)."""
+        shard comes back as a ``BlobStream`` to send and close (``BoxReader.read_each``).
+
+        ``keepers``: where the hosts that keep the whole manifest serve now (host -> peer address), for
+        a host that committed a record and fetches the header or the manifest from them."""
         rows = [tuple(r) + (False, None)[len(r) - 2:] if len(r) < 4 else tuple(r) for r in reads]
-        mine = self.committed.view_for(step, rows)
+        mine = self.committed.view_for(step, rows, keepers)
         if manifest is not None and mine.digest != manifest:
             why = (f"host {self.host_id}: its manifest of step {step} ({mine.digest[:12]}) is not the one the head "
                    f"restores by ({manifest[:12]}); not reading from it")
@@ -325,7 +329,7 @@ class SidecarService:
                               "(MTC_PEER_TOKEN or peer_token)")
         if shares:
             # Copies held for others are kept alive by the whole manifest, which also lists the shares.
-            m = self.committed.manifest(step)
+            m = self.committed.manifest(step, peers)
             sizes = m.blob_sizes()
             pulls = list(pulls)
             for owner, holders in shares:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -375,8 +375,12 @@ class ColocatedDispatcher(Dispatcher):
         return data
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
-             manifest: str | None = None) -> list[Any]:
+             manifest: str | None = None, keepers: Sequence[str] = ()) -> list[Any]:
         all_cpu = list(self._ctl_devices)
+        where = {}
+        if keepers:  # where the keepers serve now (a record host fetches the header from them)
+            book = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
+            where = {h: book[h] for h in keepers if h in book}
         groups: dict[tuple, list[int]] = {}
         specs: list[dict] = []
         cpu_shardings: list[Any] = []
@@ -413,7 +417,7 @@ class ColocatedDispatcher(Dispatcher):
                     descs.append(desc)
                 arrays_doc.append({**specs[i], "sharding": table[id(desc)]})
             req = self._request_array({"step": step, "arrays": arrays_doc, "shardings": [shardings.pack(d) for d in descs],
-                                       "manifest": manifest},
+                                       "manifest": manifest, **({"keepers": where} if where else {})},
                                       list(devices))
             fn = self._obj.load.specialize(out_specs_fn=lambda r, _o=out_specs: _o)
             arrays = fn(req)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from mtc.shared import errors
 from mtc.shared import format as fmt
@@ -210,11 +210,16 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
-             manifest: str | None = None) -> list[Any]:
+             manifest: str | None = None, keepers: Sequence[str] = ()) -> list[Any]:
         """Restore: one jax.Array (or numpy array) per request, with the target sharding.
 
         ``manifest`` (the digest of the step manifest the requests come from): hosts whose copy
         differs read nothing (a missing copy, never data).
+
+        ``keepers``: the hosts that keep the step's whole manifest. Each host is told where they serve
+        now (their peer addresses), so that one that committed a record fetches the header or the
+        manifest from them even when their pods were restarted since the save (its record has the
+        addresses of then).
 
         ``holders`` (blob -> hosts, from the inventories) says where each saved shard is now.
         After an elastic resize a device id no longer names the host that wrote its shard.

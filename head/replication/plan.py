@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 from mtc.head.dispatch.interface import HostInventory, StepHolding
 from mtc.shared import format as fmt
 from mtc.shared import protocol
+from mtc.shared.format import writers
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,19 @@ class StepView:
     manifest: str = ""  # the digest of the step manifest these hosts agree on
     resolve: Callable[[], "StepView | None"] | None = dataclasses.field(default=None, compare=False, repr=False)
     part_blobs: int = 0  # by parts: the blobs of the hosts' own parts, in all (a blob two hosts wrote counts twice)
+    # By writers: hosts that wrote a part of the step and do not hold it whole now (gone, or lost their
+    # ramdisk), each of whose boxes another writer that holds its part whole wrote too (a data-parallel twin).
+    lost: tuple[str, ...] = ()
+    keepers: tuple[str, ...] = ()  # by parts / writers: hosts that keep the whole manifest (the others a record)
 
     @property
     def by_parts(self) -> bool:
+        """Every part of the step is whole on the host that wrote it."""
+        return self.known is None and not self.lost
+
+    @property
+    def by_writers(self) -> bool:
+        """Every saved box is in a part that its writer holds whole (``mtc.shared.format.writers``)."""
         return self.known is None
 
     @functools.cached_property
@@ -215,10 +226,14 @@ def whole_by_parts(step: int, manifest: str, rows: Mapping[str, StepHolding],
         s = rows.get(host)
         if s is None or s.manifest != manifest:
             return False
-        held = s.local_blobs == s.blobs if s.part else (bool(s.own) and s.own in s.copies)
-        if not held:
+        if not holds_own_part(s):
             return False
     return True
+
+
+def holds_own_part(s: StepHolding) -> bool:
+    """Whether a host holds the whole of the part it wrote of a step, as its inventory row says."""
+    return s.local_blobs == s.blobs if s.part else (bool(s.own) and s.own in s.copies)
 
 
 def step_views(inventories: Mapping[str, HostInventory],
@@ -246,15 +261,25 @@ def step_views(inventories: Mapping[str, HostInventory],
         for step, by_host in sorted(rows.items()):
             votes = Counter(s.manifest for s in by_host.values())
             manifest = max(votes, key=lambda d: (votes[d], d))
+            agreeing = {h: s for h, s in by_host.items() if s.manifest == manifest}
+            keepers = tuple(sorted(h for h, s in agreeing.items() if not s.part))
+
+            def full(step: int = step) -> StepView | None:
+                return step_views(inventories, resolve).get(step)
+
             if whole_by_parts(step, manifest, by_host, header):
-                agreeing = {h: s for h, s in by_host.items() if s.manifest == manifest}
                 whole = tuple(sorted(h for h, s in agreeing.items() if s.local_blobs == s.blobs))
-
-                def full(step: int = step) -> StepView | None:
-                    return step_views(inventories, resolve).get(step)
-
                 out[step] = StepView(step, "", None, tuple(sorted(agreeing)), whole, manifest, resolve=full,
-                                     part_blobs=sum(s.blobs for s in agreeing.values()))
+                                     part_blobs=sum(s.blobs for s in agreeing.values()), keepers=keepers)
+                continue
+            # Some writer lost its part: restorable from the others' parts alone where every box it
+            # wrote has another writer that holds its part whole (a data-parallel twin).
+            mine = {h for h, s in agreeing.items() if holds_own_part(s)}
+            head = header(step, manifest) if mine else None
+            if head is not None and head.parts and writers.cover(head, mine):
+                out[step] = StepView(step, "", None, tuple(sorted(agreeing)), tuple(sorted(mine)), manifest,
+                                     resolve=full, part_blobs=sum(agreeing[h].blobs for h in mine),
+                                     lost=tuple(sorted({p for p, _ in head.parts} - mine)), keepers=keepers)
         if out:
             rest = step_views({h: _without_steps(inv, set(out)) for h, inv in inventories.items()}, resolve)
             return dict(sorted({**rest, **out}.items()))

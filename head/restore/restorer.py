@@ -27,6 +27,7 @@ from mtc.head.restore.plan import RestorePlan, make_plan, plan_target
 from mtc.head.save import CommittedStep
 from mtc.shared import backup_layout, shardings
 from mtc.shared import format as fmt
+from mtc.shared.format import writers
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import (CorruptBlobError, FencedError, HostUnreachableError, ManifestError, MTCError,
                                StepNotFoundError, StepsUnconfirmedError, cause_in_chain)
@@ -321,10 +322,15 @@ class Restorer:
             step, backup_name, fallback, inv = self.choose_step(asked, listing)
             view = inv.views.get(step) if backup_name is None else None
             agreed = view.manifest if view is not None and view.manifest else None
-            header = self._headers.get(agreed) if view is not None and view.by_parts and agreed else None
+            header = self._headers.get(agreed) if view is not None and view.by_writers and agreed else None
+            needs = None
             if header is not None:
                 requests, finish = plan_target(header.as_manifest(), target, partial)
-                if self._same_layout(header, requests):
+                if view.by_parts and self._same_layout(header, requests):
+                    manifest = None
+                    break
+                needs = self._writers_plan(header, requests, view, pull)
+                if needs is not None:
                     manifest = None
                     break
             try:
@@ -336,8 +342,13 @@ class Restorer:
                 log.warning("backup %s cannot be restored (%s); choosing again without it", backup_name, e)
                 listing = without_backup(listing, backup_name, f"its manifest fails its checks: {e}")
         t1 = time.perf_counter()
-        if manifest is None:  # onto the hosts and shardings that saved it: each host loads its own part
+        if manifest is None and needs is None:  # onto the hosts and shardings that saved it: each its own part
             return self._load_own_parts(step, header, requests, finish, t0, t1, view, prefetched)
+        if manifest is None:  # another target, or a writer lost its part: by the writers' parts
+            done = self._load_by_writers(step, header, requests, finish, needs, t0, view, prefetched)
+            if done is not None:
+                return done
+            manifest = self._manifest(step, None, agreed)  # a part could not be brought: plan by the rows
         requests, finish = plan_target(manifest, target, partial)
         pulled = Pulled()
         plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing), pull)
@@ -352,7 +363,7 @@ class Restorer:
         if counted:  # where those bytes really came from
             for tier in ("peer", "backup"):
                 pulled.add(tier, prefetched.bytes_by_tier.get(tier, 0), prefetched.blobs_by_tier.get(tier, 0))
-        arrays = self._dispatch.load(step, requests, holders, agreed)
+        arrays = self._dispatch.load(step, requests, holders, agreed, view.keepers if view is not None else ())
         t2 = time.perf_counter()
         result = finish(arrays)
         (needed_bytes, needed_blobs), p = needed, pulled
@@ -371,7 +382,7 @@ class Restorer:
         """The restore of a step onto the hosts and shardings that saved it, from the header alone: every
         host that wrote a part holds it whole (``StepView.by_parts``), so nothing is pulled, and each host
         reads its own shards by its own part. The head reads no shard row: its work is O(arrays + hosts)."""
-        arrays = self._dispatch.load(step, requests, None, header.digest)
+        arrays = self._dispatch.load(step, requests, None, header.digest, view.keepers)
         t2 = time.perf_counter()
         result = finish(arrays)
         nbytes = sum(r.record.nbytes for r in requests)
@@ -389,6 +400,74 @@ class Restorer:
                                total_s=time.perf_counter() - t0, prefetched=counted)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes (each host its own part)", step, report.total_s,
                  nbytes)
+        return result, report
+
+    def _writers_plan(self, header: fmt.StepHeader, requests: list[LoadRequest], view: Any,
+                      pull: bool) -> dict[str, set[str]] | None:
+        """Which writers' parts each host reads besides its own (``fmt.writers.plan``), from the header:
+        None where it cannot say, or where a host that reads does not hold the step (a new host), or
+        where parts would have to move and ``pull`` is off (a reader): the rows decide then."""
+        readers = self._dispatch.hosts()
+        if not set(readers) <= set(view.hosts):
+            return None
+
+        def host_of(device_id: int) -> str | None:
+            try:
+                return self._dispatch.host_of_device(device_id)
+            except MTCError:  # a device this topology does not have
+                return None
+
+        needs = writers.plan(header, requests, set(view.whole), host_of, readers)
+        if needs is None or (not pull and any(needs.values())):
+            return None
+        return needs
+
+    def _load_by_writers(self, step: int, header: fmt.StepHeader, requests: list[LoadRequest], finish: Callable,
+                         needs: dict[str, set[str]], t0: float, view: Any,
+                         prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport] | None:
+        """The restore planned from the header onto another target (an elastic resize, another mesh), or
+        onto the saving topology where a writer lost its part: every host first pulls, whole, the parts
+        of the writers whose boxes it reads (``needs``: a data-parallel twin's, or a neighbour's on the
+        new mesh), then reads its boxes from its ramdisk by the manifest it keeps. The head reads no
+        shard row. None when a part could not be brought (the caller plans by the rows)."""
+        shares = {h: [(w, [w]) for w in sorted(ws)] for h, ws in needs.items() if ws}
+        t1 = time.perf_counter()
+        pulled = Pulled()
+        if shares:
+            results = self._dispatch.peer_pull(step, {}, shares=shares)
+            bad = {h: r.error or f"{len(r.failed)} blob(s) no holder had" for h, r in results.items()
+                   if r.error or r.failed}
+            if bad:
+                log.warning("restore of step %d: the writers' parts could not be brought (%s); planning by the "
+                            "manifest's rows", step, "; ".join(f"{h}: {w}" for h, w in sorted(bad.items())))
+                return None
+            for r in results.values():
+                pulled.add("peer", r.pulled_bytes, r.pulled)
+        t_pull = time.perf_counter()
+        try:
+            arrays = self._dispatch.load(step, requests, None, header.digest, view.keepers)
+        except (ManifestError, CorruptBlobError, StepNotFoundError) as e:
+            # A host that committed a record reads by the header a keeper gives it; a keeper it cannot
+            # reach (its address changed with a restart) leaves it nothing to read by. The rows path gives
+            # hosts the manifest.
+            log.warning("restore of step %d by the writers' parts: %s; planning by the manifest's rows", step, e)
+            return None
+        t2 = time.perf_counter()
+        result = finish(arrays)
+        nbytes = sum(r.record.nbytes for r in requests)
+        counted = prefetched is not None and prefetched.step == step
+        if counted:
+            for tier in ("peer", "backup"):
+                pulled.add(tier, prefetched.bytes_by_tier.get(tier, 0), prefetched.blobs_by_tier.get(tier, 0))
+        blobs = view.part_blobs
+        report = RestoreReport(
+            step=step, bytes_by_tier={"ram": max(0, nbytes - pulled.bytes["peer"] - pulled.bytes["backup"]),
+                                      **pulled.bytes},
+            blobs_by_tier={"ram": max(0, blobs - pulled.blobs["peer"] - pulled.blobs["backup"]), **pulled.blobs},
+            source="cluster", skipped_copies=(), inventory_s=t1 - t0, pull_s=t_pull - t1, load_s=t2 - t_pull,
+            total_s=time.perf_counter() - t0, prefetched=counted)
+        log.info("- restore step %d; duration=%.3fs; size=%d bytes (by the writers' parts: %d pulled whole)", step,
+                 report.total_s, nbytes, sum(len(ws) for ws in shares.values()))
         return result, report
 
     def _same_layout(self, header: fmt.StepHeader, requests: list[LoadRequest]) -> bool:
@@ -477,7 +556,9 @@ class Restorer:
         listing = self.backup_listing()
         step, backup_name, fallback, inv = self.choose_step(None, listing)
         view = inv.views.get(step) if backup_name is None else None
-        if view is not None and view.by_parts:  # every part is whole where it was written: nothing to bring
+        # Every part is whole where it was written, or the writers that lost theirs are gone (an elastic
+        # shrink; the restore reads their boxes from the twins' parts): nothing to bring.
+        if view is not None and view.by_writers and not set(view.lost) & set(self._dispatch.hosts()):
             return PrefetchReport(step=step, source="cluster", bytes_by_tier={"peer": 0, "backup": 0},
                                   blobs_by_tier={"peer": 0, "backup": 0}, seconds=time.perf_counter() - t0)
         manifest = self._manifest(step, backup_name, view.manifest if view is not None and view.manifest else None)

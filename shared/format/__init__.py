@@ -15,7 +15,8 @@ document and says what is wrong.
 
 The documents live in modules of their own, and every public name is importable from here:
 ``step`` (step manifests), ``host`` (host manifests, commit records), ``base`` (boxes, dtype
-names, the JSON helpers the readers share) and ``files`` (what a step file says whatever its
+names, the JSON helpers the readers share), ``writers`` (which host's part holds which saved box,
+from a step's header alone) and ``files`` (what a step file says whatever its
 format: ``step_format``, ``step_digest``, ``collect_blob_names``).
 """
 

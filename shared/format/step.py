@@ -184,6 +184,7 @@ class StepHeader:
     topology: dict
     fingerprint: dict
     created: float = 0.0
+    listed: frozenset = frozenset()  # keys of arrays whose boxes the manifest lists (not derivable)
 
     @property
     def devices(self) -> dict[str, tuple[int, ...]] | None:
@@ -214,10 +215,12 @@ class StepHeader:
                source, "'parts' is missing or malformed")
         for i, desc in enumerate(table):
             shardings_lib.check_desc(desc, f"{source}: shardings[{i}]")
-        arrays = []
+        arrays, listed = [], set()
         for i, a in enumerate(docs):
             where = f"{source}: arrays[{i}]"
             expect(isinstance(a, dict), where, "not an object")
+            if a.get("boxes") is not None:
+                listed.add(a.get("key"))
             idx = a.get("sharding")
             expect(idx is None or (isinstance(idx, int) and 0 <= idx < len(table)), where,
                    f"sharding {idx!r} is not an index of 'shardings'")
@@ -235,7 +238,8 @@ class StepHeader:
             source, "'topology.devices' is not host -> [device ids]")
         return cls(step=step, digest=digest, arrays=tuple(arrays), tree=doc.get("tree"),
                    parts=tuple((m["host"], m["digest"]) for m in metas), topology=dict(topology),
-                   fingerprint=dict(doc.get("fingerprint") or {}), created=float(doc.get("created", 0.0)))
+                   fingerprint=dict(doc.get("fingerprint") or {}), created=float(doc.get("created", 0.0)),
+                   listed=frozenset(listed))
 
 
 def _devices_derivable(a: ArrayRecord) -> bool:

@@ -1,14 +1,16 @@
 """One phase of a training job for the elastic-resize tests, run as its own process.
 
     python elastic_job.py ROOT SLICES HOSTS DEVICES save|restore STEP OUT [--replication-factor N]
-                          [--backup DIR]
+                          [--backup DIR] [--data-parallel]
 
 The head gets DEVICES CPU devices (set before jax is imported: a job that lost a slice has
 fewer devices); LocalCluster starts SLICES x HOSTS sidecar daemons on ROOT (their ramdisks
 stay there between phases, like a node's ramdisk across a job restart). ``save`` saves
 ``state(STEP)`` laid out on a (SLICES, DEVICES / SLICES) mesh; ``restore`` restores STEP onto
 this phase's mesh and writes the global arrays to OUT (.npz) with the restore report in
-OUT.json, for the test to compare bit for bit.
+OUT.json, for the test to compare bit for bit, with how many shard rows the head parsed.
+``--data-parallel``: every array replicated over "data" (the slices are twins, as MaxText runs
+multi-slice); otherwise some are split over "data" too.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("--replication-factor", type=int, default=2)
     p.add_argument("--backup", default="")
+    p.add_argument("--data-parallel", action="store_true")
     a = p.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax
+    import logging
+    logging.basicConfig(level=os.environ.get("EJ_LOG", "WARNING"))
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from mtc.head import CheckpointManager, MTCConfig
@@ -57,6 +62,19 @@ def main() -> int:
 
     mesh = Mesh(np.array(jax.devices()).reshape(a.slices, -1), ("data", "model"))
     specs = {"w": P(None, "model"), "u": P("data", "model"), "e": P(("data", "model")), "c": P()}
+    if a.data_parallel:
+        specs.update(u=P(None, "model"), e=P("model"))
+    from mtc.shared import format as fmt
+
+    parsed = [0]  # shard rows the head parsed (host parts read by HostManifest.from_json)
+    real = fmt.HostManifest.from_json.__func__
+
+    def counting(cls, data, **kw):
+        part = real(cls, data, **kw)
+        parsed[0] += len(part.shards)
+        return part
+
+    fmt.HostManifest.from_json = classmethod(counting)
     shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
     backup = {"base_output_directory": a.backup, "run_name": "elastic",
               "multi_tier_checkpointing_backup_interval_steps": 1} if a.backup else {}
@@ -79,7 +97,7 @@ def main() -> int:
                     assert x.sharding == shardings[k], (k, x.sharding)
                 np.savez(a.out, **{k: np.asarray(x) for k, x in restored.items()})
                 rep = m.last_restore_report
-                result = {"bytes_by_tier": rep.bytes_by_tier, "steps": m.all_steps()}
+                result = {"bytes_by_tier": rep.bytes_by_tier, "steps": m.all_steps(), "rows_parsed": parsed[0]}
     with open(a.out + ".json", "w") as f:
         json.dump(result, f)
     return 0

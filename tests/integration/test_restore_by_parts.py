@@ -81,20 +81,81 @@ def test_a_restore_onto_the_saving_topology_reads_no_shard_row(local_cluster, ro
         assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a same-topology restore"
 
 
-def test_a_resharded_restore_reads_the_rows_and_stays_bit_for_bit(local_cluster, rows_parsed):
+def test_a_resharded_restore_reads_no_row_and_stays_bit_for_bit(local_cluster, rows_parsed):
+    """Another target sharding: the head plans from the two sharding descriptions which writers' parts each
+    host reads, the hosts pull those parts whole from their writers and read their boxes by the manifest
+    they keep. No shard row on the head."""
     state = make_state(3)
     with manager(local_cluster) as m:
         m.save(3, state)
         m.wait_until_finished()
     rows_parsed[0] = 0
-    with manager(local_cluster) as m:
+    with manager(local_cluster, prefetch_on_start=False) as m:
         m1 = Mesh(np.array(jax.devices()[::-1]), ("x",))
         target = like(state)
         target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.float32, sharding=NamedSharding(m1, P("x")))
         got = m.restore(3, target=target)
         assert_trees_bitwise_equal(state, got, check_sharding=False)
         assert got["params"]["w"].sharding == target["params"]["w"].sharding
-        assert rows_parsed[0] > 0  # planned from the saved boxes: the control that the spy sees the parser
+        assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a resharded restore"
+        assert m.last_restore_report.bytes_by_tier["peer"] > 0  # the writers' parts moved to their new readers
+
+
+def test_an_older_step_without_its_writers_reads_the_rows(local_cluster, rows_parsed, monkeypatch):
+    """The control: a step whose header does not say which host wrote which devices (saved by an older
+    version) is planned from its rows, and stays bit for bit."""
+    from mtc.head import save as save_lib
+
+    real = save_lib.fmt.encode_step
+
+    def without_devices(**kw):
+        kw["topology"] = {k: v for k, v in kw["topology"].items() if k != "devices"}
+        return real(**kw)
+
+    monkeypatch.setattr(save_lib.fmt, "encode_step", without_devices)
+    state = make_state(6)
+    with manager(local_cluster) as m:
+        m.save(6, state)
+        m.wait_until_finished()
+    rows_parsed[0] = 0
+    with manager(local_cluster, prefetch_on_start=False) as m:
+        target = like(state)
+        m1 = Mesh(np.array(jax.devices()[::-1]), ("x",))
+        target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.float32, sharding=NamedSharding(m1, P("x")))
+        assert_trees_bitwise_equal(state, m.restore(6, target=target), check_sharding=False)
+        assert rows_parsed[0] > 0
+
+
+def data_parallel_state(seed: int, devices) -> dict:
+    """Every array replicated over "data" (the slices are data-parallel twins, as MaxText runs multi-slice)."""
+    rng = np.random.default_rng(seed)
+    m = Mesh(np.array(devices).reshape(-1, 4), ("data", "model"))
+    return {
+        "w": jax.device_put(random_array(rng, (64, 48), np.float32), NamedSharding(m, P(None, "model"))),
+        "emb": jax.device_put(random_array(rng, (32, 16), ml_dtypes.bfloat16), NamedSharding(m, P("model"))),
+        "b": jax.device_put(random_array(rng, (24,), np.int8), NamedSharding(m, P())),
+        "rng": random_array(rng, (4,), np.uint32),
+        "step": seed,
+    }
+
+
+def test_a_host_that_lost_a_blob_reads_its_twins_part(local_cluster, rows_parsed):
+    """A host whose part is no longer whole (a blob gone from its ramdisk) while its data-parallel twin's is:
+    it pulls the twin's part whole and reads from it; the head reads no row."""
+    state = data_parallel_state(9, jax.devices())
+    with manager(local_cluster) as m:
+        m.save(9, state)
+        m.wait_until_finished()
+        blobs = {sh.blob for a in m.manifest(9).arrays for sh in a.shards if 1 in sh.devices or 2 in sh.devices}
+    gone = [p for p in (local_cluster.store_root("s0-h1") / "blobs").rglob("*") if p.name in blobs]
+    assert gone, "s0-h1 holds no blob of its devices"
+    gone[0].unlink()
+    rows_parsed[0] = 0
+    with manager(local_cluster, prefetch_on_start=False) as m:
+        assert_trees_bitwise_equal(state, m.restore(9))
+        rep = m.last_restore_report
+        assert rows_parsed[0] == 0, rows_parsed[0]
+        assert rep.bytes_by_tier["peer"] > 0, rep
 
 
 def test_a_host_that_lost_its_part_is_refilled_by_the_rows(local_cluster, rows_parsed):

@@ -324,8 +324,8 @@ class ClusterDispatcher(Dispatcher):
     # --- restore ---------------------------------------------------------------------------
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
-             manifest: str | None = None) -> list[Any]:
-        return self._loader.load(step, requests, holders, manifest)
+             manifest: str | None = None, keepers: Sequence[str] = ()) -> list[Any]:
+        return self._loader.load(step, requests, holders, manifest, keepers)
 
     def host_of_device(self, device_id: int) -> str:
         return self.topology.host_of(device_id)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -60,7 +60,9 @@ class ClusterLoader:
         self._topology = topology
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
-             manifest: str | None = None) -> list[Any]:
+             manifest: str | None = None, keepers: Sequence[str] = ()) -> list[Any]:
+        book = self._lanes.peer_addresses
+        where = {h: book[h] for h in keepers if h in book}  # where they serve now: see Dispatcher.load
         reads: list[_Read] = []
         layouts: list[tuple[dict, dict] | np.ndarray] = []
         for r in requests:
@@ -89,7 +91,7 @@ class ClusterLoader:
                         blob = exact.get(plan.region, "" if unnamed and plan.whole else None)
                         reads.append(_Read(plan, buf if plan.whole else buf[plan.offsets()], blob))
             layouts.append((dev_box, bufs) if r.sharding is not None else bufs[full])
-        self._run_reads(step, reads, manifest)
+        self._run_reads(step, reads, manifest, where)
         out: list[Any] = []
         for r, lay in zip(requests, layouts):
             if r.sharding is None:
@@ -112,7 +114,7 @@ class ClusterLoader:
         except ConfigError:  # a device of the saving mesh that this one does not have
             return None
 
-    def _run_reads(self, step: int, reads: list[_Read], manifest: str | None) -> None:
+    def _run_reads(self, step: int, reads: list[_Read], manifest: str | None, keepers: dict[str, str]) -> None:
         """Run every read, batched per host and in parallel; a failed read moves on to its next
         candidate host. Raises when a read has no candidate left."""
         pending = list(reads)
@@ -120,7 +122,7 @@ class ClusterLoader:
             by_host: dict[str, list[_Read]] = {}
             for r in pending:
                 by_host.setdefault(r.plan.candidates[len(r.tried)], []).append(r)
-            results, failures = self._lanes.fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest),
+            results, failures = self._lanes.fan_out(lambda h: self._read_batch(h, step, by_host[h], manifest, keepers),
                                                     list(by_host))
             pending = []
             for h, batch in by_host.items():
@@ -138,8 +140,8 @@ class ClusterLoader:
                         self._raise_read_error(step, r)
                     pending.append(r)
 
-    def _read_batch(self, h: str, step: int, batch: list[_Read],
-                    manifest: str | None) -> list[tuple[_Read, str | None, str]]:
+    def _read_batch(self, h: str, step: int, batch: list[_Read], manifest: str | None,
+                    keepers: dict[str, str]) -> list[tuple[_Read, str | None, str]]:
         """Read every box of ``batch`` from host ``h`` in one request; returns the failed ones
         as (read, error type, cause); error type None: a stream that failed its hash here (the
         read is marked for the host to verify)."""
@@ -177,6 +179,8 @@ class ClusterLoader:
             args["manifest"] = manifest
         if stream:
             args["stream"] = stream
+        if keepers:
+            args["keepers"] = keepers
         reply = self._lanes.call(h, "read", args, alloc=alloc)
         failed: dict[int, tuple[str | None, str]] = {
             i: (kind, f"{kind}: {msg}") for i, kind, msg in read_errors(reply.result)}

@@ -1,0 +1,146 @@
+"""Which host's part each target device reads, from the manifest's header alone (no shard row).
+
+The header describes each array's saved named sharding once and says which host wrote the shards
+of which devices (``topology.devices``). So where every saved box lies is arithmetic: a named
+sharding cuts each dimension into equal chunks, and a saved box is a tuple of chunk indices. A
+target box overlaps, in each dimension, the chunks from ``start // chunk`` to ``(stop - 1) //
+chunk``; each of those was written by the hosts whose devices held it (data-parallel twins wrote
+the same one). A host whose inventory says it holds its own part whole can serve them.
+
+- ``cover``: every saved box has a writer that holds its part whole, so the step is restorable from
+  the writers' parts whatever the target (a host that lost its part, a slice that is gone, where a
+  data-parallel twin wrote the same boxes).
+- ``plan``: for a restore's requests (an elastic resize, another mesh, or the saving topology with
+  a host that lost its part), which writers' parts each reading host needs besides its own. The
+  restore pulls those parts whole from their writers, then every host reads its boxes from its
+  ramdisk by the step manifest it keeps.
+
+Both cost O(distinct (sharding, shape) x devices); None / False where the header cannot say (an
+older step without ``topology.devices``, boxes the manifest lists, a box no whole writer holds):
+the restore then plans from the rows as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from mtc.shared import shardings
+from mtc.shared.format.base import Box
+from mtc.shared.format.step import ArrayRecord, StepHeader
+
+__all__ = ["Grid", "cover", "plan", "saved_grid"]
+
+
+class Grid:
+    """The saved boxes of one (sharding description, shape): the chunk size of each dimension, and
+    chunk index -> the devices whose shard it was."""
+
+    __slots__ = ("chunk", "writers")
+
+    def __init__(self, chunk: tuple[int, ...], writers: dict[tuple[int, ...], list[int]]):
+        self.chunk = chunk
+        self.writers = writers
+
+    def pieces(self, box: Box) -> Iterable[tuple[int, ...]]:
+        """The chunk indices that ``box`` overlaps."""
+        return itertools.product(*(range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, self.chunk)))
+
+
+def saved_grid(desc: Mapping | None, shape: Sequence[int]) -> Grid | None:
+    boxes = shardings.described_device_boxes(desc, tuple(shape))
+    if not boxes:
+        return None
+    chunk = tuple(b - a for a, b in next(iter(boxes.values())))
+    if any(c <= 0 for c in chunk):  # an empty dimension: nothing to plan by
+        return None
+    writers: dict[tuple[int, ...], list[int]] = {}
+    for dev, box in boxes.items():
+        writers.setdefault(tuple(a // c for (a, _), c in zip(box, chunk)), []).append(dev)
+    return Grid(chunk, writers)
+
+
+def _writer_of(header: StepHeader) -> dict[int, str] | None:
+    devices = header.devices
+    if devices is None:
+        return None
+    return {d: h for h, ids in devices.items() for d in ids}
+
+
+def _grid_of(rec: ArrayRecord, listed: frozenset, grids: dict) -> Grid | None:
+    if rec.kind != "jax" or rec.sharding is None or rec.prng_impl or rec.key in listed:
+        return None
+    key = (id(rec.sharding), tuple(rec.shape))
+    if key not in grids:
+        grids[key] = saved_grid(rec.sharding, rec.shape)
+    return grids[key]
+
+
+def cover(header: StepHeader, whole: set[str]) -> bool:
+    """Whether every saved box of the step was written by a host of ``whole`` (hosts that hold their
+    own part whole): then the step restores from those parts, whatever the target."""
+    writer_of = _writer_of(header)
+    if writer_of is None or not whole:
+        return False
+    grids: dict = {}
+    checked: set[int] = set()
+    for rec in header.arrays:
+        if rec.kind in ("scalar", "numpy"):  # no data / written whole by every host
+            continue
+        g = _grid_of(rec, header.listed, grids)
+        if g is None:
+            return False
+        if id(g) in checked:
+            continue
+        checked.add(id(g))
+        if not all(any(writer_of.get(d) in whole for d in devs) for devs in g.writers.values()):
+            return False
+    return True
+
+
+def plan(header: StepHeader, requests: Sequence[Any], whole: set[str],
+         host_of_device: Callable[[int], str | None], readers: Sequence[str]) -> dict[str, set[str]] | None:
+    """reading host -> the writers whose parts it needs besides its own (empty: its own part has all
+    it reads), for ``requests`` (``LoadRequest``s planned from the header); None where the header
+    cannot say (the restore reads the rows). ``readers`` are the hosts that load host numpy leaves
+    (every host); a host that does not hold its own part whole reads them from another writer's."""
+    writer_of = _writer_of(header)
+    if writer_of is None or not whole:
+        return None
+    needs: dict[str, set[str]] = {h: set() for h in readers}
+    some_whole = min(whole)
+    grids: dict = {}
+    targets: dict[tuple, dict[int, Box]] = {}
+    host_numpy = False
+    for r in requests:
+        rec = r.record
+        if rec.kind == "numpy" and r.sharding is None:
+            host_numpy = True
+            continue
+        g = _grid_of(rec, header.listed, grids) if r.sharding is not None else None
+        if g is None:
+            return None
+        tkey = (id(r.sharding), tuple(rec.shape))
+        boxes = targets.get(tkey)
+        if boxes is None:
+            boxes = targets[tkey] = shardings.device_boxes(r.sharding, tuple(rec.shape))
+        for dev, box in boxes.items():
+            reader = host_of_device(dev)
+            if reader is None:
+                return None
+            mine = needs.setdefault(reader, set())
+            for piece in g.pieces(box):
+                devs = g.writers.get(piece)
+                if devs is None:
+                    return None
+                ws = [writer_of[d] for d in devs if writer_of.get(d) in whole]
+                if not ws:
+                    return None
+                if reader in ws or any(w in mine for w in ws):
+                    continue
+                mine.add(ws[0])
+    if host_numpy:  # every writer wrote those whole: a reader that lost its own part reads another's
+        for h in readers:
+            if h not in whole and not needs[h]:
+                needs[h].add(some_whole)
+    return needs
