@@ -28,6 +28,10 @@ inventory parsed, the manifest's header read alone (``fmt.StepHeader``), the ste
 (every host holds the part it wrote), the layout checked and the load request every host gets; its
 head CPU and bytes per host, beside a restore that reads every row (a host that lost its part).
 
+Per elastic shrink (data-parallel slices, FSDP within each; the last slice gone): the surviving
+hosts' inventories, the step chosen by its writers' parts (a twin wrote every box the lost slice did)
+and which writer's part each host reads on the smaller mesh (``fmt.writers.plan``), from the header.
+
 Ratios in one run, not absolute times. The data itself (the shards' bytes) is not counted.
 """
 
@@ -44,6 +48,7 @@ from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, pl
 from mtc.head.tools.cli.status import copies_by_share
 from mtc.shared import format as fmt
 from mtc.shared import protocol, shardings
+from mtc.shared.format import writers
 
 DEVICES_PER_HOST = 8
 KEEPERS = 2
@@ -139,6 +144,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         assert m.digest == digest
         old_restore_s = keeper_s + restore_by_rows(m, per_host)
     restore = restore_side(records, per_host, data, digest)
+    restore.update(resize_side(hosts, layers))
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
@@ -198,6 +204,54 @@ def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.Ho
     status_s = time.process_time() - t1
     return {"restore_s": spent, "status_s": status_s, "restore_sent": len(request) * hosts,
             "restore_received": sum(len(w) for w in wire.values()) + len(line)}
+
+
+def resize_side(hosts: int, layers: int) -> dict:
+    """The head's side of an elastic shrink, from the header alone: the slices are data-parallel twins
+    (FSDP within a slice, as MaxText runs multi-slice) and the last slice is gone. Every surviving host's
+    inventory parsed, the step chosen by its writers' parts (``step_views``: each box the lost slice wrote,
+    a twin wrote too), and which parts each host reads on the smaller mesh (``writers.plan``: its own).
+    No process and no jax device: the target is the smaller mesh's description."""
+    slices = max(2, hosts // HOSTS_PER_SLICE)
+    per_slice = hosts // slices
+    n = hosts * DEVICES_PER_HOST
+    def mesh(s: int) -> dict:
+        return {"type": "named", "mesh_shape": [s, per_slice * DEVICES_PER_HOST], "axis_names": ["data", "fsdp"],
+                "device_ids": list(range(s * per_slice * DEVICES_PER_HOST))}
+    saved, target = mesh(slices), mesh(slices - 1)
+    by_rank = {r: {k: {**m, "spec": ["fsdp"] + [None] * (r - 1)} for k, m in (("saved", saved), ("target", target))}
+               for r in (1, 2)}
+    records = [fmt.ArrayRecord(key=key, kind="jax", dtype=dtype, shape=shape, sharding=by_rank[len(shape)]["saved"])
+               for key, shape, dtype in state_shapes(layers)]
+    devices = {f"h{h}": tuple(range(h * DEVICES_PER_HOST, (h + 1) * DEVICES_PER_HOST)) for h in range(hosts)}
+    digest = "d" * 64
+    header = fmt.StepHeader(step=1, digest=digest, arrays=tuple(records), tree=None,
+                            parts=tuple((h, "p" * 64) for h in devices), topology={"devices": devices}, fingerprint={})
+    left = [f"h{h}" for h in range(hosts - per_slice)]
+    wire = {}
+    for i, h in enumerate(left):  # host k of every slice wrote the same share (twins)
+        own = f"{i % per_slice:064x}"
+        wire[h] = json.dumps({"host": h, "damaged": [], "steps": [
+            {"step": 1, "blobs": 300, "local_blobs": 300, "step_blobs": 300, "digest": own,
+             "held": protocol.encode_bitmap([True] * 300), "manifest": digest, "part": True, "own": own,
+             "copies": []}]})
+
+    class Request:
+        __slots__ = ("record", "sharding")
+
+        def __init__(self, record, sharding):
+            self.record, self.sharding = record, sharding
+
+    assert n == len(saved["device_ids"])
+    t0 = time.process_time()
+    inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
+    view = step_views(inv, None, lambda s, d: header if d == digest else None)[1]
+    assert view.by_writers and not view.by_parts and len(view.lost) == per_slice
+    requests = [Request(r, by_rank[len(r.shape)]["target"]) for r in records]
+    needs = writers.plan(header, requests, set(view.whole), lambda d: f"h{d // DEVICES_PER_HOST}", left)
+    spent = time.process_time() - t0
+    assert needs is not None and not any(needs.values()), "a surviving host should read its own part"
+    return {"resize_s": spent}
 
 
 def restore_by_rows(m: fmt.StepManifest, per_host: dict[str, list[fmt.HostShard]]) -> float:
@@ -276,22 +330,25 @@ def main() -> None:
               f"{_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
               f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | "
               f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} |")
-    print(f"\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")
+    print("\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")
     print("| hosts | head CPU | head sends | head receives | head sends per host | head receives per host "
-          "| `mtc status` (head CPU) | reading every row instead (a host lost its part; head CPU) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| `mtc status` (head CPU) | elastic shrink, one data-parallel slice lost (head CPU) "
+          "| reading every row instead (a host lost its part; head CPU) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         old = (f"{r['old_restore_s']:.2f} s" if r["old_restore_s"] is not None
                else f"skipped (about {r['keeper_estimate_s']:.0f} s and more)")
         print(f"| {r['hosts']} | {r['restore_s'] * 1e3:,.0f} ms | {_mib(r['restore_sent'])} | "
               f"{_mib(r['restore_received'])} | {_mib(r['restore_sent'] / r['hosts'])} | "
-              f"{_mib(r['restore_received'] / r['hosts'])} | {r['status_s'] * 1e3:,.0f} ms | {old} |")
+              f"{_mib(r['restore_received'] / r['hosts'])} | {r['status_s'] * 1e3:,.0f} ms | "
+              f"{r['resize_s'] * 1e3:,.0f} ms | {old} |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         print(f"\n- restore, {a1['hosts'] / a0['hosts']:.0f}x the hosts: head bytes sent per host "
               f"{(a1['restore_sent'] / a1['hosts']) / (a0['restore_sent'] / a0['hosts']):.2f}x, received per host "
               f"{(a1['restore_received'] / a1['hosts']) / (a0['restore_received'] / a0['hosts']):.2f}x; head CPU at "
-              f"{a1['hosts']} hosts {a1['restore_s']:.2f} s (target <= 1 s)")
+              f"{a1['hosts']} hosts {a1['restore_s']:.2f} s (target <= 1 s); an elastic shrink's "
+              f"{a1['resize_s']:.2f} s (target <= 5 s)")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         k = a1["hosts"] / a0["hosts"]

@@ -122,8 +122,12 @@ def plan(header: StepHeader, requests: Sequence[Any], whole: set[str],
             return None
         tkey = (id(r.sharding), tuple(rec.shape))
         boxes = targets.get(tkey)
-        if boxes is None:
-            boxes = targets[tkey] = shardings.device_boxes(r.sharding, tuple(rec.shape))
+        if boxes is None:  # a jax sharding, or its description (a planner that has no such devices)
+            boxes = targets[tkey] = (shardings.described_device_boxes(r.sharding, tuple(rec.shape))
+                                     if isinstance(r.sharding, Mapping) else
+                                     shardings.device_boxes(r.sharding, tuple(rec.shape)))
+            if boxes is None:
+                return None
         for dev, box in boxes.items():
             reader = host_of_device(dev)
             if reader is None:
