@@ -248,7 +248,7 @@ def resize_side(hosts: int, layers: int) -> dict:
     view = step_views(inv, None, lambda s, d: header if d == digest else None)[1]
     assert view.by_writers and not view.by_parts and len(view.lost) == per_slice
     requests = [Request(r, by_rank[len(r.shape)]["target"]) for r in records]
-    needs = writers.plan(header, requests, set(view.whole), lambda d: f"h{d // DEVICES_PER_HOST}", left)
+    needs = writers.plan(header, requests, view.part_holders, lambda d: f"h{d // DEVICES_PER_HOST}", left)
     spent = time.process_time() - t0
     assert needs is not None and not any(needs.values()), "a surviving host should read its own part"
     return {"resize_s": spent}

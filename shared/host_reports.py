@@ -50,14 +50,18 @@ class StepHolding:
     # The digests of the shares this host holds whole (a host that keeps the whole manifest: its
     # own and the copies it keeps for others; a record host reports none, its counts say).
     copies: tuple[str, ...] = ()
+    # The writers whose parts this host holds whole as peer copies (not its own part, nor a data-parallel
+    # twin's, which is the same share): where a restore finds a lost writer's part without a blob name.
+    parts: tuple[str, ...] = ()
 
     _FIELDS = frozenset({"step", "blobs", "local_blobs", "step_blobs", "digest", "held", "manifest", "part", "own",
-                         "copies"})
+                         "copies", "parts"})
 
     def to_wire(self) -> dict:
         return {"step": self.step, "blobs": self.blobs, "local_blobs": self.local_blobs,
                 "step_blobs": self.step_blobs, "digest": self.digest, "held": self.held, "manifest": self.manifest,
-                "part": self.part, "own": self.own, "copies": list(self.copies)}
+                "part": self.part, "own": self.own, "copies": list(self.copies),
+                **({"parts": list(self.parts)} if self.parts else {})}
 
     @classmethod
     def from_wire(cls, host: str, s: Any) -> "StepHolding":
@@ -83,8 +87,11 @@ class StepHolding:
         part = s.get("part", False)
         if type(part) is not bool:
             raise ProtocolError(f"{where}: 'part' must be true or false, got {part!r:.50}")
+        parts = s.get("parts", [])
+        if not (isinstance(parts, list) and all(isinstance(p, str) and 0 < len(p) <= 256 for p in parts)):
+            raise ProtocolError(f"{where}: 'parts' must list host ids")
         return cls(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"], s["held"], manifest,
-                   part, own, tuple(copies))
+                   part, own, tuple(copies), tuple(parts))
 
 
 @dataclasses.dataclass(frozen=True)

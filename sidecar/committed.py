@@ -299,8 +299,10 @@ class CommittedSteps:
                 own = {sh.blob for rec in m.arrays for sh in rec.shards if not sh.devices or mine & set(sh.devices)}
             # Its share: the part it wrote (mtc/3), else the shards of its devices.
             share = m.part_blobs.get(self.host_id, own)
+            mine_digest = protocol.blob_list_digest(sorted(share))
+            copies, parts = self._shares_held(m, have, mine_digest)
             out.append(StepHolding(step=s, blobs=len(own), local_blobs=len(own & have), manifest=m.digest,
-                                   own=protocol.blob_list_digest(sorted(share)), copies=tuple(self._shares_held(m, have)),
+                                   own=mine_digest, copies=tuple(copies), parts=tuple(parts),
                                    **held_bits(m.blob_names(), have)))
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
@@ -310,13 +312,15 @@ class CommittedSteps:
                              pull_failures=pull_notes(self.store),
                              ramdisk=(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)).to_wire()
 
-    def _shares_held(self, m: fmt.StepManifest, have: set[str]) -> list[str]:
-        """The digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own
-        and the copies it keeps for others, as the head's replication counts them
-        (``covered_by_shares``)."""
+    def _shares_held(self, m: fmt.StepManifest, have: set[str], own: str) -> tuple[list[str], list[str]]:
+        """(the digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own and
+        the copies it keeps for others, as the head's replication counts them (``covered_by_shares``);
+        the writers of those whose share is not its own: the parts it holds as peer copies, which a
+        restore reads from the header alone)."""
         digests = self.index.share_digests_of(
             m.step, m.digest, lambda: {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()})
-        return sorted({d for h, d in digests.items() if m.part_blobs[h] <= have})
+        held = {h: d for h, d in digests.items() if m.part_blobs[h] <= have}
+        return sorted(set(held.values())), sorted(h for h, d in held.items() if d != own and h != self.host_id)
 
     def verify(self, step: int) -> dict:
         """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}."""

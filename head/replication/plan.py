@@ -171,6 +171,8 @@ class StepView:
     # ramdisk), each of whose boxes another writer that holds its part whole wrote too (a data-parallel twin).
     lost: tuple[str, ...] = ()
     keepers: tuple[str, ...] = ()  # by parts / writers: hosts that keep the whole manifest (the others a record)
+    # By parts / writers: writer -> the hosts that hold its part whole (itself; the keepers of peer copies).
+    part_holders: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def by_parts(self) -> bool:
@@ -231,6 +233,15 @@ def whole_by_parts(step: int, manifest: str, rows: Mapping[str, StepHolding],
     return True
 
 
+def _part_holders(agreeing: Mapping[str, StepHolding], whole: set[str]) -> dict[str, tuple[str, ...]]:
+    """writer -> the hosts that hold its part whole: itself (``whole``) and those that report a peer copy."""
+    out: dict[str, set[str]] = {w: {w} for w in whole}
+    for h, s in agreeing.items():
+        for w in s.parts:
+            out.setdefault(w, set()).add(h)
+    return {w: tuple(sorted(hs)) for w, hs in out.items()}
+
+
 def holds_own_part(s: StepHolding) -> bool:
     """Whether a host holds the whole of the part it wrote of a step, as its inventory row says."""
     return s.local_blobs == s.blobs if s.part else (bool(s.own) and s.own in s.copies)
@@ -267,19 +278,22 @@ def step_views(inventories: Mapping[str, HostInventory],
             def full(step: int = step) -> StepView | None:
                 return step_views(inventories, resolve).get(step)
 
+            mine = {h for h, s in agreeing.items() if holds_own_part(s)}
+            holders = _part_holders(agreeing, mine)
             if whole_by_parts(step, manifest, by_host, header):
                 whole = tuple(sorted(h for h, s in agreeing.items() if s.local_blobs == s.blobs))
                 out[step] = StepView(step, "", None, tuple(sorted(agreeing)), whole, manifest, resolve=full,
-                                     part_blobs=sum(s.blobs for s in agreeing.values()), keepers=keepers)
+                                     part_blobs=sum(s.blobs for s in agreeing.values()), keepers=keepers,
+                                     part_holders=holders)
                 continue
-            # Some writer lost its part: restorable from the others' parts alone where every box it
-            # wrote has another writer that holds its part whole (a data-parallel twin).
-            mine = {h for h, s in agreeing.items() if holds_own_part(s)}
-            head = header(step, manifest) if mine else None
-            if head is not None and head.parts and writers.cover(head, mine):
+            # Some writer lost its part: restorable from the parts alone where every box it wrote is in a
+            # part some host holds whole (a data-parallel twin's, or a peer copy of its own).
+            head = header(step, manifest) if holders else None
+            if head is not None and head.parts and writers.cover(head, holders):
                 out[step] = StepView(step, "", None, tuple(sorted(agreeing)), tuple(sorted(mine)), manifest,
                                      resolve=full, part_blobs=sum(agreeing[h].blobs for h in mine),
-                                     lost=tuple(sorted({p for p, _ in head.parts} - mine)), keepers=keepers)
+                                     lost=tuple(sorted({p for p, _ in head.parts} - mine)), keepers=keepers,
+                                     part_holders=holders)
         if out:
             rest = step_views({h: _without_steps(inv, set(out)) for h, inv in inventories.items()}, resolve)
             return dict(sorted({**rest, **out}.items()))

@@ -417,7 +417,8 @@ class Restorer:
             except MTCError:  # a device this topology does not have
                 return None
 
-        needs = writers.plan(header, requests, set(view.whole), host_of, readers)
+        holders = view.part_holders or {w: (w,) for w in view.whole}
+        needs = writers.plan(header, requests, holders, host_of, readers)
         if needs is None or (not pull and any(needs.values())):
             return None
         return needs
@@ -427,10 +428,13 @@ class Restorer:
                          prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport] | None:
         """The restore planned from the header onto another target (an elastic resize, another mesh), or
         onto the saving topology where a writer lost its part: every host first pulls, whole, the parts
-        of the writers whose boxes it reads (``needs``: a data-parallel twin's, or a neighbour's on the
-        new mesh), then reads its boxes from its ramdisk by the manifest it keeps. The head reads no
+        of the writers whose boxes it reads (``needs``: a data-parallel twin's, a neighbour's on the new
+        mesh, or a lost writer's from the host that keeps a peer copy of it), then reads its boxes from its ramdisk by the manifest it keeps. The head reads no
         shard row. None when a part could not be brought (the caller plans by the rows)."""
-        shares = {h: [(w, [w]) for w in sorted(ws)] for h, ws in needs.items() if ws}
+        holders = view.part_holders or {w: (w,) for w in view.whole}
+        # Each part from its writer first, else from a host that keeps a peer copy of it.
+        shares = {h: [(w, sorted(holders.get(w, (w,)), key=lambda x, w=w: (x != w, x))) for w in sorted(ws)]
+                  for h, ws in needs.items() if ws}
         t1 = time.perf_counter()
         pulled = Pulled()
         if shares:

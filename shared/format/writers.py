@@ -5,25 +5,26 @@ of which devices (``topology.devices``). So where every saved box lies is arithm
 sharding cuts each dimension into equal chunks, and a saved box is a tuple of chunk indices. A
 target box overlaps, in each dimension, the chunks from ``start // chunk`` to ``(stop - 1) //
 chunk``; each of those was written by the hosts whose devices held it (data-parallel twins wrote
-the same one). A host whose inventory says it holds its own part whole can serve them.
+the same one). A host that holds a writer's part whole (the writer itself, as its inventory says, or a
+host that keeps a peer copy of it) can serve them.
 
-- ``cover``: every saved box has a writer that holds its part whole, so the step is restorable from
-  the writers' parts whatever the target (a host that lost its part, a slice that is gone, where a
-  data-parallel twin wrote the same boxes).
+- ``cover``: every saved box has a writer whose part some host holds whole, so the step is
+  restorable from the writers' parts whatever the target (a host that lost its part, a slice that
+  is gone: a data-parallel twin wrote the same boxes, or a peer keeps a copy of the part).
 - ``plan``: for a restore's requests (an elastic resize, another mesh, or the saving topology with
   a host that lost its part), which writers' parts each reading host needs besides its own. The
-  restore pulls those parts whole from their writers, then every host reads its boxes from its
+  restore pulls those parts whole from their holders, then every host reads its boxes from its
   ramdisk by the step manifest it keeps.
 
 Both cost O(distinct (sharding, shape) x devices); None / False where the header cannot say (an
-older step without ``topology.devices``, boxes the manifest lists, a box no whole writer holds):
-the restore then plans from the rows as before.
+older step without ``topology.devices``, boxes the manifest lists, a box whose parts no host holds
+whole): the restore then plans from the rows as before.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from mtc.shared import shardings
 from mtc.shared.format.base import Box
@@ -76,11 +77,12 @@ def _grid_of(rec: ArrayRecord, listed: frozenset, grids: dict) -> Grid | None:
     return grids[key]
 
 
-def cover(header: StepHeader, whole: set[str]) -> bool:
-    """Whether every saved box of the step was written by a host of ``whole`` (hosts that hold their
-    own part whole): then the step restores from those parts, whatever the target."""
+def cover(header: StepHeader, holders: Mapping[str, Collection[str]]) -> bool:
+    """Whether every saved box of the step was written by a host whose part some host holds whole now
+    (``holders``: writer -> those hosts: the writer itself, or a host that keeps a peer copy of its
+    part): then the step restores from those parts, whatever the target."""
     writer_of = _writer_of(header)
-    if writer_of is None or not whole:
+    if writer_of is None or not any(holders.values()):
         return False
     grids: dict = {}
     checked: set[int] = set()
@@ -93,22 +95,27 @@ def cover(header: StepHeader, whole: set[str]) -> bool:
         if id(g) in checked:
             continue
         checked.add(id(g))
-        if not all(any(writer_of.get(d) in whole for d in devs) for devs in g.writers.values()):
+        if not all(any(holders.get(writer_of.get(d)) for d in devs) for devs in g.writers.values()):
             return False
     return True
 
 
-def plan(header: StepHeader, requests: Sequence[Any], whole: set[str],
+def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Collection[str]],
          host_of_device: Callable[[int], str | None], readers: Sequence[str]) -> dict[str, set[str]] | None:
-    """reading host -> the writers whose parts it needs besides its own (empty: its own part has all
-    it reads), for ``requests`` (``LoadRequest``s planned from the header); None where the header
-    cannot say (the restore reads the rows). ``readers`` are the hosts that load host numpy leaves
-    (every host); a host that does not hold its own part whole reads them from another writer's."""
+    """reading host -> the writers whose parts it needs and does not hold (empty: the parts it holds have
+    all it reads), for ``requests`` (``LoadRequest``s planned from the header); None where the header
+    cannot say (the restore reads the rows). ``holders``: writer -> the hosts that hold its part whole
+    (itself, or a peer copy's keeper), from the inventories. ``readers`` are the hosts that load host
+    numpy leaves (every host); one that holds no part whole reads them from another writer's."""
     writer_of = _writer_of(header)
-    if writer_of is None or not whole:
+    available = sorted(w for w, hs in holders.items() if hs)
+    if writer_of is None or not available:
         return None
+    held_by: dict[str, set[str]] = {}  # host -> the writers whose parts it holds whole
+    for w, hs in holders.items():
+        for h in hs:
+            held_by.setdefault(h, set()).add(w)
     needs: dict[str, set[str]] = {h: set() for h in readers}
-    some_whole = min(whole)
     grids: dict = {}
     targets: dict[tuple, dict[int, Box]] = {}
     host_numpy = False
@@ -133,18 +140,19 @@ def plan(header: StepHeader, requests: Sequence[Any], whole: set[str],
             if reader is None:
                 return None
             mine = needs.setdefault(reader, set())
+            have = held_by.get(reader, ())
             for piece in g.pieces(box):
                 devs = g.writers.get(piece)
                 if devs is None:
                     return None
-                ws = [writer_of[d] for d in devs if writer_of.get(d) in whole]
+                ws = [writer_of[d] for d in devs if holders.get(writer_of.get(d))]
                 if not ws:
                     return None
-                if reader in ws or any(w in mine for w in ws):
+                if any(w in have or w in mine for w in ws):
                     continue
                 mine.add(ws[0])
-    if host_numpy:  # every writer wrote those whole: a reader that lost its own part reads another's
+    if host_numpy:  # every writer wrote those whole: a reader that holds no part reads another's
         for h in readers:
-            if h not in whole and not needs[h]:
-                needs[h].add(some_whole)
+            if not held_by.get(h) and not needs[h]:
+                needs[h].add(available[0])
     return needs

@@ -63,19 +63,21 @@ def test_losing_a_slice_restores_from_the_slice_that_is_left(ramdisk, tmp_path):
     assert r["bytes_by_tier"]["peer"] == 0 and r["steps"][-1] == 4, r
 
 
-def test_losing_a_data_parallel_slice_reads_no_row_on_the_head(ramdisk, tmp_path):
-    """The slices were data-parallel twins: the one left wrote every box, so each of its hosts reads its
-    own part (nothing moves) and the head plans from the manifest's header, reading no shard row."""
+def test_losing_a_slice_reads_no_row_on_the_head(ramdisk, tmp_path):
+    """The head plans a shrink from the manifest's header, reading no shard row. Where the slices were
+    data-parallel twins, the one left wrote every box: each of its hosts reads its own part and nothing
+    moves. Where arrays were split over the slices too, the lost slice's parts are peer copies on the
+    slice left (each host's inventory names the writers whose parts it keeps): each host pulls whole
+    the parts it reads and does not keep."""
     root = ramdisk / "job"
     phase(root, 2, 2, 8, "save", 3, tmp_path / "s", "--data-parallel")
     r = phase(root, 1, 2, 4, "restore", 3, tmp_path / "r.npz", "--data-parallel")
     assert_restored(tmp_path / "r.npz", 3)
     assert r["rows_parsed"] == 0 and r["bytes_by_tier"]["peer"] == 0 and r["bytes_by_tier"]["backup"] == 0, r
-    # The other layout (slice 1's rows of "u" and "e" exist only as peer copies) is planned by the rows.
     phase(root, 2, 2, 8, "save", 4, tmp_path / "s4")
     r = phase(root, 1, 2, 4, "restore", 4, tmp_path / "r4.npz")
     assert_restored(tmp_path / "r4.npz", 4)
-    assert r["rows_parsed"] > 0 and r["bytes_by_tier"]["peer"] > 0, r
+    assert r["rows_parsed"] == 0 and r["bytes_by_tier"]["peer"] > 0, r
 
 
 def test_gaining_a_slice_fills_the_new_hosts_from_peers(ramdisk, tmp_path):

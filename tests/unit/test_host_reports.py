@@ -22,7 +22,8 @@ def _wire(value) -> dict:
 def test_an_inventory_round_trips_through_json():
     a, b = blob_name(b"a"), blob_name(b"b")
     inv = HostInventory("h1", (
-        StepHolding(3, 2, 1, 4, "d" * 64, "c0", manifest="m" * 64, own="o" * 64, copies=("o" * 64, "p" * 64)),
+        StepHolding(3, 2, 1, 4, "d" * 64, "c0", manifest="m" * 64, own="o" * 64, copies=("o" * 64, "p" * 64),
+                    parts=("s1-h0",)),
         StepHolding(4, 2, 2, 2, "e" * 64, "c0", manifest="n" * 64, part=True, own=a + b)),
         damaged=(2,), pull_failures=((4, "ramdisk full", 2.5),), ramdisk=(10, 100))
     assert HostInventory.from_wire("h1", _wire(inv)) == inv
@@ -74,6 +75,8 @@ def test_a_sidecar_answers_what_the_head_parses(ramdisk):
      "step 1: 'part' must be true or false"),
     ({"steps": [{"step": 1, "blobs": 1, "local_blobs": 0, "step_blobs": 1, "digest": "", "held": "", "x": 0}]},
      r"step 1: unknown fields \['x'\]"),
+    ({"steps": [{"step": 1, "blobs": 1, "local_blobs": 0, "step_blobs": 1, "digest": "", "held": "", "parts": [3]}]},
+     "step 1: 'parts' must list host ids"),
 ])
 def test_a_malformed_inventory_names_the_host_and_the_field(doc, field):
     with pytest.raises(ProtocolError, match=f"host h1: .*{field}"):
