@@ -68,6 +68,12 @@ def _writer_of(header: StepHeader) -> dict[int, str] | None:
     return {d: h for h, ids in devices.items() for d in ids}
 
 
+def _grids(header: StepHeader) -> dict:
+    """The grids of a header's arrays, kept with it: ``cover`` (the step's choice) and ``plan`` (its
+    restore) read the same ones."""
+    return header.__dict__.setdefault("_writers_grids", {})
+
+
 def _grid_of(rec: ArrayRecord, listed: frozenset, grids: dict) -> Grid | None:
     if rec.kind != "jax" or rec.sharding is None or rec.prng_impl or rec.key in listed:
         return None
@@ -84,7 +90,7 @@ def cover(header: StepHeader, holders: Mapping[str, Collection[str]]) -> bool:
     writer_of = _writer_of(header)
     if writer_of is None or not any(holders.values()):
         return False
-    grids: dict = {}
+    grids = _grids(header)
     checked: set[int] = set()
     for rec in header.arrays:
         if rec.kind in ("scalar", "numpy"):  # no data / written whole by every host
@@ -116,8 +122,13 @@ def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Coll
         for h in hs:
             held_by.setdefault(h, set()).add(w)
     needs: dict[str, set[str]] = {h: set() for h in readers}
-    grids: dict = {}
+    grids = _grids(header)
+    # Per (grid, chunk): the writers of that chunk whose parts some host holds, as a set, and the one a
+    # reader that holds none of them pulls. Computed once: a chunk has as many writers as there are
+    # data-parallel replicas (slices), and every reader of it checks its few held parts against the set.
+    chunk_writers: dict[tuple[int, tuple[int, ...]], tuple[frozenset, str] | None] = {}
     targets: dict[tuple, dict[int, Box]] = {}
+    planned: set[tuple] = set()
     host_numpy = False
     for r in requests:
         rec = r.record
@@ -135,6 +146,9 @@ def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Coll
                                      shardings.device_boxes(r.sharding, tuple(rec.shape)))
             if boxes is None:
                 return None
+        if (id(g), tkey) in planned:  # another array of the same saved and target boxes: the same needs
+            continue
+        planned.add((id(g), tkey))
         for dev, box in boxes.items():
             reader = host_of_device(dev)
             if reader is None:
@@ -142,15 +156,18 @@ def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Coll
             mine = needs.setdefault(reader, set())
             have = held_by.get(reader, ())
             for piece in g.pieces(box):
-                devs = g.writers.get(piece)
-                if devs is None:
+                key = (id(g), piece)
+                if key not in chunk_writers:
+                    devs = g.writers.get(piece, ())
+                    ws = [writer_of[d] for d in devs if holders.get(writer_of.get(d))]
+                    chunk_writers[key] = (frozenset(ws), ws[0]) if ws else None
+                found = chunk_writers[key]
+                if found is None:
                     return None
-                ws = [writer_of[d] for d in devs if holders.get(writer_of.get(d))]
-                if not ws:
-                    return None
-                if any(w in have or w in mine for w in ws):
+                wset, first = found
+                if any(w in wset for w in have) or any(w in wset for w in mine):
                     continue
-                mine.add(ws[0])
+                mine.add(first)
     if host_numpy:  # every writer wrote those whole: a reader that holds no part reads another's
         for h in readers:
             if not held_by.get(h) and not needs[h]:
