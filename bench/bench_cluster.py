@@ -11,7 +11,10 @@ every host, one host after another (serial) and at once. Saves and pings are tim
 in turn: from one thread with a selector (``HostLanes.call_each``, what the head does) and with
 a pool thread per host for every request (``thread_per_host`` here; the head does that only for
 requests that carry more than a MiB to a host). Growth below N and parallel below serial say
-that the fan-out is parallel.
+that the fan-out is parallel. Then a restarted head restores the last step, --saves times each:
+onto the sharding that saved it (each host loads its own part) and onto the devices reversed
+(each host reads other writers' parts, pulled whole the first time); wall and head CPU per
+restore, and the shard rows the head parsed (none: both are planned from the manifest's header).
 
 Part 2, bytes. --gib GiB of random float32 (8 arrays sharded over 8 devices), saved through 4
 daemons in cluster mode and through one in-process host in colocated mode (a CheckpointManager
@@ -27,6 +30,7 @@ Times are ratios measured in one run: quote those, not absolute seconds (a share
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -137,11 +141,55 @@ def fan_out(parent: Path, hosts: list[int], saves: int) -> list[dict]:
                         disp.lanes.call(h, "ping")
                     r.setdefault("serial_ping", []).append(time.perf_counter() - t)
                 del disp.lanes.call_each  # the head's own again
+                m.wait_for_replication()
+                last = step - 1
+            r.update(restores(cfg, last, saves))
         shutil.rmtree(root, ignore_errors=True)
         # CPU times tick in 10 ms: their mean; the times' median.
         rows.append({k: (statistics.fmean(v) if k.endswith("_cpu") else statistics.median(v)) if isinstance(v, list)
                      else v for k, v in r.items()})
     return rows
+
+
+def restores(cfg: MTCConfig, step: int, repeats: int) -> dict:
+    """A restarted head's restore of ``step``: onto the sharding that saved it (each host loads its own
+    part) and onto the devices reversed (each host pulls the parts it reads from their writers, once:
+    later restores find them held), planned from the manifest's header. Wall and head CPU per restore,
+    and the shard rows the head parsed (none, on either path)."""
+    from mtc.shared import format as fmt
+
+    parsed = [0]
+    real = fmt.HostManifest.from_json.__func__
+
+    def counting(cls, data, **kw):
+        part = real(cls, data, **kw)
+        parsed[0] += len(part.shards)
+        return part
+
+    fmt.HostManifest.from_json = classmethod(counting)
+    me = psutil.Process()
+    devs = jax.devices()[:NDEV]
+    same = {"x": jax.ShapeDtypeStruct((NDEV, 256), np.float32, sharding=NamedSharding(Mesh(np.array(devs), ("d",)),
+                                                                                         P("d"))), "step": 0}
+    other = {"x": jax.ShapeDtypeStruct((NDEV, 256), np.float32,
+                                       sharding=NamedSharding(Mesh(np.array(devs[::-1]), ("d",)), P("d"))), "step": 0}
+    out: dict = {}
+    try:
+        with CheckpointManager(dataclasses.replace(cfg, prefetch_on_start=False),
+                               dispatcher=ClusterDispatcher(cfg, devs)) as m:
+            for name, target in (("same", same), ("other", other)):
+                for _ in range(repeats):
+                    c0, t = me.cpu_times(), time.perf_counter()
+                    got = m.restore(step, target=target)
+                    out.setdefault(f"restore_{name}", []).append(time.perf_counter() - t)
+                    c1 = me.cpu_times()
+                    out.setdefault(f"restore_{name}_cpu", []).append(c1.user + c1.system - c0.user - c0.system)
+                    if not (np.asarray(got["x"]) == step).all():
+                        raise SystemExit(f"restore of step {step} ({name}) is not what was saved")
+    finally:
+        fmt.HostManifest.from_json = classmethod(real)
+    out["restore_rows"] = parsed[0]
+    return out
 
 
 def big_state(gib: float, devs: list) -> dict:
@@ -288,6 +336,13 @@ def print_fan_out(rows: list[dict], saves: int) -> None:
               f"{r['inline_ping'] * 1e3:.2f} ms | {r['serial_ping'] / r['threads_ping']:.2f}x | "
               f"{r['serial_ping'] / r['inline_ping']:.2f}x | {r['serial_ping'] / n * 1e3:.3f} ms | "
               f"{r['threads_ping'] / n * 1e3:.3f} ms | {r['inline_ping'] / n * 1e3:.3f} ms |")
+    print(f"\n| hosts | restore, same sharding | its head CPU | restore, devices reversed | its head CPU "
+          f"| shard rows the head parsed | growth vs {base['n']} host(s), same / reversed |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['n']} | {r['restore_same'] * 1e3:.1f} ms | {r['restore_same_cpu'] * 1e3:.1f} ms | "
+              f"{r['restore_other'] * 1e3:.1f} ms | {r['restore_other_cpu'] * 1e3:.1f} ms | {r['restore_rows']} | "
+              f"{r['restore_same'] / base['restore_same']:.2f}x / {r['restore_other'] / base['restore_other']:.2f}x |")
     top = rows[-1]
     print(f"\nTarget: head time per save at 64 daemons <= 40 ms; at {top['n']}: {top['inline_save'] * 1e3:.1f} ms "
           f"({'holds' if top['n'] == 64 and top['inline_save'] <= 0.040 else 'missed or not measured at 64'}).")

@@ -157,6 +157,7 @@ class Pulled:
         self.blobs = {"peer": 0, "backup": 0}
         self.skipped: list[str] = []
         self.fetched: dict[str, list[str]] = {}  # host -> blobs it now holds that it lacked
+        self.bad: dict[str, list[str]] = {}  # blob -> "holder: why" for copies found bad (and removed) this restore
 
     def add(self, tier: str, nbytes: int, nblobs: int) -> None:
         self.bytes[tier] += nbytes

@@ -158,14 +158,16 @@ class CommittedStep:
     """
 
     def __init__(self, step: int, data: bytes | None = None, *, digest: str = "", hosts: tuple[str, ...] = (),
-                 manifest: fmt.StepManifest | None = None):
-        if (data is None) == (manifest is None):
-            raise ValueError("CommittedStep needs exactly one of the manifest's bytes and the manifest")
+                 manifest: fmt.StepManifest | None = None, fetch: Callable[[], fmt.StepManifest] | None = None):
+        if sum(x is not None for x in (data, manifest, fetch)) != 1:
+            raise ValueError("CommittedStep needs exactly one of the manifest's bytes, the manifest and a way to "
+                             "fetch it")
         self.step = step
         self.digest = digest or (manifest.digest if manifest is not None else "")
         self.hosts = tuple(hosts)  # the hosts that committed it (every share of it is one of theirs)
         self._data = data
         self._manifest = manifest
+        self._fetch = fetch  # a step restored by its writers' parts: the head has not read its manifest
         self._lock = threading.Lock()
 
     @classmethod
@@ -176,7 +178,8 @@ class CommittedStep:
     def manifest(self) -> fmt.StepManifest:
         with self._lock:
             if self._manifest is None:
-                self._manifest = fmt.StepManifest.from_json(self._data, source=f"step {self.step} manifest")
+                self._manifest = (self._fetch() if self._data is None else
+                                  fmt.StepManifest.from_json(self._data, source=f"step {self.step} manifest"))
                 self._data = None
             return self._manifest
 

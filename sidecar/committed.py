@@ -159,6 +159,20 @@ class CommittedSteps:
         raise ManifestError(f"host {self.host_id}: step {rec.step} is committed here as a record, and no keeper "
                             f"could give {what} ({'; '.join(causes)}); the head gives it back at restore")
 
+    def fetch_to_adopt(self, step: int, digest: str, keepers: Sequence[tuple[str, str]]) -> bytes:
+        """The whole manifest ``digest`` of ``step`` from one of ``keepers`` ((host, peer address)), checked
+        against the digest: what a host that lacks the step (a replaced node) adopts once it pulled the
+        parts it reads, the head having named the keepers instead of sending the manifest."""
+        rec = fmt.CommitRecord(step=step, digest=digest, keepers=tuple(keepers), part=b"")
+        try:
+            data = bytes(self._fetch_manifest(rec))
+        except ManifestError as e:
+            raise ManifestError(f"host {self.host_id}: lacks step {step}, and {str(e).partition('and ')[2]}") from None
+        if fmt.step_digest(data) != digest:
+            raise ManifestError(f"host {self.host_id}: the manifest of step {step} a keeper gave is not "
+                                f"{digest[:12]}; not adopting it")
+        return data
+
     def view_for(self, step: int, rows: Sequence[tuple],
                  keepers: Mapping[str, str] | None = None) -> fmt.StepManifest:
         """The manifest to read ``rows`` (key, box, ...) of ``step`` by.

@@ -290,8 +290,15 @@ def _backup_scrub(args: dict, payloads: Sequence[bytes]) -> Args:
 def _peer_pull(args: dict, payloads: Sequence[bytes]) -> Args:
     step = step_arg(args)
     (manifest,) = _payloads(payloads, "peer_pull (the step manifest, to adopt the step)") or [None]
+    adopt = args.get("adopt")
+    if adopt is not None:
+        if not (isinstance(adopt, dict) and isinstance(adopt.get("digest"), str) and 0 < len(adopt["digest"]) <= 128
+                and isinstance(adopt.get("keepers"), list) and len(adopt["keepers"]) <= 64
+                and all(isinstance(h, str) and 0 < len(h) <= 256 for h in adopt["keepers"])):
+            raise ProtocolError("peer_pull: 'adopt' must be {digest: the manifest's digest, keepers: [host ids]}")
+        adopt = (adopt["digest"], list(adopt["keepers"]))
     return (step, parse_pulls(args.get("pulls", [])), parse_peers(args.get("peers")), manifest,
-            parse_shares(args.get("shares"))), {}
+            parse_shares(args.get("shares"))), {"adopt": adopt}
 
 
 def _shape(value: Any, where: str) -> tuple[int, ...]:

@@ -315,21 +315,29 @@ class SidecarService:
         return {} if self._peer is None else dict(self._peer.stats)
 
     def peer_pull(self, step: int, pulls: Sequence, peers: dict[str, str], manifest_json: bytes | None = None,
-                  shares: Sequence[tuple[str, Sequence[str]]] = ()) -> dict:
+                  shares: Sequence[tuple[str, Sequence[str]]] = (), adopt: tuple[str, Sequence[str]] | None = None
+                  ) -> dict:
         """Pull blobs of ``step`` from the peers that hold them, verified (see mtc.sidecar.replication).
 
         ``shares`` are (owner host, holders): every blob of the owner's part of the step, which
         this host lists from its manifest (fetched from a keeper if need be), so that the head
         names a share, not its blobs. With ``manifest_json`` (a restore onto a host that lost
         the step), the step is committed here once every pull succeeded, so that its blobs are
-        kept and the host counts as holding the step again.
+        kept and the host counts as holding the step again. With ``adopt`` ((manifest digest, keeper
+        hosts)) instead, a host that lacks the step fetches that manifest from a keeper (at its address
+        in ``peers``) and commits it the same way: the head names the manifest, it does not send it.
         """
         if self._peer is None:
             raise ConfigError(f"host {self.host_id} has no peer tier: start its sidecar with a peer token "
                               "(MTC_PEER_TOKEN or peer_token)")
+        if adopt is not None and manifest_json is None and step not in self.store.catalog.committed():
+            digest, keepers = adopt
+            manifest_json = self.committed.fetch_to_adopt(step, digest, [(h, peers[h]) for h in keepers if h in peers])
         if shares:
             # Copies held for others are kept alive by the whole manifest, which also lists the shares.
-            m = self.committed.manifest(step, peers)
+            m = (fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest to adopt")
+                 if manifest_json is not None and step not in self.store.catalog.committed()
+                 else self.committed.manifest(step, peers))
             sizes = m.blob_sizes()
             pulls = list(pulls)
             for owner, holders in shares:

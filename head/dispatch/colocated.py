@@ -481,7 +481,8 @@ class ColocatedDispatcher(Dispatcher):
 
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
                   manifest: fmt.StepManifest | None = None, *, peers: dict[str, str] | None = None,
-                  shares: dict[str, list[tuple[str, list[str]]]] | None = None) -> dict[str, PullResult]:
+                  shares: dict[str, list[tuple[str, list[str]]]] | None = None,
+                  adopt: tuple[str, Sequence[str]] | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches its blobs from the holders, as a sidecar job.
 
         The address book is what the sidecars report with their fingerprints; ``peers`` adds
@@ -494,8 +495,9 @@ class ColocatedDispatcher(Dispatcher):
         try:
             per_host = {h: {"pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, [])],
                             "shares": [[o, list(srcs)] for o, srcs in (shares or {}).get(h, [])]} for h in asked}
+            extra = {} if adopt is None else {"adopt": {"digest": adopt[0], "keepers": list(adopt[1])}}
             results, failures = self._run_jobs("peer_pull", per_host=per_host, step=step, peers=book,
-                                               payloads=(manifest.to_json(),) if manifest is not None else ())
+                                               payloads=(manifest.to_json(),) if manifest is not None else (), **extra)
         except MTCError as e:  # not one host's (re-configuring the hosts failed): every host's
             return {h: PullResult.unreachable(h, host_failure(e)) for h in asked}
         out: dict[str, PullResult] = {}

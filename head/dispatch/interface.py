@@ -287,10 +287,13 @@ class Dispatcher(abc.ABC):
     @abc.abstractmethod
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
                   manifest: fmt.StepManifest | None = None, *,
-                  shares: dict[str, list[tuple[str, list[str]]]] | None = None) -> dict[str, PullResult]:
+                  shares: dict[str, list[tuple[str, list[str]]]] | None = None,
+                  adopt: tuple[str, Sequence[str]] | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches [(blob, nbytes, [holders to try])] from its peers, verified;
         each host of ``shares`` fetches [(owner host, [holders])]: every blob of the owner's share,
-        which the host lists from its own copy of the step manifest.
+        which the host lists from its own copy of the step manifest. With ``adopt`` ((manifest digest,
+        keeper hosts)), a host that lacks the step fetches that manifest from a keeper first, and
+        commits the step once its pulls succeeded (a replaced node: the head sends no manifest).
 
         host -> what it pulled (a host that could not be asked has an ``error``). With
         ``manifest``, a host that lacks the step commits it once all its pulls succeeded.

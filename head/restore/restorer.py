@@ -63,6 +63,8 @@ LISTING_RETRY_DEADLINE_S = 2.0
 def _transport(cause: str) -> bool:
     """Whether a pull failure's cause is the transport's (refused, reset, timed out, busy), not the bytes'."""
     c = cause.lower()
+    if "does not hold blob" in c:  # the holder answered: it has no copy (it removed a corrupt one)
+        return False
     return any(w in c for w in ("refused", "timed out", "timeout", "connection", "unreachable", "busy", "reset"))
 
 
@@ -314,8 +316,8 @@ class Restorer:
             except StepNotFoundError:
                 raise e from None  # no other copy anywhere: the error that names the array and the shard
 
-    def _restore_once(self, step: int | None, target: Any, partial: Any,
-                      prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
+    def _restore_once(self, step: int | None, target: Any, partial: Any, prefetched: PrefetchReport | None,
+                      pull: bool = True, by_writers: bool = True) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
         listing, asked = self.backup_listing(), step
         while True:
@@ -329,7 +331,7 @@ class Restorer:
                 if view.by_parts and self._same_layout(header, requests):
                     manifest = None
                     break
-                needs = self._writers_plan(header, requests, view, pull)
+                needs = self._writers_plan(header, requests, view, pull) if by_writers else None
                 if needs is not None:
                     manifest = None
                     break
@@ -345,12 +347,16 @@ class Restorer:
         if manifest is None and needs is None:  # onto the hosts and shardings that saved it: each its own part
             return self._load_own_parts(step, header, requests, finish, t0, t1, view, prefetched)
         if manifest is None:  # another target, or a writer lost its part: by the writers' parts
-            done = self._load_by_writers(step, header, requests, finish, needs, t0, view, prefetched)
+            pulled = Pulled()
+            done = self._load_by_writers(step, header, requests, finish, needs, t0, view, prefetched, pulled)
             if done is not None:
                 return done
-            manifest = self._manifest(step, None, agreed)  # a part could not be brought: plan by the rows
+            # A part could not be brought (the pulls found bad copies, and removed them): plan by the rows,
+            # which fetch what no peer has a good copy of from a backup, or name the shard that has none.
+            manifest = self._manifest(step, None, agreed)
         requests, finish = plan_target(manifest, target, partial)
-        pulled = Pulled()
+        if needs is None:
+            pulled = Pulled()
         plan = self._fetch_lacking(step, manifest, requests, backup_name, fallback, pulled, inv, _names(listing), pull)
         if plan is None:
             needed = (sum(r.record.nbytes for r in requests), len(manifest.blob_names()))
@@ -405,10 +411,12 @@ class Restorer:
     def _writers_plan(self, header: fmt.StepHeader, requests: list[LoadRequest], view: Any,
                       pull: bool) -> dict[str, set[str]] | None:
         """Which writers' parts each host reads besides its own (``fmt.writers.plan``), from the header:
-        None where it cannot say, or where a host that reads does not hold the step (a new host), or
-        where parts would have to move and ``pull`` is off (a reader): the rows decide then."""
+        None where it cannot say, or where parts would have to move and ``pull`` is off (a reader), or
+        where a host lacks the step and no host keeps its whole manifest: the rows decide then. A host
+        that lacks the step (a replaced node) pulls every part it reads and adopts the step from a keeper."""
         readers = self._dispatch.hosts()
-        if not set(readers) <= set(view.hosts):
+        new = set(readers) - set(view.hosts)
+        if new and not view.keepers:
             return None
 
         def host_of(device_id: int) -> str | None:
@@ -419,34 +427,52 @@ class Restorer:
 
         holders = view.part_holders or {w: (w,) for w in view.whole}
         needs = writers.plan(header, requests, holders, host_of, readers)
-        if needs is None or (not pull and any(needs.values())):
+        if needs is None:
+            return None
+        for h in new:  # it holds nothing: even one that reads no box pulls a part, so that it adopts the step
+            if not needs.get(h):
+                needs.setdefault(h, set()).add(min(w for w, hs in holders.items() if hs))
+        if not pull and any(needs.values()):
             return None
         return needs
 
     def _load_by_writers(self, step: int, header: fmt.StepHeader, requests: list[LoadRequest], finish: Callable,
                          needs: dict[str, set[str]], t0: float, view: Any,
-                         prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport] | None:
+                         prefetched: PrefetchReport | None, pulled: Pulled) -> tuple[Any, RestoreReport] | None:
         """The restore planned from the header onto another target (an elastic resize, another mesh), or
         onto the saving topology where a writer lost its part: every host first pulls, whole, the parts
         of the writers whose boxes it reads (``needs``: a data-parallel twin's, a neighbour's on the new
         mesh, or a lost writer's from the host that keeps a peer copy of it), then reads its boxes from its ramdisk by the manifest it keeps. The head reads no
-        shard row. None when a part could not be brought (the caller plans by the rows)."""
+        shard row. None when a part could not be brought (the caller plans by the rows, with ``pulled``:
+        what moved, and the copies found bad, which their holders removed)."""
         holders = view.part_holders or {w: (w,) for w in view.whole}
         # Each part from its writer first, else from a host that keeps a peer copy of it.
         shares = {h: [(w, sorted(holders.get(w, (w,)), key=lambda x, w=w: (x != w, x))) for w in sorted(ws)]
                   for h, ws in needs.items() if ws}
         t1 = time.perf_counter()
-        pulled = Pulled()
         if shares:
-            results = self._dispatch.peer_pull(step, {}, shares=shares)
+            lacking = set(needs) - set(view.hosts)  # they adopt the step from a keeper once their parts arrived
+            results = self._dispatch.peer_pull(step, {}, shares=shares,
+                                               adopt=(header.digest, view.keepers) if lacking else None)
+            for h, r in results.items():
+                pulled.add("peer", r.pulled_bytes, r.pulled)
+                pulled.skipped.extend(f"{h} <- {src}: blob {blob}: {cause}" for blob, src, cause in r.bad_copies)
+                for blob, src, cause in r.bad_copies:
+                    pulled.bad.setdefault(blob, []).append(f"{src}: {cause}")
+                for blob, causes in r.failed:  # no holder had a good copy: why, holder by holder
+                    pulled.bad.setdefault(blob, []).extend(f"{src}: {cause}" for src, cause in causes
+                                                           if not _transport(cause))
             bad = {h: r.error or f"{len(r.failed)} blob(s) no holder had" for h, r in results.items()
                    if r.error or r.failed}
             if bad:
                 log.warning("restore of step %d: the writers' parts could not be brought (%s); planning by the "
                             "manifest's rows", step, "; ".join(f"{h}: {w}" for h, w in sorted(bad.items())))
                 return None
-            for r in results.values():
-                pulled.add("peer", r.pulled_bytes, r.pulled)
+            if lacking or set(needs) & set(view.lost):
+                # A host was refilled: the copies it held for its peers are gone too; make them again (by
+                # the hosts' shares; the manifest is read in the background only if they cannot tell).
+                self._replicate(CommittedStep(step, digest=header.digest, hosts=tuple(sorted(set(view.hosts) | lacking)),
+                                              fetch=lambda: self._manifest(step, None, header.digest)))
         t_pull = time.perf_counter()
         try:
             arrays = self._dispatch.load(step, requests, None, header.digest, view.keepers)
@@ -468,7 +494,8 @@ class Restorer:
             step=step, bytes_by_tier={"ram": max(0, nbytes - pulled.bytes["peer"] - pulled.bytes["backup"]),
                                       **pulled.bytes},
             blobs_by_tier={"ram": max(0, blobs - pulled.blobs["peer"] - pulled.blobs["backup"]), **pulled.blobs},
-            source="cluster", skipped_copies=(), inventory_s=t1 - t0, pull_s=t_pull - t1, load_s=t2 - t_pull,
+            source="cluster", skipped_copies=tuple(pulled.skipped), inventory_s=t1 - t0, pull_s=t_pull - t1,
+            load_s=t2 - t_pull,
             total_s=time.perf_counter() - t0, prefetched=counted)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes (by the writers' parts: %d pulled whole)", step,
                  report.total_s, nbytes, sum(len(ws) for ws in shares.values()))
@@ -632,7 +659,7 @@ class Restorer:
         if not lacking:
             return
         failed: dict[tuple[str, str], list[str]] = {}
-        corrupt: set[str] = set()  # blobs of which some copy failed its hash
+        corrupt: set[str] = set(pulled.bad)  # blobs of which some copy failed its hash
         unreachable: set[tuple[str, str]] = set()  # (host, blob) whose every try failed to connect or answer
         asked: dict[str, list[tuple[str, int, list[str]]]] = {}
         for h, rows in self._strategy.pulls(lacking, holders, manifest.blob_sizes()).items():
@@ -654,7 +681,8 @@ class Restorer:
                 pulled.add("peer", res.pulled_bytes, res.pulled)
                 pulled.skipped.extend(f"{h} <- {src}: blob {blob}: {cause}" for blob, src, cause in res.bad_copies)
                 for blob, causes in res.failed:
-                    failed[(h, blob)] = [f"{src}: {cause}" for src, cause in causes]
+                    # (with the copies this restore found bad before: their holders removed them since)
+                    failed[(h, blob)] = [f"{src}: {cause}" for src, cause in causes] + pulled.bad.get(blob, [])
                     if blob not in corrupt and causes and all(_transport(c) for _, c in causes):
                         unreachable.add((h, blob))
                 pulled.got(h, [b for b, _, _ in asked[h] if b not in res.failed_blobs])

@@ -167,7 +167,7 @@ def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Coll
                 wset, first = found
                 if any(w in wset for w in have) or any(w in wset for w in mine):
                     continue
-                mine.add(first)
+                mine.add(reader if reader in wset else first)  # its own part, where it wrote the chunk
     if host_numpy:  # every writer wrote those whole: a reader that holds no part reads another's
         for h in readers:
             if not held_by.get(h) and not needs[h]:

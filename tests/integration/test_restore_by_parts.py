@@ -158,7 +158,10 @@ def test_a_host_that_lost_a_blob_reads_its_twins_part(local_cluster, rows_parsed
         assert rep.bytes_by_tier["peer"] > 0, rep
 
 
-def test_a_host_that_lost_its_part_is_refilled_by_the_rows(local_cluster, rows_parsed):
+def test_a_replaced_host_pulls_its_parts_and_adopts_the_step_without_a_row(local_cluster, rows_parsed):
+    """A replaced node (its ramdisk empty: no step, no record): it pulls whole the parts it reads from the
+    hosts that hold them (its data-parallel twin's), fetches the manifest from a keeper itself and commits
+    the step again. The head names the keepers; it neither reads nor sends the manifest."""
     state = make_state(4)
     with manager(local_cluster, replication_factor=2) as m:
         m.save(4, state)
@@ -171,7 +174,9 @@ def test_a_host_that_lost_its_part_is_refilled_by_the_rows(local_cluster, rows_p
         assert_trees_bitwise_equal(state, m.restore(4))
         rep = m.last_restore_report
         assert rep.bytes_by_tier["peer"] > 0
-        assert rows_parsed[0] > 0
+        assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows to refill a replaced host"
+        assert any(s.step == 4 for s in m.step_status())
+    assert (local_cluster.store_root("s0-h1") / "steps" / "000000000004.json").exists()  # committed there again
 
 
 def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parsed, capsys, monkeypatch):

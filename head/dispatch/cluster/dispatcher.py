@@ -395,7 +395,8 @@ class ClusterDispatcher(Dispatcher):
 
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
                   manifest: fmt.StepManifest | None = None, *,
-                  shares: dict[str, list[tuple[str, list[str]]]] | None = None) -> dict[str, PullResult]:
+                  shares: dict[str, list[tuple[str, list[str]]]] | None = None,
+                  adopt: tuple[str, Sequence[str]] | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches its blobs from the holders listed, verified.
 
         host -> what it pulled (an ``error`` when the host could not be asked or failed as a whole). With ``manifest``, a host that
@@ -409,6 +410,8 @@ class ClusterDispatcher(Dispatcher):
             args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, ())], "peers": peers}
             if h in shares:
                 args["shares"] = [[owner, list(srcs)] for owner, srcs in shares[h]]
+            if adopt is not None:
+                args["adopt"] = {"digest": adopt[0], "keepers": list(adopt[1])}
             return PullResult.from_wire(h, self.lanes.run_job(h, "peer_pull", args, data))
 
         results, failures = self.lanes.fan_out(one, sorted(set(pulls) | set(shares)), lane="peer")
