@@ -43,7 +43,8 @@ import json
 import math
 import time
 
-from mtc.head.dispatch.interface import HostInventory, choose_keepers
+from mtc.head.commit import choose_keepers
+from mtc.head.dispatch.interface import HostInventory
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.tools.cli.status import copies_by_share
 from mtc.shared import format as fmt

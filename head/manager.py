@@ -35,7 +35,8 @@ from mtc.head.replication.loop import REPLICATION_WAIT_S, Replicator
 from mtc.head.reports import BackupReport, PrefetchReport, ReplicationReport, RestoreReport, SaveReport, StepStatus
 from mtc.head.restore.plan import uncommit_lone
 from mtc.head.restore.restorer import Restorer
-from mtc.head.save import CommittedStep, build_step, flatten
+from mtc.head.commit import CommittedStep, choose_keepers
+from mtc.head.save import build_step, flatten
 from mtc.head.twin_check import TwinMismatchError
 from mtc.shared import format as fmt
 from mtc.shared import version
@@ -266,7 +267,8 @@ class CheckpointManager:
             result = self._dispatch.write(step, staged)
             t2 = time.perf_counter()
             data, digest = build_step(step, leaves, tree_doc, result, self._dispatch, self._config.twin_check)
-            committed = self._dispatch.commit(step, data, digest)
+            d = self._dispatch
+            committed = d.commit(step, data, digest, choose_keepers(d.hosts(), d.slice_of, step, d.keeper_count))
             if self._known_steps is not None:
                 self._known_steps.add(step)
             t3 = time.perf_counter()

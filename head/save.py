@@ -9,15 +9,14 @@ equal (``mtc.head.twin_check``). The manager runs them; neither touches a sideca
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from mtc.head import tree as tree_lib
-from mtc.head.dispatch.interface import Leaf, WriteResult, choose_keepers
+from mtc.head.dispatch.interface import Leaf, WriteResult
 from mtc.head.restore.plan import is_prng_key, prng_key_shape
 from mtc.head.twin_check import check as check_twins, hash_replicas
 from mtc.shared import format as fmt
@@ -147,49 +146,3 @@ def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult
     return fmt.encode_step(step=step, arrays=records, tree=tree_doc, created=time.time(),
                            topology=topology, fingerprint=version.fingerprint(),
                            parts=result.parts, listed_boxes=listed)
-
-
-class CommittedStep:
-    """A committed step whose manifest is read from its bytes when first needed, once.
-
-    Phase 2 ends with the manifest's bytes; reading them grows with the step's shards, so the
-    save thread hands them over unread and the first background task that needs the manifest
-    (replication, the backup) reads it: the next save does not wait for that.
-    """
-
-    def __init__(self, step: int, data: bytes | None = None, *, digest: str = "", hosts: tuple[str, ...] = (),
-                 manifest: fmt.StepManifest | None = None, fetch: Callable[[], fmt.StepManifest] | None = None):
-        if sum(x is not None for x in (data, manifest, fetch)) != 1:
-            raise ValueError("CommittedStep needs exactly one of the manifest's bytes, the manifest and a way to "
-                             "fetch it")
-        self.step = step
-        self.digest = digest or (manifest.digest if manifest is not None else "")
-        self.hosts = tuple(hosts)  # the hosts that committed it (every share of it is one of theirs)
-        self._data = data
-        self._manifest = manifest
-        self._fetch = fetch  # a step restored by its writers' parts: the head has not read its manifest
-        self._lock = threading.Lock()
-
-    @classmethod
-    def of(cls, manifest: fmt.StepManifest) -> "CommittedStep":
-        return cls(manifest.step, manifest=manifest)
-
-    @property
-    def manifest(self) -> fmt.StepManifest:
-        with self._lock:
-            if self._manifest is None:
-                self._manifest = (self._fetch() if self._data is None else
-                                  fmt.StepManifest.from_json(self._data, source=f"step {self.step} manifest"))
-                self._data = None
-            return self._manifest
-
-
-def plan_commit(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int,
-                peers: dict[str, str]) -> tuple[set[str], list[list[str]]]:
-    """Phase 2's two messages: (the hosts that get the whole manifest, the keepers named to the
-    others as [host, peer address]). When a keeper has no peer address the others could fetch
-    from, or there are no others, every host gets the whole manifest."""
-    keepers = choose_keepers(hosts, slice_of, step, count)
-    if len(set(keepers)) >= len(set(hosts)) or any(h not in peers for h in keepers):
-        return set(hosts), []
-    return set(keepers), [[h, peers[h]] for h in keepers]

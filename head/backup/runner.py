@@ -19,7 +19,7 @@ from mtc.head.backup.plan import assign_uploads, backup_due
 from mtc.head.backup.scrub import ScrubLoop
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.reports import BackupReport
-from mtc.head.save import CommittedStep
+from mtc.head.commit import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import MTCError

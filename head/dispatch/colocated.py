@@ -30,7 +30,7 @@ from mtc.head.dispatch.interface import (
     raise_host_failures,
     save_error,
 )
-from mtc.head.save import plan_commit
+from mtc.head.commit import commit_messages
 from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones
@@ -294,16 +294,16 @@ class ColocatedDispatcher(Dispatcher):
         parts = {host: blobs[0] for host, _, blobs in self._exchange("part", None, (), None, {"step": step})}
         return WriteResult([(h, parts[h]) for h in self.hosts() if h in parts], {h: {} for h in self.hosts()})
 
-    def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
+    def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
         """Phase 2: the whole manifest to the keepers (one call on their control devices), the
         decision (digest, keepers) to the others (a second call, on theirs): each host receives
         its own rows only, so the others never get the manifest's bytes."""
         row_hosts = self._hosts_of_rows()
         hosts = sorted(set(row_hosts))
         peers = {}
-        if len(hosts) > self._keepers:  # several hosts (Pathways): their peer addresses, as they are now
+        if len(hosts) > len(keepers):  # several hosts (Pathways): their peer addresses, as they are now
             peers = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
-        keep, where = plan_commit(hosts, self.slice_of, step, self._keepers, peers)
+        keep, where = commit_messages(hosts, keepers, peers)
         out, failures = self._control_each("commit", rows=[i for i, h in enumerate(row_hosts) if h in keep],
                                            payloads=(manifest,), step=step, digest=digest)
         others = [i for i, h in enumerate(row_hosts) if h not in keep]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from mtc.head.commit import choose_keepers
 from mtc.shared import errors
 from mtc.shared import format as fmt
 from mtc.shared import wire_errors
@@ -20,7 +21,7 @@ from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
 log = logging.getLogger(__name__)
 
 __all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
-           "choose_keepers", "host_failure", "raise_claim_failures", "raise_host_failures", "raise_remote",
+           "host_failure", "raise_claim_failures", "raise_host_failures", "raise_remote",
            "save_error"]
 
 
@@ -124,9 +125,15 @@ class Dispatcher(abc.ABC):
         """Phase 1 on every host."""
 
     @abc.abstractmethod
-    def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
-        """Phase 2 on every host (``manifest``: the step manifest's bytes, ``digest`` its digest);
-        host id -> what the host wrote for the step."""
+    def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
+        """Phase 2 on every host (``manifest``: the step manifest's bytes, ``digest`` its digest): the
+        whole manifest to ``keepers`` (the manager's choice, ``commit.choose_keepers``), the decision to
+        the others (``commit.commit_messages``); host id -> what the host wrote for the step."""
+
+    @property
+    def keeper_count(self) -> int:
+        """How many hosts keep each whole step manifest (two, or the replication factor)."""
+        return self._keepers
 
     @abc.abstractmethod
     def abort(self, step: int) -> None:
@@ -359,24 +366,3 @@ def raise_host_failures(what: str, failures: Mapping[str, BaseException]) -> Non
     err.__cause__ = next((e for e in failures.values() if isinstance(e, errors.FencedError)), None) or next(
         (e for e in failures.values() if isinstance(e, errors.HostUnreachableError)), None)
     raise err
-
-
-def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:
-    """The hosts that keep the whole manifest of ``step``: ``count`` of them, on distinct slices
-    while there are slices left, starting at a host that moves with the step so that the
-    keeping (and the fetches of the other hosts) spreads over all hosts."""
-    if not hosts:
-        return []
-    order = sorted(hosts)
-    start = step % len(order)
-    order = order[start:] + order[:start]
-    out: list[str] = []
-    seen: set[int] = set()
-    for h in order:  # one per slice first
-        if len(out) < count and slice_of(h) not in seen:
-            out.append(h)
-            seen.add(slice_of(h))
-    for h in order:  # then any
-        if len(out) < count and h not in out:
-            out.append(h)
-    return out

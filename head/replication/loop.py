@@ -20,7 +20,7 @@ from mtc.head.dispatch.interface import Dispatcher
 from mtc.head.dispatch.interface import PullResult
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.reports import ReplicationReport
-from mtc.head.save import CommittedStep
+from mtc.head.commit import CommittedStep
 from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import StepNotFoundError

@@ -24,7 +24,7 @@ from mtc.head.dispatch.interface import Dispatcher, LoadRequest
 from mtc.head.replication.plan import ReplicationStrategy, step_views
 from mtc.head.reports import Inventory, PrefetchReport, Pulled, RestoreReport
 from mtc.head.restore.plan import RestorePlan, make_plan, plan_target
-from mtc.head.save import CommittedStep
+from mtc.head.commit import CommittedStep
 from mtc.shared import backup_layout, shardings
 from mtc.shared import format as fmt
 from mtc.shared.format import writers

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtc.head.dispatch.interface import choose_keepers
-from mtc.head.save import plan_commit
+from mtc.head.commit import choose_keepers, commit_messages
 from mtc.shared import format as fmt
 from mtc.shared.errors import ManifestError, StepNotFoundError
 from mtc.sidecar.service import SidecarService
@@ -196,16 +195,20 @@ def test_a_damaged_record_is_reported_damaged_not_read_as_another_part(services)
 def test_phase_2_sends_the_manifest_to_the_keepers_and_names_them_to_the_others():
     slices = {"a0": 0, "a1": 0, "b0": 1, "b1": 1}
     peers = {h: f"10.0.0.{i}:7001" for i, h in enumerate(slices)}
-    keep, where = plan_commit(list(slices), slices.__getitem__, 5, 2, peers)
+
+    def messages(hosts, peers):  # what a transport sends for the keepers the manager chose
+        return commit_messages(hosts, choose_keepers(hosts, slices.__getitem__, 5, 2), peers)
+
+    keep, where = messages(list(slices), peers)
     assert len(keep) == 2 and {slices[h] for h in keep} == {0, 1}
     assert where == [[h, peers[h]] for h in choose_keepers(list(slices), slices.__getitem__, 5, 2)]
     # A keeper the others could not fetch from (no peer address): every host keeps the manifest.
     missing = dict(peers)
     del missing[where[0][0]]
-    assert plan_commit(list(slices), slices.__getitem__, 5, 2, missing) == (set(slices), [])
+    assert messages(list(slices), missing) == (set(slices), [])
     # As many keepers as hosts: nobody is left to name them to.
-    assert plan_commit(["a0", "b0"], slices.__getitem__, 5, 2, peers) == ({"a0", "b0"}, [])
-    assert plan_commit(["a0"], slices.__getitem__, 5, 2, {}) == ({"a0"}, [])
+    assert messages(["a0", "b0"], peers) == ({"a0", "b0"}, [])
+    assert messages(["a0"], {}) == ({"a0"}, [])
 
 
 def test_a_record_host_reads_its_own_shards_by_its_local_view_without_the_other_parts(services):

@@ -49,7 +49,7 @@ from mtc.head.dispatch.interface import (
     raise_host_failures,
     save_error,
 )
-from mtc.head.save import plan_commit
+from mtc.head.commit import commit_messages
 from mtc.head.dispatch.staging import HostStaging
 from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
@@ -234,10 +234,9 @@ class ClusterDispatcher(Dispatcher):
                 for h, (r, _) in results.items()}
         return WriteResult([(h, results[h][1]) for h in self.topology.host_ids], info)
 
-    def commit(self, step: int, manifest: bytes, digest: str) -> dict[str, dict]:
+    def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
         """Phase 2: the whole manifest to the keepers only; the decision (digest, keepers) to the others."""
-        keep, where = plan_commit(self.topology.host_ids, self.topology.slice_of, step, self._keepers,
-                                  dict(self.lanes.peer_addresses))
+        keep, where = commit_messages(self.topology.host_ids, keepers, dict(self.lanes.peer_addresses))
         args = {"step": step, "digest": digest}
         decision = {**args, "keepers": where}
         replies, failures = self.lanes.call_each("commit", None, lambda h: args if h in keep else decision,

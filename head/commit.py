@@ -1,0 +1,78 @@
+"""The commit policy and the values the tiers share, on the head's ground floor (it imports only
+``mtc.shared``): which hosts keep each step's whole manifest (``choose_keepers``: the manager decides
+and passes them to the transport's ``commit``), phase 2's two messages (``commit_messages``), and a
+committed step as replication, the backup and the restore receive it (``CommittedStep``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from mtc.shared import format as fmt
+
+__all__ = ["CommittedStep", "choose_keepers", "commit_messages"]
+
+
+def choose_keepers(hosts: list[str], slice_of: Callable[[str], int], step: int, count: int) -> list[str]:
+    """The hosts that keep the whole manifest of ``step``: ``count`` of them, on distinct slices
+    while there are slices left, starting at a host that moves with the step so that the
+    keeping (and the fetches of the other hosts) spreads over all hosts."""
+    if not hosts:
+        return []
+    order = sorted(hosts)
+    start = step % len(order)
+    order = order[start:] + order[:start]
+    out: list[str] = []
+    seen: set[int] = set()
+    for h in order:  # one per slice first
+        if len(out) < count and slice_of(h) not in seen:
+            out.append(h)
+            seen.add(slice_of(h))
+    for h in order:  # then any
+        if len(out) < count and h not in out:
+            out.append(h)
+    return out
+
+
+def commit_messages(hosts: list[str], keepers: list[str], peers: dict[str, str]) -> tuple[set[str], list[list[str]]]:
+    """Phase 2's two messages for ``keepers`` (``choose_keepers``): (the hosts that get the whole
+    manifest, the keepers named to the others as [host, peer address]). When a keeper has no peer
+    address the others could fetch from, or there are no others, every host gets the whole manifest."""
+    if len(set(keepers)) >= len(set(hosts)) or any(h not in peers for h in keepers):
+        return set(hosts), []
+    return set(keepers), [[h, peers[h]] for h in keepers]
+
+
+class CommittedStep:
+    """A committed step whose manifest is read from its bytes when first needed, once.
+
+    Phase 2 ends with the manifest's bytes; reading them grows with the step's shards, so the
+    save thread hands them over unread and the first background task that needs the manifest
+    (replication, the backup) reads it: the next save does not wait for that.
+    """
+
+    def __init__(self, step: int, data: bytes | None = None, *, digest: str = "", hosts: tuple[str, ...] = (),
+                 manifest: fmt.StepManifest | None = None, fetch: Callable[[], fmt.StepManifest] | None = None):
+        if sum(x is not None for x in (data, manifest, fetch)) != 1:
+            raise ValueError("CommittedStep needs exactly one of the manifest's bytes, the manifest and a way to "
+                             "fetch it")
+        self.step = step
+        self.digest = digest or (manifest.digest if manifest is not None else "")
+        self.hosts = tuple(hosts)  # the hosts that committed it (every share of it is one of theirs)
+        self._data = data
+        self._manifest = manifest
+        self._fetch = fetch  # a step restored by its writers' parts: the head has not read its manifest
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, manifest: fmt.StepManifest) -> "CommittedStep":
+        return cls(manifest.step, manifest=manifest)
+
+    @property
+    def manifest(self) -> fmt.StepManifest:
+        with self._lock:
+            if self._manifest is None:
+                self._manifest = (self._fetch() if self._data is None else
+                                  fmt.StepManifest.from_json(self._data, source=f"step {self.step} manifest"))
+                self._data = None
+            return self._manifest
