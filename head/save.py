@@ -17,7 +17,6 @@ import numpy as np
 
 from mtc.head import tree as tree_lib
 from mtc.head.dispatch.interface import Leaf, WriteResult
-from mtc.head.restore.plan import is_prng_key, prng_key_shape
 from mtc.head.twin_check import check as check_twins, hash_replicas
 from mtc.shared import format as fmt
 from mtc.shared import shardings, version
@@ -65,11 +64,11 @@ def flatten(state: Any, config: Any = None) -> tuple[list[Leaf], Any]:
         kind = classify(key, value)
         leaf = SavedLeaf(index=i, key=key, kind=kind, value=value)
         if kind == "jax":
-            if is_prng_key(value):
+            if tree_lib.is_prng_key(value):
                 # The format stores a key array as its key data and names the impl.
                 leaf.prng_impl = str(jax.random.key_impl(value))
                 value = leaf.value = jax.random.key_data(value)
-                leaf.prng_key_shape = prng_key_shape(leaf.prng_impl)
+                leaf.prng_key_shape = tree_lib.prng_key_shape(leaf.prng_impl)
             leaf.dtype = fmt.dtype_name(value.dtype)
             leaf.shape = tuple(value.shape)
             leaf.sharding = value.sharding

@@ -1,6 +1,7 @@
 """Pytrees on the head: flatten to (key, leaf) pairs and describe the structure in JSON.
 
-Keys are jax key paths (``jax.tree_util.keystr``), the names that errors and manifests use.
+Keys are jax key paths (``jax.tree_util.keystr``), the names that errors and manifests use. Typed
+PRNG keys are leaves of their own kind (``is_prng_key``, ``prng_key_shape``): saved as their key data.
 The structure is kept in the manifest so that ``restore()`` without a target gives back the
 same containers (dict, list, tuple, namedtuple, None).
 """
@@ -11,6 +12,8 @@ import importlib
 from typing import Any
 
 import jax
+
+from mtc.shared.errors import TargetMismatchError
 
 
 def flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
@@ -99,3 +102,17 @@ def _import(path: str) -> Any:
         return obj
     except (ImportError, AttributeError):
         return None
+
+
+def is_prng_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def prng_key_shape(impl: str) -> tuple[int, ...]:
+    """The trailing key data dimensions of one key of ``impl`` ((2,) for threefry2x32)."""
+    try:
+        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+    except (ValueError, TypeError, KeyError) as e:
+        raise TargetMismatchError(f"PRNG impl {impl!r} is not known to this jax {jax.__version__} ({e}); "
+                                  "restore with the jax the checkpoint was saved with") from None

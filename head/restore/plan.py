@@ -10,7 +10,7 @@ plain values, and unit-tested without processes (a lost slice, a resized mesh, a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -59,65 +59,6 @@ class RestorePlan:
         return dataclasses.replace(self, holders={b: frozenset(hs) for b, hs in holders.items()})
 
 
-@dataclasses.dataclass(frozen=True)
-class BoxRead:
-    """One read of a restore: ``region`` of array ``key`` from the first of ``candidates`` that
-    answers, into the target box ``box`` at ``region``'s place in it."""
-
-    key: str
-    box: fmt.Box  # the target box being assembled
-    region: fmt.Box  # what is read: the whole box, or the part of it one saved shard covers
-    candidates: tuple[str, ...]
-
-    @property
-    def whole(self) -> bool:
-        return self.region == self.box
-
-    def offsets(self) -> tuple[slice, ...]:
-        """Where ``region`` lies inside ``box`` (index the box's buffer with it)."""
-        return tuple(slice(a - t0, z - t0) for (a, z), (t0, _) in zip(self.region, self.box))
-
-
-def shard_holders(shard: fmt.ShardRecord, holders: Mapping[str, Iterable[str]] | None,
-                  host_of_device: Callable[[int], str | None], hosts: Sequence[str]) -> list[str]:
-    """Hosts that hold a saved shard now, the host of its devices first (all hosts if unknown).
-
-    ``holders`` (blob -> hosts: the inventories, plus what a restore pulled or fetched)
-    overrides the device mapping: after an elastic resize device ``d`` may sit on another host
-    than the one that wrote its shard. ``host_of_device`` answers None for a device that is gone.
-    """
-    have = holders.get(shard.blob) if holders is not None else None
-    have = set(have) if have is not None else None
-    out = []
-    for d in shard.devices:
-        h = host_of_device(d)
-        if h is not None and h not in out and (have is None or h in have):
-            out.append(h)
-    for h in sorted(have or ()):
-        if h not in out:
-            out.append(h)
-    return out or list(hosts)
-
-
-def box_reads(rec: fmt.ArrayRecord, box: fmt.Box, owners: Sequence[str], hosts: Sequence[str],
-              holders: Mapping[str, Iterable[str]] | None,
-              host_of_device: Callable[[int], str | None]) -> list[BoxRead]:
-    """The reads that fill target ``box`` of ``rec``: one, from a host that holds every saved
-    shard the box overlaps (its ``owners`` first), or one per overlapping shard from a holder
-    of it (a resharded restore where no single host holds it all)."""
-    needed: dict[fmt.Box, fmt.ShardRecord] = {}
-    for s in rec.shards:
-        if s.box not in needed and fmt.box_intersect(s.box, box) is not None:
-            needed[s.box] = s
-    held = {b: set(shard_holders(s, holders, host_of_device, hosts)) for b, s in needed.items()}
-    order = list(dict.fromkeys([*owners, *hosts]))
-    whole = tuple(h for h in order if all(h in hs for hs in held.values()))
-    if whole:
-        return [BoxRead(rec.key, box, box, whole)]
-    return [BoxRead(rec.key, box, fmt.box_intersect(b, box), tuple(h for h in order if h in held[b]))
-            for b in needed]
-
-
 def make_plan(step: int, manifest: fmt.StepManifest, requests: list[LoadRequest], hosts: Sequence[str],
               host_of_device: Callable[[int], str], holders: Mapping[str, set] | None) -> RestorePlan:
     return RestorePlan(step=step, needs=host_needs(manifest, requests, hosts, host_of_device),
@@ -127,20 +68,6 @@ def make_plan(step: int, manifest: fmt.StepManifest, requests: list[LoadRequest]
 def scalar_value(doc: dict) -> Any:
     t, v = doc["type"], doc["v"]
     return {"bool": bool, "int": int, "float": float.fromhex, "str": str}[t](v)
-
-
-def is_prng_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def prng_key_shape(impl: str) -> tuple[int, ...]:
-    """The trailing key data dimensions of one key of ``impl`` ((2,) for threefry2x32)."""
-    try:
-        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
-    except (ValueError, TypeError, KeyError) as e:
-        raise TargetMismatchError(f"PRNG impl {impl!r} is not known to this jax {jax.__version__} ({e}); "
-                                  "restore with the jax the checkpoint was saved with") from None
 
 
 def host_needs(manifest: fmt.StepManifest, requests: list[LoadRequest], hosts: Sequence[str],
@@ -316,7 +243,7 @@ def uncommit_lone(target: Any, restored: Any) -> Any:
     r_leaves, treedef = jax.tree_util.tree_flatten(restored)
     if len(r_leaves) != len(t_leaves):
         return restored
-    out = [jax.numpy.asarray(np.asarray(r)) if lone(t) and isinstance(r, jax.Array) and not is_prng_key(r) else r
+    out = [jax.numpy.asarray(np.asarray(r)) if lone(t) and isinstance(r, jax.Array) and not tree_lib.is_prng_key(r) else r
            for t, r in zip(t_leaves, r_leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -327,7 +254,7 @@ def target_sharding(rec: fmt.ArrayRecord, tgt: Any) -> Any:
             raise TargetMismatchError(f"array {rec.key!r}: target is a Python scalar but a {rec.kind} "
                                       "array was saved")
         raise TargetMismatchError(f"array {rec.key!r}: unsupported target leaf {type(tgt).__name__}")
-    if tgt is not None and (rec.prng_impl or is_prng_key(tgt)):
+    if tgt is not None and (rec.prng_impl or tree_lib.is_prng_key(tgt)):
         return key_target_sharding(rec, tgt)
     if tgt is not None:
         if tuple(tgt.shape) != tuple(rec.shape):
@@ -352,7 +279,7 @@ def key_target_sharding(rec: fmt.ArrayRecord, tgt: Any) -> Any:
     if not rec.prng_impl:
         raise TargetMismatchError(f"array {rec.key!r}: target is a PRNG key array ({tgt.dtype}) but a "
                                   f"{rec.dtype} array was saved")
-    if not is_prng_key(tgt):
+    if not tree_lib.is_prng_key(tgt):
         raise TargetMismatchError(f"array {rec.key!r}: a PRNG key array ({rec.prng_impl}) was saved but the "
                                   f"target has dtype {tgt.dtype}; pass a key-typed target "
                                   "(jax.eval_shape of jax.random.key)")

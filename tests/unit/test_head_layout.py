@@ -1,6 +1,6 @@
 """The head's layout (docs/architecture.md, "Where the code is"): no import cycle among the
-``mtc.head`` modules, modules named by their role, not by their folder, and every package of the
-head installed (listed in pyproject.toml).
+``mtc.head`` modules, no import up the head's floors (``FLOORS``), modules named by their role, not
+by their folder, and every package of the head installed (listed in pyproject.toml).
 
 Read from the source with ``ast``, nothing imported. An import inside a function counts: deferring
 an import hides a cycle from Python, not from the design. Imports under ``if TYPE_CHECKING:`` do
@@ -112,6 +112,68 @@ def prefixed_names(head: Path = HEAD) -> list[str]:
         if any(stem == f or stem.startswith(f + "_") for f in folders):
             bad.append(str(rel))
     return bad
+
+
+# The head's floors, lowest first: a module imports modules of its own floor or below. A module's
+# floor is that of the longest prefix that names it.
+FLOORS = [
+    ("ground: values every floor shares", (
+        "mtc.head.commit", "mtc.head.tree", "mtc.head.reports", "mtc.head.elastic", "mtc.head.preemption",
+        "mtc.head.lease", "mtc.head.items", "mtc.head.twin_check", "mtc.head.supervisor")),
+    ("dispatch: how the head reaches the sidecars", ("mtc.head.dispatch",)),
+    ("plans: the save's values and the tiers' plans", (
+        "mtc.head.save", "mtc.head.restore.plan", "mtc.head.replication.plan", "mtc.head.backup.plan",
+        "mtc.head.backup.listing")),
+    ("tiers: replication, backup, restore", ("mtc.head.replication", "mtc.head.backup", "mtc.head.restore")),
+    ("the manager", ("mtc.head.manager", "mtc.head.metrics")),
+    ("adapters: Orbax's surface, MaxText's launcher", ("mtc.head.orbax", "mtc.head.maxtext")),
+    ("tools", ("mtc.head.tools",)),
+]
+# The one import up: ``CheckpointManager.export`` offers the export to a standard Orbax checkpoint (a lazy
+# import inside the method; the adapter itself reads the job through the manager).
+UP_ALLOWED = {("mtc.head.manager", "mtc.head.orbax.export")}
+
+
+def floor_of(module: str) -> int | None:
+    best = None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def imports_up(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for m, deps in sorted(graph.items()):
+        if m == PACKAGE:  # the public API's __init__ imports from every floor
+            continue
+        fm = floor_of(m)
+        if fm is None:
+            out.append(f"{m}: on no floor (add it to FLOORS)")
+            continue
+        for d in sorted(deps - {PACKAGE}):
+            fd = floor_of(d)
+            if (fd is None or fd > fm) and (m, d) not in UP_ALLOWED:
+                out.append(f"{m} ({FLOORS[fm][0]}) -> {d} ({FLOORS[fd][0] if fd is not None else 'no floor'})")
+    return out
+
+
+def test_no_import_runs_up_the_heads_floors():
+    bad = imports_up(import_graph())
+    assert not bad, "imports up the head's floors:\n" + "\n".join(bad)
+
+
+def test_the_floor_check_sees_an_import_up(tmp_path):
+    (tmp_path / "dispatch").mkdir()
+    (tmp_path / "restore").mkdir()
+    for d in (tmp_path, tmp_path / "dispatch", tmp_path / "restore"):
+        (d / "__init__.py").write_text("")
+    (tmp_path / "restore" / "plan.py").write_text("X = 1\n")
+    (tmp_path / "dispatch" / "reads.py").write_text("def f():\n    from mtc.head.restore.plan import X\n")
+    assert imports_up(import_graph(tmp_path)) == [
+        "mtc.head.dispatch.reads (dispatch: how the head reaches the sidecars) -> mtc.head.restore.plan "
+        "(plans: the save's values and the tiers' plans)"]
 
 
 def test_graph_sees_the_head():

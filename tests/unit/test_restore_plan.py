@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mtc.head.restore.plan import box_reads, make_plan, plan_target, shard_holders
+from mtc.head.dispatch.box_reads import box_reads, shard_holders
+from mtc.head.restore.plan import make_plan, plan_target
 from mtc.shared import format as fmt
 from mtc.shared import shardings
 from mtc.shared.hashing import blob_name

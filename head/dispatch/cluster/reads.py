@@ -1,4 +1,4 @@
-"""The cluster mode's restore reads: every target box planned (``restore.plan.box_reads``),
+"""The cluster mode's restore reads: every target box planned (``dispatch.box_reads``),
 then read from the daemons in per-host batches, in parallel, straight into the target buffers;
 a read that fails moves on to its next candidate host.
 
@@ -25,7 +25,7 @@ import numpy as np
 from mtc.head.dispatch.cluster.client import read_errors
 from mtc.head.dispatch.cluster.lanes import HostLanes
 from mtc.head.dispatch.interface import LoadRequest, host_failure, raise_remote
-from mtc.head.restore.plan import BoxRead, box_reads
+from mtc.head.dispatch.box_reads import BoxRead, box_reads
 from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
 from mtc.shared import protocol, wire_errors
@@ -39,7 +39,7 @@ Box = fmt.Box
 
 @dataclasses.dataclass
 class _Read:
-    """A planned read (``restore.plan.BoxRead``) being run: its destination and the hosts tried."""
+    """A planned read (``box_reads.BoxRead``) being run: its destination and the hosts tried."""
 
     plan: BoxRead
     dest: np.ndarray  # a view into the target box buffer (may be strided for a piece)
