@@ -18,19 +18,17 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from mtc.head.commit import commit_messages
 from mtc.head.dispatch.interface import (
     Dispatcher,
-    HostInventory,
     Leaf,
     LoadRequest,
     PullResult,
     WriteResult,
     host_failure,
-    raise_claim_failures,
     raise_host_failures,
     save_error,
 )
-from mtc.head.commit import commit_messages
 from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones
@@ -321,26 +319,6 @@ class ColocatedDispatcher(Dispatcher):
         for h, e in sorted(failures.items()):
             log.warning("could not abort step %d on host %s (%s)", step, h, host_failure(e))
 
-    def leases(self) -> dict[str, dict | None]:
-        """The hosts' leases (a host that cannot be reached is asked again when it is back)."""
-        results, failures = self._control_each("lease")
-        for h, e in sorted(failures.items()):
-            if not isinstance(e, HostUnreachableError):
-                raise e
-        return {h: r["lease"] for h, r in results.items()}
-
-    def claim(self, generation: int, head: dict) -> None:
-        """Every host takes ``head``, then its settings (``configure``, checked against the lease);
-        one that cannot be reached takes the generation with its next request, and is configured
-        when it says it is not (``NotConfiguredError``)."""
-        _, failures = self._control_each("claim", generation=generation, head=head)
-        self.generation = generation
-        self._settings = self._host_settings
-        rows = [i for i, h in enumerate(self._hosts_of_rows()) if h not in failures]
-        if rows:
-            failures.update(self._control_each("configure", rows=rows, settings=self._settings)[1])
-        raise_claim_failures(failures, generation)
-
     def _devices_by_host(self) -> dict[str, list[int]]:
         hosts = self._hosts_of_rows()
         out: dict[str, list[int]] = {}
@@ -348,26 +326,17 @@ class ColocatedDispatcher(Dispatcher):
             out.setdefault(hosts[self._ctl_devices.index(cpu)], []).append(dev.id)
         return out
 
-    def inventories(self) -> dict[str, HostInventory]:
-        """What each host holds; each counts its own share by its devices, as in cluster mode. A
-        host whose sidecar fails (or answers a malformed inventory) has no steps and an ``error``."""
-        per_host = {h: {"devices": sorted(ids)} for h, ids in self._devices_by_host().items()}
-        replies, failures = self._control_each("inventory", per_host=per_host)
-        results: dict[str, HostInventory] = {}
-        for h, doc in replies.items():
-            try:
-                results[h] = HostInventory.from_wire(h, doc)
-            except MTCError as e:  # a malformed answer: this host's failure, like any other
-                failures[h] = e
-        for h, e in failures.items():
-            log.warning("inventory: host %s: %s; its steps cannot be confirmed", h, host_failure(e))
-            results[h] = HostInventory.unreachable(h, host_failure(e))
-        return {h: results[h] for h in self.hosts()}
+    def _each(self, op: str, args: dict | None = None, *, hosts: Sequence[str] | None = None,
+              per_host: dict[str, dict] | None = None, lane: str | None = None
+              ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """One colocated call over the control devices (every host, or the rows of ``hosts``): there
+        is one way to each host, whatever the ``lane``."""
+        rows = None if hosts is None else [i for i, h in enumerate(self._hosts_of_rows()) if h in set(hosts)]
+        return self._control_each(op, rows=rows, per_host=per_host, **(args or {}))
 
-    def verify(self, step: int) -> dict[str, dict]:
-        """Every host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
-        replies, failures = self._control_each("verify", step=step)
-        return {**replies, **{h: {"error": host_failure(e)} for h, e in failures.items()}}
+    def _take_settings(self) -> dict:
+        self._settings = self._host_settings
+        return self._settings
 
     def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes:
         ((_, _, (data,)),) = self._exchange("manifest", [self._hosts_of_rows().index(host)], (), None,

@@ -139,23 +139,76 @@ class Dispatcher(abc.ABC):
     def abort(self, step: int) -> None:
         """Forget ``step`` on every host that answers (its save failed); best effort."""
 
+    # --- the control requests every host answers: written once, over the transport's fan-out ----
+
     @abc.abstractmethod
+    def _each(self, op: str, args: dict | None = None, *, hosts: Sequence[str] | None = None,
+              per_host: dict[str, dict] | None = None, lane: str | None = None
+              ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """The transport's fan-out of control request ``op``: to every host (or ``hosts``) with
+        ``args``, or to the hosts of ``per_host`` each with its own; (host -> its result, host -> its
+        failure, typed). ``lane``: the connection class a transport that has several uses (None:
+        the operation's row says)."""
+
+    @abc.abstractmethod
+    def _devices_by_host(self) -> dict[str, list[int]]:
+        """host id -> the head's device ids whose shards its sidecar holds."""
+
+    @abc.abstractmethod
+    def _take_settings(self) -> dict:
+        """The host settings this head sends with ``configure`` (``HostSettings.to_wire``), now
+        remembered by the transport for hosts that (re)connect later."""
+
     def leases(self) -> dict[str, dict | None]:
-        """host id -> the lease of the head that drives it ({"generation", "head"}), or None."""
+        """host id -> the lease of the head that drives it ({"generation", "head"}), or None; a host
+        that cannot be reached is asked again when it is back."""
+        results, failures = self._each("lease")
+        for h, e in sorted(failures.items()):
+            if not isinstance(e, errors.HostUnreachableError):
+                raise e
+        return {h: r.get("lease") for h, r in results.items()}
 
-    @abc.abstractmethod
     def claim(self, generation: int, head: dict) -> None:
-        """Every host takes ``head`` (``generation`` newer than its lease) or raises FencedError."""
+        """Every host takes ``head`` (``generation`` newer than its lease), then its settings
+        (``configure``, checked against the lease), or raises FencedError. A host that cannot be
+        reached takes the generation with its next request and is configured when it says it is not."""
+        _, failures = self._each("claim", {"generation": generation, "head": head})
+        self.generation = generation
+        settings = self._take_settings()
+        reached = [h for h in self.hosts() if h not in failures]
+        if reached:
+            failures.update(self._each("configure", {"settings": settings}, hosts=reached)[1])
+        raise_claim_failures(failures, generation)
 
-    @abc.abstractmethod
     def inventories(self) -> dict[str, HostInventory]:
-        """host id -> what it holds; a host that failed (unreachable, or its sidecar raised) has
-        an ``error`` and no steps."""
+        """host id -> what it holds (each host counts its own share by its devices); a host that
+        failed (unreachable, its sidecar raised, a malformed answer) has an ``error`` and no steps."""
+        return self._inventories("control")
 
-    @abc.abstractmethod
+    def peer_inventories(self) -> dict[str, HostInventory]:
+        """``inventories()`` for background replication, on the peer lane where the transport has
+        one: it never holds the control lane."""
+        return self._inventories("peer")
+
+    def _inventories(self, lane: str) -> dict[str, HostInventory]:
+        per_host = {h: {"devices": sorted(ids)} for h, ids in self._devices_by_host().items()}
+        replies, failures = self._each("inventory", per_host=per_host, lane=lane)
+        results: dict[str, HostInventory] = {}
+        for h, doc in replies.items():
+            try:
+                results[h] = HostInventory.from_wire(h, doc)
+            except Exception as e:  # a malformed answer: this host's failure, like any other
+                failures[h] = e
+        for h, e in failures.items():
+            log.warning("inventory: host %s: %s; its steps cannot be confirmed", h, host_failure(e))
+            results[h] = HostInventory.unreachable(h, host_failure(e))
+        return {h: results[h] for h in self.hosts()}
+
     def verify(self, step: int) -> dict[str, dict]:
         """Every host hashes its blobs of ``step``: host -> {"checked", "bad": [blob names]}, or
         {"error": why} for a host that failed (one that does not hold the step, one that is down)."""
+        replies, failures = self._each("verify", {"step": step})
+        return {**replies, **{h: {"error": host_failure(e)} for h, e in failures.items()}}
 
     def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
         """The committed step manifest of ``step`` from a host that holds it (with ``digest``: a
@@ -286,10 +339,6 @@ class Dispatcher(abc.ABC):
     @abc.abstractmethod
     def slice_of(self, host_id: str) -> int:
         """The slice of host ``host_id`` (0 where the dispatcher knows no slices)."""
-
-    def peer_inventories(self) -> dict[str, HostInventory]:
-        """``inventories()`` for background replication (a dispatcher may use another connection)."""
-        return self.inventories()
 
     @abc.abstractmethod
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],

@@ -34,22 +34,20 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from mtc.head.commit import commit_messages
 from mtc.head.dispatch.cluster.client import AddressBook, Credentials, HeadStamp, Timeouts
 from mtc.head.dispatch.cluster.lanes import HostLanes
 from mtc.head.dispatch.cluster.reads import ClusterLoader
 from mtc.head.dispatch.interface import (
     Dispatcher,
-    HostInventory,
     Leaf,
     LoadRequest,
     PullResult,
     WriteResult,
     host_failure,
-    raise_claim_failures,
     raise_host_failures,
     save_error,
 )
-from mtc.head.commit import commit_messages
 from mtc.head.dispatch.staging import HostStaging
 from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
@@ -259,60 +257,28 @@ class ClusterDispatcher(Dispatcher):
             log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, host_failure(e))
             self.lanes.abort_later(h, [step])
 
-    def verify(self, step: int) -> dict[str, dict]:
-        """Every reachable host hashes its blobs of ``step``: host -> {"checked", "bad"} (or {"error"})."""
-        replies, failures = self.lanes.call_each("verify", args={"step": step})
-        return {**{h: r.result for h, r in replies.items()},
-                **{h: {"error": host_failure(e)} for h, e in failures.items()}}
+    def _each(self, op: str, args: dict | None = None, *, hosts: Sequence[str] | None = None,
+              per_host: dict[str, dict] | None = None, lane: str | None = None
+              ) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """``HostLanes.call_each`` on ``lane`` (None: the op's row's): every host (or ``hosts``, or those
+        of ``per_host``)."""
+        if per_host is not None:
+            hosts, args = list(per_host), (lambda h: per_host[h])
+        replies, failures = self.lanes.call_each(op, hosts, args, lane=lane)
+        return {h: r.result for h, r in replies.items()}, failures
 
-    def leases(self) -> dict[str, dict | None]:
-        """The reachable hosts' leases (a host that is down is asked again when it is back)."""
-        replies, failures = self.lanes.call_each("lease")
-        for h, e in sorted(failures.items()):
-            if not isinstance(e, HostUnreachableError):
-                raise e
-        return {h: r.result.get("lease") for h, r in replies.items()}
+    def _devices_by_host(self) -> dict[str, list[int]]:
+        return {h: list(self.topology.host(h).devices) for h in self.topology.host_ids}
 
-    def claim(self, generation: int, head: dict) -> None:
-        """Every reachable host takes ``head``, then its settings (``configure``); one that is down
-        adopts it with its first request, and is configured first on its new connection."""
-        _, failures = self.lanes.call_each("claim", args={"generation": generation, "head": head})
-        self.generation = generation
+    def _take_settings(self) -> dict:
         self.lanes.stamp.settings = self._host_settings
-        _, more = self.lanes.call_each("configure", [h for h in self.topology.host_ids if h not in failures],
-                                       {"settings": self._host_settings})
-        failures.update(more)
-        raise_claim_failures(failures, generation)
+        return self._host_settings
 
     def _save_error(self, step: int, phase: str, failures: dict[str, BaseException]) -> SaveError:
         """``save_error``, remembering the hosts it could not reach: ``abort`` queues theirs."""
         with self._unreached_lock:
             self._unreached[step] = {h for h, e in failures.items() if isinstance(e, HostUnreachableError)}
         return save_error(step, phase, failures, len(self.topology.host_ids))
-
-    # --- inventory -------------------------------------------------------------------------
-
-    def inventories(self) -> dict[str, HostInventory]:
-        """host id -> inventory; an unreachable host has no steps and an ``error``."""
-        return self._inventories("control")
-
-    def peer_inventories(self) -> dict[str, HostInventory]:
-        """``inventories()`` on the peer lane: background replication never holds the control lane."""
-        return self._inventories("peer")
-
-    def _inventories(self, lane: str) -> dict[str, HostInventory]:
-        replies, failures = self.lanes.call_each("inventory", None,
-                                                 lambda h: {"devices": list(self.topology.host(h).devices)}, lane=lane)
-        results: dict[str, HostInventory] = {}
-        for h, r in replies.items():
-            try:
-                results[h] = HostInventory.from_wire(h, r.result)
-            except Exception as e:  # a malformed answer: this host's failure, like any other
-                failures[h] = e
-        for h, e in failures.items():
-            log.warning("inventory: %s; its steps cannot be confirmed", host_failure(e))
-            results[h] = HostInventory.unreachable(h, host_failure(e))
-        return {h: results[h] for h in self.topology.host_ids}
 
     def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes:
         reply = self.lanes.call(host, "manifest", {"step": step, "here_only": here_only, "header_only": header_only})
