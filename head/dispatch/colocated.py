@@ -23,7 +23,6 @@ from mtc.head.dispatch.interface import (
     Dispatcher,
     Leaf,
     LoadRequest,
-    PullResult,
     WriteResult,
     host_failure,
     raise_host_failures,
@@ -37,7 +36,7 @@ from mtc.shared import shardings, wire_errors
 from mtc.shared.config import MTCConfig
 from mtc.shared.host_settings import HostSettings
 from mtc.shared.objstore.retry import Backoff
-from mtc.shared.errors import ConfigError, HostUnreachableError, ManifestError, MTCError, ProtocolError
+from mtc.shared.errors import ConfigError, HostUnreachableError, ManifestError, MTCError
 
 log = logging.getLogger(__name__)
 _JOB_POLL = Backoff(0.005, 0.5)  # how often a long sidecar job is polled: doubling, at most every 0.5 s
@@ -94,7 +93,7 @@ class ColocatedDispatcher(Dispatcher):
         self._ctl_devices = sorted(set(cpu), key=lambda d: d.id)
         cls = cp.colocated_python_class(_load_sidecar_class())
         # What a sidecar needs to start; the settings it follows come with ``configure`` (claim).
-        self._host_settings = HostSettings.from_config(config).to_wire()
+        host_settings = HostSettings.from_config(config).to_wire()
         self._settings: dict | None = None  # sent once the hosts are claimed
         self._obj = cls(json.dumps({
             "ramdisk_root": str(config.ramdisk_root),
@@ -106,7 +105,7 @@ class ColocatedDispatcher(Dispatcher):
         self._ramdisk_root = str(config.ramdisk_root)
         self._zone = None  # the landing zone of the last stage, if the sidecar is in this process
         self._host_of_row: list[str] | None = None
-        super().__init__(keepers=max(2, int(config.replication_factor)))
+        super().__init__(keepers=max(2, int(config.replication_factor)), host_settings=host_settings)
 
     # --- control requests ---------------------------------------------------------------
 
@@ -434,12 +433,6 @@ class ColocatedDispatcher(Dispatcher):
                 polls += 1
                 time.sleep(_JOB_POLL.cap(polls))  # polling a remote job: nothing to wait on locally
 
-    def _run_job(self, what: str, op: str, **kwargs: Any) -> dict[str, Any]:
-        """``_run_jobs``, every host's job required to succeed (``raise_host_failures``)."""
-        results, failures = self._run_jobs(op, **kwargs)
-        raise_host_failures(what, failures)
-        return results
-
     def slice_of(self, host_id: str) -> int:
         """The slice of a host: the ``slice_index`` of its devices (Pathways), else 0."""
         hosts = self._hosts_of_rows()
@@ -448,55 +441,18 @@ class ColocatedDispatcher(Dispatcher):
                 return int(getattr(dev, "slice_index", 0) or 0)
         return 0
 
-    def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None, *, peers: dict[str, str] | None = None,
-                  shares: dict[str, list[tuple[str, list[str]]]] | None = None,
-                  adopt: tuple[str, Sequence[str]] | None = None) -> dict[str, PullResult]:
-        """Each host of ``pulls`` fetches its blobs from the holders, as a sidecar job.
+    def _jobs(self, op: str, per_host: dict[str, dict], args: dict | None = None, *, lane: str | None = None,
+              own_threads: bool = False, payloads: Sequence[bytes] = ()) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """Sidecar jobs, started in one call and polled (``_run_jobs``): one way to each host, whatever
+        the lane, and no threads of the head's."""
+        return self._run_jobs(op, per_host=per_host, payloads=tuple(payloads), **(args or {}))
 
-        The address book is what the sidecars report with their fingerprints; ``peers`` adds
-        addresses of hosts outside this head's device list.
-        """
+    def _peer_book(self) -> dict[str, str]:
         # A host whose sidecar fails is left out of the book: its own pulls fail with its error.
-        book = {fp["host"]: fp["peer"] for fp in self._control_each("fingerprint")[0].values() if fp.get("peer")}
-        book.update(peers or {})
-        asked = {*pulls, *(shares or {})}
-        try:
-            per_host = {h: {"pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, [])],
-                            "shares": [[o, list(srcs)] for o, srcs in (shares or {}).get(h, [])]} for h in asked}
-            extra = {} if adopt is None else {"adopt": {"digest": adopt[0], "keepers": list(adopt[1])}}
-            results, failures = self._run_jobs("peer_pull", per_host=per_host, step=step, peers=book,
-                                               payloads=(manifest.to_json(),) if manifest is not None else (), **extra)
-        except MTCError as e:  # not one host's (re-configuring the hosts failed): every host's
-            return {h: PullResult.unreachable(h, host_failure(e)) for h in asked}
-        out: dict[str, PullResult] = {}
-        for h in sorted(asked):
-            try:
-                if h in failures:
-                    raise failures[h]
-                if h not in results:
-                    raise HostUnreachableError(f"host {h} did not answer the peer pull")
-                out[h] = PullResult.from_wire(h, results[h])
-            except MTCError as e:
-                log.warning("peer pull of step %d on %s failed: %s", step, h, host_failure(e))
-                out[h] = PullResult.unreachable(h, host_failure(e))
-        return out
+        return {fp["host"]: fp["peer"] for fp in self._control_each("fingerprint")[0].values() if fp.get("peer")}
 
-    def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        return self._run_job("backup upload", "backup_upload",
-                             per_host={h: {"blobs": b} for h, b in assignments.items()})
-
-    def backup_upload_parts(self, step: int, hosts: list[str]) -> dict[str, dict]:
-        return self._run_job("backup upload", "backup_upload", per_host={h: {"step": step} for h in hosts})
-
-    def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
-        replies = dict(self._control("backup_finalize", per_host={host: {}}, name=name, step=step, digest=digest))
-        return replies[host]
-
-    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
-        replies = dict(self._control("backup_finalize", per_host={host: {}}, name=name,
-                                     payloads=(manifest.to_json(),)))
-        return replies[host]
+    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> Any:
+        return dict(self._control(op, per_host={host: {}}, payloads=tuple(payloads), **args))[host]
 
     def _any_host(self, op: str, args: dict) -> tuple[str, Any, list]:
         """The answer of the first host (in host order) that can answer a question any host can
@@ -521,23 +477,6 @@ class ColocatedDispatcher(Dispatcher):
                                        + "; ".join(f"{h}: {host_failure(e)}" for h, e in sorted(unreachable.items())))
         raise_host_failures(op, unreachable)
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def backup_listing(self, deadline_s: float | None = None) -> dict:
-        return self._any_host("backup_listing", {"root": self._host_settings["backup_url"], "deadline_s": deadline_s})[1]
-
-    def backup_manifest(self, name: str) -> fmt.StepManifest:
-        h, _, payloads = self._any_host("backup_manifest", {"root": self._host_settings["backup_url"], "name": name})
-        if len(payloads) != 1:
-            raise ProtocolError(f"host {h}: backup_manifest answered no manifest")
-        return fmt.StepManifest.from_json(payloads[0], source=f"backup {name} (via {h})")
-
-    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        return self._run_job(f"fetch of backup {name}", "backup_fetch",
-                             per_host={h: {"blobs": b} for h, b in needs.items()}, name=name)
-
-    def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
-        return self._run_job("backup scrub", "backup_scrub", per_host=work, root=self._host_settings["backup_url"],
-                             bytes_per_s=bytes_per_s)
 
     def close(self) -> None:
         try:

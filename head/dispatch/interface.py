@@ -101,8 +101,10 @@ class Dispatcher(abc.ABC):
 
     generation: int | None = None
 
-    def __init__(self, keepers: int):
+    def __init__(self, keepers: int, host_settings: dict):
         self._keepers = keepers  # the hosts that keep each whole step manifest (``choose_keepers``)
+        # The settings every sidecar follows (``HostSettings.to_wire``): sent with the claim.
+        self._host_settings = host_settings
 
     @abc.abstractmethod
     def hosts(self) -> list[str]:
@@ -291,48 +293,81 @@ class Dispatcher(abc.ABC):
         device when it is one of no host)."""
 
     # --- backup tier (run by the sidecars; the head only coordinates) --------------------
+    #
+    # Written once, over the transport's primitives: long jobs on some hosts (``_jobs``), one
+    # host's control request (``_call``), a question any host can answer (``_any_host``).
 
     @abc.abstractmethod
+    def _jobs(self, op: str, per_host: dict[str, dict], args: dict | None = None, *, lane: str | None = None,
+              own_threads: bool = False, payloads: Sequence[bytes] = ()) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """Run sidecar job ``op`` on each host of ``per_host`` (its own arguments, with ``args`` and
+        ``payloads``) until all end: (host -> its result, host -> its failure). ``own_threads``: a job
+        that runs for minutes (a scrub) goes on threads of its own, holding up no other job of its lane."""
+
+    @abc.abstractmethod
+    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> Any:
+        """One control request to one host: its result (its error raised, typed)."""
+
+    @abc.abstractmethod
+    def _any_host(self, op: str, args: dict) -> tuple[str, Any, list]:
+        """(host, result, payloads) of the first host, in host order, that answers a question any
+        host can answer; one that cannot be reached is passed over (HostUnreachableError when none
+        could be asked, so that a listing reads as "not known")."""
+
+    def _all_jobs(self, what: str, op: str, per_host: dict[str, dict], args: dict | None = None,
+                  **kw: Any) -> dict[str, dict]:
+        results, failures = self._jobs(op, per_host, args, **kw)
+        raise_host_failures(what, failures)
+        return results
+
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         """Every host uploads the blobs assigned to it; host id -> what it uploaded."""
+        return self._all_jobs("backup upload", "backup_upload",
+                              {h: {"blobs": list(b)} for h, b in assignments.items()}, lane="backup")
 
-    @abc.abstractmethod
     def backup_upload_parts(self, step: int, hosts: list[str]) -> dict[str, dict]:
         """Every host of ``hosts`` uploads its designated share of ``step``'s unique boxes
         (``Committed.designated_uploads``: the hosts share the work out among themselves, by the
         manifest's sharding descriptions and ``topology.devices``); host id -> what it uploaded."""
+        return self._all_jobs("backup upload", "backup_upload", {h: {"step": step} for h in hosts}, lane="backup")
 
-    @abc.abstractmethod
     def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
         """``backup_finalize`` from the host's own copy of the manifest of ``step`` (``digest``): the head
         sends no manifest."""
+        return self._call(host, "backup_finalize", {"name": name, "step": step, "digest": digest})
 
-    @abc.abstractmethod
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         """One host makes backup ``name`` visible (manifest last, create-only), then keeps the
         newest ``backup_max_to_keep`` (the settings the hosts were configured with)."""
+        return self._call(host, "backup_finalize", {"name": name}, [manifest.to_json()])
 
-    @abc.abstractmethod
     def backup_listing(self, deadline_s: float | None = None) -> dict:
         """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}.
 
         ``deadline_s`` bounds the retries of an unreachable store (None: the store's own).
         """
+        return self._any_host("backup_listing", {"root": self._host_settings["backup_url"],
+                                                 "deadline_s": deadline_s})[1]
 
-    @abc.abstractmethod
     def backup_manifest(self, name: str) -> fmt.StepManifest:
         """The step manifest of backup ``name``."""
+        h, _, payloads = self._any_host("backup_manifest", {"root": self._host_settings["backup_url"], "name": name})
+        if len(payloads) != 1:
+            raise errors.ProtocolError(f"host {h}: backup_manifest answered no manifest")
+        return fmt.StepManifest.from_json(bytes(payloads[0]), source=f"backup {name} (via {h})")
 
-    @abc.abstractmethod
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
+        return self._all_jobs(f"fetch of backup {name}", "backup_fetch",
+                              {h: {"blobs": list(b)} for h, b in needs.items()}, {"name": name}, lane="backup")
 
-    @abc.abstractmethod
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
         """Each host of ``work`` scrubs the backup root: host -> {"blobs": to hash in the store,
         "repair": to re-upload from its ramdisk where it holds good copies, "damaged": {backup: why}
         to mark}, each optional; at most ``bytes_per_s`` (None: the configured cap). Host -> what it
         found ({"checked", "bytes", "bad", "missing", "repaired", "marked", ...})."""
+        return self._all_jobs("backup scrub", "backup_scrub", work,
+                              {"root": self._host_settings["backup_url"], "bytes_per_s": bytes_per_s}, own_threads=True)
 
     # --- peer tier (the sidecars pull from each other; the head plans) --------------------
 
@@ -341,10 +376,14 @@ class Dispatcher(abc.ABC):
         """The slice of host ``host_id`` (0 where the dispatcher knows no slices)."""
 
     @abc.abstractmethod
+    def _peer_book(self) -> dict[str, str]:
+        """host id -> the address its peer service serves at now, as the sidecars report it."""
+
     def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
                   manifest: fmt.StepManifest | None = None, *,
                   shares: dict[str, list[tuple[str, list[str]]]] | None = None,
-                  adopt: tuple[str, Sequence[str]] | None = None) -> dict[str, PullResult]:
+                  adopt: tuple[str, Sequence[str]] | None = None,
+                  peers: Mapping[str, str] | None = None) -> dict[str, PullResult]:
         """Each host of ``pulls`` fetches [(blob, nbytes, [holders to try])] from its peers, verified;
         each host of ``shares`` fetches [(owner host, [holders])]: every blob of the owner's share,
         which the host lists from its own copy of the step manifest. With ``adopt`` ((manifest digest,
@@ -352,8 +391,37 @@ class Dispatcher(abc.ABC):
         commits the step once its pulls succeeded (a replaced node: the head sends no manifest).
 
         host -> what it pulled (a host that could not be asked has an ``error``). With
-        ``manifest``, a host that lacks the step commits it once all its pulls succeeded.
+        ``manifest``, a host that lacks the step commits it once all its pulls succeeded. The
+        addresses are the sidecars' own (``_peer_book``); ``peers`` adds those of hosts outside
+        this head's topology.
         """
+        shares = shares or {}
+        asked = sorted({*pulls, *shares})
+        per_host = {h: {"pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, ())],
+                        **({"shares": [[o, list(srcs)] for o, srcs in shares[h]]} if h in shares else {})}
+                    for h in asked}
+        args = {"step": step, "peers": {**self._peer_book(), **(peers or {})},
+                **({"adopt": {"digest": adopt[0], "keepers": list(adopt[1])}} if adopt is not None else {})}
+        try:
+            results, failures = self._jobs("peer_pull", per_host, args, lane="peer",
+                                           payloads=(manifest.to_json(),) if manifest is not None else ())
+        except errors.MTCError as e:  # not one host's (re-configuring the hosts failed): every host's
+            return {h: PullResult.unreachable(h, host_failure(e)) for h in asked}
+        out: dict[str, PullResult] = {}
+        for h in asked:
+            e = failures.get(h)
+            if e is None and h not in results:
+                e = errors.HostUnreachableError(f"host {h} did not answer the peer pull")
+            if e is None:
+                try:
+                    out[h] = PullResult.from_wire(h, results[h])
+                    continue
+                except errors.MTCError as bad:  # a malformed answer: this host's failure
+                    e = bad
+            log.warning("peer pull of step %d on %s failed: %s", step, h, host_failure(e))
+            out[h] = PullResult.unreachable(h, host_failure(e))
+        return out
+
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -42,7 +42,6 @@ from mtc.head.dispatch.interface import (
     Dispatcher,
     Leaf,
     LoadRequest,
-    PullResult,
     WriteResult,
     host_failure,
     raise_host_failures,
@@ -103,10 +102,10 @@ class ClusterDispatcher(Dispatcher):
             raise ConfigError("ClusterDispatcher needs cluster_spec (or MTC_CLUSTER_SPEC with "
                               "MTCConfig.from_env): the path of the spec LocalCluster wrote")
         spec_path = os.fspath(spec)
-        # The settings every sidecar follows: sent with the claim, and first on each new connection.
-        self._host_settings = HostSettings.from_config(config).to_wire()
-        # Hosts that keep each step's whole manifest (on distinct slices; the others commit its digest).
-        super().__init__(keepers=max(2, int(config.replication_factor)))
+        # Hosts that keep each step's whole manifest (on distinct slices; the others commit its digest), and
+        # the settings every sidecar follows: sent with the claim, and first on each new connection.
+        super().__init__(keepers=max(2, int(config.replication_factor)),
+                         host_settings=HostSettings.from_config(config).to_wire())
         self.topology = Topology.from_spec(spec_path, list(devices if devices is not None else jax.devices()))
         token = auth.resolve_token(config.peer_token)
         if not token:
@@ -297,12 +296,30 @@ class ClusterDispatcher(Dispatcher):
 
     # --- backup tier (the sidecars do the work; the head coordinates) ----------------------
 
-    def _any_host(self, op: str, args: dict) -> tuple[str, protocol.Reply]:
+    def _jobs(self, op: str, per_host: dict[str, dict], args: dict | None = None, *, lane: str | None = None,
+              own_threads: bool = False, payloads: Sequence[bytes] = ()) -> tuple[dict[str, Any], dict[str, BaseException]]:
+        """``HostLanes.run_job`` on each host, in parallel on the lane's pool (or threads of their own)."""
+        def one(h: str) -> Any:
+            return self.lanes.run_job(h, op, {**(args or {}), **per_host[h]}, list(payloads))
+
+        if own_threads:
+            with ThreadPoolExecutor(max_workers=max(1, len(per_host)), thread_name_prefix=f"mtc-cluster-{op}") as pool:
+                return self.lanes.fan_out(one, list(per_host), pool=pool)
+        return self.lanes.fan_out(one, list(per_host), lane=lane or "control")
+
+    def _peer_book(self) -> dict[str, str]:
+        return dict(self.lanes.peer_addresses)
+
+    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> Any:
+        return self.lanes.call(host, op, args, list(payloads)).result
+
+    def _any_host(self, op: str, args: dict) -> tuple[str, Any, list]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""
         failures: dict[str, BaseException] = {}
         for h in self.topology.host_ids:
             try:
-                return h, self.lanes.call(h, op, args)
+                reply = self.lanes.call(h, op, args)
+                return h, reply.result, list(reply.payloads)
             except HostUnreachableError as e:
                 failures[h] = e
         if len(failures) > 1:  # no host could be asked: that type, so that a listing reads as "not known"
@@ -311,79 +328,10 @@ class ClusterDispatcher(Dispatcher):
         raise_host_failures(op, failures)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
-            h, "backup_upload", {"blobs": list(assignments.get(h, []))}), lane="backup")
-        raise_host_failures("backup upload", failures)
-        return results
-
-    def backup_upload_parts(self, step: int, hosts: list[str]) -> dict[str, dict]:
-        results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
-            h, "backup_upload", {"step": step}), list(hosts), lane="backup")
-        raise_host_failures("backup upload", failures)
-        return results
-
-    def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
-        return self.lanes.call(host, "backup_finalize", {"name": name, "step": step, "digest": digest}).result
-
-    def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
-        return self.lanes.call(host, "backup_finalize", {"name": name}, [manifest.to_json()]).result
-
-    def backup_listing(self, deadline_s: float | None = None) -> dict:
-        return self._any_host("backup_listing", {"root": self._host_settings["backup_url"], "deadline_s": deadline_s})[1].result
-
-    def backup_manifest(self, name: str) -> fmt.StepManifest:
-        h, reply = self._any_host("backup_manifest", {"root": self._host_settings["backup_url"], "name": name})
-        if len(reply.payloads) != 1:
-            raise ProtocolError(f"host {h}: backup_manifest answered no manifest")
-        return fmt.StepManifest.from_json(bytes(reply.payloads[0]), source=f"backup {name} (via {h})")
-
-    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
-            h, "backup_fetch", {"name": name, "blobs": list(needs.get(h, []))}), lane="backup")
-        raise_host_failures(f"fetch of backup {name}", failures)
-        return results
-
-    def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
-        root = self._host_settings["backup_url"]
-        # Threads of its own: a scrub runs for minutes, and on the backup pool it would hold up the uploads.
-        with ThreadPoolExecutor(max_workers=max(1, len(work)), thread_name_prefix="mtc-cluster-scrub") as pool:
-            results, failures = self.lanes.fan_out(lambda h: self.lanes.run_job(
-                h, "backup_scrub", {**work[h], "root": root, "bytes_per_s": bytes_per_s}), sorted(work), pool=pool)
-        raise_host_failures("backup scrub", failures)
-        return results
-
     # --- peer tier (the sidecars move the bytes; the head plans and hands out addresses) ----
 
     def slice_of(self, host_id: str) -> int:
         return self.topology.slice_of(host_id)
-
-    def peer_pull(self, step: int, pulls: dict[str, list[tuple[str, int, list[str]]]],
-                  manifest: fmt.StepManifest | None = None, *,
-                  shares: dict[str, list[tuple[str, list[str]]]] | None = None,
-                  adopt: tuple[str, Sequence[str]] | None = None) -> dict[str, PullResult]:
-        """Each host of ``pulls`` fetches its blobs from the holders listed, verified.
-
-        host -> what it pulled (an ``error`` when the host could not be asked or failed as a whole). With ``manifest``, a host that
-        lacks the step commits it once all its pulls succeeded (restore onto a wiped host).
-        """
-        peers = dict(self.lanes.peer_addresses)
-        data = [manifest.to_json()] if manifest is not None else []
-        shares = shares or {}
-
-        def one(h: str) -> PullResult:
-            args = {"step": step, "pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, ())], "peers": peers}
-            if h in shares:
-                args["shares"] = [[owner, list(srcs)] for owner, srcs in shares[h]]
-            if adopt is not None:
-                args["adopt"] = {"digest": adopt[0], "keepers": list(adopt[1])}
-            return PullResult.from_wire(h, self.lanes.run_job(h, "peer_pull", args, data))
-
-        results, failures = self.lanes.fan_out(one, sorted(set(pulls) | set(shares)), lane="peer")
-        for h, e in failures.items():
-            log.warning("peer pull of step %d on %s failed: %s", step, h, host_failure(e))
-            results[h] = PullResult.unreachable(h, host_failure(e))
-        return results
 
     # --- lifecycle -------------------------------------------------------------------------
 
