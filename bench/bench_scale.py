@@ -8,7 +8,8 @@ driven for a synthetic topology of H hosts x 8 devices and a MaxText-like state
 FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
 
 - each host's part (its host manifest, as it answers phase 1) and one host's CPU to write it;
-- the head's CPU to build the step manifest from the parts (``fmt.encode_step``: a header of
+- the head's CPU to build the step manifest from the parts (which host wrote which devices,
+  ``shardings.devices_by_host``, as the save records it; ``fmt.encode_step``: a header of
   arrays and named shardings, then the parts as they came, hashed, never parsed), to check
   each host's phase-1 summary and to encode phase 2's messages;
 - what the head sends and receives: phase 1 sends each host its shard list and gets its part
@@ -123,7 +124,9 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         doc = json.loads(s)
         assert doc["host"] == h and doc["step"] == 1
     t1 = time.process_time()
-    devices = {f"h{h}": list(range(h * DEVICES_PER_HOST, (h + 1) * DEVICES_PER_HOST)) for h in range(hosts)}
+    # Which host wrote which devices (the save's ``topology.devices``), from the sharding descriptions.
+    devices = shardings.devices_by_host({id(r.sharding): r.sharding for r in records if r.sharding}.values(),
+                                        lambda d: f"h{d // DEVICES_PER_HOST}")
     data, digest = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
                                    topology={"hosts": sorted(per_host), "devices": devices}, fingerprint={}, parts=parts)
     t2 = time.process_time()

@@ -138,10 +138,7 @@ def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult
     if dispatch is not None and described:
         # Which host wrote the shards of which devices: a restore onto the same hosts and shardings
         # reads the header alone (fmt.StepHeader), each host its own part.
-        devices: dict[str, list[int]] = {}
-        for dev_id in sorted({d.id for sharding in described for d in sharding.device_set}):
-            devices.setdefault(dispatch.host_of_device(dev_id), []).append(dev_id)
-        topology["devices"] = dict(sorted(devices.items()))
+        topology["devices"] = shardings.devices_by_host(described.values(), dispatch.host_of_device)
     return fmt.encode_step(step=step, arrays=records, tree=tree_doc, created=time.time(),
                            topology=topology, fingerprint=version.fingerprint(),
                            parts=result.parts, listed_boxes=listed)

@@ -6,7 +6,7 @@ target; the sidecar rebuilds the target sharding on its colocated CPU devices.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -95,6 +95,16 @@ def rebuild(desc: Mapping, devices_by_id: Mapping[int, Any] | None = None):
     raise TargetMismatchError(
         f"cannot rebuild a sharding of type {kind!r} ({desc.get('repr', '')}); "
         "pass a restore target whose leaves carry a NamedSharding")
+
+
+def devices_by_host(descs: Iterable[Mapping], host_of_device: Callable[[int], str]) -> dict[str, list[int]]:
+    """host -> the ids, ascending, of the devices of ``descs`` (sharding descriptions) it holds: what a
+    step's header records as ``topology.devices`` (which host wrote the shards of which devices).
+    O(distinct devices)."""
+    out: dict[str, list[int]] = {}
+    for dev_id in sorted({int(i) for d in descs for i in d.get("device_ids") or ()}):
+        out.setdefault(host_of_device(dev_id), []).append(dev_id)
+    return dict(sorted(out.items()))
 
 
 def check_desc(desc: Any, where: str) -> None:
