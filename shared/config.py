@@ -322,6 +322,13 @@ class MTCConfig:
         values.update(overrides)
         return cls(**values)
 
+    def with_cluster_spec_from_env(self, environ: Mapping[str, str] | None = None) -> MTCConfig:
+        """This config with ``MTC_CLUSTER_SPEC``'s path where it names no cluster spec: the variable
+        switches a training script to cluster mode without touching it, the one field the
+        environment fills in for a config built in code."""
+        spec = (os.environ if environ is None else environ).get(ENV_PREFIX + "CLUSTER_SPEC", "").strip()
+        return self.replace(cluster_spec=spec) if spec and not self.cluster_spec else self
+
     def replace(self, **changes: Any) -> MTCConfig:
         """A validated copy with ``changes`` applied."""
         _check_known(changes)

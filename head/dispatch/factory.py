@@ -6,8 +6,6 @@ import the interface.
 
 from __future__ import annotations
 
-import os
-
 from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 from mtc.head.dispatch.colocated import ColocatedDispatcher
 from mtc.head.dispatch.interface import Dispatcher
@@ -17,8 +15,7 @@ from mtc.shared.config import MTCConfig
 def make_dispatcher(config: MTCConfig) -> Dispatcher:
     """The transport ``config`` asks for: cluster mode with a cluster spec (``MTC_CLUSTER_SPEC``
     says so without touching the training script), colocated Python otherwise."""
-    if not config.cluster_spec and os.environ.get("MTC_CLUSTER_SPEC"):
-        config = config.replace(cluster_spec=os.environ["MTC_CLUSTER_SPEC"])
+    config = config.with_cluster_spec_from_env()
     if config.cluster_spec:
         return ClusterDispatcher(config)
     return ColocatedDispatcher(config)

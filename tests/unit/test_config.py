@@ -464,3 +464,12 @@ def test_a_value_neither_on_nor_off_names_the_variable():
 
     with pytest.raises(ConfigError, match="MTC_DATA_RESTART='maybe' is neither on nor off"):
         env_flag("MTC_DATA_RESTART", {"MTC_DATA_RESTART": "maybe"})
+
+
+def test_mtc_cluster_spec_switches_a_config_built_in_code_to_cluster_mode():
+    base = MTCConfig(local_checkpoint_directory="/tmp/x")
+    assert base.with_cluster_spec_from_env({"MTC_CLUSTER_SPEC": "/run/spec.json"}).cluster_spec == "/run/spec.json"
+    assert base.with_cluster_spec_from_env({"MTC_CLUSTER_SPEC": " "}) is base
+    assert base.with_cluster_spec_from_env({}).mode == "colocated"
+    named = base.replace(cluster_spec="/mine.json")  # the script's own wins
+    assert named.with_cluster_spec_from_env({"MTC_CLUSTER_SPEC": "/run/spec.json"}).cluster_spec == "/mine.json"
