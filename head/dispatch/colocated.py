@@ -191,9 +191,6 @@ class ColocatedDispatcher(Dispatcher):
     def hosts(self) -> list[str]:
         return sorted(set(self._hosts_of_rows()))
 
-    def fingerprints(self) -> dict[str, dict]:
-        return {fp["host"]: fp for _, fp in self._control("fingerprint")}
-
     def stage(self, leaves: list[Leaf]) -> list[_Group]:
         all_cpu = tuple(self._ctl_devices)
         # First every host copy (on several threads), then the arrays over the copied buffers.
@@ -337,11 +334,6 @@ class ColocatedDispatcher(Dispatcher):
         self._settings = self._host_settings
         return self._settings
 
-    def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes:
-        ((_, _, (data,)),) = self._exchange("manifest", [self._hosts_of_rows().index(host)], (), None,
-                                            {"step": step, "here_only": here_only, "header_only": header_only})
-        return data
-
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
              manifest: str | None = None, keepers: Sequence[str] = ()) -> list[Any]:
         all_cpu = list(self._ctl_devices)
@@ -451,8 +443,10 @@ class ColocatedDispatcher(Dispatcher):
         # A host whose sidecar fails is left out of the book: its own pulls fail with its error.
         return {fp["host"]: fp["peer"] for fp in self._control_each("fingerprint")[0].values() if fp.get("peer")}
 
-    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> Any:
-        return dict(self._control(op, per_host={host: {}}, payloads=tuple(payloads), **args))[host]
+    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> tuple[Any, list]:
+        """A colocated call on the host's control device alone."""
+        ((_, result, blobs),) = self._exchange(op, [self._hosts_of_rows().index(host)], tuple(payloads), None, args)
+        return result, list(blobs)
 
     def _any_host(self, op: str, args: dict) -> tuple[str, Any, list]:
         """The answer of the first host (in host order) that can answer a question any host can

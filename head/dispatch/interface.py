@@ -110,9 +110,15 @@ class Dispatcher(abc.ABC):
     def hosts(self) -> list[str]:
         """Host ids of the sidecars in the current topology."""
 
-    @abc.abstractmethod
     def fingerprints(self) -> dict[str, dict]:
-        """host id -> version fingerprint."""
+        """host id -> version fingerprint, of the hosts that answer; one that cannot be reached is
+        checked when it comes back, any other failure raises."""
+        results, failures = self._each("fingerprint")
+        for h, e in sorted(failures.items()):
+            if not isinstance(e, errors.HostUnreachableError):
+                raise e
+            log.warning("version check: %s; it is checked when the host comes back", host_failure(e))
+        return results
 
     @abc.abstractmethod
     def stage(self, leaves: list[Leaf]) -> Any:
@@ -264,11 +270,14 @@ class Dispatcher(abc.ABC):
             causes.append(f"{h}: its copy differs from the one the other hosts agree on")
         raise errors.StepNotFoundError(f"no host could give the manifest header of step {step}: " + "; ".join(causes))
 
-    @abc.abstractmethod
-    def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes | str:
+    def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes:
         """Host ``host``'s step manifest of ``step`` (its text); with ``here_only``, RecordOnlyError
         where the host keeps only a record of it; with ``header_only``, its first line alone. The
         errors are the sidecar's, typed."""
+        _, payloads = self._call(host, "manifest", {"step": step, "here_only": here_only, "header_only": header_only})
+        if len(payloads) != 1:
+            raise errors.ProtocolError(f"host {host}: no manifest payload")
+        return bytes(payloads[0])
 
     @abc.abstractmethod
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
@@ -305,8 +314,8 @@ class Dispatcher(abc.ABC):
         that runs for minutes (a scrub) goes on threads of its own, holding up no other job of its lane."""
 
     @abc.abstractmethod
-    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> Any:
-        """One control request to one host: its result (its error raised, typed)."""
+    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> tuple[Any, list]:
+        """One control request to one host: (its result, the payloads it answered); its error raised, typed."""
 
     @abc.abstractmethod
     def _any_host(self, op: str, args: dict) -> tuple[str, Any, list]:
@@ -334,12 +343,12 @@ class Dispatcher(abc.ABC):
     def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
         """``backup_finalize`` from the host's own copy of the manifest of ``step`` (``digest``): the head
         sends no manifest."""
-        return self._call(host, "backup_finalize", {"name": name, "step": step, "digest": digest})
+        return self._call(host, "backup_finalize", {"name": name, "step": step, "digest": digest})[0]
 
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         """One host makes backup ``name`` visible (manifest last, create-only), then keeps the
         newest ``backup_max_to_keep`` (the settings the hosts were configured with)."""
-        return self._call(host, "backup_finalize", {"name": name}, [manifest.to_json()])
+        return self._call(host, "backup_finalize", {"name": name}, [manifest.to_json()])[0]
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
         """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}.

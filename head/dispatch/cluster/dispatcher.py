@@ -139,16 +139,6 @@ class ClusterDispatcher(Dispatcher):
     def hosts(self) -> list[str]:
         return self.topology.host_ids
 
-    def fingerprints(self) -> dict[str, dict]:
-        """Fingerprints of the reachable hosts (each connection checks its own host's too)."""
-        replies, failures = self.lanes.call_each("fingerprint")
-        results = {h: r.result for h, r in replies.items()}
-        for h, e in failures.items():
-            if not isinstance(e, HostUnreachableError):
-                raise e
-            log.warning("version check: %s; it is checked when the host comes back", host_failure(e))
-        return results
-
     # --- save ------------------------------------------------------------------------------
 
     def stage(self, leaves: list[Leaf]) -> _Staged:
@@ -279,12 +269,6 @@ class ClusterDispatcher(Dispatcher):
             self._unreached[step] = {h for h, e in failures.items() if isinstance(e, HostUnreachableError)}
         return save_error(step, phase, failures, len(self.topology.host_ids))
 
-    def _manifest_from(self, host: str, step: int, here_only: bool, header_only: bool = False) -> bytes:
-        reply = self.lanes.call(host, "manifest", {"step": step, "here_only": here_only, "header_only": header_only})
-        if len(reply.payloads) != 1:
-            raise ProtocolError(f"host {host}: no manifest payload")
-        return bytes(reply.payloads[0])
-
     # --- restore ---------------------------------------------------------------------------
 
     def load(self, step: int, requests: list[LoadRequest], holders: Mapping[str, set[str]] | None = None,
@@ -310,8 +294,9 @@ class ClusterDispatcher(Dispatcher):
     def _peer_book(self) -> dict[str, str]:
         return dict(self.lanes.peer_addresses)
 
-    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> Any:
-        return self.lanes.call(host, op, args, list(payloads)).result
+    def _call(self, host: str, op: str, args: dict, payloads: Sequence[bytes] = ()) -> tuple[Any, list]:
+        reply = self.lanes.call(host, op, args, list(payloads))
+        return reply.result, list(reply.payloads)
 
     def _any_host(self, op: str, args: dict) -> tuple[str, Any, list]:
         """Ask the hosts in turn until one answers (for questions any host can answer)."""
