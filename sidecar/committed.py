@@ -138,10 +138,10 @@ class CommittedSteps:
         return rec, own
 
     def _fetch_manifest(self, rec: fmt.CommitRecord, *, header_only: bool = False,
-                        keepers: Mapping[str, str] | None = None) -> bytes:
+                        keepers: Mapping[str, str] | None = None, here: str = "is committed here as a record") -> bytes:
         """The manifest (or its header line) of ``rec``'s step from a keeper: at the address the head says
         it serves at now (``keepers``), else the one the record has (from the save: a keeper whose pod
-        was restarted since may serve elsewhere)."""
+        was restarted since may serve elsewhere). ``here``: what this host has of the step, for the error."""
         what = "the header of its manifest" if header_only else "its manifest"
         causes = []
         for host, address in rec.keepers:
@@ -156,7 +156,7 @@ class CommittedSteps:
                 return data
             except (MTCError, OSError) as e:
                 causes.append(f"{host}: {e}")
-        raise ManifestError(f"host {self.host_id}: step {rec.step} is committed here as a record, and no keeper "
+        raise ManifestError(f"host {self.host_id}: step {rec.step} {here}, and no keeper "
                             f"could give {what} ({'; '.join(causes)}); the head gives it back at restore")
 
     def fetch_to_adopt(self, step: int, digest: str, keepers: Sequence[tuple[str, str]]) -> bytes:
@@ -164,10 +164,7 @@ class CommittedSteps:
         against the digest: what a host that lacks the step (a replaced node) adopts once it pulled the
         parts it reads, the head having named the keepers instead of sending the manifest."""
         rec = fmt.CommitRecord(step=step, digest=digest, keepers=tuple(keepers), part=b"")
-        try:
-            data = bytes(self._fetch_manifest(rec))
-        except ManifestError as e:
-            raise ManifestError(f"host {self.host_id}: lacks step {step}, and {str(e).partition('and ')[2]}") from None
+        data = bytes(self._fetch_manifest(rec, here="is not here (a replaced node)"))
         if fmt.step_digest(data) != digest:
             raise ManifestError(f"host {self.host_id}: the manifest of step {step} a keeper gave is not "
                                 f"{digest[:12]}; not adopting it")
@@ -193,7 +190,8 @@ class CommittedSteps:
         held = self.index.view(step)
         if held is None or held[0].digest != rec.digest:
             try:
-                view = fmt.StepManifest.local_view(self._fetch_manifest(rec, header_only=True, keepers=keepers), self.host_id, rec.part,
+                line = self._fetch_manifest(rec, header_only=True, keepers=keepers)
+                view = fmt.StepManifest.local_view(line, self.host_id, rec.part,
                                                    source=f"{self.host_id} step {step} local view")
             except ManifestError as e:
                 log.info("host %s: step %d: no local view (%s); reading by the whole manifest", self.host_id, step, e)

@@ -330,14 +330,14 @@ class SidecarService:
         if self._peer is None:
             raise ConfigError(f"host {self.host_id} has no peer tier: start its sidecar with a peer token "
                               "(MTC_PEER_TOKEN or peer_token)")
-        if adopt is not None and manifest_json is None and step not in self.store.catalog.committed():
+        lacks = step not in self.store.catalog.committed()
+        if adopt is not None and manifest_json is None and lacks:
             digest, keepers = adopt
             manifest_json = self.committed.fetch_to_adopt(step, digest, [(h, peers[h]) for h in keepers if h in peers])
         if shares:
             # Copies held for others are kept alive by the whole manifest, which also lists the shares.
             m = (fmt.StepManifest.from_json(manifest_json, source=f"step {step} manifest to adopt")
-                 if manifest_json is not None and step not in self.store.catalog.committed()
-                 else self.committed.manifest(step, peers))
+                 if manifest_json is not None and lacks else self.committed.manifest(step, peers))
             sizes = m.blob_sizes()
             pulls = list(pulls)
             for owner, holders in shares:

@@ -316,8 +316,8 @@ class Restorer:
             except StepNotFoundError:
                 raise e from None  # no other copy anywhere: the error that names the array and the shard
 
-    def _restore_once(self, step: int | None, target: Any, partial: Any, prefetched: PrefetchReport | None,
-                      pull: bool = True, by_writers: bool = True) -> tuple[Any, RestoreReport]:
+    def _restore_once(self, step: int | None, target: Any, partial: Any,
+                      prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
         listing, asked = self.backup_listing(), step
         while True:
@@ -331,7 +331,7 @@ class Restorer:
                 if view.by_parts and self._same_layout(header, requests):
                     manifest = None
                     break
-                needs = self._writers_plan(header, requests, view, pull) if by_writers else None
+                needs = self._writers_plan(header, requests, view, pull)
                 if needs is not None:
                     manifest = None
                     break
@@ -391,22 +391,28 @@ class Restorer:
         arrays = self._dispatch.load(step, requests, None, header.digest, view.keepers)
         t2 = time.perf_counter()
         result = finish(arrays)
-        nbytes = sum(r.record.nbytes for r in requests)
-        blobs = view.part_blobs
-        counted = prefetched is not None and prefetched.step == step
-        by_tier, blobs_by_tier = {"peer": 0, "backup": 0}, {"peer": 0, "backup": 0}
-        if counted:  # the start-up pull refilled hosts before this look: where those bytes really came from
-            for tier in by_tier:
-                by_tier[tier] = prefetched.bytes_by_tier.get(tier, 0)
-                blobs_by_tier[tier] = prefetched.blobs_by_tier.get(tier, 0)
-        report = RestoreReport(step=step, bytes_by_tier={"ram": max(0, nbytes - sum(by_tier.values())), **by_tier},
-                               blobs_by_tier={"ram": max(0, blobs - sum(blobs_by_tier.values())), **blobs_by_tier},
-                               source="cluster",
-                               skipped_copies=(), inventory_s=t1 - t0, pull_s=0.0, load_s=t2 - t1,
-                               total_s=time.perf_counter() - t0, prefetched=counted)
+        report = self._parts_report(step, requests, view, Pulled(), prefetched, t0, t1, t1, t2)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes (each host its own part)", step, report.total_s,
-                 nbytes)
+                 sum(r.record.nbytes for r in requests))
         return result, report
+
+    @staticmethod
+    def _parts_report(step: int, requests: list[LoadRequest], view: Any, pulled: Pulled,
+                      prefetched: PrefetchReport | None, t0: float, t1: float, t_pull: float,
+                      t2: float) -> RestoreReport:
+        """The report of a restore by parts: what ``pulled`` moved (and the start-up pull before it, when
+        it brought this step: where those bytes really came from), the rest from the hosts' RAM."""
+        counted = prefetched is not None and prefetched.step == step
+        if counted:
+            for tier in ("peer", "backup"):
+                pulled.add(tier, prefetched.bytes_by_tier.get(tier, 0), prefetched.blobs_by_tier.get(tier, 0))
+        nbytes = sum(r.record.nbytes for r in requests)
+        moved, moved_blobs = pulled.bytes["peer"] + pulled.bytes["backup"], pulled.blobs["peer"] + pulled.blobs["backup"]
+        return RestoreReport(
+            step=step, bytes_by_tier={"ram": max(0, nbytes - moved), **pulled.bytes},
+            blobs_by_tier={"ram": max(0, view.part_blobs - moved_blobs), **pulled.blobs}, source="cluster",
+            skipped_copies=tuple(pulled.skipped), inventory_s=t1 - t0, pull_s=t_pull - t1, load_s=t2 - t_pull,
+            total_s=time.perf_counter() - t0, prefetched=counted)
 
     def _writers_plan(self, header: fmt.StepHeader, requests: list[LoadRequest], view: Any,
                       pull: bool) -> dict[str, set[str]] | None:
@@ -425,7 +431,7 @@ class Restorer:
             except MTCError:  # a device this topology does not have
                 return None
 
-        holders = view.part_holders or {w: (w,) for w in view.whole}
+        holders = view.part_holders
         needs = writers.plan(header, requests, holders, host_of, readers)
         if needs is None:
             return None
@@ -442,12 +448,12 @@ class Restorer:
         """The restore planned from the header onto another target (an elastic resize, another mesh), or
         onto the saving topology where a writer lost its part: every host first pulls, whole, the parts
         of the writers whose boxes it reads (``needs``: a data-parallel twin's, a neighbour's on the new
-        mesh, or a lost writer's from the host that keeps a peer copy of it), then reads its boxes from its ramdisk by the manifest it keeps. The head reads no
-        shard row. None when a part could not be brought (the caller plans by the rows, with ``pulled``:
-        what moved, and the copies found bad, which their holders removed)."""
-        holders = view.part_holders or {w: (w,) for w in view.whole}
+        mesh, or a lost writer's from the host that keeps a peer copy of it), then reads its boxes from
+        its ramdisk by the manifest it keeps. The head reads no shard row. None when a part could not be
+        brought (the caller plans by the rows, with ``pulled``: what moved, and the copies found bad,
+        which their holders removed)."""
         # Each part from its writer first, else from a host that keeps a peer copy of it.
-        shares = {h: [(w, sorted(holders.get(w, (w,)), key=lambda x, w=w: (x != w, x))) for w in sorted(ws)]
+        shares = {h: [(w, sorted(view.part_holders[w], key=lambda x, w=w: (x != w, x))) for w in sorted(ws)]
                   for h, ws in needs.items() if ws}
         t1 = time.perf_counter()
         if shares:
@@ -471,7 +477,8 @@ class Restorer:
             if lacking or set(needs) & set(view.lost):
                 # A host was refilled: the copies it held for its peers are gone too; make them again (by
                 # the hosts' shares; the manifest is read in the background only if they cannot tell).
-                self._replicate(CommittedStep(step, digest=header.digest, hosts=tuple(sorted(set(view.hosts) | lacking)),
+                self._replicate(CommittedStep(step, digest=header.digest,
+                                              hosts=tuple(sorted(set(view.hosts) | lacking)),
                                               fetch=lambda: self._manifest(step, None, header.digest)))
         t_pull = time.perf_counter()
         try:
@@ -484,21 +491,9 @@ class Restorer:
             return None
         t2 = time.perf_counter()
         result = finish(arrays)
-        nbytes = sum(r.record.nbytes for r in requests)
-        counted = prefetched is not None and prefetched.step == step
-        if counted:
-            for tier in ("peer", "backup"):
-                pulled.add(tier, prefetched.bytes_by_tier.get(tier, 0), prefetched.blobs_by_tier.get(tier, 0))
-        blobs = view.part_blobs
-        report = RestoreReport(
-            step=step, bytes_by_tier={"ram": max(0, nbytes - pulled.bytes["peer"] - pulled.bytes["backup"]),
-                                      **pulled.bytes},
-            blobs_by_tier={"ram": max(0, blobs - pulled.blobs["peer"] - pulled.blobs["backup"]), **pulled.blobs},
-            source="cluster", skipped_copies=tuple(pulled.skipped), inventory_s=t1 - t0, pull_s=t_pull - t1,
-            load_s=t2 - t_pull,
-            total_s=time.perf_counter() - t0, prefetched=counted)
+        report = self._parts_report(step, requests, view, pulled, prefetched, t0, t1, t_pull, t2)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes (by the writers' parts: %d pulled whole)", step,
-                 report.total_s, nbytes, sum(len(ws) for ws in shares.values()))
+                 report.total_s, sum(r.record.nbytes for r in requests), sum(len(ws) for ws in shares.values()))
         return result, report
 
     def _same_layout(self, header: fmt.StepHeader, requests: list[LoadRequest]) -> bool:

@@ -64,6 +64,14 @@ def like(state):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, state)
 
 
+def resharded(state) -> dict:
+    """``like(state)`` with "w" asked for on another mesh: rows split over the devices, reversed."""
+    target = like(state)
+    mesh = Mesh(np.array(jax.devices()[::-1]), ("x",))
+    target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.float32, sharding=NamedSharding(mesh, P("x")))
+    return target
+
+
 def test_a_restore_onto_the_saving_topology_reads_no_shard_row(local_cluster, rows_parsed):
     s1, s2 = make_state(1), make_state(2)
     with manager(local_cluster) as m:
@@ -91,9 +99,7 @@ def test_a_resharded_restore_reads_no_row_and_stays_bit_for_bit(local_cluster, r
         m.wait_until_finished()
     rows_parsed[0] = 0
     with manager(local_cluster, prefetch_on_start=False) as m:
-        m1 = Mesh(np.array(jax.devices()[::-1]), ("x",))
-        target = like(state)
-        target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.float32, sharding=NamedSharding(m1, P("x")))
+        target = resharded(state)
         got = m.restore(3, target=target)
         assert_trees_bitwise_equal(state, got, check_sharding=False)
         assert got["params"]["w"].sharding == target["params"]["w"].sharding
@@ -119,10 +125,7 @@ def test_an_older_step_without_its_writers_reads_the_rows(local_cluster, rows_pa
         m.wait_until_finished()
     rows_parsed[0] = 0
     with manager(local_cluster, prefetch_on_start=False) as m:
-        target = like(state)
-        m1 = Mesh(np.array(jax.devices()[::-1]), ("x",))
-        target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.float32, sharding=NamedSharding(m1, P("x")))
-        assert_trees_bitwise_equal(state, m.restore(6, target=target), check_sharding=False)
+        assert_trees_bitwise_equal(state, m.restore(6, target=resharded(state)), check_sharding=False)
         assert rows_parsed[0] > 0
 
 

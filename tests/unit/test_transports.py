@@ -136,6 +136,7 @@ def test_the_colocated_data_operations_check_their_headers_as_the_daemon_does(tm
     ({"step": 1, "shardings": [{}], "arrays": [{"key": "a", "shape": [2], "dtype": "float32", "sharding": 0, "as_bytes": 1}]},
      "'as_bytes'"),
     ({"step": 1, "shardings": [], "arrays": [], "manifest": 5}, "'manifest'"),
+    ({"step": 1, "shardings": [], "arrays": [], "keepers": {"s0-h0": 7001}}, "'keepers'"),
 ])
 def test_the_colocated_load_checks_its_header_with_the_table(tmp_path, args, match):
     """The colocated ``load`` (the ``read`` of colocated mode), driven as the head drives it: a request
@@ -201,10 +202,17 @@ def test_arguments_past_their_bounds_are_refused_the_same_in_both_transports(bot
                      ("backup_listing", {"root": "relative/root"}), ("backup_listing", {"root": "/a\x00b"}),
                      ("backup_manifest", {"root": "/r", "name": "n" * 300}),
                      ("configure", {"settings": {"backup_url": "relative"}}),
-                     ("backup_listing", {"deadline_s": 10**9})):
+                     ("backup_listing", {"deadline_s": 10**9}),
+                     ("peer_pull", {"step": 1, "pulls": [], "peers": {}, "adopt": {"digest": "d" * 200, "keepers": []}}),
+                     ("peer_pull", {"step": 1, "pulls": [], "peers": {}, "adopt": {"digest": "d", "keepers": "h0"}})):
         for serve in both:
             answer = serve(op, args)
             assert answer[0] == "ProtocolError", (op, args, answer)
+    # Where a record host finds the keepers now: at most 64 of them, host id -> address, both text.
+    _, cluster = both
+    for keepers in ({"s0-h0": 7001}, {f"h{i}": "127.0.0.1:1" for i in range(65)}, ["s0-h0"]):
+        answer = cluster("read", {"step": 1, "reads": [], "keepers": keepers})
+        assert answer[0] == "ProtocolError" and "'keepers'" in answer[1], (keepers, answer)
     assert not (tmp_path / "relative").exists() and not os.path.exists("relative")
 
 
