@@ -267,3 +267,75 @@ def test_the_cheap_check_a_keeper_runs_before_it_commits():
         fmt.check_step_bytes(changed)
     with pytest.raises(ManifestError, match="does not match its digest"):
         fmt.check_step_bytes(b"\n".join([header.replace(b'"step":3', b'"step":4'), *lines]))
+
+
+def _mutated_parts():
+    """A good part and the same part broken (or merely odd) in every field the readers check."""
+    good = {"format": "mtc-host/1", "step": 3, "host": "s0-h1", "written_bytes": 24, "seconds": 0.5,
+            "shards": [[0, [[0, 2], [0, 2]], B1, 8], [1, [[0, 2]], B2, 4], [0, [[2, 4], [0, 2]], "0" * 32, 8]]}
+
+    def with_row(i, j, value):
+        doc = json.loads(json.dumps(good))
+        doc["shards"][i][j] = value
+        return doc
+
+    def with_field(key, value):
+        return {**json.loads(json.dumps(good)), key: value}
+
+    docs = [good, with_row(0, 2, "A" * 32), with_row(0, 2, "a" * 31), with_row(0, 2, 7), with_row(0, 1, [[2, 1], [0, 2]]),
+            with_row(0, 1, [[-1, 2], [0, 2]]), with_row(0, 1, [[0, 2, 3]]), with_row(0, 1, []), with_row(0, 1, "all"),
+            with_row(0, 0, -1), with_row(0, 0, True), with_row(0, 0, 1.0), with_row(0, 3, -5), with_row(0, 3, 8.0),
+            with_field("shards", None), with_field("shards", [[0, [[0, 2]], B1]]), with_field("written_bytes", 1.5),
+            with_field("format", "mtc-host/9"), with_field("step", -1), with_field("step", "3"), with_field("host", 5),
+            with_field("extra", {"x": 1}), with_field("seconds", 2)]
+    out = [json.dumps(d).encode() for d in docs]
+    return out + [b"[1, 2]", b"{not json", json.dumps(good).replace('"s0-h1"', '"\\ud800"').encode()]
+
+
+@pytest.mark.parametrize("data", _mutated_parts())
+def test_the_fast_part_reader_agrees_with_the_precise_one(data):
+    """``HostManifest.from_json`` decodes a part's rows with msgspec and checks names and boxes once per
+    part; whatever it accepts, the field-by-field reader accepts the same, and what it refuses gets the
+    field-by-field reader's own message."""
+    def read(how):
+        try:
+            return how(data, source="part")
+        except ManifestError as e:
+            return str(e)
+
+    fast, precise = read(fmt.HostManifest.from_json), read(fmt.HostManifest._read_precisely)
+    assert fast == precise
+    assert type(fast) is type(precise)
+
+
+def test_the_fast_reader_is_the_one_that_reads_a_good_part(monkeypatch):
+    """The control of the test above: a good part never reaches the precise reader (so the two are not
+    the same code), and a bad one does."""
+    calls = []
+    precise = fmt.HostManifest._read_precisely.__func__
+    monkeypatch.setattr(fmt.HostManifest, "_read_precisely",
+                        classmethod(lambda cls, data, source: calls.append(source) or precise(cls, data, source)))
+    good, upper = _mutated_parts()[:2]
+    fmt.HostManifest.from_json(good, source="good")
+    with pytest.raises(ManifestError, match="is malformed"):
+        fmt.HostManifest.from_json(upper, source="upper")
+    assert calls == ["upper"]
+
+
+def test_a_whole_manifest_read_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    meta, parts = _parts()
+    data, _ = fmt.encode_step(**meta, parts=parts)
+    assert gc.isenabled()
+    fmt.StepManifest.from_json(data)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        fmt.StepManifest.from_json(data)
+        assert not gc.isenabled()
+        with pytest.raises(ManifestError):
+            fmt.StepManifest.from_json(data.replace(b'"step":', b'"step":1', 1))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
