@@ -20,6 +20,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from mtc.head.dispatch.interface import HostInventory, StepHolding
+from mtc.shared import collector
 from mtc.shared import format as fmt
 from mtc.shared import protocol
 from mtc.shared.format import writers
@@ -201,6 +202,7 @@ class StepView:
         """Every blob has a copy on some host."""
         return self.known is None or all(self.known)
 
+    @collector.paused()  # a set per blob: millions of containers on a large job
     def by_name(self, names: Sequence[str]) -> dict[str, set[str]] | None:
         """blob -> holders, given the step's sorted blob names; None if they are not this step's."""
         full = self.full
@@ -247,6 +249,7 @@ def holds_own_part(s: StepHolding) -> bool:
     return s.local_blobs == s.blobs if s.part else (bool(s.own) and s.own in s.copies)
 
 
+@collector.paused()  # by rows: a set of holders per blob
 def step_views(inventories: Mapping[str, HostInventory],
                resolve: Callable[[int, str], "fmt.StepManifest | None"] | None = None,
                header: Callable[[int, str], "fmt.StepHeader | None"] | None = None) -> dict[int, StepView]:

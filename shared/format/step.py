@@ -4,16 +4,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import math
 from typing import Any, Iterable
 
 import msgspec
 import numpy as np
 
+from mtc.shared import collector
 from mtc.shared import shardings as shardings_lib
 from mtc.shared.errors import ManifestError
 from mtc.shared.format.base import (Box, box_from_doc, box_shape, box_str, canonical_json, doc_digest, dtype_from_name,
@@ -94,18 +93,19 @@ class StepManifest:
     part_blobs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # host -> its part's blobs
 
     def blob_sizes(self) -> dict[str, int]:
-        out = {}
-        for a in self.arrays:
-            for s in a.shards:
-                out[s.blob] = s.nbytes
-        return out
+        return dict(self._blob_sizes)
+
+    @functools.cached_property
+    def _blob_sizes(self) -> dict[str, int]:  # (made once: a whole manifest has millions of rows)
+        with collector.paused():
+            return {s.blob: s.nbytes for a in self.arrays for s in a.shards}
 
     def blob_names(self) -> set[str]:
-        return set(self.blob_sizes())
+        return set(self._blob_sizes)
 
     @property
     def nbytes(self) -> int:
-        return sum(self.blob_sizes().values())
+        return sum(self._blob_sizes.values())
 
     @functools.cached_property
     def _encoded(self) -> tuple[bytes, str]:
@@ -161,7 +161,7 @@ class StepManifest:
         data = bytes(data)
         first, _, rest = data.partition(b"\n")
         doc = load_json(first, source)
-        with _collector_paused():  # a whole manifest makes millions of objects, none of them cyclic garbage
+        with collector.paused():  # a whole manifest makes millions of objects, none of them cyclic garbage
             if doc.get("format") == FORMAT:
                 m = _parse_v3(doc, rest, source)
             else:
@@ -246,20 +246,6 @@ class StepHeader:
                    parts=tuple((m["host"], m["digest"]) for m in metas), topology=dict(topology),
                    fingerprint=dict(doc.get("fingerprint") or {}), created=float(doc.get("created", 0.0)),
                    listed=frozenset(listed))
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector held off: it would otherwise walk every object made so far
-    each time a few hundred more are made, which doubles a large manifest's read (3 s instead of 6 at
-    a million shard rows). Only a collector that was on is turned on again after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _devices_derivable(a: ArrayRecord) -> bool:
