@@ -1,6 +1,6 @@
 """What the head and the sidecars agree on about each sidecar operation, as plain data.
 
-One row per operation: whether it changes the host (fencing), whether it runs as a job, whether
+One row per operation: the type of its request (``mtc.shared.requests``), whether it changes the host (fencing), whether it runs as a job, whether
 it carries arrays (``data``: each transport moves them its own way), the modes that serve it, the
 lane a cluster head sends it on and the class of timeout its waits get. ``mtc.sidecar.ops``
 attaches to each row what it calls on the sidecar service and its argument checks (and refuses
@@ -11,6 +11,8 @@ timeout here (``mtc.head.dispatch.cluster``), since ``mtc.head`` never imports `
 from __future__ import annotations
 
 import dataclasses
+
+from mtc.shared import requests
 
 MODES = ("colocated", "cluster")
 LANES = ("control", "backup", "peer")  # a cluster head's connections per host (``HostLanes``)
@@ -31,6 +33,13 @@ class OpSpec:
     timeout: str = "control"
     modes: tuple[str, ...] = MODES
     why: str = ""  # why an operation is not in both modes
+    # The type of its request (``mtc.shared.requests``): the head builds it, the sidecar decodes
+    # and checks the arguments with it; ``colocated_request``, where colocated mode's differs.
+    request: type[requests.Request] = requests.Empty
+    colocated_request: type[requests.Request] | None = None
+
+    def request_type(self, mode: str) -> type[requests.Request]:
+        return self.colocated_request if mode == "colocated" and self.colocated_request else self.request
 
     def __post_init__(self):
         if self.lane not in LANES or self.timeout not in TIMEOUT_CLASSES or not set(self.modes) <= set(MODES):
@@ -44,27 +53,27 @@ _PEER = dict(lane="peer", timeout="peer")
 SPECS: dict[str, OpSpec] = {
     "ping": OpSpec(),
     "fingerprint": OpSpec(),
-    "inventory": OpSpec(),
-    "manifest": OpSpec(),
-    "part": OpSpec(),
-    "write": OpSpec(mutating=True, data=True, timeout="data"),
-    "read": OpSpec(data=True, timeout="data"),
-    "commit": OpSpec(mutating=True, timeout="data"),
-    "abort": OpSpec(mutating=True),
-    "verify": OpSpec(),
+    "inventory": OpSpec(request=requests.Inventory),
+    "manifest": OpSpec(request=requests.Manifest),
+    "part": OpSpec(request=requests.StepRequest),
+    "write": OpSpec(mutating=True, data=True, timeout="data", request=requests.Write),
+    "read": OpSpec(data=True, timeout="data", request=requests.Read, colocated_request=requests.Load),
+    "commit": OpSpec(mutating=True, timeout="data", request=requests.Commit),
+    "abort": OpSpec(mutating=True, request=requests.StepRequest),
+    "verify": OpSpec(request=requests.StepRequest),
     "lease": OpSpec(),
-    "claim": OpSpec(),  # generation-checked by the lease itself (a newer head takes over)
-    "configure": OpSpec(mutating=True),
-    "job": OpSpec(),  # polled on the lane of the job's operation (``HostLanes.run_job``)
-    "backup_upload": OpSpec(mutating=True, long=True, **_BACKUP),
-    "backup_finalize": OpSpec(mutating=True, **_BACKUP),
-    "backup_listing": OpSpec(**_BACKUP),
-    "backup_manifest": OpSpec(**_BACKUP),
-    "backup_fetch": OpSpec(mutating=True, long=True, **_BACKUP),
-    "peer_pull": OpSpec(mutating=True, long=True, **_PEER),
+    "claim": OpSpec(request=requests.Claim),  # generation-checked by the lease itself (a newer head takes over)
+    "configure": OpSpec(mutating=True, request=requests.Configure),
+    "job": OpSpec(request=requests.Job),  # polled on the lane of the job's operation (``HostLanes.run_job``)
+    "backup_upload": OpSpec(mutating=True, long=True, request=requests.BackupUpload, **_BACKUP),
+    "backup_finalize": OpSpec(mutating=True, request=requests.BackupFinalize, **_BACKUP),
+    "backup_listing": OpSpec(request=requests.BackupListing, **_BACKUP),
+    "backup_manifest": OpSpec(request=requests.BackupManifest, **_BACKUP),
+    "backup_fetch": OpSpec(mutating=True, long=True, request=requests.BackupFetch, **_BACKUP),
+    "peer_pull": OpSpec(mutating=True, long=True, request=requests.PeerPull, **_PEER),
     # Not fenced: it writes only bytes that hash to the object's name, and marks only backups it found
     # bad, so `mtc verify --backup` may run it beside the head that drives the hosts.
-    "backup_scrub": OpSpec(long=True, **_BACKUP),
+    "backup_scrub": OpSpec(long=True, request=requests.BackupScrub, **_BACKUP),
     "close": OpSpec(modes=("colocated",), why="a daemon's service lives as long as its process: SIGTERM stops it"),
 }
 
