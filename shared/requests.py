@@ -95,6 +95,9 @@ class Request(Struct, kw_only=True, omit_defaults=True):
 
     gen: Generation | None = None
 
+    # the fields that differ from host to host where the head sends one request to each of several
+    # hosts (the head's ``wire_per_host``); the others are the same for all
+    PER_HOST: ClassVar[tuple[str, ...]] = ()
     # field path -> what it must be, the message of a refusal: ``[*]``, any position of a list;
     # ``{at}``, the argument's path in the request, ``{up}`` that of the object or list it is in
     WHY: ClassVar[dict[str, str]] = {}
@@ -130,6 +133,7 @@ class StepRequest(Request, kw_only=True):
 
 class Inventory(Request, kw_only=True):
     devices: list[Index] | None = None  # the head's device ids whose shards this host holds
+    PER_HOST = ("devices",)
     WHY = {"devices": f"'devices' must be a list of device ids (integers in [0, {MAX_INDEX}])"}
 
 
@@ -194,6 +198,7 @@ class BackupUpload(Request, kw_only=True):
 
     blobs: list[BlobName] | UnsetType = UNSET
     step: Step | UnsetType = UNSET
+    PER_HOST = ("blobs", "step")
     WHY = {**_WHY_BLOBS, **_WHY_STEP}
 
     def __post_init__(self):
@@ -233,6 +238,7 @@ class BackupManifest(_Rooted, kw_only=True):
 class BackupFetch(Request, kw_only=True):
     name: Name
     blobs: list[BlobName]
+    PER_HOST = ("blobs",)
     WHY = {**_WHY_NAME, **_WHY_BLOBS}
 
 
@@ -244,6 +250,7 @@ class BackupScrub(_Rooted, kw_only=True):
     ramdisk: list[BlobName] = []
     sizes: dict[str, Annotated[int, Meta(ge=0, le=2**63 - 1)]] = {}  # blob -> its size in bytes
     clear: list[BackupName] = []
+    PER_HOST = ("blobs", "repair", "damaged", "ramdisk", "sizes", "clear")
     WHY = {**_WHY_ROOT, **_WHY_BLOBS,
            "repair": "'repair' must be a list of blob names (32 lowercase hex digits)",
            "ramdisk": "'ramdisk' must be a list of blob names (32 lowercase hex digits)",
@@ -284,6 +291,7 @@ class PeerPull(Request, kw_only=True):
     pulls: list[Pull] = []
     shares: list[Share] | None = None
     adopt: Adopt | None = None
+    PER_HOST = ("pulls", "shares")
     WHY = {**_WHY_STEP, "peers": "'peers' must map host ids to peer addresses",
            "pulls": "'pulls' must be a list of [blob, size, [holders]]",
            "pulls[*]": "{at} is not [blob name, size >= 0, [holder, ...]] (holders: host ids)",
