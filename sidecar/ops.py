@@ -137,9 +137,6 @@ def _peer_pull(r: requests.PeerPull, payloads: Sequence[bytes]) -> Args:
 
 # --- the data operations' headers ---------------------------------------------------------------
 
-WriteHeader = requests.Write  # ``parse_write``
-
-
 def _write_header(r: requests.Write, carried: int) -> requests.Write:
     return r
 
