@@ -51,12 +51,12 @@ def wire_per_host(op: str, per_host: Mapping[str, requests.Request]) -> tuple[di
                 for f in fields if f.name in own}
     out = {}
     for h, r in per_host.items():
-        if type(r) is not type(first) or any(getattr(r, n) is not getattr(first, n) and getattr(r, n) != getattr(first, n)
+        if type(r) is not type(first) or any((a := getattr(r, n)) is not (b := getattr(first, n)) and a != b
                                              for n in same):
             raise ValueError(f"{op}: the hosts' requests differ outside the fields of each host {own}")
         values = {f: getattr(r, f) for f in own}
-        out[h] = msgspec.to_builtins({f: v for f, v in values.items()
-                                      if v is not msgspec.UNSET and (defaults[f] is msgspec.NODEFAULT or v != defaults[f])})
+        out[h] = msgspec.to_builtins({f: v for f, v in values.items() if v is not msgspec.UNSET
+                                      and (defaults[f] is msgspec.NODEFAULT or v != defaults[f])})
     return shared, out
 
 
@@ -416,9 +416,8 @@ class Dispatcher(abc.ABC):
         to mark}, each optional; at most ``bytes_per_s`` (None: the configured cap). Host -> what it
         found ({"checked", "bytes", "bad", "missing", "repaired", "marked", ...})."""
         root = self._host_settings["backup_url"]
-        return self._all_jobs("backup scrub", "backup_scrub",
-                              {h: requests.BackupScrub(root=root, bytes_per_s=bytes_per_s, **w) for h, w in work.items()},
-                              own_threads=True)
+        scrubs = {h: requests.BackupScrub(root=root, bytes_per_s=bytes_per_s, **w) for h, w in work.items()}
+        return self._all_jobs("backup scrub", "backup_scrub", scrubs, own_threads=True)
 
     # --- peer tier (the sidecars pull from each other; the head plans) --------------------
 
