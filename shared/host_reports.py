@@ -10,8 +10,11 @@ not ask (``unreachable``): it never travels.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
+import msgspec
+
+from mtc.shared import requests
 from mtc.shared.errors import ProtocolError
 
 _SAME_VERSION = "run the same mtc version on the head and every sidecar"
@@ -202,37 +205,42 @@ class PullResult:
         what = f"host {host}: malformed peer pull answer"
         if not isinstance(doc, dict):
             raise ProtocolError(f"{what} {doc!r:.200}")
-        unknown = _unknown(doc, cls._FIELDS)
-        if unknown:
-            raise ProtocolError(f"{what}: unknown fields {unknown}; {_SAME_VERSION}")
-        said = doc.get("host", host)
-        if said != host:
-            raise ProtocolError(f"{what}: it is that of host {said!r:.100}")
-        for key in ("pulled", "pulled_bytes", "asked_bytes", "already"):
-            if not _is_count(doc.get(key, 0)):
-                raise ProtocolError(f"{what}: {key!r} must be an integer >= 0, got {doc[key]!r:.50}")
-        if type(doc.get("adopted", False)) is not bool:
-            raise ProtocolError(f"{what}: 'adopted' must be true or false, got {doc['adopted']!r:.50}")
-        seconds = doc.get("seconds", 0.0)
-        if type(seconds) not in (int, float) or seconds < 0:
-            raise ProtocolError(f"{what}: 'seconds' must be a number >= 0, got {seconds!r:.50}")
+        try:
+            a = msgspec.convert(doc, _PullAnswer, strict=True)
+        except msgspec.ValidationError as e:
+            if str(e).startswith("Object contains unknown field"):
+                raise ProtocolError(f"{what}: unknown fields {_unknown(doc, cls._FIELDS)}; {_SAME_VERSION}") from None
+            raise ProtocolError(f"{what}: {requests.refusal(str(e), doc, _PullAnswer)}") from None
+        if a.host is not msgspec.UNSET and a.host != host:
+            raise ProtocolError(f"{what}: it is that of host {a.host!r:.100}")
+        return cls(host=host, pulled=a.pulled, pulled_bytes=a.pulled_bytes,
+                   failed=tuple((b, tuple(causes)) for b, causes in a.failed),
+                   bad_copies=tuple(a.bad_copies), removed_bad_copies=tuple(a.removed_bad_copies),
+                   asked_bytes=a.asked_bytes, already=a.already, adopted=a.adopted, seconds=a.seconds)
 
-        def rows(key: str, width: int) -> tuple:
-            value = doc.get(key, [])
-            if not (isinstance(value, list) and all(isinstance(r, list) and len(r) == width
-                                                    and all(isinstance(x, str) for x in r) for r in value)):
-                raise ProtocolError(f"{what}: {key!r} must be a list of [{', '.join(['text'] * width)}]: "
-                                    f"{value!r:.200}")
-            return tuple(tuple(r) for r in value)
 
-        failed = doc.get("failed", [])
-        if not (isinstance(failed, list) and all(
-                isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and isinstance(r[1], list)
-                and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in r[1])
-                for r in failed)):
-            raise ProtocolError(f"{what}: 'failed' must be a list of [blob, [[holder, cause], ...]]: {failed!r:.200}")
-        return cls(host=host, pulled=doc.get("pulled", 0), pulled_bytes=doc.get("pulled_bytes", 0),
-                   failed=tuple((b, tuple((src, c) for src, c in causes)) for b, causes in failed),
-                   bad_copies=rows("bad_copies", 3), removed_bad_copies=rows("removed_bad_copies", 2),
-                   asked_bytes=doc.get("asked_bytes", 0), already=doc.get("already", 0),
-                   adopted=doc.get("adopted", False), seconds=float(seconds))
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _PullAnswer(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """A ``peer_pull`` answer as it travels (``PullResult.to_wire``), decoded and checked in one call."""
+
+    host: Any = msgspec.UNSET  # the host that answered: the one asked
+    pulled: _Count = 0
+    pulled_bytes: _Count = 0
+    failed: list[tuple[str, list[tuple[str, str]]]] = []
+    bad_copies: list[tuple[str, str, str]] = []
+    removed_bad_copies: list[tuple[str, str]] = []
+    asked_bytes: _Count = 0
+    already: _Count = 0
+    adopted: bool = False
+    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+    WHY: ClassVar[dict[str, str]] = {
+        **{k: f"{k!r} must be an integer >= 0" for k in ("pulled", "pulled_bytes", "asked_bytes", "already")},
+        "adopted": "'adopted' must be true or false",
+        "seconds": "'seconds' must be a number >= 0",
+        "failed": "'failed' must be a list of [blob, [[holder, cause], ...]]",
+        "bad_copies": "'bad_copies' must be a list of [text, text, text]",
+        "removed_bad_copies": "'removed_bad_copies' must be a list of [text, text]",
+    }

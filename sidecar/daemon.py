@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mtc.shared import auth, protocol, tls, wire_errors
+from mtc.shared import auth, protocol, requests, tls, wire_errors
 from mtc.shared.auth import resolve_token
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import AuthenticationError, ConfigError, MTCError, ProtocolError
@@ -241,10 +241,10 @@ def _answer(service: SidecarService, op: str, args: dict, payloads: Sequence) ->
     return data(service, ops.data_header(service, op, args, len(payloads), "cluster"), payloads)
 
 
-def _write(service: SidecarService, header: ops.WriteHeader, payloads: Sequence) -> tuple[Any, list]:
+def _write(service: SidecarService, header: requests.Write, payloads: Sequence) -> tuple[Any, list]:
     """One payload per shard in; the summary and the host's part manifest out."""
-    shards = [(header.arrays[k].index, box, np.asarray(data).reshape(-1))
-              for (k, box), data in zip(header.shards, payloads)]
+    shards = [(header.arrays[row.array].index, requests.box(row.box), np.asarray(data).reshape(-1))
+              for row, data in zip(header.shards, payloads)]
     manifest = ops.method_of(service, "write")(header.step, shards, part=header.part)
     summary = {"step": header.step, "host": manifest.host, "shards": len(manifest.shards),
                "blobs": len(manifest.blob_names()), "written_bytes": manifest.written_bytes,

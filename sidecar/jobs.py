@@ -17,9 +17,8 @@ import uuid
 from typing import Any, Callable
 
 from mtc.shared.errors import StepNotFoundError
+from mtc.shared.requests import MAX_WAIT_S
 
-# The longest one ``job`` call waits: below every transport's patience for one answer.
-MAX_WAIT_S = 10.0
 # Finished jobs that nobody asked about (their head died) are forgotten after this long.
 _FORGET_AFTER_S = 3600.0
 

@@ -19,13 +19,12 @@ lacks its copies.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from mtc.shared import protocol
 from mtc.shared.errors import (
@@ -35,15 +34,15 @@ from mtc.shared.errors import (
     InsufficientSpaceError,
     ProtocolError,
 )
-from mtc.shared.hashing import is_blob_name
 from mtc.shared.host_reports import PullResult
+from mtc.shared.requests import Pull  # one blob to fetch: its name, size and holders (checked on decode)
 from mtc.sidecar.peer import BadCopyError, PeerClient
 from mtc.sidecar.ram import RamStore, format_binary_bytes
 from mtc.sidecar.ram.common import free_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pull", "held_bits", "parse_peers", "parse_pulls", "parse_shares", "pull_blobs", "pull_notes"]
+__all__ = ["Pull", "held_bits", "pull_blobs", "pull_notes"]
 
 # store -> {step: (why its last pull failed, time.monotonic() then)}; a store of a closed service goes with it.
 _NOTES: "weakref.WeakKeyDictionary[RamStore, dict[int, tuple[str, float]]]" = weakref.WeakKeyDictionary()
@@ -83,69 +82,6 @@ def held_bits(step_blobs: set[str], have: set[str]) -> dict:
     names = sorted(step_blobs)
     return {"step_blobs": len(names), "digest": protocol.blob_list_digest(names),
             "held": protocol.encode_bitmap([n in have for n in names])}
-
-
-@dataclasses.dataclass(frozen=True)
-class Pull:
-    """One blob to fetch: its name, its size (from the manifest) and the holders to try, in order."""
-
-    blob: str
-    size: int
-    sources: tuple[str, ...]
-
-
-def parse_pulls(rows: Any) -> list[Pull]:
-    """Pulls from the wire: ``[[blob, size, [host, ...]], ...]`` (ProtocolError when malformed)."""
-    if not isinstance(rows, list):
-        raise ProtocolError("'pulls' must be a list of [blob, size, [holders]]")
-    out = []
-    for i, row in enumerate(rows):
-        if not (isinstance(row, list) and len(row) == 3 and is_blob_name(row[0]) and type(row[1]) is int
-                and row[1] >= 0 and isinstance(row[2], list) and row[2]
-                and all(isinstance(h, str) for h in row[2])):
-            raise ProtocolError(f"pulls[{i}] is not [blob name, size >= 0, [holder, ...]]: {row!r:.120}")
-        for h in row[2]:
-            try:
-                protocol.check_host_id(h)
-            except ConfigError as e:
-                raise ProtocolError(f"pulls[{i}]: {e}") from None
-        out.append(Pull(row[0], row[1], tuple(row[2])))
-    return out
-
-
-def parse_shares(rows: Any) -> list[tuple[str, tuple[str, ...]]]:
-    """Share pulls from the wire: ``[[owner host, [holder, ...]], ...]`` (ProtocolError when malformed)."""
-    if rows is None:
-        return []
-    if not isinstance(rows, list):
-        raise ProtocolError("'shares' must be a list of [owner host, [holders]]")
-    out = []
-    for i, row in enumerate(rows):
-        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and isinstance(row[1], list)
-                and row[1] and all(isinstance(h, str) for h in row[1])):
-            raise ProtocolError(f"shares[{i}] is not [owner host, [holder, ...]]: {row!r:.120}")
-        for h in (row[0], *row[1]):
-            try:
-                protocol.check_host_id(h)
-            except ConfigError as e:
-                raise ProtocolError(f"shares[{i}]: {e}") from None
-        out.append((row[0], tuple(row[1])))
-    return out
-
-
-def parse_peers(doc: Any) -> dict[str, str]:
-    """The address book from the wire: ``{host id: "host:port"}`` (ProtocolError when malformed)."""
-    if not isinstance(doc, dict):
-        raise ProtocolError("'peers' must map host ids to peer addresses")
-    out = {}
-    for h, addr in doc.items():
-        try:
-            protocol.check_host_id(h)
-            protocol.parse_address(addr)
-        except ConfigError as e:
-            raise ProtocolError(f"peers[{h!r:.70}]: {e}") from None
-        out[h] = addr
-    return out
 
 
 def pull_blobs(store: RamStore, token: str, pulls: Sequence[Pull], peers: Mapping[str, str], *,

@@ -27,12 +27,13 @@ from mtc.head.dispatch.interface import (
     host_failure,
     raise_host_failures,
     save_error,
+    wire,
 )
 from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones
 from mtc.shared.colocated_codec import decode_reply, encode_request
-from mtc.shared import shardings, wire_errors
+from mtc.shared import requests, shardings, wire_errors
 from mtc.shared.config import MTCConfig
 from mtc.shared.host_settings import HostSettings
 from mtc.shared.objstore.retry import Backoff
@@ -172,7 +173,8 @@ class ColocatedDispatcher(Dispatcher):
                 e is not None and e[0] == "NotConfiguredError" for _, _, e in replies):
             # A sidecar that restarted has no settings: configure the hosts, then ask again (a host
             # that refuses the settings answers the question with its error).
-            for h, e in sorted(self._control_each("configure", settings=self._settings)[1].items()):
+            for h, e in sorted(self._control_each("configure", **wire("configure", requests.Configure(
+                    settings=self._settings)))[1].items()):
                 log.warning("host %s: re-configuring it failed: %s", h, host_failure(e))
             return self._replies(op, rows, payloads, per_host, args, configured=True)
         out = []
@@ -285,7 +287,8 @@ class ColocatedDispatcher(Dispatcher):
                 (len(g.devices), 1), np.uint8, sharding=sharding))  # one byte a device: done
             jax.block_until_ready(fn(req, *g.arrays))
         # Each host's part of the step manifest, as it wrote it: forwarded, not parsed.
-        parts = {host: blobs[0] for host, _, blobs in self._exchange("part", None, (), None, {"step": step})}
+        parts = {host: blobs[0] for host, _, blobs in self._exchange("part", None, (), None,
+                                                                     wire("part", requests.StepRequest(step=step)))}
         return WriteResult([(h, parts[h]) for h in self.hosts() if h in parts], {h: {} for h in self.hosts()})
 
     def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
@@ -299,10 +302,11 @@ class ColocatedDispatcher(Dispatcher):
             peers = {fp["host"]: fp["peer"] for fp in self.fingerprints().values() if fp.get("peer")}
         keep, where = commit_messages(hosts, keepers, peers)
         out, failures = self._control_each("commit", rows=[i for i, h in enumerate(row_hosts) if h in keep],
-                                           payloads=(manifest,), step=step, digest=digest)
+                                           payloads=(manifest,), **wire("commit", requests.Commit(step=step, digest=digest)))
         others = [i for i, h in enumerate(row_hosts) if h not in keep]
         if others:
-            more, failed = self._control_each("commit", rows=others, step=step, digest=digest, keepers=where)
+            more, failed = self._control_each("commit", rows=others, **wire("commit", requests.Commit(
+                step=step, digest=digest, keepers=where)))
             out.update(more)
             failures.update(failed)
         if failures:
@@ -311,7 +315,7 @@ class ColocatedDispatcher(Dispatcher):
 
     def abort(self, step: int) -> None:
         """Forget ``step`` on every host that answers; one that fails drops it when a later step commits."""
-        _, failures = self._control_each("abort", step=step)
+        _, failures = self._control_each("abort", **wire("abort", requests.StepRequest(step=step)))
         for h, e in sorted(failures.items()):
             log.warning("could not abort step %d on host %s (%s)", step, h, host_failure(e))
 

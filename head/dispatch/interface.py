@@ -12,8 +12,10 @@ import dataclasses
 import logging
 from typing import Any, Mapping, Sequence
 
+import msgspec
+
 from mtc.head.commit import choose_keepers
-from mtc.shared import errors
+from mtc.shared import errors, op_table, requests
 from mtc.shared import format as fmt
 from mtc.shared import wire_errors
 from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
@@ -22,7 +24,40 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
            "host_failure", "raise_claim_failures", "raise_host_failures", "raise_remote",
-           "save_error"]
+           "save_error", "wire", "wire_per_host"]
+
+
+def wire(op: str, request: requests.Request) -> dict:
+    """The one place a head's request becomes what a transport moves: the struct of ``op``'s row
+    (``mtc.shared.requests``, the type its sidecar decodes with), as a JSON object."""
+    if type(request) is not op_table.SPECS[op].request:
+        raise TypeError(f"{op} takes a requests.{op_table.SPECS[op].request.__name__}, "
+                        f"not a {type(request).__name__}")
+    return request.to_wire()
+
+
+def wire_per_host(op: str, per_host: Mapping[str, requests.Request]) -> tuple[dict, dict[str, dict]]:
+    """Requests of ``op``, one per host, as (the arguments they share, each host's own): the fields
+    the type names ``PER_HOST`` travel per host, the others once (the colocated transport sends one
+    request to every host). The shared fields must be the same in every host's request."""
+    if not per_host:
+        return {}, {}
+    first = next(iter(per_host.values()))
+    own = first.PER_HOST
+    shared = {k: v for k, v in wire(op, first).items() if k not in own}
+    fields = msgspec.structs.fields(type(first))
+    same = [f.name for f in fields if f.name not in own]
+    defaults = {f.name: f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+                for f in fields if f.name in own}
+    out = {}
+    for h, r in per_host.items():
+        if type(r) is not type(first) or any((a := getattr(r, n)) is not (b := getattr(first, n)) and a != b
+                                             for n in same):
+            raise ValueError(f"{op}: the hosts' requests differ outside the fields of each host {own}")
+        values = {f: getattr(r, f) for f in own}
+        out[h] = msgspec.to_builtins({f: v for f, v in values.items() if v is not msgspec.UNSET
+                                      and (defaults[f] is msgspec.NODEFAULT or v != defaults[f])})
+    return shared, out
 
 
 @dataclasses.dataclass
@@ -78,7 +113,8 @@ class Dispatcher(abc.ABC):
 
     Errors are typed where they arrive: what a sidecar raised comes back as that type
     (``mtc.shared.wire_errors.decode``, the host named in its message), a host that cannot be
-    reached as ``HostUnreachableError``. One host's failure means the same in both transports:
+    reached as ``HostUnreachableError``. One host's failure means the same in both transports (its
+    operation's row, ``OpSpec.failure``; ``settle``):
 
     - per host, in the answer, the others answering: ``inventories``/``peer_inventories`` (an
       inventory with an ``error``), ``peer_pull`` (a ``PullResult`` with an ``error``),
@@ -114,10 +150,7 @@ class Dispatcher(abc.ABC):
         """host id -> version fingerprint, of the hosts that answer; one that cannot be reached is
         checked when it comes back, any other failure raises."""
         results, failures = self._each("fingerprint")
-        for h, e in sorted(failures.items()):
-            if not isinstance(e, errors.HostUnreachableError):
-                raise e
-            log.warning("version check: %s; it is checked when the host comes back", host_failure(e))
+        settle("fingerprint", failures, "version check: %s; it is checked when the host comes back")
         return results
 
     @abc.abstractmethod
@@ -171,21 +204,20 @@ class Dispatcher(abc.ABC):
         """host id -> the lease of the head that drives it ({"generation", "head"}), or None; a host
         that cannot be reached is asked again when it is back."""
         results, failures = self._each("lease")
-        for h, e in sorted(failures.items()):
-            if not isinstance(e, errors.HostUnreachableError):
-                raise e
+        settle("lease", failures)
         return {h: r.get("lease") for h, r in results.items()}
 
     def claim(self, generation: int, head: dict) -> None:
         """Every host takes ``head`` (``generation`` newer than its lease), then its settings
         (``configure``, checked against the lease), or raises FencedError. A host that cannot be
         reached takes the generation with its next request and is configured when it says it is not."""
-        _, failures = self._each("claim", {"generation": generation, "head": head})
+        _, failures = self._each("claim", wire("claim", requests.Claim(generation=generation, head=head)))
         self.generation = generation
         settings = self._take_settings()
         reached = [h for h in self.hosts() if h not in failures]
         if reached:
-            failures.update(self._each("configure", {"settings": settings}, hosts=reached)[1])
+            failures.update(self._each("configure", wire("configure", requests.Configure(settings=settings)),
+                                       hosts=reached)[1])
         raise_claim_failures(failures, generation)
 
     def inventories(self) -> dict[str, HostInventory]:
@@ -199,7 +231,8 @@ class Dispatcher(abc.ABC):
         return self._inventories("peer")
 
     def _inventories(self, lane: str) -> dict[str, HostInventory]:
-        per_host = {h: {"devices": sorted(ids)} for h, ids in self._devices_by_host().items()}
+        _, per_host = wire_per_host("inventory", {h: requests.Inventory(devices=sorted(ids))
+                                                  for h, ids in self._devices_by_host().items()})
         replies, failures = self._each("inventory", per_host=per_host, lane=lane)
         results: dict[str, HostInventory] = {}
         for h, doc in replies.items():
@@ -215,7 +248,7 @@ class Dispatcher(abc.ABC):
     def verify(self, step: int) -> dict[str, dict]:
         """Every host hashes its blobs of ``step``: host -> {"checked", "bad": [blob names]}, or
         {"error": why} for a host that failed (one that does not hold the step, one that is down)."""
-        replies, failures = self._each("verify", {"step": step})
+        replies, failures = self._each("verify", wire("verify", requests.StepRequest(step=step)))
         return {**replies, **{h: {"error": host_failure(e)} for h, e in failures.items()}}
 
     def manifest(self, step: int, digest: str | None = None) -> fmt.StepManifest:
@@ -274,7 +307,8 @@ class Dispatcher(abc.ABC):
         """Host ``host``'s step manifest of ``step`` (its text); with ``here_only``, RecordOnlyError
         where the host keeps only a record of it; with ``header_only``, its first line alone. The
         errors are the sidecar's, typed."""
-        _, payloads = self._call(host, "manifest", {"step": step, "here_only": here_only, "header_only": header_only})
+        _, payloads = self._call(host, "manifest", wire("manifest", requests.Manifest(
+            step=step, here_only=here_only, header_only=header_only)))
         if len(payloads) != 1:
             raise errors.ProtocolError(f"host {host}: no manifest payload")
         return bytes(payloads[0])
@@ -323,44 +357,49 @@ class Dispatcher(abc.ABC):
         host can answer; one that cannot be reached is passed over (HostUnreachableError when none
         could be asked, so that a listing reads as "not known")."""
 
-    def _all_jobs(self, what: str, op: str, per_host: dict[str, dict], args: dict | None = None,
-                  **kw: Any) -> dict[str, dict]:
-        results, failures = self._jobs(op, per_host, args, **kw)
-        raise_host_failures(what, failures)
+    def _all_jobs(self, what: str, op: str, per_host: Mapping[str, requests.Request], **kw: Any) -> dict[str, dict]:
+        """Job ``op`` on each host of ``per_host`` with its request; every host's result, or raises."""
+        args, own = wire_per_host(op, per_host)
+        results, failures = self._jobs(op, own, args, **kw)
+        settle(op, failures, what=what)
         return results
 
     def backup_upload(self, assignments: dict[str, list[str]]) -> dict[str, dict]:
         """Every host uploads the blobs assigned to it; host id -> what it uploaded."""
         return self._all_jobs("backup upload", "backup_upload",
-                              {h: {"blobs": list(b)} for h, b in assignments.items()}, lane="backup")
+                              {h: requests.BackupUpload(blobs=list(b)) for h, b in assignments.items()}, lane="backup")
 
     def backup_upload_parts(self, step: int, hosts: list[str]) -> dict[str, dict]:
         """Every host of ``hosts`` uploads its designated share of ``step``'s unique boxes
         (``Committed.designated_uploads``: the hosts share the work out among themselves, by the
         manifest's sharding descriptions and ``topology.devices``); host id -> what it uploaded."""
-        return self._all_jobs("backup upload", "backup_upload", {h: {"step": step} for h in hosts}, lane="backup")
+        return self._all_jobs("backup upload", "backup_upload", {h: requests.BackupUpload(step=step) for h in hosts},
+                              lane="backup")
 
     def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
         """``backup_finalize`` from the host's own copy of the manifest of ``step`` (``digest``): the head
         sends no manifest."""
-        return self._call(host, "backup_finalize", {"name": name, "step": step, "digest": digest})[0]
+        return self._call(host, "backup_finalize", wire("backup_finalize", requests.BackupFinalize(
+            name=name, step=step, digest=digest)))[0]
 
     def backup_finalize(self, host: str, name: str, manifest: fmt.StepManifest) -> dict:
         """One host makes backup ``name`` visible (manifest last, create-only), then keeps the
         newest ``backup_max_to_keep`` (the settings the hosts were configured with)."""
-        return self._call(host, "backup_finalize", {"name": name}, [manifest.to_json()])[0]
+        return self._call(host, "backup_finalize", wire("backup_finalize", requests.BackupFinalize(name=name)),
+                          [manifest.to_json()])[0]
 
     def backup_listing(self, deadline_s: float | None = None) -> dict:
         """{"backups": [{"name", "step"}, ...] newest first, "restore_version": str | None}.
 
         ``deadline_s`` bounds the retries of an unreachable store (None: the store's own).
         """
-        return self._any_host("backup_listing", {"root": self._host_settings["backup_url"],
-                                                 "deadline_s": deadline_s})[1]
+        return self._any_host("backup_listing", wire("backup_listing", requests.BackupListing(
+            root=self._host_settings["backup_url"], deadline_s=deadline_s)))[1]
 
     def backup_manifest(self, name: str) -> fmt.StepManifest:
         """The step manifest of backup ``name``."""
-        h, _, payloads = self._any_host("backup_manifest", {"root": self._host_settings["backup_url"], "name": name})
+        h, _, payloads = self._any_host("backup_manifest", wire("backup_manifest", requests.BackupManifest(
+            root=self._host_settings["backup_url"], name=name)))
         if len(payloads) != 1:
             raise errors.ProtocolError(f"host {h}: backup_manifest answered no manifest")
         return fmt.StepManifest.from_json(bytes(payloads[0]), source=f"backup {name} (via {h})")
@@ -368,15 +407,17 @@ class Dispatcher(abc.ABC):
     def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
         """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
         return self._all_jobs(f"fetch of backup {name}", "backup_fetch",
-                              {h: {"blobs": list(b)} for h, b in needs.items()}, {"name": name}, lane="backup")
+                              {h: requests.BackupFetch(name=name, blobs=list(b)) for h, b in needs.items()},
+                              lane="backup")
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
         """Each host of ``work`` scrubs the backup root: host -> {"blobs": to hash in the store,
         "repair": to re-upload from its ramdisk where it holds good copies, "damaged": {backup: why}
         to mark}, each optional; at most ``bytes_per_s`` (None: the configured cap). Host -> what it
         found ({"checked", "bytes", "bad", "missing", "repaired", "marked", ...})."""
-        return self._all_jobs("backup scrub", "backup_scrub", work,
-                              {"root": self._host_settings["backup_url"], "bytes_per_s": bytes_per_s}, own_threads=True)
+        root = self._host_settings["backup_url"]
+        scrubs = {h: requests.BackupScrub(root=root, bytes_per_s=bytes_per_s, **w) for h, w in work.items()}
+        return self._all_jobs("backup scrub", "backup_scrub", scrubs, own_threads=True)
 
     # --- peer tier (the sidecars pull from each other; the head plans) --------------------
 
@@ -406,11 +447,13 @@ class Dispatcher(abc.ABC):
         """
         shares = shares or {}
         asked = sorted({*pulls, *shares})
-        per_host = {h: {"pulls": [[b, n, list(srcs)] for b, n, srcs in pulls.get(h, ())],
-                        **({"shares": [[o, list(srcs)] for o, srcs in shares[h]]} if h in shares else {})}
-                    for h in asked}
-        args = {"step": step, "peers": {**self._peer_book(), **(peers or {})},
-                **({"adopt": {"digest": adopt[0], "keepers": list(adopt[1])}} if adopt is not None else {})}
+        book = {**self._peer_book(), **(peers or {})}
+        take = None if adopt is None else requests.Adopt(digest=adopt[0], keepers=list(adopt[1]))
+        args, per_host = wire_per_host("peer_pull", {h: requests.PeerPull(
+            step=step, peers=book, adopt=take,
+            pulls=[requests.Pull(b, n, tuple(srcs)) for b, n, srcs in pulls.get(h, ())],
+            shares=[requests.Share(o, tuple(srcs)) for o, srcs in shares[h]] if h in shares else None)
+            for h in asked})
         try:
             results, failures = self._jobs("peer_pull", per_host, args, lane="peer",
                                            payloads=(manifest.to_json(),) if manifest is not None else ())
@@ -447,6 +490,22 @@ def host_failure(e: BaseException) -> str:
     if isinstance(e, (errors.HostUnreachableError, wire_errors.SidecarError)):  # these name their cause
         return str(e)
     return f"{type(e).__name__}: {e}"
+
+
+def settle(op: str, failures: Mapping[str, BaseException], note: str | None = None, *, what: str = "") -> None:
+    """The hosts' failures of ``op`` as its row says (``OpSpec.failure``): "skip", one that cannot be
+    reached is passed over (``note`` logged with its cause), any other raised; "raise", every one is
+    (``raise_host_failures``, ``what`` naming the operation). Under "report" and "next" the caller
+    puts a failure in that host's answer, or asks the next host: nothing to raise here."""
+    rule = op_table.SPECS[op].failure
+    if rule == "raise":
+        raise_host_failures(what or op, failures)
+    elif rule == "skip":
+        for h, e in sorted(failures.items()):
+            if not isinstance(e, errors.HostUnreachableError):
+                raise e
+            if note is not None:
+                log.warning(note, host_failure(e))
 
 
 def raise_claim_failures(failures: Mapping[str, BaseException], generation: int) -> None:

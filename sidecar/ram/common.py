@@ -12,12 +12,12 @@ import numpy as np
 
 from mtc.shared.errors import InsufficientSpaceError
 from mtc.shared.hashing import HEX_LEN, check_blob_name, is_blob_name
+from mtc.shared.requests import MAX_STEP  # noqa: F401 (a step names files with 12 digits)
 from mtc.shared.safe_files import UntrustedFileError, open_regular
 
 TMP_PREFIX = ".tmp-"
 FREE_PREFIX = TMP_PREFIX + "free-"
 HUGE_PAGE = 2 << 20  # a tmpfs huge page (x86-64, arm64 with 4 KiB base pages)
-MAX_STEP = 10**12 - 1
 
 
 def format_binary_bytes(n: int) -> str:

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from mtc.shared import auth, op_table, protocol, tls, version, wire_errors
+from mtc.shared import auth, op_table, protocol, requests, tls, version, wire_errors
 from mtc.shared.errors import AuthenticationError, ConfigError, HostUnreachableError, MTCError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ class HostConnection:
             # A save that failed while this host was away may have left its step here.
             for step in self.aborts.take(self.id):
                 try:
-                    r = self._roundtrip("abort", {"step": step}, (), None)
+                    r = self._roundtrip("abort", requests.StepRequest(step=step).to_wire(), (), None)
                 except BaseException:
                     self.aborts.add(self.id, [step])
                     raise
@@ -280,7 +280,7 @@ class HostConnection:
                     raise _Answered(self.error_of(r.error))
                 log.info("host %s: aborted step %d left by a failed save", self.id, step)
             if self.stamp.settings is not None:  # a restarted sidecar has none: it follows this head's
-                r = self._roundtrip("configure", {"settings": self.stamp.settings}, (), None)
+                r = self._roundtrip("configure", requests.Configure(settings=self.stamp.settings).to_wire(), (), None)
                 if r.error is not None:
                     raise _Answered(self.error_of(r.error))
         except _Answered as a:

@@ -46,11 +46,12 @@ from mtc.head.dispatch.interface import (
     host_failure,
     raise_host_failures,
     save_error,
+    wire,
 )
 from mtc.head.dispatch.staging import HostStaging
 from mtc.head.dispatch.topology import Topology
 from mtc.shared import format as fmt
-from mtc.shared import auth, protocol, tls, version
+from mtc.shared import auth, protocol, requests, tls, version
 from mtc.shared.config import ENV_TOKEN, MTCConfig
 from mtc.shared.host_settings import HostSettings
 from mtc.shared.errors import (
@@ -224,8 +225,8 @@ class ClusterDispatcher(Dispatcher):
     def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
         """Phase 2: the whole manifest to the keepers only; the decision (digest, keepers) to the others."""
         keep, where = commit_messages(self.topology.host_ids, keepers, dict(self.lanes.peer_addresses))
-        args = {"step": step, "digest": digest}
-        decision = {**args, "keepers": where}
+        args = wire("commit", requests.Commit(step=step, digest=digest))
+        decision = wire("commit", requests.Commit(step=step, digest=digest, keepers=where))
         replies, failures = self.lanes.call_each("commit", None, lambda h: args if h in keep else decision,
                                                  lambda h: [manifest] if h in keep else [])
         results = {h: r.result for h, r in replies.items()}
@@ -241,7 +242,7 @@ class ClusterDispatcher(Dispatcher):
         for h in away:
             self.lanes.abort_later(h, [step])
         _, failures = self.lanes.call_each("abort", [h for h in self.topology.host_ids if h not in away],
-                                           {"step": step})
+                                           wire("abort", requests.StepRequest(step=step)))
         for h, e in failures.items():
             log.warning("could not abort step %d on host %s now (%s); will on reconnect", step, h, host_failure(e))
             self.lanes.abort_later(h, [step])
