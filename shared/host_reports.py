@@ -20,10 +20,6 @@ from mtc.shared.errors import ProtocolError
 _SAME_VERSION = "run the same mtc version on the head and every sidecar"
 
 
-def _is_count(v: Any) -> bool:
-    return type(v) is int and v >= 0
-
-
 def _unknown(doc: dict, known: set[str]) -> list[str]:
     return sorted(str(k) for k in set(doc) - known)
 
@@ -68,33 +64,18 @@ class StepHolding:
 
     @classmethod
     def from_wire(cls, host: str, s: Any) -> "StepHolding":
-        ok = isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))
-        if not ok:
+        """One step of a host's inventory answer, decoded and checked in one call (``_HoldingAnswer``);
+        ProtocolError names the host, the step and the field. An entry without the step's counts or
+        its blob bitmap is said to come from another mtc version."""
+        if not (isinstance(s, dict) and all(type(s.get(k)) is int for k in ("step", "blobs", "local_blobs"))):
             raise ProtocolError(f"host {host}: malformed inventory entry {s!r:.200}")
         where = f"host {host}: inventory of step {s['step']}"
         if type(s.get("step_blobs")) is not int or not isinstance(s.get("digest"), str) \
                 or not isinstance(s.get("held"), str):
             raise ProtocolError(f"{where} lacks its blob bitmap; {_SAME_VERSION}")
-        unknown = _unknown(s, cls._FIELDS)
-        if unknown:
-            raise ProtocolError(f"{where}: unknown fields {unknown}; {_SAME_VERSION}")
-        for key in ("step", "blobs", "local_blobs", "step_blobs"):
-            if not _is_count(s[key]):
-                raise ProtocolError(f"{where}: {key!r} must be an integer >= 0, got {s[key]!r}")
-        manifest = s.get("manifest", "")
-        if not isinstance(manifest, str):
-            raise ProtocolError(f"{where}: 'manifest' is not a digest")
-        own, copies = s.get("own", ""), s.get("copies", [])
-        if not isinstance(own, str) or not (isinstance(copies, list) and all(isinstance(c, str) for c in copies)):
-            raise ProtocolError(f"{where}: 'own' or 'copies' is not a digest (list)")
-        part = s.get("part", False)
-        if type(part) is not bool:
-            raise ProtocolError(f"{where}: 'part' must be true or false, got {part!r:.50}")
-        parts = s.get("parts", [])
-        if not (isinstance(parts, list) and all(isinstance(p, str) and 0 < len(p) <= 256 for p in parts)):
-            raise ProtocolError(f"{where}: 'parts' must list host ids")
-        return cls(s["step"], s["blobs"], s["local_blobs"], s["step_blobs"], s["digest"], s["held"], manifest,
-                   part, own, tuple(copies), tuple(parts))
+        a = _decode(s, _HoldingAnswer, where, cls._FIELDS)
+        return cls(a.step, a.blobs, a.local_blobs, a.step_blobs, a.digest, a.held, a.manifest, a.part, a.own,
+                   tuple(a.copies), tuple(a.parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,30 +114,14 @@ class HostInventory:
         rows = doc.get("steps") if isinstance(doc, dict) else None
         if not isinstance(rows, list):
             raise ProtocolError(f"host {host}: malformed inventory {doc!r:.200}")
-        unknown = _unknown(doc, cls._FIELDS)
-        if unknown:
-            raise ProtocolError(f"host {host}: inventory has unknown fields {unknown}; {_SAME_VERSION}")
         said = doc.get("host", host)
         if said != host:
             raise ProtocolError(f"host {host}: the inventory is that of host {said!r:.100}; the host ids of the "
                                 "head's topology and of the sidecars differ")
-        steps = tuple(StepHolding.from_wire(host, s) for s in rows)
-        damaged = doc.get("damaged", [])
-        if not (isinstance(damaged, list) and all(type(s) is int for s in damaged)):
-            raise ProtocolError(f"host {host}: inventory 'damaged' is not a list of steps")
-        notes = doc.get("pull_failures", [])
-        if not (isinstance(notes, list) and all(isinstance(n, dict) and type(n.get("step")) is int
-                                                and isinstance(n.get("error"), str)
-                                                and type(n.get("age_s")) in (int, float) for n in notes)):
-            raise ProtocolError(f"host {host}: inventory 'pull_failures' is not a list of {{step, error, age_s}}")
-        room = doc.get("ramdisk")
-        if room is not None and not (isinstance(room, dict) and set(room) == {"free_bytes", "size_bytes"}
-                                     and all(_is_count(v) for v in room.values())):
-            raise ProtocolError(f"host {host}: inventory 'ramdisk' is not {{free_bytes, size_bytes}} "
-                                f"(integers >= 0): {room!r:.100}")
-        return cls(host=host, steps=steps, damaged=tuple(damaged),
-                   pull_failures=tuple((n["step"], n["error"], float(n["age_s"])) for n in notes),
-                   ramdisk=None if room is None else (room["free_bytes"], room["size_bytes"]))
+        a = _decode(doc, _InventoryAnswer, f"host {host}: inventory", cls._FIELDS, joiner=" ")
+        return cls(host=host, steps=tuple(StepHolding.from_wire(host, s) for s in rows), damaged=tuple(a.damaged),
+                   pull_failures=tuple((n.step, n.error, n.age_s) for n in a.pull_failures),
+                   ramdisk=None if a.ramdisk is None else (a.ramdisk.free_bytes, a.ramdisk.size_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,12 +170,7 @@ class PullResult:
         what = f"host {host}: malformed peer pull answer"
         if not isinstance(doc, dict):
             raise ProtocolError(f"{what} {doc!r:.200}")
-        try:
-            a = msgspec.convert(doc, _PullAnswer, strict=True)
-        except msgspec.ValidationError as e:
-            if str(e).startswith("Object contains unknown field"):
-                raise ProtocolError(f"{what}: unknown fields {_unknown(doc, cls._FIELDS)}; {_SAME_VERSION}") from None
-            raise ProtocolError(f"{what}: {requests.refusal(str(e), doc, _PullAnswer)}") from None
+        a = _decode(doc, _PullAnswer, what, cls._FIELDS)
         if a.host is not msgspec.UNSET and a.host != host:
             raise ProtocolError(f"{what}: it is that of host {a.host!r:.100}")
         return cls(host=host, pulled=a.pulled, pulled_bytes=a.pulled_bytes,
@@ -243,4 +203,72 @@ class _PullAnswer(msgspec.Struct, forbid_unknown_fields=True, gc=False):
         "failed": "'failed' must be a list of [blob, [[holder, cause], ...]]",
         "bad_copies": "'bad_copies' must be a list of [text, text, text]",
         "removed_bad_copies": "'removed_bad_copies' must be a list of [text, text]",
+    }
+
+
+def _decode(doc: dict, cls: type, where: str, known: frozenset, joiner: str = ": ") -> Any:
+    """``doc`` as the answer struct ``cls``, decoded and checked in one call; ProtocolError at ``where``
+    in the field's own words (``cls.WHY``: ``where`` + ``joiner`` + them), or naming the fields this
+    version does not know."""
+    try:
+        return msgspec.convert(doc, cls, strict=True)
+    except msgspec.ValidationError as e:
+        if str(e).startswith("Object contains unknown field") and _unknown(doc, known):
+            raise ProtocolError(f"{where}: unknown fields {_unknown(doc, known)}; {_SAME_VERSION}") from None
+        raise ProtocolError(f"{where}{joiner}{requests.refusal(str(e), doc, cls)}") from None
+
+
+_HostId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class _HoldingAnswer(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """One step of an inventory answer as it travels (``StepHolding.to_wire``)."""
+
+    step: _Count
+    blobs: _Count
+    local_blobs: _Count
+    step_blobs: _Count
+    digest: str
+    held: str
+    manifest: str = ""
+    part: bool = False
+    own: str = ""
+    copies: list[str] = []
+    parts: list[_HostId] = []
+
+    WHY: ClassVar[dict[str, str]] = {
+        **{k: f"{k!r} must be an integer >= 0" for k in ("step", "blobs", "local_blobs", "step_blobs")},
+        "manifest": "'manifest' is not a digest",
+        "part": "'part' must be true or false",
+        "own": "'own' or 'copies' is not a digest (list)",
+        "copies": "'own' or 'copies' is not a digest (list)",
+        "parts": "'parts' must list host ids",
+    }
+
+
+class _PullNote(msgspec.Struct, gc=False):
+    step: int
+    error: str
+    age_s: float
+
+
+class _Room(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    free_bytes: _Count
+    size_bytes: _Count
+
+
+class _InventoryAnswer(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """An inventory answer as it travels (``HostInventory.to_wire``), less its steps (each checked as a
+    ``_HoldingAnswer``, so that a step's error names the step)."""
+
+    host: Any = msgspec.UNSET
+    steps: list[Any] = []
+    damaged: list[int] = []
+    pull_failures: list[_PullNote] = []
+    ramdisk: _Room | None = None
+
+    WHY: ClassVar[dict[str, str]] = {
+        "damaged": "'damaged' is not a list of steps",
+        "pull_failures": "'pull_failures' is not a list of {step, error, age_s}",
+        "ramdisk": "'ramdisk' is not {free_bytes, size_bytes} (integers >= 0)",
     }
