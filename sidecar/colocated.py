@@ -193,7 +193,7 @@ class ColocatedSidecar:
         payloads = [p.encode() for p in payloads]
         if name == "close":  # the transport drops the service too
             ops.check(name, "colocated")
-            svc.admit(name, args.get("gen"))
+            ops.admit(svc, name, args)  # fencing: the generation decoded as every request's is
             with self._lock:
                 zone, self._zone, self._service = self._zone, None, None
             if zone is not None:

@@ -251,7 +251,7 @@ def check(name: str, mode: str) -> Op:
     return op
 
 
-def _admit(service: SidecarService, name: str, args: Any) -> None:
+def admit(service: SidecarService, name: str, args: Any) -> None:
     """Fencing, before anything else of the request is read: the head's generation (``gen``)."""
     service.admit(name, requests.decode(name, args, requests.Request).gen)
 
@@ -269,7 +269,7 @@ def serve(service: SidecarService, name: str, args: dict, payloads: Sequence[byt
     if op.spec.data:
         raise ProtocolError(f"{name!r} carries arrays, so it is not a control request in {mode} mode; send it as "
                             f"{_DATA_PATH[mode]}")
-    _admit(service, name, args)
+    admit(service, name, args)
     call_args, call_kwargs = op.call(requests.decode(name, args, op.spec.request), payloads)
     method = op.method(service)
     if op.spec.long:
@@ -285,5 +285,5 @@ def data_header(service: SidecarService, name: str, args: dict, carried: int, mo
     op = check(name, mode)
     if not op.spec.data:
         raise ProtocolError(f"{name!r} is a control request, not a data operation")
-    _admit(service, name, args)
+    admit(service, name, args)
     return _header(name, args, carried, mode)
