@@ -643,6 +643,14 @@ def _mark_at(seg: Segment, name: str, t: float) -> float | None:
                  and (name != "compiled" or m.get("prefix") == "train")), None)
 
 
+def _warming(seg: Segment, failed_at: float) -> float:
+    """How long after ``failed_at`` the standby promoted into ``seg`` was still importing (its ``start``
+    mark's ``warm_at``); 0 when it was warm, or says nothing."""
+    start = next((m for m in seg.marks if m["mark"] == "start"), None)
+    warm_at = start.get("warm_at") if start is not None else None
+    return max(0.0, warm_at - failed_at) if isinstance(warm_at, (int, float)) else 0.0
+
+
 def stages_of(seg: Segment, failed_at: float | None, event: dict | None = None, cut: float = math.inf) -> dict:
     """[failure, first step after it] cut at the marks: the stages add up to the whole.
 
@@ -809,6 +817,9 @@ def account(result: dict, ref: dict) -> dict:
             "recomputed": len(again), "failed_at": t0, "first_step_at": first_at, "cut": cut,
             "recompute_s": len(again) * ref["step_s"], "lost_s": st["total"] + len(again) * ref["step_s"],
             "resumed_at": steps[0][0] if first_at is not None else None,
+            # A standby promoted before its warm imports were done (a failure right after its pod
+            # started) waited for them: how long past the failure, part of "restart_delay".
+            "standby_warming_s": _warming(seg, t0) if seg is not None and kind == "process" else 0.0,
             "restore": _restore_in(seg, seg.spawned, first_at) if seg is not None and first_at is not None else {}})
     recoveries.sort(key=lambda r: r["failed_at"])
     trained = max(seen) + 1 if seen else 0

@@ -115,7 +115,9 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] not in ("mtc", "orbax"):
         print("usage: goodput_probe.py mtc|orbax <MaxText's train arguments>", file=sys.stderr)
         return 2
-    mark("start", t_interp=_T_START)
+    # A promoted standby says when its warm imports were done: a failure before then waited for them.
+    promoted = json.loads(os.environ.get("MTC_SUPERVISOR_PROMOTION") or "{}")
+    mark("start", t_interp=_T_START, **({"warm_at": promoted["warm_at"]} if "warm_at" in promoted else {}))
     mode, args = argv[1], [argv[0], *argv[2:]]
     import jax  # noqa: F401  (counted in the import stage, as MaxText's train module imports it)
 

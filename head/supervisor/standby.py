@@ -45,12 +45,14 @@ def main(argv: list[str]) -> int:
             print(f"mtc: standby: importing {module} failed ({type(e).__name__}: {e}); left to the program",
                   file=sys.stderr, flush=True)
     imported = sorted(sys.modules)
+    warm_at = time.time()  # its imports done: a go that came before waited for them
     line = sys.stdin.buffer.readline()
     if not line.startswith(b"go"):
         return 0  # stopped by the supervisor
     record = json.loads(line[2:].decode() or "{}")
     record["warm"] = imported
     record["warm_s"] = time.monotonic() - t0
+    record["warm_at"] = warm_at
     supervisor.set_promotion(record)
     os.environ[supervisor.ENV_PROMOTION] = json.dumps({k: v for k, v in record.items() if k != "warm"})
     sys.stdin.close()
