@@ -57,11 +57,15 @@ Root = Annotated[str, Meta(min_length=1, max_length=MAX_ROOT_CHARS, pattern=_NO_
 Point = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
-def absolute_root(root: str, what: str = "'root'") -> str:
-    """A backup root as a request names it: an absolute path, ``file:///...`` or ``gs://...``.
+def absolute_root(root: Any, what: str = "'root'") -> str:
+    """A backup root as a request names it: a non-empty text of at most ``MAX_ROOT_CHARS`` without NUL,
+    and absolute: a path, ``file:///...`` or ``gs://...`` (ValueError otherwise).
 
     A relative path is refused: it would name a folder under the sidecar's working directory,
     not the head's backup root (the head sends its root absolute)."""
+    if not isinstance(root, str) or not root or len(root) > MAX_ROOT_CHARS or "\0" in root:
+        raise ValueError(f"{what} must be a non-empty string of at most {MAX_ROOT_CHARS} characters without NUL, "
+                         f"got {root!r:.80}")
     if not (root.startswith("/") or root.lower().startswith(_URL_SCHEMES)):
         raise ValueError(f"{what} {root!r:.80} is not absolute; give the backup root as an absolute path, "
                          "file:///path or gs://bucket/prefix")
@@ -180,9 +184,6 @@ class Configure(Request, kw_only=True):
                 raise ValueError(f"{key} must be at most {MAX_SETTING}, got {v!r:.50}")
         url = self.settings.get("backup_url")
         if url is not None:
-            if not isinstance(url, str) or not url or len(url) > MAX_ROOT_CHARS or "\0" in url:
-                raise ValueError(f"backup_url must be a non-empty string of at most {MAX_ROOT_CHARS} characters "
-                                 f"without NUL, got {url!r:.80}")
             absolute_root(url, "backup_url")
 
 

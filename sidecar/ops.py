@@ -71,9 +71,6 @@ class Op:
 
 def root_arg(root: Any, where: str, what: str = "'root'") -> str:
     """A backup root as a request names it (``requests.absolute_root``), or ProtocolError."""
-    if not isinstance(root, str) or not root or len(root) > requests.MAX_ROOT_CHARS or "\0" in root:
-        raise ProtocolError(f"{where}: {what} must be a non-empty string of at most {requests.MAX_ROOT_CHARS} "
-                            f"characters without NUL, got {root!r:.80}")
     try:
         return requests.absolute_root(root, what)
     except ValueError as e:

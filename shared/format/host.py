@@ -10,7 +10,6 @@ from typing import Annotated, Any
 
 import msgspec
 
-from mtc.shared.errors import ManifestError
 from mtc.shared.format.base import Box, box_from_doc, canonical_json, expect, load_json
 from mtc.shared.hashing import blob_name, is_blob_name
 
