@@ -159,14 +159,14 @@ def restores(cfg: MTCConfig, step: int, repeats: int) -> dict:
     from mtc.shared import format as fmt
 
     parsed = [0]
-    real = fmt.HostManifest.from_json.__func__
+    real = fmt.PartColumns.from_json.__func__
 
     def counting(cls, data, **kw):
         part = real(cls, data, **kw)
-        parsed[0] += len(part.shards)
+        parsed[0] += len(part)
         return part
 
-    fmt.HostManifest.from_json = classmethod(counting)
+    fmt.PartColumns.from_json = classmethod(counting)
     me = psutil.Process()
     devs = jax.devices()[:NDEV]
     same = {"x": jax.ShapeDtypeStruct((NDEV, 256), np.float32, sharding=NamedSharding(Mesh(np.array(devs), ("d",)),
@@ -187,7 +187,7 @@ def restores(cfg: MTCConfig, step: int, repeats: int) -> dict:
                     if not (np.asarray(got["x"]) == step).all():
                         raise SystemExit(f"restore of step {step} ({name}) is not what was saved")
     finally:
-        fmt.HostManifest.from_json = classmethod(real)
+        fmt.PartColumns.from_json = classmethod(real)
     out["restore_rows"] = parsed[0]
     return out
 

@@ -22,7 +22,8 @@ FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
   twins (FSDP over every host): ``plan_shares`` sending each host's share to another slice;
 - the CPU to read and check the whole manifest (``StepManifest.from_json``): what a host that
   fetches it, and the head's replication and backup planning after each commit pay (a keeper only
-  hashes it before it commits); skipped past ``--budget-s``, with an estimate.
+  hashes it before it commits), beside the same manifest with its parts as rows (``mtc-host/1``,
+  the format before the columns); skipped past ``--budget-s``, with an estimate.
 
 Per restore onto the topology that saved the step (a restart, the common case): every host's
 inventory parsed, the manifest's header read alone (``fmt.StepHeader``), the step chosen by parts
@@ -33,7 +34,10 @@ Per elastic shrink (data-parallel slices, FSDP within each; the last slice gone)
 hosts' inventories, the step chosen by its writers' parts (a twin wrote every box the lost slice did)
 and which writer's part each host reads on the smaller mesh (``fmt.writers.plan``), from the header.
 
-Ratios in one run, not absolute times. The data itself (the shards' bytes) is not counted.
+Ratios in one run, not absolute times. The data itself (the shards' bytes) is not counted. Before
+each timed section the collector runs and what exists is frozen (``quiet``): the simulation keeps
+millions of objects alive that a head would not, and a full collection over them would otherwise
+land in whichever section is timed when it comes.
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ def state_shapes(layers: int) -> list[tuple[str, tuple[int, ...], str]]:
     return out + [("['params']['final_norm']", (D_MODEL,), "float32")]
 
 
+def quiet() -> None:
+    """Collect, then freeze what is left, so that the next timed section pays no collection of it."""
+    gc.collect()
+    gc.freeze()
+
+
 def _blob(i: int) -> str:
     return f"{i:032x}"
 
@@ -96,7 +106,8 @@ def build(hosts: int, layers: int) -> tuple[list[fmt.ArrayRecord], dict[str, lis
 
 
 def measure(hosts: int, layers: int, parse: bool) -> dict:
-    gc.collect()  # the garbage of a previous topology is not this one's cost
+    gc.unfreeze()  # the garbage of a previous topology is not this one's cost
+    gc.collect()
     records, per_host = build(hosts, layers)
     tree = {"t": "dict", "k": [r.key for r in records], "v": [{"t": "leaf", "i": i} for i in range(len(records))]}
     # Each host writes its part (phase 1); the head gets it with a small summary.
@@ -119,6 +130,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
                                      "written_bytes": 0, "seconds": 0.0}).encode())
     recv1 = sum(len(p) + len(s) for (_, p), s in zip(parts, summaries))
     # The head: check each summary, build the manifest, encode phase 2's messages.
+    quiet()
     t0 = time.process_time()
     for (h, _), s in zip(parts, summaries):
         doc = json.loads(s)
@@ -140,22 +152,41 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     sent2 = decisions + len(data) * len(keepers)
     repl_s, repl_received = replication_decision(hosts, len(per_host["h0"]))
     plan_s, _ = replication_decision(hosts, len(per_host["h0"]), twins=False)
-    keeper_s = old_restore_s = None
+    keeper_s = old_restore_s = v1_parse_s = v1_bytes = None
     if parse:
+        quiet()
         p0 = time.process_time()
         m = fmt.StepManifest.from_json(data)
         keeper_s = time.process_time() - p0
         assert m.digest == digest
         old_restore_s = keeper_s + restore_by_rows(m, per_host)
+        del m
+        # The same manifest with its parts as rows (mtc-host/1, the format before the columns), read the same way.
+        v1 = [(h, _rows_part(h, shards)) for h, shards in per_host.items()]
+        data_v1, _ = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
+                                     topology={"hosts": sorted(per_host), "devices": devices}, fingerprint={}, parts=v1)
+        del v1
+        quiet()
+        p0 = time.process_time()
+        m = fmt.StepManifest.from_json(data_v1)
+        v1_parse_s, v1_bytes = time.process_time() - p0, len(data_v1)
+        del m, data_v1
     restore = restore_side(records, per_host, data, digest)
     restore.update(resize_side(hosts, layers))
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
-            "keeper_parse_s": keeper_s, "replication_s": repl_s, "replication_received": repl_received,
+            "keeper_parse_s": keeper_s, "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
             "plan_s": plan_s, "old_restore_s": old_restore_s, **restore,
             "head_sent": sent1 + sent2, "head_received": recv1,
             "before_sent": sent1 + len(data) * hosts}
+
+
+def _rows_part(host: str, shards: list[fmt.HostShard]) -> bytes:
+    """A host's part as ``mtc-host/1`` wrote it: a JSON list per row."""
+    return json.dumps({"format": fmt.HOST_FORMAT_V1, "step": 1, "host": host, "written_bytes": 0, "seconds": 0.0,
+                       "shards": [[s.array, [list(b) for b in s.box], s.blob, s.nbytes] for s in shards]},
+                      separators=(",", ":")).encode()
 
 
 def _inventory_wire(per_host: dict[str, list[fmt.HostShard]], digest: str) -> dict[str, str]:
@@ -180,6 +211,7 @@ def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.Ho
     (the arrays, each sharding described once). Its head CPU, and bytes sent and received."""
     wire = _inventory_wire(per_host, digest)
     line = data.partition(b"\n")[0]
+    quiet()
     t0 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     header = fmt.StepHeader.from_line(line)
@@ -199,6 +231,7 @@ def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.Ho
     spent = time.process_time() - t0
     hosts = len(per_host)
     # `mtc status`'s summary of the step from the same answers: on how many slices each share is whole.
+    quiet()
     t1 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     header = fmt.StepHeader.from_line(line)
@@ -247,6 +280,7 @@ def resize_side(hosts: int, layers: int) -> dict:
             self.record, self.sharding = record, sharding
 
     assert n == len(saved["device_ids"])
+    quiet()
     t0 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     view = step_views(inv, None, lambda s, d: header if d == digest else None)[1]
@@ -262,6 +296,7 @@ def restore_by_rows(m: fmt.StepManifest, per_host: dict[str, list[fmt.HostShard]
     """Head CPU past the manifest's parse of a restore that reads every row (a host lost its part, a
     resharded target): the inventories mapped onto the blob names, every blob's holders."""
     wire = _inventory_wire(per_host, m.digest)
+    quiet()
     t0 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     view = step_views(inv, lambda s, d: m)[1]
@@ -287,6 +322,7 @@ def replication_decision(hosts: int, shards_per_host: int, twins: bool = True) -
         wire[f"h{h}"] = json.dumps({"host": f"h{h}", "damaged": [], "steps": [
             {"step": 1, "blobs": shards_per_host, "local_blobs": shards_per_host, "manifest": "d" * 64, "part": True,
              "own": own[k], "step_blobs": shards_per_host, "digest": own[k], "held": bitmap}]})
+    quiet()
     t0 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     ok = covered_by_shares(inv, 1, "d" * 64, list(topology), ReplicationStrategy(2), topology)
@@ -319,21 +355,24 @@ def main() -> None:
         r["keeper_estimate_s"] = est
         rows.append(r)
         if r["keeper_parse_s"] is not None:
-            per_shard_parse = r["keeper_parse_s"] / max(1, r["shards"])
+            per_shard_parse = (r["keeper_parse_s"] + r["v1_parse_s"]) / max(1, r["shards"])
     print(f"## One save's control plane, simulated: {rows[0]['arrays']} arrays (--layers {a.layers}), "
           f"FSDP over hosts x {DEVICES_PER_HOST} devices, {KEEPERS} keepers\n")
     print("| hosts | shard rows | manifest | head CPU per save | head sends | head receives | head sends per host "
           "| head receives per host | a host: its part | replication decision, data-parallel slices (head CPU) "
-          "| replication plan, no twins (head CPU) | reading the whole manifest (a restore) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| replication plan, no twins (head CPU) | reading the whole manifest (a restore) "
+          "| the same with row parts (mtc-host/1): size, read |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         head = r["head_check_s"] + r["head_build_s"] + r["head_phase2_s"]
         keeper = (f"{r['keeper_parse_s']:.2f} s" if r["keeper_parse_s"] is not None
                   else f"skipped (about {r['keeper_estimate_s']:.0f} s)")
+        rows_v1 = (f"{_mib(r['v1_bytes'])}, {r['v1_parse_s']:.2f} s ({r['v1_parse_s'] / r['keeper_parse_s']:.1f}x)"
+                   if r["v1_parse_s"] is not None else "skipped")
         print(f"| {r['hosts']} | {r['shards']:,} | {_mib(r['manifest_bytes'])} | {head * 1e3:,.0f} ms | "
               f"{_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
               f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | "
-              f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} |")
+              f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} | {rows_v1} |")
     print("\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")
     print("| hosts | head CPU | head sends | head receives | head sends per host | head receives per host "
           "| `mtc status` (head CPU) | elastic shrink, one data-parallel slice lost (head CPU) "

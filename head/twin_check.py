@@ -21,7 +21,6 @@ step kept; ``fail`` also fails the save (``TwinMismatchError``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Any, Callable, Iterable
 
@@ -112,28 +111,27 @@ def hash_replicas(leaves: Iterable[Any]) -> dict[int, dict[fmt.Box, dict[int, st
 
 
 def _rows(parts: list[tuple[str, bytes]]) -> list[tuple[tuple[str, ...], list]]:
-    """(hosts, their shard rows [array, box, blob, nbytes]) from the hosts' answers to phase 1.
+    """(hosts, their shard rows (array, box, blob, nbytes)) from the hosts' answers to phase 1.
 
-    Hosts whose shard lists are the same bytes (data-parallel twins: host h of every slice, when
-    their copies agree) are parsed once, so a job with many slices parses about one slice's rows.
-    Parsed lightly: the names are only compared here; a keeper checks every row before it commits.
+    Hosts whose rows are the same bytes (data-parallel twins: host h of every slice, when their
+    copies agree) are read once, so a job with many slices reads about one slice's rows.
     """
     groups: dict[bytes, list[tuple[str, bytes]]] = {}
     for host, data in parts:
         data = bytes(data)
-        at = data.find(b'"shards":')
+        at = data.find(b'"rows":')  # the rows' fields come last in a part (mtc-host/1: "shards")
+        at = data.find(b'"shards":') if at < 0 else at
         groups.setdefault(data[at:] if at >= 0 else data, []).append((host, data))
     out = []
     for members in groups.values():
         host, data = members[0]
         try:
-            doc = json.loads(data)
-            rows = doc["shards"] if doc.get("host") == host else None
-        except (ValueError, TypeError, AttributeError, KeyError):
-            rows = None
-        if not isinstance(rows, list):
-            raise ManifestError(f"host {host}'s answer to phase 1 is not its host manifest ({data[:100]!r})")
-        out.append((tuple(h for h, _ in members), rows))
+            part = fmt.PartColumns.from_json(data, source=f"host {host}'s answer to phase 1")
+        except ManifestError as e:
+            raise ManifestError(f"host {host}'s answer to phase 1 is not its host manifest ({e})") from None
+        if part.host != host:
+            raise ManifestError(f"host {host}'s answer to phase 1 is not its host manifest (it is host {part.host}'s)")
+        out.append((tuple(h for h, _ in members), [(s.array, s.box, s.blob, s.nbytes) for s in part.rows()]))
     return out
 
 

@@ -8,7 +8,7 @@ import json
 from typing import Any, Iterable
 
 from mtc.shared.errors import ManifestError
-from mtc.shared.format.host import COMMIT_FORMAT, HOST_FORMAT
+from mtc.shared.format.host import COMMIT_FORMAT, HOST_FORMAT, HOST_FORMAT_V1, PartColumns
 from mtc.shared.format.step import FORMAT
 from mtc.shared.hashing import is_blob_name
 
@@ -50,14 +50,26 @@ def collect_blob_names(data: bytes) -> set[str]:
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"manifest is not valid JSON ({e}); cannot tell which blobs it uses") from None
     names: set[str] = set()
+    lines = rest.split(b"\n") if rest else []
     if isinstance(doc, dict) and doc.get("format") == COMMIT_FORMAT:
         try:
-            parts = [json.loads(doc.get("part") or "{}")]
+            lines = [str(doc.get("part") or "{}").encode()]
+            parts = [json.loads(lines[0])]
         except (ValueError, TypeError) as e:
             raise ManifestError(f"commit record's part is not valid JSON ({e}); cannot tell which blobs it uses") from None
-    if isinstance(doc, dict) and doc.get("format") in (FORMAT, COMMIT_FORMAT):
-        doc = {"format": HOST_FORMAT, "shards": [row for p in parts if isinstance(p, dict)
-                                                 for row in (p.get("shards") or [])]}
+    elif isinstance(doc, dict) and doc.get("format") == HOST_FORMAT:
+        lines, parts = [data], [doc]
+    if isinstance(doc, dict) and doc.get("format") in (FORMAT, COMMIT_FORMAT, HOST_FORMAT):
+        rows = []
+        for line, p in zip(lines, parts):
+            if isinstance(p, dict) and p.get("format") == HOST_FORMAT:  # columns: the names are bytes
+                names.update(PartColumns.from_json(line, source="host manifest").blob_names())
+            elif isinstance(p, dict) and p.get("format") == HOST_FORMAT_V1:
+                rows.extend(p.get("shards") or [])
+            else:  # a part this version cannot read: its blobs are not known, so none is collected
+                raise ManifestError(f"a part of format {p.get('format') if isinstance(p, dict) else p!r:.40} "
+                                    f"(written by another mtc version?); cannot tell which blobs it uses")
+        doc = {"format": HOST_FORMAT_V1, "shards": rows}
 
     def strings(v: Any) -> Iterable[str]:
         if isinstance(v, str):
@@ -77,7 +89,7 @@ def collect_blob_names(data: bytes) -> set[str]:
             for x in v:
                 walk(x)
 
-    if isinstance(doc, dict) and doc.get("format") == HOST_FORMAT:
+    if isinstance(doc, dict) and doc.get("format") == HOST_FORMAT_V1:
         for row in doc.get("shards", []):
             names.add(row[2] if isinstance(row, list) and len(row) > 2 else repr(row))
     else:

@@ -1,19 +1,30 @@
-"""Host manifests (``mtc-host/1``: the shards one sidecar wrote in phase 1 of a save) and commit
-records (``mtc-commit/1``: how a host that does not keep the whole step manifest commits a step)."""
+"""Host manifests (the shards one sidecar wrote in phase 1 of a save) and commit records
+(``mtc-commit/1``: how a host that does not keep the whole step manifest commits a step).
+
+A host manifest (a *part*) is written as ``mtc-host/2``: one JSON line whose rows are columns,
+``PartColumns``: the part's distinct boxes listed once, and every row's array index, box index,
+size and blob name packed little-endian in one base64 string. A reader makes no Python object per
+row (a whole step's manifest has millions) until it asks for them. ``mtc-host/1`` (a JSON list
+``[array, box, blob, nbytes]`` per row) is still read."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Iterable, Literal
 
 import msgspec
+import numpy as np
 
-from mtc.shared.format.base import Box, box_from_doc, canonical_json, expect, load_json
+from mtc.shared.errors import ManifestError
+from mtc.shared.format.base import Box, box_from_doc, box_str, canonical_json, expect, load_json
 from mtc.shared.hashing import blob_name, is_blob_name
 
-HOST_FORMAT = "mtc-host/1"
+HOST_FORMAT = "mtc-host/2"
+HOST_FORMAT_V1 = "mtc-host/1"
 COMMIT_FORMAT = "mtc-commit/1"
 
 
@@ -48,9 +59,135 @@ _PART_DECODER = msgspec.json.Decoder(_PartDoc)
 _LOWER_HEX = re.compile(r"[0-9a-f]*")
 
 
+class _ColumnsDoc(msgspec.Struct, gc=False):
+    """An ``mtc-host/2`` document: the rows are in ``boxes`` and ``columns`` (see ``PartColumns``)."""
+
+    format: Literal["mtc-host/2"]
+    step: _Count
+    host: str
+    rows: _Count
+    boxes: list[tuple[tuple[_Count, _Count], ...]]
+    columns: str
+    written_bytes: _Count = 0
+    seconds: float = 0.0
+
+
+class _Named(msgspec.Struct):
+    format: str
+
+
+_COLUMNS_DECODER = msgspec.json.Decoder(_ColumnsDoc)
+_FORMAT_DECODER = msgspec.json.Decoder(_Named)
+_ROW_BYTES = 4 + 4 + 8 + 16  # array index (u32), box index (u32), nbytes (i64), blob name (16 bytes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartColumns:
+    """One host's part as columns: ``boxes`` (its distinct boxes) and, per row, ``array`` (uint32),
+    ``box`` (uint32, an index of ``boxes``), ``nbytes`` (int64) and ``blob`` (the blob name's 16
+    bytes, as an (n, 2) uint64 array). Every part is read through ``PartColumns.from_json`` (the
+    rows of ``mtc-host/1`` parts are turned into columns); ``rows`` makes a ``HostShard`` per row
+    for the readers that want them (a host reading its own part)."""
+
+    step: int
+    host: str
+    boxes: tuple[Box, ...]
+    array: np.ndarray
+    box: np.ndarray
+    nbytes: np.ndarray
+    blob: np.ndarray
+    written_bytes: int = 0
+    seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def blob_names(self) -> list[str]:
+        """Every row's blob name (hex), in row order."""
+        return split_names(self.blob)
+
+    def rows(self) -> tuple[HostShard, ...]:
+        boxes = self.boxes
+        return tuple(HostShard(a, boxes[b], name, n) for a, b, name, n in
+                     zip(self.array.tolist(), self.box.tolist(), self.blob_names(), self.nbytes.tolist()))
+
+    @classmethod
+    def from_rows(cls, step: int, host: str, shards: Iterable[HostShard], written_bytes: int = 0,
+                  seconds: float = 0.0) -> "PartColumns":
+        shards = list(shards)
+        index: dict[Box, int] = {}
+        box = [index.setdefault(s.box, len(index)) for s in shards]
+        names = "".join([s.blob for s in shards])
+        if len(names) != 32 * len(shards) or not _LOWER_HEX.fullmatch(names):
+            bad = next(s.blob for s in shards if not is_blob_name(s.blob))
+            raise ManifestError(f"host {host} step {step}: blob name {bad!r} is malformed")
+        n = len(shards)
+        return cls(step, host, tuple(index), np.fromiter((s.array for s in shards), np.uint32, n),
+                   np.array(box, np.uint32), np.fromiter((s.nbytes for s in shards), np.int64, n),
+                   np.frombuffer(bytes.fromhex(names), np.uint64).reshape(n, 2), written_bytes, seconds)
+
+    def to_json(self) -> bytes:
+        """The ``mtc-host/2`` line. Its fields come in this order, ``rows`` first of the rows' fields
+        (so parts with the same rows, data-parallel twins', end in the same bytes)."""
+        packed = b"".join([self.array.astype("<u4").tobytes(), self.box.astype("<u4").tobytes(),
+                           self.nbytes.astype("<i8").tobytes(), np.ascontiguousarray(self.blob).tobytes()])
+        head = json.dumps({"format": HOST_FORMAT, "step": self.step, "host": self.host,
+                           "written_bytes": self.written_bytes, "seconds": self.seconds}, separators=(",", ":"))
+        boxes = json.dumps([[list(d) for d in b] for b in self.boxes], separators=(",", ":"))
+        return (f'{head[:-1]},"rows":{len(self)},"boxes":{boxes},"columns":"'.encode()
+                + base64.b64encode(packed) + b'"}')
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, source: str = "host manifest") -> "PartColumns":
+        """The part in ``data`` (``mtc-host/2``, or ``mtc-host/1`` turned into columns), checked:
+        every box index in range, sizes non-negative; ManifestError naming what is wrong."""
+        try:
+            doc = _COLUMNS_DECODER.decode(data)
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            try:
+                named = _FORMAT_DECODER.decode(data).format
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                named = None  # not JSON, or no format: the mtc-host/1 reader says what is wrong
+            if named != HOST_FORMAT:
+                m = HostManifest._read_v1(data, source)
+                return cls.from_rows(m.step, m.host, m.shards, m.written_bytes, m.seconds)
+            try:  # an mtc-host/2 document that is wrong somewhere: msgspec says where
+                msgspec.convert(load_json(data, source), _ColumnsDoc, strict=True)
+            except msgspec.ValidationError as e:
+                raise ManifestError(f"{source} is invalid: {e}") from None
+            raise ManifestError(f"{source} is invalid: not an {HOST_FORMAT} document") from None
+        n = doc.rows
+        try:
+            packed = base64.b64decode(doc.columns, validate=True)
+        except (binascii.Error, ValueError):
+            raise ManifestError(f"{source} is invalid: 'columns' is not base64") from None
+        expect(len(packed) == n * _ROW_BYTES, source,
+               f"'columns' holds {len(packed)} bytes, {n} rows take {n * _ROW_BYTES}")
+        for i, b in enumerate(doc.boxes):
+            expect(all(lo <= hi for lo, hi in b), source, f"boxes[{i}] {box_str(b)} has a start past its stop")
+        array = np.frombuffer(packed, "<u4", n, 0)
+        box = np.frombuffer(packed, "<u4", n, 4 * n)
+        nbytes = np.frombuffer(packed, "<i8", n, 8 * n)
+        blob = np.frombuffer(packed, np.uint64, 2 * n, 16 * n).reshape(n, 2)
+        if n and int(box.max()) >= len(doc.boxes):
+            i = int(np.argmax(box >= len(doc.boxes)))
+            expect(False, f"{source}: row {i}", f"box index {int(box[i])} is not an index of its {len(doc.boxes)} boxes")
+        if n and int(nbytes.min()) < 0:
+            i = int(np.argmax(nbytes < 0))
+            expect(False, f"{source}: row {i}", f"nbytes {int(nbytes[i])} is negative")
+        return cls(doc.step, doc.host, tuple(doc.boxes), array, box, nbytes, blob, doc.written_bytes, doc.seconds)
+
+
+def split_names(blob: np.ndarray) -> list[str]:
+    """Blob names (hex) from their 16 bytes each (rows of an (n, 2) uint64 array), in order."""
+    text = np.ascontiguousarray(blob).tobytes().hex()
+    return [text[i:i + 32] for i in range(0, len(text), 32)]
+
+
 @dataclasses.dataclass(frozen=True)
 class HostManifest:
-    """A sidecar's answer to phase 1 of a save: the shards it wrote, by blob."""
+    """A sidecar's answer to phase 1 of a save: the shards it wrote, by blob (one ``HostShard`` per
+    row; ``PartColumns`` is the same part as columns)."""
 
     step: int
     host: str
@@ -62,19 +199,18 @@ class HostManifest:
         return {s.blob for s in self.shards}
 
     def to_json(self) -> bytes:
-        doc = {
-            "format": HOST_FORMAT,
-            "step": self.step,
-            "host": self.host,
-            "written_bytes": self.written_bytes,
-            "seconds": self.seconds,
-            "shards": [[s.array, [list(b) for b in s.box], s.blob, s.nbytes] for s in self.shards],
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        """The part as ``mtc-host/2``."""
+        return PartColumns.from_rows(self.step, self.host, self.shards, self.written_bytes, self.seconds).to_json()
 
     @classmethod
     def from_json(cls, data: bytes | str, *, source: str = "host manifest") -> "HostManifest":
-        """The part in ``data``, checked: each row decoded and bounded in C, then every blob name and
+        """The part in ``data`` (either format), checked, one ``HostShard`` per row."""
+        cols = PartColumns.from_json(data, source=source)
+        return cls(cols.step, cols.host, cols.rows(), cols.written_bytes, cols.seconds)
+
+    @classmethod
+    def _read_v1(cls, data: bytes | str, source: str) -> "HostManifest":
+        """An ``mtc-host/1`` part, checked: each row decoded and bounded in C, then every blob name and
         box checked once per part. A part the fast reader refuses is read again by the precise one,
         which says what is wrong and where (or reads what the fast one is too strict for)."""
         try:
@@ -82,16 +218,17 @@ class HostManifest:
         except (msgspec.DecodeError, UnicodeDecodeError):
             return cls._read_precisely(data, source)
         shards = doc.shards
-        if (doc.format != HOST_FORMAT or not _LOWER_HEX.fullmatch("".join([s.blob for s in shards]))
+        if (doc.format != HOST_FORMAT_V1 or not _LOWER_HEX.fullmatch("".join([s.blob for s in shards]))
                 or not all(a <= b for box in {s.box for s in shards} for a, b in box)):
             return cls._read_precisely(data, source)
         return cls(doc.step, doc.host, tuple(shards), doc.written_bytes, doc.seconds)
 
     @classmethod
     def _read_precisely(cls, data: bytes | str, source: str) -> "HostManifest":
-        """The part read and checked field by field: one error that names the field and the row."""
+        """An ``mtc-host/1`` part read and checked field by field: one error that names the field and the row."""
         doc = load_json(data, source)
-        expect(doc.get("format") == HOST_FORMAT, source, f"format is {doc.get('format')!r}, expected {HOST_FORMAT!r}")
+        expect(doc.get("format") == HOST_FORMAT_V1, source,
+               f"format is {doc.get('format')!r}, expected {HOST_FORMAT!r} or {HOST_FORMAT_V1!r}")
         step, host = doc.get("step"), doc.get("host")
         expect(isinstance(step, int) and step >= 0, source, f"step {step!r} is not a non-negative integer")
         expect(isinstance(host, str), source, "host is not a string")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 import msgspec
@@ -17,7 +18,7 @@ from mtc.shared import shardings as shardings_lib
 from mtc.shared.errors import ManifestError
 from mtc.shared.format.base import (Box, box_from_doc, box_shape, box_str, canonical_json, doc_digest, dtype_from_name,
                                     expect, load_json)
-from mtc.shared.format.host import HostManifest, HostShard
+from mtc.shared.format.host import HostManifest, HostShard, PartColumns, split_names
 from mtc.shared.hashing import HASH_NAME, blob_name, is_blob_name
 
 # mtc/3: a header line and one line per host part (see mtc.shared.format). Its "digest" is SHA-256 over the
@@ -391,68 +392,147 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | Non
     # replicas: one record, and they must name the same blob).
     derived: dict = {}  # (sharding index, shape) -> its device boxes: every layer's arrays share a few
     heads = [_array_head(a, table, f"{source}: arrays[{i}]", derived) for i, a in enumerate(docs)]
-    is_array = [rec.kind != "scalar" for rec, _ in heads]
-    found: list[dict[Box, tuple[str, int, str]]] = [{} for _ in heads]
-    parts = []
-    part_blobs: dict[str, set[str]] = {}
+    cols, parts, hosts = [], [], []
     for j, (meta, line) in enumerate(pairs):
         where = f"{source}: part {j}"
         expect(isinstance(meta, dict) and isinstance(meta.get("host"), str), where, "its header entry is malformed")
         host = meta["host"]
         expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), where,
                 f"the part of host {host} does not match its hash in the header (changed after it was written)")
-        part = HostManifest.from_json(line, source=f"{where} (host {host})")
+        part = PartColumns.from_json(line, source=f"{where} (host {host})")
         expect(part.step == step and part.host == host, where,
                 f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
-        n_heads = len(heads)
-        for s in part.shards:  # (the messages are built only for a row that fails: this loop runs per shard)
-            a = s.array
-            if a >= n_heads or not is_array[a]:
-                expect(False, where, f"shard of array #{s.array}, which is not an array of this step")
-            seen = found[a]
-            prev = seen.get(s.box)
-            if prev is None:
-                seen[s.box] = (s.blob, s.nbytes, host)
-            elif prev[0] != s.blob or prev[1] != s.nbytes:
-                expect(False, where,
-                       f"array {heads[s.array][0].key!r} shard {box_str(s.box)} has different contents on hosts "
-                       f"{prev[2]} and {host} ({prev[0]} != {s.blob}); replicas must be identical")
+        cols.append(part)
         parts.append((host, meta["digest"]))
-        part_blobs[host] = part.blob_names()
-    records = []
-    elements: dict[tuple[Box, tuple[int, ...]], int | None] = {}  # (box, shape) -> its elements (None: out of shape)
-    for (rec, owners), shards in zip(heads, found):
-        if rec.kind == "scalar":
-            records.append(rec)
-            continue
-        where = f"{source}: array {rec.key!r}"
-        itemsize = rec.np_dtype.itemsize
-        shape, ndim = rec.shape, len(rec.shape)
-        out = []
-        covered = 0  # boxes of a jax sharding tile the array without overlap, so their volumes add up
-        for box in sorted(shards):
-            blob, nbytes, _ = shards[box]
-            count = elements.get((box, shape), -1)
-            if count == -1:  # equal boxes of equal shapes (every layer's) are checked once
-                fits = len(box) == ndim and all(b <= n for (_, b), n in zip(box, shape))
-                count = elements[(box, shape)] = math.prod(b - a for a, b in box) if fits else None
-            if count is None:
-                expect(False, where, f"box {box_str(box)} does not fit shape {list(shape)}")
-            want = count * itemsize
-            if nbytes != want:
-                expect(False, where, f"nbytes {nbytes} does not match box {box_str(box)} of {rec.dtype} ({want})")
-            covered += count
-            out.append(ShardRecord(box, blob, nbytes, owners.get(box, ())))
-        total = math.prod(shape)
-        expect(only is not None or total == 0 or covered == total, where, "its shards do not cover the whole array")
-        records.append(dataclasses.replace(rec, shards=tuple(out)))
+        hosts.append(host)
+    records = _shards_from_columns(heads, cols, hosts, source, whole=only is None)
+    part_blobs = _PartBlobs(dict(zip(hosts, cols)))
     keys = [r.key for r in records]
     expect(len(set(keys)) == len(keys), source, "duplicate array keys")
     m = StepManifest(step=step, arrays=tuple(records), tree=doc.get("tree"), created=float(doc.get("created", 0.0)),
                      topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}),
-                     parts=tuple(parts), part_blobs={h: frozenset(b) for h, b in part_blobs.items()})
+                     parts=tuple(parts), part_blobs=part_blobs)
     m.__dict__["digest"] = digest
     return m
+
+
+class _PartBlobs(Mapping):
+    """host -> the blob names of its part (a frozenset), made the first time a host's is asked for:
+    a whole manifest has millions of names, and most readers ask for one host's or none."""
+
+    def __init__(self, parts: dict[str, "PartColumns"]):
+        self._parts, self._made = parts, {}
+
+    def __getitem__(self, host: str) -> frozenset:
+        names = self._made.get(host)
+        if names is None:
+            names = self._made[host] = frozenset(self._parts[host].blob_names())
+        return names
+
+    def __iter__(self):
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+
+def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str], source: str, whole: bool
+                         ) -> list[ArrayRecord]:
+    """The arrays of ``heads`` with their shards, from the parts' columns, checked as one table (no
+    Python object per row until the shards are made): every row names an array of the step, the
+    rows of one box of one array (replicas) name one blob, every box fits its array and its size is
+    its box's, and (``whole``) each array's boxes cover it."""
+    n_heads = len(heads)
+    gindex: dict[Box, int] = {}  # every distinct box of the step -> its id
+    A, G, NB, BL, P = [], [], [], [], []
+    for k, p in enumerate(cols):
+        local = np.array([gindex.setdefault(b, len(gindex)) for b in p.boxes], np.int64)
+        A.append(p.array.astype(np.int64))
+        G.append(local[p.box] if len(p) else np.zeros(0, np.int64))
+        NB.append(p.nbytes)
+        BL.append(p.blob)
+        P.append(np.full(len(p), k, np.int32))
+    A, G, NB = np.concatenate(A or [np.zeros(0, np.int64)]), np.concatenate(G or [np.zeros(0, np.int64)]), \
+        np.concatenate(NB or [np.zeros(0, np.int64)])
+    BL = np.concatenate(BL) if BL else np.zeros((0, 2), np.uint64)
+    P = np.concatenate(P) if P else np.zeros(0, np.int32)
+    gboxes = list(gindex)
+    n = len(A)
+    is_array = np.array([rec.kind != "scalar" for rec, _ in heads] + [False])
+    bad = ~is_array[np.minimum(A, n_heads)]
+    if bad.any():
+        i = int(np.argmax(bad))
+        expect(False, f"{source}: part {int(P[i])}", f"shard of array #{int(A[i])}, which is not an array of this step")
+    # The replicas of a box (equal array and box on several hosts) must name one blob of one size.
+    key = A * max(1, len(gboxes)) + G
+    order = np.argsort(key, kind="stable")  # stable: the first row of each box is the first part's
+    ks = key[order]
+    first = np.ones(n, bool)
+    first[1:] = ks[1:] != ks[:-1]
+    lead = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))] if n else order
+    differ = (BL[order] != BL[lead]).any(axis=1) | (NB[order] != NB[lead])
+    if differ.any():
+        i = int(order[differ].min())
+        j = int(lead[np.flatnonzero(order == i)[0]])
+        a, box = int(A[i]), gboxes[int(G[i])]
+        one, other = split_names(BL[[j, i]])
+        expect(False, f"{source}: part {int(P[i])}",
+               f"array {heads[a][0].key!r} shard {box_str(box)} has different contents on hosts "
+               f"{hosts[int(P[j])]} and {hosts[int(P[i])]} ({one} != {other}); replicas must be identical")
+    # One row per shard, in the order of the records: by array, then by box.
+    rank = np.empty(len(gboxes), np.int64)
+    rank[sorted(range(len(gboxes)), key=gboxes.__getitem__)] = np.arange(len(gboxes))
+    u = order[first]
+    u = u[np.lexsort((rank[G[u]], A[u]))]
+    ua, ug, unb = A[u], G[u], NB[u]
+    # Each box fits its array's shape and its size is its elements' (boxes and shapes as padded tables).
+    ndim = max([len(b) for b in gboxes] + [len(rec.shape) for rec, _ in heads] + [1])
+    stops = np.zeros((len(gboxes), ndim), np.int64)
+    box_nd = np.zeros(len(gboxes), np.int64)
+    volume = np.zeros(len(gboxes), np.int64)
+    for g, b in enumerate(gboxes):
+        box_nd[g] = len(b)
+        stops[g, :len(b)] = [hi for _, hi in b]
+        volume[g] = math.prod(hi - lo for lo, hi in b)
+    shapes = np.zeros((n_heads, ndim), np.int64)
+    arr_nd = np.zeros(n_heads, np.int64)
+    itemsize = np.zeros(n_heads, np.int64)
+    for i, (rec, _) in enumerate(heads):
+        if rec.kind != "scalar":
+            arr_nd[i], itemsize[i] = len(rec.shape), rec.np_dtype.itemsize
+            shapes[i, :len(rec.shape)] = rec.shape
+    fits = (box_nd[ug] == arr_nd[ua]) & (stops[ug] <= shapes[ua]).all(axis=1)
+    want = volume[ug] * itemsize[ua]
+    wrong = ~fits | (unb != want)
+    if wrong.any():
+        i = int(np.argmax(wrong))
+        rec, box = heads[int(ua[i])][0], gboxes[int(ug[i])]
+        where = f"{source}: array {rec.key!r}"
+        expect(bool(fits[i]), where, f"box {box_str(box)} does not fit shape {list(rec.shape)}")
+        expect(False, where, f"nbytes {int(unb[i])} does not match box {box_str(box)} of {rec.dtype} ({int(want[i])})")
+    bounds = np.searchsorted(ua, np.arange(n_heads + 1)).tolist()
+    if whole:  # boxes of a jax sharding tile the array without overlap, so their volumes add up
+        summed = np.concatenate([[0], np.cumsum(volume[ug])]).tolist()
+        for i, (rec, _) in enumerate(heads):
+            total = math.prod(rec.shape)
+            have = summed[bounds[i + 1]] - summed[bounds[i]]
+            expect(rec.kind == "scalar" or total == 0 or have == total, f"{source}: array {rec.key!r}",
+                   "its shards do not cover the whole array")
+    names, nbytes, gl = split_names(BL[u]), unb.tolist(), ug.tolist()
+    owners_by_id: dict[int, dict[int, tuple[int, ...]]] = {}  # the heads share their owners by (sharding, shape)
+    records = []
+    for i, (rec, owners) in enumerate(heads):
+        if rec.kind == "scalar":
+            records.append(rec)
+            continue
+        og = owners_by_id.get(id(owners))
+        if og is None:
+            og = owners_by_id[id(owners)] = {gindex[b]: d for b, d in owners.items() if b in gindex}
+        lo, hi = bounds[i], bounds[i + 1]
+        records.append(dataclasses.replace(rec, shards=tuple(
+            [ShardRecord(gboxes[g], name, nb, og.get(g, ())) for g, name, nb in
+             zip(gl[lo:hi], names[lo:hi], nbytes[lo:hi])])))
+    return records
 
 
 def _array_head(doc: Any, table: list, where: str,

@@ -66,15 +66,15 @@ def main() -> int:
         specs.update(u=P(None, "model"), e=P("model"))
     from mtc.shared import format as fmt
 
-    parsed = [0]  # shard rows the head parsed (host parts read by HostManifest.from_json)
-    real = fmt.HostManifest.from_json.__func__
+    parsed = [0]  # shard rows the head parsed (host parts read by PartColumns.from_json)
+    real = fmt.PartColumns.from_json.__func__
 
     def counting(cls, data, **kw):
         part = real(cls, data, **kw)
-        parsed[0] += len(part.shards)
+        parsed[0] += len(part)
         return part
 
-    fmt.HostManifest.from_json = classmethod(counting)
+    fmt.PartColumns.from_json = classmethod(counting)
     shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
     backup = {"base_output_directory": a.backup, "run_name": "elastic",
               "multi_tier_checkpointing_backup_interval_steps": 1} if a.backup else {}

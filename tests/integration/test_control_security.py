@@ -8,6 +8,7 @@ write is readable by their user only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import socket
@@ -248,12 +249,17 @@ def _swap_two_blobs(path: Path, recompute: bool) -> None:
     from mtc.shared.format.base import doc_digest
     from mtc.shared.hashing import blob_name
 
+    from mtc.shared import format as fmt
+
     header, *lines = path.read_bytes().split(b"\n")
-    doc, parts = json.loads(header), [json.loads(line) for line in lines]
-    rows = [row for p in parts for row in p["shards"]]
-    a, b = next((x, y) for x in rows for y in rows if x is not y and x[3] == y[3] and x[2] != y[2])
-    a[2], b[2] = b[2], a[2]
-    lines = [json.dumps(p, separators=(",", ":")).encode() for p in parts]
+    doc, parts = json.loads(header), [fmt.HostManifest.from_json(line) for line in lines]
+    rows = [[p, i, s] for p in parts for i, s in enumerate(p.shards)]
+    a, b = next((x, y) for x in rows for y in rows if x[2] is not y[2] and x[2].nbytes == y[2].nbytes
+                and x[2].blob != y[2].blob)
+    a[2], b[2] = (fmt.HostShard(a[2].array, a[2].box, b[2].blob, a[2].nbytes),
+                  fmt.HostShard(b[2].array, b[2].box, a[2].blob, b[2].nbytes))
+    parts = [dataclasses.replace(p, shards=tuple(r[2] for r in rows if r[0] is p)) for p in parts]
+    lines = [p.to_json() for p in parts]
     if recompute:
         doc.pop("digest")
         for meta, line in zip(doc["parts"], lines):

@@ -21,6 +21,13 @@ from mtc.sidecar.local_cluster import LocalCluster
 pytestmark = pytest.mark.integration
 
 
+def _damage_a_part(data: bytes) -> bytes:
+    """One character of the first part's columns changed (a row's array, box, size or blob, as a
+    flipped bit would): still JSON and base64, the same size."""
+    return re.sub(rb'("columns":")(.)', lambda mo: mo.group(1) + (b"B" if mo.group(2) != b"B" else b"C"), data,
+                  count=1)
+
+
 def test_a_damaged_manifest_on_the_first_host_is_read_from_the_next(ramdisk):
     rng = np.random.default_rng(0)
     sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
@@ -33,8 +40,7 @@ def test_a_damaged_manifest_on_the_first_host_is_read_from_the_next(ramdisk):
             m.wait_until_finished()
         (path,) = [p for p in (cluster.store_root("s0-h0") / "steps").iterdir() if p.name.endswith(".json")]
         text = path.read_bytes()
-        # A shard row of a part is [array, box, blob, nbytes]: one more byte than its box holds.
-        damaged = re.sub(rb'",(\d+)\]', lambda mo: b'",' + str(int(mo.group(1)) + 1).encode() + b"]", text, count=1)
+        damaged = _damage_a_part(text)
         assert damaged != text
         path.write_bytes(damaged)
         with CheckpointManager(cfg) as m:
@@ -85,9 +91,7 @@ def test_latest_step_counts_a_step_whose_damaged_copy_the_head_gives_back(ramdis
                 m.wait_until_finished()
             path = cluster.store_root("s0-h1") / "steps" / f"{2:012d}.json"
             good = path.read_bytes()
-            # Still JSON, but a shard row of a part is one byte longer than its box: its hash fails.
-            damaged = re.sub(rb'",(\d+)\]', lambda mo: b'",' + str(int(mo.group(1)) + 1).encode() + b"]", good,
-                             count=1)
+            damaged = _damage_a_part(good)  # still JSON, but its hash fails
             assert damaged != good
             cluster.kill("s0-h1")
             path.write_bytes(damaged)

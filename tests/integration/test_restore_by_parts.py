@@ -41,16 +41,18 @@ def make_state(seed: int) -> dict:
 
 @pytest.fixture
 def rows_parsed(monkeypatch):
-    """How many shard rows the head has parsed (host parts read by ``HostManifest.from_json``)."""
-    count = [0]
-    real = fmt.HostManifest.from_json.__func__
+    """How many shard rows the head has parsed (every part read goes through ``PartColumns.from_json``).
+    The rows the save's twin check reads (each phase-1 answer's names per box, at every save) are
+    counted apart, in ``count[1]``: they are the save's, not a restore's, a replication's or a backup's."""
+    count = [0, 0]
+    real = fmt.PartColumns.from_json.__func__
 
     def counting(cls, data, **kw):
         part = real(cls, data, **kw)
-        count[0] += len(part.shards)
+        count["answer to phase 1" in kw.get("source", "")] += len(part)
         return part
 
-    monkeypatch.setattr(fmt.HostManifest, "from_json", classmethod(counting))
+    monkeypatch.setattr(fmt.PartColumns, "from_json", classmethod(counting))
     return count
 
 
@@ -234,6 +236,7 @@ def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local
         assert m.wait_for_replication().replicated
         report = m.wait_for_backup()
         assert report.error is None and rows_parsed[0] == 0, (report, rows_parsed[0])
+        assert rows_parsed[1] > 0  # (the save's twin check: the spy sees the part reads it is to count)
         want = {sh.blob for a in m.manifest(5).arrays for sh in a.shards}
         assert report.uploaded_blobs == len(want), (report.uploaded_blobs, len(want))  # each once, none left out
         assert len([h for h, n in report.bytes_by_host.items() if n]) >= 2  # spread over the holders

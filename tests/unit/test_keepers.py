@@ -168,12 +168,12 @@ def test_a_keeper_whose_copy_was_changed_is_not_believed(services):
 
 
 def _flip_a_part_digit(path) -> None:
-    """Change one hex digit in the part of the record at ``path``: still JSON, same size."""
+    """Change one character of a blob name in the part of the record at ``path`` (in the columns' base64):
+    still JSON and base64, same size."""
     data = bytearray(path.read_bytes())
-    i = data.index(b'\\"shards\\"') + 20
-    while chr(data[i]) not in "0123456789abcdef":
-        i += 1
-    data[i] = ord("0") if data[i] != ord("0") else ord("1")
+    i = data.index(b'\\"columns\\":\\"') + 14
+    i += (data.index(b'\\"', i) - i) * 3 // 4  # among the blob names, the last of the columns
+    data[i] = ord("A") if data[i] != ord("A") else ord("B")
     path.write_bytes(bytes(data))
 
 

@@ -137,8 +137,9 @@ def test_many_mismatches_are_shown_five_at_a_time():
     parts = []
     for h, data in parts_of(leaves):
         doc = fmt.HostManifest.from_json(data)
-        shards = doc.shards + tuple(fmt.HostShard(0, ((i, i + 1), (16, 17)), f"{i:030x}{h}", 4) for i in range(8))
-        shards += (fmt.HostShard(9, ((0, 1),), f"{0:030x}{h}", 4),)  # not an array of the state: not counted
+        mine = f"{int(h[1:]):02x}"  # each host's own name for each box
+        shards = doc.shards + tuple(fmt.HostShard(0, ((i, i + 1), (16, 17)), f"{i:030x}{mine}", 4) for i in range(8))
+        shards += (fmt.HostShard(9, ((0, 1),), f"{0:030x}{mine}", 4),)  # not an array of the state: not counted
         parts.append((h, fmt.HostManifest(1, h, shards).to_json()))
     with pytest.raises(TwinMismatchError, match=r"in 8 box.*; and 3 more") as info:
         check(1, "fail", leaves, parts, {}, host_of)
