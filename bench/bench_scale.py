@@ -300,7 +300,7 @@ def restore_by_rows(m: fmt.StepManifest, per_host: dict[str, list[fmt.HostShard]
     t0 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     view = step_views(inv, lambda s, d: m)[1]
-    holders = view.by_name(sorted(m.blob_names()))
+    holders = view.by_name(m.sorted_blob_names())
     assert holders is not None and all(holders.values())
     return time.process_time() - t0
 

@@ -148,7 +148,7 @@ class Replicator:
                             return self._finish(ReplicationReport(
                                 step=step, attempts=attempts, error=f"{type(e).__name__}: {e}",
                                 seconds=time.perf_counter() - t0, **stats))
-                        names = sorted(manifest.blob_names())
+                        names = manifest.sorted_blob_names()
                     outcome = self._replicate_once(manifest, names, stats, short, first=attempts == 1)
                 complete, replicated = outcome
                 error = None

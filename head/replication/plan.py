@@ -338,13 +338,13 @@ def step_views(inventories: Mapping[str, HostInventory],
         rows = by_part.get(manifest, [])
         m = resolve(step, manifest) if rows and resolve is not None else None
         if rows and m is not None:
-            names = sorted(m.blob_names())
+            names = m.sorted_blob_names()
             if key is None:
                 sets, digest = [set() for _ in names], protocol.blob_list_digest(names)
             if len(names) == len(sets) and protocol.blob_list_digest(names) == digest:
                 index = {n: i for i, n in enumerate(names)}
                 for host, s in rows:
-                    own = sorted(m.part_blobs.get(host, ()))
+                    own = m.part_blob_names(host)
                     if len(own) != s.step_blobs or protocol.blob_list_digest(own) != s.digest:
                         log.warning("step %d: host %s's part does not match the manifest; not counting it", step, host)
                         continue

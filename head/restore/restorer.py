@@ -234,7 +234,7 @@ class Restorer:
                 manifest = self._manifest(s, None, inv.views[s].manifest or None)
             except MTCError:
                 continue
-            holders = inv.views[s].by_name(sorted(manifest.blob_names()))
+            holders = inv.views[s].by_name(manifest.sorted_blob_names())
             if holders is None:
                 continue
             if in_backups is None:
@@ -608,7 +608,7 @@ class Restorer:
         view = inv.views.get(step) if backup_name is None else None
         if backup_name is None and view is None:
             return None
-        holders = view.by_name(sorted(manifest.blob_names())) if view is not None else None
+        holders = view.by_name(manifest.sorted_blob_names()) if view is not None else None
         plan = make_plan(step, manifest, requests, self._dispatch.hosts(), self._dispatch.host_of_device, holders)
         if backup_name is not None:
             pulled.add_backup(self._backup_fetch(step, manifest, backup_name, plan.needs,

@@ -104,6 +104,27 @@ class StepManifest:
     def blob_names(self) -> set[str]:
         return set(self._blob_sizes)
 
+    def sorted_blob_names(self) -> list[str]:
+        """Every blob name of the step, sorted (the order an inventory's bitmaps are over); made
+        once. From the parts' columns where the manifest was read from them (a sort of 16-byte keys,
+        not of a million strings)."""
+        names = self.__dict__.get("_sorted_names")
+        if names is None:
+            parts = self.part_blobs
+            if isinstance(parts, _PartBlobs) and len(parts):
+                names = _sorted_unique([p.blob for p in parts.columns()])
+            else:
+                names = sorted(self._blob_sizes)
+            self.__dict__["_sorted_names"] = names
+        return list(names)
+
+    def part_blob_names(self, host: str) -> list[str]:
+        """The sorted blob names of ``host``'s part (empty when it wrote none)."""
+        parts = self.part_blobs
+        if isinstance(parts, _PartBlobs):
+            return parts.sorted_names(host)
+        return sorted(parts.get(host, ()))
+
     @property
     def nbytes(self) -> int:
         return sum(self._blob_sizes.values())
@@ -429,11 +450,32 @@ class _PartBlobs(Mapping):
             names = self._made[host] = frozenset(self._parts[host].blob_names())
         return names
 
+    def sorted_names(self, host: str) -> list[str]:
+        part = self._parts.get(host)
+        return [] if part is None else _sorted_unique([part.blob])
+
+    def columns(self) -> list["PartColumns"]:
+        return list(self._parts.values())
+
     def __iter__(self):
         return iter(self._parts)
 
     def __len__(self) -> int:
         return len(self._parts)
+
+
+def _sorted_unique(blobs: list[np.ndarray]) -> list[str]:
+    """The distinct blob names of ``blobs`` ((n, 2) uint64 arrays of their 16 bytes), sorted as
+    strings: the bytes read big-endian order the same as their lowercase hex."""
+    every = np.concatenate(blobs) if blobs else np.zeros((0, 2), np.uint64)
+    if not len(every):
+        return []
+    keys = every.byteswap() if every.dtype.byteorder in ("=", "<") and np.little_endian else every
+    order = np.lexsort((keys[:, 1], keys[:, 0]))
+    ordered = every[order]
+    keep = np.ones(len(ordered), bool)
+    keep[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    return split_names(ordered[keep])
 
 
 def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str], source: str, whole: bool

@@ -435,3 +435,28 @@ def test_a_manifest_reads_the_same_whatever_format_each_part_is_in():
     for m in read:
         assert m.arrays == read[0].arrays and [s.devices for s in m.arrays[0].shards] == [(0, 2), (1, 3)]
         assert dict(m.part_blobs) == {"h0": {B1, B2}, "h1": {B1, B2}} and m.blob_sizes() == {B1: 8, B2: 8}
+
+
+def test_sorted_blob_names_from_the_columns_are_the_strings_sorted():
+    """The columns sort names as 16-byte keys; the inventories' bitmaps are over the names sorted as
+    strings: the two orders must be one (names that differ in any byte, high and low halves)."""
+    rng = np.random.default_rng(7)
+    names = sorted({bytes(rng.integers(0, 256, 16, dtype=np.uint8)).hex() for _ in range(300)}
+                   | {"f" * 31 + "0", "0" * 32, "0" * 16 + "f" * 16, "f" * 16 + "0" * 16, "80" + "0" * 30})
+    rng.shuffle(names)
+    w = fmt.ArrayRecord(key="['w']", kind="jax", dtype="uint8", shape=(len(names) // 2 * 2,),
+                        sharding={"type": "named", "mesh_shape": [len(names) // 2 * 2], "axis_names": ["d"],
+                                  "device_ids": list(range(len(names) // 2 * 2)), "spec": ["d"]})
+    half = len(names) // 2
+    rows = {h: tuple(fmt.HostShard(0, ((i, i + 1),), names[i], 1) for i in range(k * half, (k + 1) * half))
+            for k, h in enumerate(("h0", "h1"))}
+    parts = [(h, fmt.HostManifest(1, h, r).to_json()) for h, r in rows.items()]
+    data, _ = fmt.encode_step(step=1, arrays=[w], tree={"t": "leaf", "i": 0}, created=0.0, topology={},
+                              fingerprint={}, parts=parts)
+    m = fmt.StepManifest.from_json(data)
+    assert m.sorted_blob_names() == sorted(m.blob_names()) == sorted(names[:2 * half])
+    for h, r in rows.items():
+        assert m.part_blob_names(h) == sorted(s.blob for s in r)
+    assert m.part_blob_names("h9") == []
+    in_memory = fmt.StepManifest(step=1, arrays=m.arrays, tree=m.tree)  # no columns: the strings sorted
+    assert in_memory.sorted_blob_names() == m.sorted_blob_names()
