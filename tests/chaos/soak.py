@@ -37,6 +37,7 @@ to the first verified restore after it.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import dataclasses
 import json
@@ -442,7 +443,19 @@ def parts_of(manifest: bytes) -> dict[str, set[str]]:
         parts = [json.loads(line) for line in lines[1:]]
     else:  # a commit record: its own part, as a JSON string
         parts = [json.loads(doc["part"])] if isinstance(doc.get("part"), str) else []
-    return {p.get("host", ""): {row[2] for row in p.get("shards", ())} for p in parts}
+    return {p.get("host", ""): _part_blobs(p) for p in parts}
+
+
+def _part_blobs(part: dict) -> set[str]:
+    """The blob names of one part: rows of ``[array, box, blob, nbytes]`` (mtc-host/1), or columns
+    (mtc-host/2: ``rows`` rows packed in base64, 4 + 4 + 8 bytes of each row first, then 16 bytes
+    of blob name per row)."""
+    if part.get("format") == "mtc-host/2":
+        n, packed = part["rows"], base64.b64decode(part["columns"], validate=True)
+        if len(packed) != 32 * n:
+            raise ValueError(f"part of {part.get('host')}: {len(packed)} bytes of columns for {n} rows")
+        return {packed[16 * n + 16 * i:16 * n + 16 * (i + 1)].hex() for i in range(n)}
+    return {row[2] for row in part.get("shards", ())}
 
 
 def blobs_of(manifest: bytes) -> set[str]:
