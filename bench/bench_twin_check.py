@@ -97,7 +97,7 @@ def part1(root: Path, slices: int, hosts: int, arrays: int, saves: int) -> None:
                     times[mode].append(report.total_s)
             leaves, _ = flatten(state)
             parts = dispatch.last.parts
-            shards = sum(len(json.loads(p)["shards"]) for _, p in parts)
+            shards = sum(json.loads(p)["rows"] for _, p in parts)
             t = []
             for _ in range(20):
                 t0 = time.perf_counter()
