@@ -486,18 +486,14 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
     its box's, and (``whole``) each array's boxes cover it."""
     n_heads = len(heads)
     gindex: dict[Box, int] = {}  # every distinct box of the step -> its id
-    A, G, NB, BL, P = [], [], [], [], []
-    for k, p in enumerate(cols):
-        local = np.array([gindex.setdefault(b, len(gindex)) for b in p.boxes], np.int64)
-        A.append(p.array.astype(np.int64))
-        G.append(local[p.box] if len(p) else np.zeros(0, np.int64))
-        NB.append(p.nbytes)
-        BL.append(p.blob)
-        P.append(np.full(len(p), k, np.int32))
-    A, G, NB = np.concatenate(A or [np.zeros(0, np.int64)]), np.concatenate(G or [np.zeros(0, np.int64)]), \
-        np.concatenate(NB or [np.zeros(0, np.int64)])
-    BL = np.concatenate(BL) if BL else np.zeros((0, 2), np.uint64)
-    P = np.concatenate(P) if P else np.zeros(0, np.int32)
+    empty = np.zeros(0, np.int64)
+    # The step's rows as one table: per row its array, box id, size, blob (16 bytes) and part.
+    A = np.concatenate([p.array.astype(np.int64) for p in cols] or [empty])
+    G = np.concatenate([np.array([gindex.setdefault(b, len(gindex)) for b in p.boxes] or [0], np.int64)[p.box]
+                        for p in cols] or [empty])
+    NB = np.concatenate([p.nbytes for p in cols] or [empty])
+    BL = np.concatenate([p.blob for p in cols]) if cols else np.zeros((0, 2), np.uint64)
+    P = np.concatenate([np.full(len(p), k, np.int64) for k, p in enumerate(cols)] or [empty])
     gboxes = list(gindex)
     n = len(A)
     is_array = np.array([rec.kind != "scalar" for rec, _ in heads] + [False])
