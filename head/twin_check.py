@@ -131,7 +131,9 @@ def _rows(parts: list[tuple[str, bytes]]) -> list[tuple[tuple[str, ...], list]]:
             raise ManifestError(f"host {host}'s answer to phase 1 is not its host manifest ({e})") from None
         if part.host != host:
             raise ManifestError(f"host {host}'s answer to phase 1 is not its host manifest (it is host {part.host}'s)")
-        out.append((tuple(h for h, _ in members), [(s.array, s.box, s.blob, s.nbytes) for s in part.rows()]))
+        rows = zip(part.array.tolist(), map(part.boxes.__getitem__, part.box.tolist()), part.blob_names(),
+                   part.nbytes.tolist())
+        out.append((tuple(h for h, _ in members), list(rows)))
     return out
 
 

@@ -470,7 +470,7 @@ def _sorted_unique(blobs: list[np.ndarray]) -> list[str]:
     every = np.concatenate(blobs) if blobs else np.zeros((0, 2), np.uint64)
     if not len(every):
         return []
-    keys = every.byteswap() if every.dtype.byteorder in ("=", "<") and np.little_endian else every
+    keys = every.view(">u8")  # the same bytes as big-endian numbers, on any machine
     order = np.lexsort((keys[:, 1], keys[:, 0]))
     ordered = every[order]
     keep = np.ones(len(ordered), bool)
