@@ -151,6 +151,11 @@ class ObjectStore(abc.ABC):
         ``max_bytes + 1`` bytes) when it is larger than ``max_bytes``."""
 
     @abc.abstractmethod
+    def get_range(self, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``name`` from byte ``offset`` (fewer where the object ends sooner: the
+        caller checks the count and the content against what it expects)."""
+
+    @abc.abstractmethod
     def exists(self, name: str) -> bool:
         """Whether `name` exists."""
 

@@ -88,6 +88,10 @@ class SlowListing(ObjectStore):
         self._check_guard()
         return self._store.get_bytes(name, **kw)
 
+    def get_range(self, name, offset, length):
+        self._check_guard()
+        return self._store.get_range(name, offset, length)
+
     def exists(self, name):
         self._check_guard()
         return self._store.exists(name)

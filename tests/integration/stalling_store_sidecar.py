@@ -106,6 +106,11 @@ class StallingStore(ObjectStore):
         self._gate("put_bytes", name)
         return self._store.put_bytes(name, data, if_absent=if_absent)
 
+    def get_range(self, name, offset, length):
+        self._check_guard()
+        self._gate("get_range", name)
+        return self._store.get_range(name, offset, length)
+
     def get_to_file(self, name, path):
         self._check_guard()
         self._gate("get_to_file", name)

@@ -151,6 +151,21 @@ def test_bad_names_are_refused(store_backend, tmp_path, bad):
     assert not (tmp_path / "escape").exists() and not (tmp_path.parent / "escape").exists()
 
 
+def test_ranges_read_the_bytes_they_name(store_backend):
+    store = store_backend.make()
+    data = random.Random(5).randbytes(100_000)
+    store.put_bytes("backups/x.json", data)
+    for offset, length in ((0, 1), (0, 100_000), (12_345, 777), (99_999, 1), (0, 0), (50_000, 0)):
+        assert store.get_range("backups/x.json", offset, length) == data[offset:offset + length], (offset, length)
+    # past the end: fewer bytes (the caller checks the count), not an error
+    assert store.get_range("backups/x.json", 99_990, 100) == data[99_990:]
+    assert store.get_range("backups/x.json", 100_000, 10) == b""
+    with pytest.raises(ObjectNotFoundError, match="backups/missing"):
+        store.get_range("backups/missing", 0, 10)
+    with pytest.raises(ValueError, match="negative"):
+        store.get_range("backups/x.json", -1, 10)
+
+
 def test_missing_object_is_a_clear_error(store_backend, tmp_path):
     store = store_backend.make()
     for call in (lambda: store.get_bytes("blobs/missing"),
