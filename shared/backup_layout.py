@@ -5,6 +5,7 @@ Under the backup root ``<base_output_directory>/<run_name>/mtc/``::
 
     blobs/<hash>                      content-addressed blobs, shared by every backup
     backups/<UTC time>-step-<step>.json   one backup: its step manifest, written last, create-only
+    backups/<name>.seal, <name>.parts     its seal (the job key's word) and part index, written before it
     restore.version                   optional: the name of the one backup restore must use
     finalizing/<gen>.<name>.<host>.*  a finalize in progress (sidecar/backup/fence.py); none when idle
     damaged/<name>.json               a backup the scrub found bad and could not repair: never restored
@@ -52,6 +53,12 @@ def parse_backup_name(name: str) -> int:
 def manifest_object(name: str) -> str:
     parse_backup_name(name)
     return f"{BACKUPS}{name}.json"
+
+
+def parts_object(name: str) -> str:
+    """The part index of backup ``name`` (``mtc.shared.backup_index``)."""
+    parse_backup_name(name)
+    return f"{BACKUPS}{name}.parts"
 
 
 def damaged_object(name: str) -> str:

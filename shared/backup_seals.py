@@ -13,6 +13,12 @@ A backup root written before seals existed holds manifests without one. Such a r
 sealed) is still read, with a warning, unless ``MTC_UNSIGNED_BACKUPS=refuse``; once a root holds one
 sealed backup, an unsealed manifest there is refused (it was written after the key, by someone else).
 With no job key at all (no token), nothing is sealed or checked.
+
+A seal may also name the backup's part index (``mtc.shared.backup_index``: the SHA-256 of the
+manifest's header and of each host's part), by its size, its SHA-256 and a tag of its own
+(``"index"``): a host that restores its own part reads the header and that part by range, each
+checked against the index, instead of the whole manifest. The manifest's fields and tag are those of
+a seal without an index, so a version that does not know indexes reads such a backup whole.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from mtc.shared.objstore.store import ObjectNotFoundError, ObjectStore, Untruste
 log = logging.getLogger(__name__)
 
 KIND = "backup manifest"
+INDEX_KIND = "backup part index"
 SUFFIX = ".seal"
 FORMAT = "mtc-seal/1"
 MAX_SEAL_BYTES = 16 << 10
@@ -71,19 +78,25 @@ class Seals:
         self.refuse_unsigned = env.get(ENV_UNSIGNED, "").strip().lower() == "refuse"
         self.refused: dict[str, str] = {}  # backup name -> why, from the last listing
 
-    def make(self, name: str, manifest_json: bytes) -> bytes | None:
-        """The seal of backup ``name`` holding ``manifest_json``; None with no key."""
+    def make(self, name: str, manifest_json: bytes, index: bytes | None = None) -> bytes | None:
+        """The seal of backup ``name`` holding ``manifest_json`` (and naming its part ``index``, when
+        given); None with no key."""
         step, size = layout.parse_backup_name(name), len(manifest_json)
         digest = hashlib.sha256(manifest_json).digest()
         tag = self.key.sign_digest(KIND, _message_name(self.run, name, step, size), digest)
         if tag is None:
             return None
-        return json.dumps({"format": FORMAT, "backup": name, "run": self.run, "step": step, "size": size,
-                           "sha256": digest.hex(), "tag": tag}, sort_keys=True).encode()
+        doc = {"format": FORMAT, "backup": name, "run": self.run, "step": step, "size": size,
+               "sha256": digest.hex(), "tag": tag}
+        if index is not None:
+            raw = hashlib.sha256(index).digest()
+            doc["index"] = {"size": len(index), "sha256": raw.hex(),
+                            "tag": self.key.sign_digest(INDEX_KIND, _message_name(self.run, name, step, len(index)), raw)}
+        return json.dumps(doc, sort_keys=True).encode()
 
-    def write(self, store: ObjectStore, name: str, manifest_json: bytes) -> None:
+    def write(self, store: ObjectStore, name: str, manifest_json: bytes, index: bytes | None = None) -> None:
         """Write the seal of ``name`` (before its manifest: the manifest is what makes it visible)."""
-        seal = self.make(name, manifest_json)
+        seal = self.make(name, manifest_json, index)
         if seal is not None:
             store.put_bytes(seal_object(name), seal)
 
@@ -161,20 +174,52 @@ class Seals:
                         "backups are read without a check until the next backup is sealed; set %s=refuse to read "
                         "none of them", self._store.url, ENV_UNSIGNED)
 
-    def check_manifest(self, name: str, data: bytes) -> None:
-        """ManifestError when ``data`` is not the manifest backup ``name``'s seal names (a root without
-        seals: see ``verify``)."""
+    def _checked_seal(self, name: str) -> dict | None:
+        """The seal of ``name`` when it checks; None where nothing is checked (no key, or a root without
+        seals: see ``verify``); ManifestError when it does not check."""
         if not self.key.enabled:
-            return
+            return None
         seal = self._read(name)
         if seal == job_key.UNSIGNED:
             objects = self._store.list(layout.BACKUPS)
             if not any(o.endswith(SUFFIX) for o in objects) and not self.refuse_unsigned:
                 self._legacy_warning()
-                return
+                return None
         if not isinstance(seal, dict):
             self._refuse(name, seal)
             raise ManifestError(f"backup {name} in {self._store.url}: {self.refused[name]}; it is not restored")
+        return seal
+
+    def check_index(self, name: str, data: bytes) -> bool:
+        """Whether the part index ``data`` of backup ``name`` may be read by: True when its seal names it
+        (or nothing is checked: no key, a root without seals); False when the seal names no index (sealed
+        by a version without them: the manifest is read whole); ManifestError when the seal does not
+        check or names another index."""
+        seal = self._checked_seal(name)
+        if seal is None:
+            return True
+        index = seal.get("index")
+        if index is None:
+            return False
+        step = layout.parse_backup_name(name)
+        size, digest = (index.get("size"), index.get("sha256")) if isinstance(index, dict) else (None, None)
+        ok = isinstance(size, int) and isinstance(digest, str) and size == len(data) \
+            and digest == hashlib.sha256(data).hexdigest()
+        if ok:
+            ok = self.key.check_digest(INDEX_KIND, _message_name(self.run, name, step, size), bytes.fromhex(digest),
+                                       index.get("tag")) == job_key.OK
+        if not ok:
+            self._refuse(name, job_key.BAD)
+            raise ManifestError(f"backup {name} in {self._store.url}: its part index is not the one its seal names "
+                                "(changed after it was written); it is not restored")
+        return True
+
+    def check_manifest(self, name: str, data: bytes) -> None:
+        """ManifestError when ``data`` is not the manifest backup ``name``'s seal names (a root without
+        seals: see ``verify``)."""
+        seal = self._checked_seal(name)
+        if seal is None:
+            return
         if seal["size"] != len(data) or seal["sha256"] != hashlib.sha256(data).hexdigest():
             self._refuse(name, job_key.BAD)
             raise ManifestError(f"backup {name} in {self._store.url}: its manifest is not the one its seal names "

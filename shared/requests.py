@@ -233,12 +233,14 @@ class BackupListing(_Rooted, kw_only=True):
 
 class BackupManifest(_Rooted, kw_only=True):
     name: Name
+    header_only: bool = False  # its header line alone, by the backup's part index (b"": it has none)
     WHY = {**_WHY_ROOT, **_WHY_NAME}
 
 
 class BackupFetch(Request, kw_only=True):
     name: Name
-    blobs: list[BlobName]
+    blobs: list[BlobName] = []
+    own_part: bool = False  # the blobs of this host's own part, read with the header by range (blobs: none)
     PER_HOST = ("blobs",)
     WHY = {**_WHY_NAME, **_WHY_BLOBS}
 

@@ -257,15 +257,33 @@ class SidecarService:
         """The backups under ``root`` (the head's backup root), newest first."""
         return self._backup_tier(root, configured=False, create=False).listing(deadline_s)
 
-    def backup_manifest(self, root: str | None, name: str) -> bytes:
-        return self._backup_tier(root, configured=False, create=False).manifest(name)
+    def backup_manifest(self, root: str | None, name: str, header_only: bool = False) -> bytes:
+        """The manifest of backup ``name``; with ``header_only``, its header line, read by range and
+        checked against the backup's part index (b"" when it has none: read the manifest whole)."""
+        tier = self._backup_tier(root, configured=False, create=False)
+        if header_only:
+            return tier.header(name) or b""
+        return tier.manifest(name)
 
-    def backup_fetch(self, name: str, blobs: list[str]) -> dict:
-        """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them."""
+    def backup_fetch(self, name: str, blobs: list[str], own_part: bool = False) -> dict:
+        """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them.
+
+        With ``own_part`` (a restore onto the topology that saved the step), the blobs of this host's own
+        part, which it reads with the header by range (``BackupTier.own_part``): this host's view of the
+        manifest is kept to read by, not the whole manifest."""
         tier = self._backup_tier()
-        manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
-        out = tier.fetch(list(blobs), manifest.blob_sizes())
+        if own_part:
+            manifest = tier.own_part(name)
+            if manifest is None:
+                raise ManifestError(f"backup {name} has no part index (written by an older version); "
+                                    "restore it by the whole manifest")
+        else:
+            manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
+        sizes = manifest.blob_sizes()
+        out = tier.fetch(sorted(sizes) if own_part else list(blobs), sizes)
         self.index.keep_manifest(manifest.step, manifest)
+        if own_part:
+            out["part_blobs"] = len(sizes)
         return out
 
     def backup_scrub_counts(self) -> dict[str, int]:

@@ -404,11 +404,26 @@ class Dispatcher(abc.ABC):
             raise errors.ProtocolError(f"host {h}: backup_manifest answered no manifest")
         return fmt.StepManifest.from_json(bytes(payloads[0]), source=f"backup {name} (via {h})")
 
-    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
-        """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
-        return self._all_jobs(f"fetch of backup {name}", "backup_fetch",
-                              {h: requests.BackupFetch(name=name, blobs=list(b)) for h, b in needs.items()},
-                              lane="backup")
+    def backup_header(self, name: str) -> fmt.StepHeader | None:
+        """The header of backup ``name``'s manifest (``fmt.StepHeader``), read by a host by range and
+        checked against the backup's sealed part index; None when the backup has none (an older
+        version's: read the manifest whole)."""
+        h, _, payloads = self._any_host("backup_manifest", wire("backup_manifest", requests.BackupManifest(
+            root=self._host_settings["backup_url"], name=name, header_only=True)))
+        if len(payloads) != 1:
+            raise errors.ProtocolError(f"host {h}: backup_manifest answered no header")
+        line = bytes(payloads[0])
+        return fmt.StepHeader.from_line(line, source=f"backup {name} header (via {h})") if line else None
+
+    def backup_fetch(self, name: str, needs: dict[str, list[str]] | None) -> dict[str, dict]:
+        """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified; with
+        ``needs`` None, every host the blobs of its own part (which it reads by range: a restore onto
+        the topology that saved the step)."""
+        if needs is None:
+            fetches = {h: requests.BackupFetch(name=name, own_part=True) for h in self.hosts()}
+        else:
+            fetches = {h: requests.BackupFetch(name=name, blobs=list(b)) for h, b in needs.items()}
+        return self._all_jobs(f"fetch of backup {name}", "backup_fetch", fetches, lane="backup")
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
         """Each host of ``work`` scrubs the backup root: host -> {"blobs": to hash in the store,

@@ -317,15 +317,38 @@ class Restorer:
                 raise e from None  # no other copy anywhere: the error that names the array and the shard
 
     def _restore_once(self, step: int | None, target: Any, partial: Any,
-                      prefetched: PrefetchReport | None, pull: bool = True) -> tuple[Any, RestoreReport]:
+                      prefetched: PrefetchReport | None, pull: bool = True,
+                      listing: dict | None = None) -> tuple[Any, RestoreReport]:
         t0 = time.perf_counter()
-        listing, asked = self.backup_listing(), step
+        listing, asked = listing or self.backup_listing(), step
         while True:
             step, backup_name, fallback, inv = self.choose_step(asked, listing)
             view = inv.views.get(step) if backup_name is None else None
             agreed = view.manifest if view is not None and view.manifest else None
             header = self._headers.get(agreed) if view is not None and view.by_writers and agreed else None
             needs = None
+            if backup_name is not None:
+                try:
+                    header = self._backup_header(step, backup_name)
+                except ManifestError as e:
+                    log.warning("backup %s cannot be restored (%s); choosing again without it", backup_name, e)
+                    listing = without_backup(listing, backup_name, f"its manifest fails its checks: {e}")
+                    continue
+                if header is not None:
+                    requests, finish = plan_target(header.as_manifest(), target, partial)
+                    if self._same_layout(header, requests):
+                        t1 = time.perf_counter()
+                        try:
+                            done = self._load_backup_parts(step, backup_name, header, requests, finish, t0, t1,
+                                                           prefetched)
+                        except ManifestError as e:
+                            log.warning("backup %s cannot be restored (%s); choosing again without it",
+                                        backup_name, e)
+                            return self._restore_once(asked, target, partial, None, pull, without_backup(
+                                listing, backup_name, f"its manifest fails its checks: {e}"))
+                        if done is not None:
+                            return done
+                header = None
             if header is not None:
                 requests, finish = plan_target(header.as_manifest(), target, partial)
                 if view.by_parts and self._same_layout(header, requests):
@@ -394,6 +417,52 @@ class Restorer:
         report = self._parts_report(step, requests, view, Pulled(), prefetched, t0, t1, t1, t2)
         log.info("- restore step %d; duration=%.3fs; size=%d bytes (each host its own part)", step, report.total_s,
                  sum(r.record.nbytes for r in requests))
+        return result, report
+
+    def _backup_header(self, step: int, name: str) -> fmt.StepHeader | None:
+        """The header of backup ``name`` (of ``step``), read by range; None when it has no part index or
+        no host could read it (its whole manifest is read then); ManifestError when it fails its checks."""
+        try:
+            header = self._dispatch.backup_header(name)
+        except ManifestError:
+            raise
+        except MTCError as e:
+            log.info("backup %s: no header by its part index (%s); reading its whole manifest", name, e)
+            return None
+        if header is not None and header.step != step:
+            raise ManifestError(f"backup {name} holds the manifest of step {header.step}, not {step}")
+        return header
+
+    def _load_backup_parts(self, step: int, name: str, header: fmt.StepHeader, requests: list[LoadRequest],
+                           finish: Callable, t0: float, t1: float,
+                           prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport] | None:
+        """The restore from backup ``name`` onto the hosts and shardings that saved its step: each host
+        downloads the blobs of its own part, which it reads with the header by range (checked against the
+        sealed part index), and loads its own shards. The head reads the header alone: O(arrays + hosts).
+        None when a blob of the backup is corrupt (the rows path names the array and the shard)."""
+        pulled = Pulled()
+        try:
+            fetched = self._dispatch.backup_fetch(name, None)
+        except CorruptBlobError as e:
+            log.warning("restore of step %d from backup %s by parts: %s; planning by the manifest's rows", step, name, e)
+            return None
+        pulled.add_backup(fetched)
+        t_pull = time.perf_counter()
+        arrays = self._dispatch.load(step, requests, None, header.digest, ())
+        t2 = time.perf_counter()
+        result = finish(arrays)
+        counted = prefetched is not None and prefetched.step == step
+        if counted:
+            pulled.add("backup", prefetched.bytes_by_tier.get("backup", 0), prefetched.blobs_by_tier.get("backup", 0))
+        nbytes = sum(r.record.nbytes for r in requests)
+        nblobs = sum(f.get("part_blobs", 0) for f in fetched.values())
+        report = RestoreReport(
+            step=step, bytes_by_tier={"ram": max(0, nbytes - pulled.bytes["backup"]), **pulled.bytes},
+            blobs_by_tier={"ram": max(0, nblobs - pulled.blobs["backup"]), **pulled.blobs}, source=name,
+            skipped_copies=(), inventory_s=t1 - t0, pull_s=t_pull - t1, load_s=t2 - t_pull,
+            total_s=time.perf_counter() - t0, prefetched=counted)
+        log.info("- restore step %d; duration=%.3fs; size=%d bytes (from backup %s, each host its own part)", step,
+                 report.total_s, nbytes, name)
         return result, report
 
     @staticmethod
@@ -582,6 +651,14 @@ class Restorer:
         listing = self.backup_listing()
         step, backup_name, fallback, inv = self.choose_step(None, listing)
         view = inv.views.get(step) if backup_name is None else None
+        header = self._backup_header(step, backup_name) if backup_name is not None else None
+        if header is not None and self._same_layout(header, plan_target(header.as_manifest(), None)[0]):
+            if closing():
+                return None
+            pulled = Pulled()
+            pulled.add_backup(self._dispatch.backup_fetch(backup_name, None))
+            return PrefetchReport(step=step, source=backup_name, bytes_by_tier=dict(pulled.bytes),
+                                  blobs_by_tier=dict(pulled.blobs), seconds=time.perf_counter() - t0)
         # Every part is whole where it was written, or the writers that lost theirs are gone (an elastic
         # shrink; the restore reads their boxes from the twins' parts): nothing to bring.
         if view is not None and view.by_writers and not set(view.lost) & set(self._dispatch.hosts()):

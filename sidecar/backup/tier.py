@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from mtc.shared import backup_index
 from mtc.shared import backup_layout as layout
 from mtc.shared import format as fmt
 from mtc.shared.backup_seals import Seals, read_restore_version, seal_object
@@ -124,7 +125,11 @@ class BackupTier:
                 raise CorruptBlobError(f"backup {name}: {len(missing)} blob(s) missing from {self.url} "
                                        f"({missing[0]}, ...); the backup is not made visible")
             if not store.exists(layout.manifest_object(name)):
-                self._seals(store).write(store, name, manifest_json)  # before the manifest makes it visible
+                # The part index and the seal first: the manifest is what makes the backup visible.
+                index = backup_index.make(name, manifest_json)
+                if index is not None:
+                    store.put_bytes(layout.parts_object(name), index)
+                self._seals(store).write(store, name, manifest_json, index)
             created = store.put_bytes(layout.manifest_object(name), manifest_json, if_absent=True)
             if not created and store.get_bytes(layout.manifest_object(name)) != manifest_json:
                 raise ManifestError(f"backup {name} is already in {self.url} with another manifest; a backup "
@@ -160,6 +165,7 @@ class BackupTier:
             store.delete(layout.manifest_object(n))
         for n in old:
             store.delete(seal_object(n))
+            store.delete(layout.parts_object(n))
         for obj in store.list(layout.DAMAGED):  # the marks of backups that no longer exist
             if obj[len(layout.DAMAGED):].removesuffix(".json") in old:
                 store.delete(obj)
@@ -239,6 +245,25 @@ class BackupTier:
         data = self._store.get_bytes(layout.manifest_object(name))
         self._seals(self._store).check_manifest(name, data)
         return data
+
+    def own_part(self, name: str) -> fmt.StepManifest | None:
+        """This host's view of backup ``name``'s manifest (every array, the shards of its own part), from
+        the header and its part read by range and checked against the sealed part index; None when the
+        backup has none (read the manifest whole)."""
+        got = backup_index.read(self._store, self._seals(self._store), name, self._host)
+        if got is None:
+            return None
+        header, part = got
+        view = fmt.StepManifest.local_view(header, self._host, part, source=f"backup {name} (host {self._host}'s part)")
+        if view.step != layout.parse_backup_name(name):
+            raise ManifestError(f"backup {name} holds the manifest of step {view.step}; it is not restored")
+        return view
+
+    def header(self, name: str) -> bytes | None:
+        """The header line of backup ``name``'s manifest, checked against the sealed part index; None
+        when the backup has none."""
+        got = backup_index.read(self._store, self._seals(self._store), name, None)
+        return None if got is None else got[0]
 
     def fetch(self, blobs: list[str], sizes: dict[str, int] | None = None) -> dict:
         """Download ``blobs`` the ramdisk lacks, each verified against its name before it counts; with

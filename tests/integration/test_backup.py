@@ -137,8 +137,11 @@ def test_retention_deletes_manifests_then_unused_blobs(ramdisk, backup_base):
     listed = st.list(backup_layout.BACKUPS)
     manifests = [o for o in listed if o.endswith(".json")]
     assert [backup_layout.parse_backup_name(o.split("/")[-1][:-5]) for o in manifests] == [3, 4]
-    # Each kept backup's seal (with a job key: a local cluster's token) goes with it; the pruned ones' too.
-    assert all(o.endswith(".seal") and o[:-5] + ".json" in manifests for o in listed if o not in manifests)
+    # Each kept backup's part index and seal (with a job key: a local cluster's token) go with it; the
+    # pruned ones' too.
+    assert {o for o in listed if o.endswith(".parts")} == {m[:-5] + ".parts" for m in manifests}
+    assert all(o.endswith((".seal", ".parts")) and o.rsplit(".", 1)[0] + ".json" in manifests
+               for o in listed if o not in manifests)
     live = set().union(*(fmt.StepManifest.from_json(st.get_bytes(o)).blob_names() for o in manifests))
     # Exactly the blobs of the kept backups survive: 8 shards of w and 2 of b per step.
     assert remaining == live and len(live) == 20

@@ -86,17 +86,30 @@ def test_every_backup_is_sealed_and_a_copied_manifest_under_another_step_is_left
     assert f"backup {unsealed}" in log, log[-3000:]
 
 
-def test_a_manifest_changed_after_its_seal_is_not_restored_and_the_one_before_is(job):
+@pytest.mark.parametrize("by_parts", [True, False], ids=["by-parts", "whole"])
+def test_a_manifest_changed_after_its_seal_is_not_restored_and_the_one_before_is(job, by_parts, caplog):
+    """Each host reads its own part of the manifest by range (``by-parts``), checked against the sealed
+    part index; without an index (a backup of an older version) the whole manifest, checked against
+    the seal. A changed part is refused either way."""
     cluster, cfg, devices, root = job
     names = _backups(root)
+    if not by_parts:
+        for n in names.values():
+            (root / "backups" / f"{n}.parts").unlink()
     newest = root / "backups" / f"{names[3]}.json"
-    newest.write_bytes(newest.read_bytes() + b"\n")  # the same manifest to a parser, other bytes
+    data = bytearray(newest.read_bytes())
+    at = data.rindex(b'"columns":"') + 20  # a byte of the last host's columns, still base64
+    data[at:at + 1] = b"A" if data[at:at + 1] != b"A" else b"B"
+    newest.write_bytes(bytes(data))
     with CheckpointManager(cfg) as m:
         step = m.latest_step()
         restored = m.restore(step, target=target(devices)) if step == 2 else m.restore(target=target(devices))
         assert_trees_bitwise_equal(state(2, devices), restored)
-    log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts)
-    assert "not the one its seal names" in log, log[-3000:]
+        assert m.last_restore_report.step == 2
+    log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts) + caplog.text
+    why = ("the part of host s0-h1 is not the one its part index names" if by_parts
+           else "not the one its seal names")
+    assert why in log, log[-3000:]
 
 
 def test_a_root_written_before_seals_is_still_read_with_a_warning(job):
