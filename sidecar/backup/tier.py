@@ -255,6 +255,8 @@ class BackupTier:
             return None
         header, part = got
         view = fmt.StepManifest.local_view(header, self._host, part, source=f"backup {name} (host {self._host}'s part)")
+        log.info("host %s: backup %s: read the manifest's header and this host's part by range (%d bytes)",
+                 self._host, name, len(header) + len(part))
         if view.step != layout.parse_backup_name(name):
             raise ManifestError(f"backup {name} holds the manifest of step {view.step}; it is not restored")
         return view

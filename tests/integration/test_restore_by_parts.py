@@ -5,6 +5,8 @@ for bit. What the head parses is counted by a spy on the host-part parser, in th
 
 from __future__ import annotations
 
+import re
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -243,6 +245,18 @@ def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local
     for h in local_cluster.hosts:
         local_cluster.wipe(h)
         local_cluster.restart(h)
+    rows_parsed[0] = 0
     with manager(local_cluster, **cfg) as m:
+        # Each host reads the header and its own part of the backup's manifest by range; the head the header.
         assert_trees_bitwise_equal(state, m.restore(5))
-        assert m.last_restore_report.source != "cluster"
+        rep = m.last_restore_report
+        assert rep.source != "cluster" and rep.bytes_by_tier["backup"] > 0 and rep.bytes_by_tier["peer"] == 0
+        assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a restore from the backup"
+        whole = (ramdisk / "bucket" / "r" / "mtc" / "backups" / f"{rep.source}.json").stat().st_size
+        for h in local_cluster.hosts:
+            read = re.findall(rf"backup {rep.source}: read the manifest's header and this host's part by range "
+                              r"\((\d+) bytes\)", local_cluster.log_path(h).read_text())
+            assert read and int(read[-1]) < whole, (h, read, whole)
+        # Onto another sharding the manifest is read whole, and the restore stays bit for bit.
+        assert_trees_bitwise_equal(state, m.restore(5, target=resharded(state)), check_sharding=False)
+        assert rows_parsed[0] > 0
