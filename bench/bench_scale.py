@@ -30,6 +30,11 @@ inventory parsed, the manifest's header read alone (``fmt.StepHeader``), the ste
 (every host holds the part it wrote), the layout checked and the load request every host gets; its
 head CPU and bytes per host, beside a restore that reads every row (a host that lost its part).
 
+Per restore from the backup onto the same topology (every ramdisk lost), in a real local backup root:
+the part index a finalize writes, the head's read of the header and one host's of the header and its
+own part (each by range, checked against the sealed index), beside the whole manifest every host read
+before.
+
 Per elastic shrink (data-parallel slices, FSDP within each; the last slice gone): the surviving
 hosts' inventories, the step chosen by its writers' parts (a twin wrote every box the lost slice did)
 and which writer's part each host reads on the smaller mesh (``fmt.writers.plan``), from the header.
@@ -46,14 +51,19 @@ import argparse
 import gc
 import json
 import math
+import tempfile
 import time
 
 from mtc.head.commit import choose_keepers
 from mtc.head.dispatch.interface import HostInventory
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.tools.cli.status import copies_by_share
+from mtc.shared import backup_index, backup_layout
 from mtc.shared import format as fmt
 from mtc.shared import protocol, shardings
+from mtc.shared.backup_seals import SUFFIX as SEAL_SUFFIX, Seals
+from mtc.shared.job_key import JobKey
+from mtc.shared.objstore.local import LocalStore
 from mtc.shared.format import writers
 
 DEVICES_PER_HOST = 8
@@ -173,6 +183,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         del m, data_v1
     restore = restore_side(records, per_host, data, digest)
     restore.update(resize_side(hosts, layers))
+    restore.update(backup_side(data))
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
@@ -241,6 +252,41 @@ def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.Ho
     status_s = time.process_time() - t1
     return {"restore_s": spent, "status_s": status_s, "restore_sent": len(request) * hosts,
             "restore_received": sum(len(w) for w in wire.values()) + len(line)}
+
+
+def backup_side(data: bytes) -> dict:
+    """A restore from the backup onto the topology that saved the step (every ramdisk lost), in a real
+    local backup root: the finalizing host's CPU for the part index (``backup_index.make``; its seal
+    hashes the whole manifest anyway), then the head's read (the header by range, checked against the
+    sealed index) and one host's (the header and its own part, and its view of the step), with the bytes
+    each reads, beside reading the whole manifest (what every host read before)."""
+    name = backup_layout.backup_name(1, 0)
+    with tempfile.TemporaryDirectory(prefix="mtc-bench-scale-") as root:
+        store, key = LocalStore(root), JobKey(b"bench" * 8)
+        seals = Seals(store, key, "file:///bench/run/mtc")
+        quiet()
+        t0 = time.process_time()
+        index = backup_index.make(name, data)
+        index_s = time.process_time() - t0
+        store.put_bytes(backup_layout.parts_object(name), index)
+        seals.write(store, name, data, index)
+        store.put_bytes(backup_layout.manifest_object(name), data)
+        seal_bytes = store.size(f"{backup_layout.BACKUPS}{name}{SEAL_SUFFIX}")
+        quiet()
+        t0 = time.process_time()
+        line, _ = backup_index.read(store, seals, name, None)
+        header = fmt.StepHeader.from_line(line)
+        head_s = time.process_time() - t0
+        host = header.parts[-1][0]
+        quiet()
+        t0 = time.process_time()
+        line, part = backup_index.read(store, seals, name, host)
+        view = fmt.StepManifest.local_view(line, host, part)
+        host_s = time.process_time() - t0
+        assert view.digest == header.digest and view.blob_sizes()
+    return {"backup_index_s": index_s, "backup_head_s": head_s, "backup_host_s": host_s,
+            "backup_head_bytes": seal_bytes + len(index) + len(line),
+            "backup_host_bytes": seal_bytes + len(index) + len(line) + len(part)}
 
 
 def resize_side(hosts: int, layers: int) -> dict:
@@ -392,6 +438,16 @@ def main() -> None:
               f"{(a1['restore_received'] / a1['hosts']) / (a0['restore_received'] / a0['hosts']):.2f}x; head CPU at "
               f"{a1['hosts']} hosts {a1['restore_s']:.2f} s (target <= 1 s); an elastic shrink's "
               f"{a1['resize_s']:.2f} s (target <= 5 s)")
+    print("\n## One restore from the backup onto the topology that saved the step (every ramdisk lost)\n")
+    print("| hosts | finalizing host: part index (CPU) | head: reads (bytes) | head CPU | each host: reads (bytes) "
+          "| each host CPU | each host before: the whole manifest (bytes) | each host before (CPU) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        before = (f"{r['keeper_parse_s']:.2f} s" if r["keeper_parse_s"] is not None
+                  else f"skipped (about {r['keeper_estimate_s']:.0f} s)")
+        print(f"| {r['hosts']} | {r['backup_index_s'] * 1e3:,.0f} ms | {_mib(r['backup_head_bytes'])} | "
+              f"{r['backup_head_s'] * 1e3:,.0f} ms | {_mib(r['backup_host_bytes'])} | {r['backup_host_s'] * 1e3:,.1f} ms | "
+              f"{_mib(r['manifest_bytes'])} | {before} |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         k = a1["hosts"] / a0["hosts"]
