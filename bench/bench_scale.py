@@ -274,13 +274,14 @@ def backup_side(data: bytes) -> dict:
         seal_bytes = store.size(f"{backup_layout.BACKUPS}{name}{SEAL_SUFFIX}")
         quiet()
         t0 = time.process_time()
-        line, _ = backup_index.read(store, seals, name, None)
+        line, _ = backup_index.read(store, seals, name)
         header = fmt.StepHeader.from_line(line)
         head_s = time.process_time() - t0
         host = header.parts[-1][0]
         quiet()
         t0 = time.process_time()
-        line, part = backup_index.read(store, seals, name, host)
+        line, parts = backup_index.read(store, seals, name, [host])
+        part = parts[host]
         view = fmt.StepManifest.local_view(line, host, part)
         host_s = time.process_time() - t0
         assert view.digest == header.digest and view.blob_sizes()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Sequence
 
 from mtc.shared import backup_layout as layout
 from mtc.shared.backup_seals import Seals
@@ -51,11 +52,11 @@ def make(name: str, manifest_json: bytes) -> bytes | None:
                       sort_keys=True, separators=(",", ":")).encode()
 
 
-def read(store: ObjectStore, seals: Seals, name: str, host: str | None) -> tuple[bytes, bytes | None] | None:
-    """(the header line, ``host``'s part) of backup ``name``'s manifest, each checked against the
-    sealed index; the header alone when ``host`` is None. None when the backup has no index its seal
-    names (read the manifest whole then). ManifestError when a piece fails its check, or when the
-    manifest has no part of ``host``."""
+def read(store: ObjectStore, seals: Seals, name: str, hosts: Sequence[str] = ()) -> tuple[bytes, dict[str, bytes]] | None:
+    """(the header line, host -> its part) of backup ``name``'s manifest for each of ``hosts``, every
+    piece checked against the sealed index (no hosts: the header alone). None when the backup has no
+    index its seal names (read the manifest whole then). ManifestError when a piece fails its check,
+    or when the manifest has no part of one of ``hosts``."""
     where = f"backup {name} in {store.url}"
     try:
         data = store.get_bytes(layout.parts_object(name), max_bytes=MAX_INDEX_BYTES)
@@ -77,20 +78,26 @@ def read(store: ObjectStore, seals: Seals, name: str, host: str | None) -> tuple
     if len(header) != head["bytes"] or hashlib.sha256(header).hexdigest() != head["sha256"]:
         raise ManifestError(f"{where}: its manifest's header is not the one its part index names (changed after it "
                             "was written); it is not restored")
-    if host is None:
-        return header, None
+    if not hosts:
+        return header, {}
     metas = load_json(header, f"{where}: manifest header").get("parts")
     if not isinstance(metas, list) or len(metas) != len(shas) or not all(
             isinstance(m, dict) and isinstance(m.get("bytes"), int) and m["bytes"] >= 0 for m in metas):
         raise ManifestError(f"{where}: its manifest's header lists {len(metas) if isinstance(metas, list) else 'no'} "
                             f"parts, its part index {len(shas)}; it is not restored from its parts")
+    at: dict[str, tuple[int, int, str]] = {}  # host -> (offset, bytes, sha256)
     offset = len(header) + 1
-    for j, meta in enumerate(metas):
-        if meta.get("host") == host:
-            part = store.get_range(manifest, offset, meta["bytes"])
-            if len(part) != meta["bytes"] or hashlib.sha256(part).hexdigest() != shas[j]:
-                raise ManifestError(f"{where}: the part of host {host} is not the one its part index names (changed "
-                                    "after it was written); it is not restored")
-            return header, part
+    for meta, sha in zip(metas, shas):
+        at.setdefault(meta.get("host"), (offset, meta["bytes"], sha))
         offset += meta["bytes"] + 1
-    raise ManifestError(f"{where}: its manifest has no part of host {host}")
+    out = {}
+    for host in hosts:
+        if host not in at:
+            raise ManifestError(f"{where}: its manifest has no part of host {host}")
+        offset, size, sha = at[host]
+        part = store.get_range(manifest, offset, size)
+        if len(part) != size or hashlib.sha256(part).hexdigest() != sha:
+            raise ManifestError(f"{where}: the part of host {host} is not the one its part index names (changed "
+                                "after it was written); it is not restored")
+        out[host] = part
+    return header, out

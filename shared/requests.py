@@ -239,9 +239,10 @@ class BackupManifest(_Rooted, kw_only=True):
 
 class BackupFetch(Request, kw_only=True):
     name: Name
-    blobs: list[BlobName] = []
-    own_part: bool = False  # the blobs of this host's own part, read with the header by range (blobs: none)
-    PER_HOST = ("blobs",)
+    blobs: list[BlobName]
+    # Instead of blobs: every blob of these writers' parts, which the host reads with the header by range.
+    parts: list[HostId] | None = None
+    PER_HOST = ("blobs", "parts")
     WHY = {**_WHY_NAME, **_WHY_BLOBS}
 
 

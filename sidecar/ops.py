@@ -217,7 +217,7 @@ OPS: dict[str, Op] = dict([
     _op("backup_listing", lambda s: s.backup_listing, lambda r, p: ((r.root, r.deadline_s), {})),
     _op("backup_manifest", lambda s: s.backup_manifest, lambda r, p: ((r.root, r.name, r.header_only), {}),
         answer=_bytes_answer),
-    _op("backup_fetch", lambda s: s.backup_fetch, lambda r, p: ((r.name, r.blobs, r.own_part), {})),
+    _op("backup_fetch", lambda s: s.backup_fetch, lambda r, p: ((r.name, r.blobs, r.parts), {})),
     _op("peer_pull", lambda s: s.peer_pull, _peer_pull),
     _op("backup_scrub", lambda s: s.backup_scrub, _backup_scrub),
     _op("close", lambda s: s.close, _none, answer=lambda _: (True, [])),

@@ -265,24 +265,25 @@ class SidecarService:
             return tier.header(name) or b""
         return tier.manifest(name)
 
-    def backup_fetch(self, name: str, blobs: list[str], own_part: bool = False) -> dict:
+    def backup_fetch(self, name: str, blobs: list[str], parts: Sequence[str] | None = None) -> dict:
         """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them.
 
-        With ``own_part`` (a restore onto the topology that saved the step), the blobs of this host's own
-        part, which it reads with the header by range (``BackupTier.own_part``): this host's view of the
-        manifest is kept to read by, not the whole manifest."""
+        With ``parts`` (writers' host ids), every blob of those writers' parts instead, which this host
+        reads with the header by range (``BackupTier.parts_view``): its own part on the topology that
+        saved the step, after a resize the parts its new boxes overlap. The view of those parts is kept
+        to read by, not the whole manifest."""
         tier = self._backup_tier()
-        if own_part:
-            manifest = tier.own_part(name)
+        if parts is not None:
+            manifest = tier.parts_view(name, list(parts))
             if manifest is None:
                 raise ManifestError(f"backup {name} has no part index (written by an older version); "
                                     "restore it by the whole manifest")
         else:
             manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
         sizes = manifest.blob_sizes()
-        out = tier.fetch(sorted(sizes) if own_part else list(blobs), sizes)
+        out = tier.fetch(sorted(sizes) if parts is not None else list(blobs), sizes)
         self.index.keep_manifest(manifest.step, manifest)
-        if own_part:
+        if parts is not None:
             out["part_blobs"] = len(sizes)
         return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -415,15 +415,18 @@ class Dispatcher(abc.ABC):
         line = bytes(payloads[0])
         return fmt.StepHeader.from_line(line, source=f"backup {name} header (via {h})") if line else None
 
-    def backup_fetch(self, name: str, needs: dict[str, list[str]] | None) -> dict[str, dict]:
-        """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified; with
-        ``needs`` None, every host the blobs of its own part (which it reads by range: a restore onto
-        the topology that saved the step)."""
-        if needs is None:
-            fetches = {h: requests.BackupFetch(name=name, own_part=True) for h in self.hosts()}
-        else:
-            fetches = {h: requests.BackupFetch(name=name, blobs=list(b)) for h, b in needs.items()}
-        return self._all_jobs(f"fetch of backup {name}", "backup_fetch", fetches, lane="backup")
+    def backup_fetch(self, name: str, needs: dict[str, list[str]]) -> dict[str, dict]:
+        """Every host downloads its needed blobs of backup ``name`` into its ramdisk, verified."""
+        return self._all_jobs(f"fetch of backup {name}", "backup_fetch",
+                              {h: requests.BackupFetch(name=name, blobs=list(b)) for h, b in needs.items()},
+                              lane="backup")
+
+    def backup_fetch_parts(self, name: str, parts: Mapping[str, Iterable[str]]) -> dict[str, dict]:
+        """Every host of ``parts`` downloads every blob of the writers' parts named for it (host -> writers),
+        which it reads with the manifest's header by range, checked against the backup's part index."""
+        return self._all_jobs(f"fetch of backup {name}", "backup_fetch",
+                              {h: requests.BackupFetch(name=name, blobs=[], parts=sorted(ws)) for h, ws in parts.items()},
+                              lane="backup")
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
         """Each host of ``work`` scrubs the backup root: host -> {"blobs": to hash in the store,

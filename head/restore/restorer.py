@@ -34,7 +34,8 @@ from mtc.shared.errors import (CorruptBlobError, FencedError, HostUnreachableErr
 
 log = logging.getLogger(__name__)
 
-HOST_WAIT_POLL_S = 1.0  # how often a restore that waits for hosts plans again
+HOST_WAIT_POLL_S = 1.0
+_IN_BACKUP = "(backup)"  # who holds every writer's part, to ``writers.plan``, in a restore from a backup  # how often a restore that waits for hosts plans again
 _T = TypeVar("_T")
 # What a host that is not there (yet) answers: its daemon is not running or restarting, or does not answer.
 # A TLS or authentication failure is not among them: waiting would not change it.
@@ -336,11 +337,12 @@ class Restorer:
                     continue
                 if header is not None:
                     requests, finish = plan_target(header.as_manifest(), target, partial)
-                    if self._same_layout(header, requests):
+                    parts = self._backup_parts(header, requests)
+                    if parts is not None:
                         t1 = time.perf_counter()
                         try:
-                            done = self._load_backup_parts(step, backup_name, header, requests, finish, t0, t1,
-                                                           prefetched)
+                            done = self._load_backup_parts(step, backup_name, header, parts, requests, finish, t0,
+                                                           t1, prefetched)
                         except ManifestError as e:
                             log.warning("backup %s cannot be restored (%s); choosing again without it",
                                         backup_name, e)
@@ -433,16 +435,36 @@ class Restorer:
             raise ManifestError(f"backup {name} holds the manifest of step {header.step}, not {step}")
         return header
 
-    def _load_backup_parts(self, step: int, name: str, header: fmt.StepHeader, requests: list[LoadRequest],
-                           finish: Callable, t0: float, t1: float,
+    def _backup_parts(self, header: fmt.StepHeader, requests: list[LoadRequest]) -> dict[str, set[str]] | None:
+        """Which writers' parts of a backup each host reads, from the header: onto the hosts and shardings
+        that saved the step its own; onto another target (an elastic resize, another mesh) those whose
+        boxes its new ones overlap (``fmt.writers.plan``; every part is in the backup). None where the
+        header cannot say (the manifest's rows decide)."""
+        if self._same_layout(header, requests):
+            hosts = set(self._dispatch.hosts())
+            return {h: {h} for h, _ in header.parts if h in hosts}
+
+        def host_of(device_id: int) -> str | None:
+            try:
+                return self._dispatch.host_of_device(device_id)
+            except MTCError:  # a device this topology does not have
+                return None
+
+        needs = writers.plan(header, requests, {w: {_IN_BACKUP} for w, _ in header.parts}, host_of,
+                             self._dispatch.hosts())
+        return None if needs is None else {h: ws for h, ws in needs.items() if ws}
+
+    def _load_backup_parts(self, step: int, name: str, header: fmt.StepHeader, parts: dict[str, set[str]],
+                           requests: list[LoadRequest], finish: Callable, t0: float, t1: float,
                            prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport] | None:
-        """The restore from backup ``name`` onto the hosts and shardings that saved its step: each host
-        downloads the blobs of its own part, which it reads with the header by range (checked against the
-        sealed part index), and loads its own shards. The head reads the header alone: O(arrays + hosts).
-        None when a blob of the backup is corrupt (the rows path names the array and the shard)."""
+        """The restore from backup ``name`` by its parts (``parts``: host -> the writers whose parts it
+        reads): each host reads the header and those parts by range (checked against the sealed part
+        index), downloads their blobs and loads its boxes by them. The head reads the header alone:
+        O(arrays + hosts). None when a blob of the backup is corrupt (the rows path names the array and
+        the shard)."""
         pulled = Pulled()
         try:
-            fetched = self._dispatch.backup_fetch(name, None)
+            fetched = self._dispatch.backup_fetch_parts(name, parts)
         except CorruptBlobError as e:
             log.warning("restore of step %d from backup %s by parts: %s; planning by the manifest's rows", step, name, e)
             return None
@@ -461,8 +483,8 @@ class Restorer:
             blobs_by_tier={"ram": max(0, nblobs - pulled.blobs["backup"]), **pulled.blobs}, source=name,
             skipped_copies=(), inventory_s=t1 - t0, pull_s=t_pull - t1, load_s=t2 - t_pull,
             total_s=time.perf_counter() - t0, prefetched=counted)
-        log.info("- restore step %d; duration=%.3fs; size=%d bytes (from backup %s, each host its own part)", step,
-                 report.total_s, nbytes, name)
+        log.info("- restore step %d; duration=%.3fs; size=%d bytes (from backup %s by parts: %d read by %d hosts)",
+                 step, report.total_s, nbytes, name, sum(len(ws) for ws in parts.values()), len(parts))
         return result, report
 
     @staticmethod
@@ -652,11 +674,12 @@ class Restorer:
         step, backup_name, fallback, inv = self.choose_step(None, listing)
         view = inv.views.get(step) if backup_name is None else None
         header = self._backup_header(step, backup_name) if backup_name is not None else None
-        if header is not None and self._same_layout(header, plan_target(header.as_manifest(), None)[0]):
+        parts = self._backup_parts(header, plan_target(header.as_manifest(), None)[0]) if header is not None else None
+        if parts is not None:
             if closing():
                 return None
             pulled = Pulled()
-            pulled.add_backup(self._dispatch.backup_fetch(backup_name, None))
+            pulled.add_backup(self._dispatch.backup_fetch_parts(backup_name, parts))
             return PrefetchReport(step=step, source=backup_name, bytes_by_tier=dict(pulled.bytes),
                                   blobs_by_tier=dict(pulled.blobs), seconds=time.perf_counter() - t0)
         # Every part is whole where it was written, or the writers that lost theirs are gone (an elastic

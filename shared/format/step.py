@@ -168,12 +168,19 @@ class StepManifest:
         whole manifest's; coverage is not checked (the other parts are not here). Enough to read
         the host's own shards (a restore onto the same topology) without the other parts, which
         grow with hosts x shards; never written or sent (``to_json`` refuses)."""
+        return cls.parts_view(header, {host: part}, source=source)
+
+    @classmethod
+    def parts_view(cls, header: bytes, parts: Mapping[str, bytes], *, source: str = "manifest") -> "StepManifest":
+        """``local_view`` over the parts of several hosts (host -> its part's bytes): what a host reads by
+        after a resize, the writers' parts whose boxes its new devices overlap."""
         header = bytes(header)
         expect(b"\n" not in header, source, "a header is one line")
+        expect(len(parts) > 0, source, "a view of no part")
         doc = load_json(header, source)
         expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
-        m = _parse_v3(doc, b"", source, only=(host, bytes(part)))
-        m.__dict__["_local_part"] = host
+        m = _parse_v3(doc, b"", source, only={h: bytes(p) for h, p in parts.items()})
+        m.__dict__["_local_part"] = ",".join(sorted(parts))
         return m
 
     @classmethod
@@ -393,7 +400,7 @@ def _checked_header(doc: dict, source: str) -> tuple[str, int]:
     return digest, step
 
 
-def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | None = None) -> StepManifest:
+def _parse_v3(doc: dict, rest: bytes, source: str, only: dict[str, bytes] | None = None) -> StepManifest:
     digest, step = _checked_header(doc, source)
     table = doc.get("shardings")
     expect(isinstance(table, list), source, "'shardings' is missing or not a list")
@@ -406,9 +413,11 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: tuple[str, bytes] | Non
         lines = rest.split(b"\n") if rest else []
         expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
         pairs = list(zip(metas, lines))
-    else:  # one host's local view: its part only (see StepManifest.local_view)
-        pairs = [(meta, only[1]) for meta in metas if isinstance(meta, dict) and meta.get("host") == only[0]]
-        expect(len(pairs) == 1, source, f"its header lists {len(pairs)} parts of host {only[0]}, not one")
+    else:  # a view of some hosts' parts only (see StepManifest.parts_view)
+        pairs = [(meta, only[meta["host"]]) for meta in metas if isinstance(meta, dict) and isinstance(meta.get("host"), str) and meta["host"] in only]
+        for host in only:
+            n = sum(1 for meta, _ in pairs if meta["host"] == host)
+            expect(n == 1, source, f"its header lists {n} parts of host {host}, not one")
     # The header's arrays, then their shards from every part (equal boxes from several hosts are
     # replicas: one record, and they must name the same blob).
     derived: dict = {}  # (sharding index, shape) -> its device boxes: every layer's arrays share a few

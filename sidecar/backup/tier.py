@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Sequence
 
 from mtc.shared import backup_index
 from mtc.shared import backup_layout as layout
@@ -246,25 +246,26 @@ class BackupTier:
         self._seals(self._store).check_manifest(name, data)
         return data
 
-    def own_part(self, name: str) -> fmt.StepManifest | None:
-        """This host's view of backup ``name``'s manifest (every array, the shards of its own part), from
-        the header and its part read by range and checked against the sealed part index; None when the
-        backup has none (read the manifest whole)."""
-        got = backup_index.read(self._store, self._seals(self._store), name, self._host)
+    def parts_view(self, name: str, writers: Sequence[str]) -> fmt.StepManifest | None:
+        """This host's view of backup ``name``'s manifest (every array, the shards of the parts of
+        ``writers``: its own, or after a resize those its new boxes overlap), from the header and those
+        parts read by range and checked against the sealed part index; None when the backup has none
+        (read the manifest whole)."""
+        got = backup_index.read(self._store, self._seals(self._store), name, writers)
         if got is None:
             return None
-        header, part = got
-        view = fmt.StepManifest.local_view(header, self._host, part, source=f"backup {name} (host {self._host}'s part)")
-        log.info("host %s: backup %s: read the manifest's header and this host's part by range (%d bytes)",
-                 self._host, name, len(header) + len(part))
+        header, parts = got
+        view = fmt.StepManifest.parts_view(header, parts, source=f"backup {name} (the parts host {self._host} reads)")
         if view.step != layout.parse_backup_name(name):
             raise ManifestError(f"backup {name} holds the manifest of step {view.step}; it is not restored")
+        log.info("host %s: backup %s: read the manifest's header and %d part(s) by range (%d bytes)",
+                 self._host, name, len(parts), len(header) + sum(len(p) for p in parts.values()))
         return view
 
     def header(self, name: str) -> bytes | None:
         """The header line of backup ``name``'s manifest, checked against the sealed part index; None
         when the backup has none."""
-        got = backup_index.read(self._store, self._seals(self._store), name, None)
+        got = backup_index.read(self._store, self._seals(self._store), name)
         return None if got is None else got[0]
 
     def fetch(self, blobs: list[str], sizes: dict[str, int] | None = None) -> dict:

@@ -253,10 +253,18 @@ def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local
         assert rep.source != "cluster" and rep.bytes_by_tier["backup"] > 0 and rep.bytes_by_tier["peer"] == 0
         assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a restore from the backup"
         whole = (ramdisk / "bucket" / "r" / "mtc" / "backups" / f"{rep.source}.json").stat().st_size
-        for h in local_cluster.hosts:
-            read = re.findall(rf"backup {rep.source}: read the manifest's header and this host's part by range "
-                              r"\((\d+) bytes\)", local_cluster.log_path(h).read_text())
-            assert read and int(read[-1]) < whole, (h, read, whole)
-        # Onto another sharding the manifest is read whole, and the restore stays bit for bit.
-        assert_trees_bitwise_equal(state, m.restore(5, target=resharded(state)), check_sharding=False)
-        assert rows_parsed[0] > 0
+
+        def parts_read() -> list[tuple[int, int]]:
+            return [tuple(map(int, hit)) for h in local_cluster.hosts for hit in re.findall(
+                rf"backup {rep.source}: read the manifest's header and (\d+) part\(s\) by range \((\d+) bytes\)",
+                local_cluster.log_path(h).read_text())]
+
+        read = parts_read()  # (the start-up pull's, then the restore's: each host its own part)
+        assert len(read) == 2 * len(local_cluster.hosts) and all(n == 1 and b < whole for n, b in read), (read, whole)
+        # Onto another sharding each host reads the parts its new boxes overlap, by range; no row on the head.
+        got = m.restore(5, target=resharded(state))
+        assert_trees_bitwise_equal(state, got, check_sharding=False)
+        assert got["params"]["w"].sharding == resharded(state)["params"]["w"].sharding
+        assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a resharded backup restore"
+        again = parts_read()[len(read):]
+        assert len(again) == len(local_cluster.hosts) and any(n > 1 for n, _ in again), again

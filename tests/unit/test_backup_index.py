@@ -48,7 +48,8 @@ def backup(tmp_path):
 
 
 def _read(store, key, host):
-    return backup_index.read(store, Seals(store, key, "file:///x/run/mtc"), NAME, host)
+    got = backup_index.read(store, Seals(store, key, "file:///x/run/mtc"), NAME, [host] if host else ())
+    return None if got is None else (got[0], got[1][host] if host else None)
 
 
 def _change(store, obj: str, at: int) -> None:
@@ -65,6 +66,11 @@ def test_each_host_reads_the_header_and_its_own_part(backup):
         view = fmt.StepManifest.local_view(header, host, part)
         assert view.digest == fmt.StepManifest.from_json(data).digest
     assert _read(store, key, None) == (header, None)
+    # several parts (after a resize: the writers' parts a host's new boxes overlap), each checked
+    got = backup_index.read(store, Seals(store, key, "file:///x/run/mtc"), NAME, ["h2", "h0"])
+    assert got == (header, {"h2": parts[2], "h0": parts[0]})
+    view = fmt.StepManifest.parts_view(header, got[1])
+    assert sorted(sh.blob for sh in view.arrays[0].shards) == sorted([_blob(0), _blob(2)])
     with pytest.raises(ManifestError, match="has no part of host h9"):
         _read(store, key, "h9")
     # The seal's fields for the whole manifest are those of a seal without an index: a version that does
