@@ -97,7 +97,8 @@ def main() -> int:
                     assert x.sharding == shardings[k], (k, x.sharding)
                 np.savez(a.out, **{k: np.asarray(x) for k, x in restored.items()})
                 rep = m.last_restore_report
-                result = {"bytes_by_tier": rep.bytes_by_tier, "steps": m.all_steps(), "rows_parsed": parsed[0]}
+                result = {"bytes_by_tier": rep.bytes_by_tier, "steps": m.all_steps(), "rows_parsed": parsed[0],
+                          "source": rep.source}
     with open(a.out + ".json", "w") as f:
         json.dump(result, f)
     return 0

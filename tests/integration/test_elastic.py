@@ -96,6 +96,20 @@ def test_more_hosts_per_slice_same_devices(ramdisk, tmp_path):
     assert r["bytes_by_tier"]["backup"] == 0, r
 
 
+@pytest.mark.parametrize("slices,hosts,devices", [(1, 2, 4), (4, 2, 16)], ids=["shrink", "grow"])
+def test_every_ramdisk_lost_and_resized_restores_from_the_backup_by_its_parts(ramdisk, tmp_path, slices, hosts,
+                                                                                devices):
+    """Saved on 2 slices, every ramdisk then lost (a new root), restored onto fewer or more slices: each
+    host reads the backup manifest's header and the writers' parts its new boxes overlap by range, the
+    head the header alone (no shard row), and the state comes back bit for bit."""
+    backup = tmp_path / "bucket"
+    phase(ramdisk / "job", 2, 2, 8, "save", 5, tmp_path / "s", "--backup", str(backup))
+    r = phase(ramdisk / "new", slices, hosts, devices, "restore", 5, tmp_path / "r.npz", "--backup", str(backup))
+    assert_restored(tmp_path / "r.npz", 5)
+    assert r["source"] != "cluster" and r["bytes_by_tier"]["backup"] > 0 and r["bytes_by_tier"]["peer"] == 0, r
+    assert r["rows_parsed"] == 0, r
+
+
 def test_shards_only_the_lost_slice_held_come_from_the_backup(ramdisk, tmp_path):
     root = ramdisk / "job"
     backup = tmp_path / "bucket"
