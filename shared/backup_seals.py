@@ -193,8 +193,9 @@ class Seals:
     def check_index(self, name: str, data: bytes) -> bool:
         """Whether the part index ``data`` of backup ``name`` may be read by: True when its seal names it
         (or nothing is checked: no key, a root without seals); False when the seal names no index (sealed
-        by a version without them: the manifest is read whole); ManifestError when the seal does not
-        check or names another index."""
+        by a version without them) or another one (the index was changed or damaged, not the manifest:
+        a warning), so that the manifest is read whole, against its seal; ManifestError when the seal
+        does not check."""
         seal = self._checked_seal(name)
         if seal is None:
             return True
@@ -209,10 +210,9 @@ class Seals:
             ok = self.key.check_digest(INDEX_KIND, _message_name(self.run, name, step, size), bytes.fromhex(digest),
                                        index.get("tag")) == job_key.OK
         if not ok:
-            self._refuse(name, job_key.BAD)
-            raise ManifestError(f"backup {name} in {self._store.url}: its part index is not the one its seal names "
-                                "(changed after it was written); it is not restored")
-        return True
+            log.warning("mtc: backup %s in %s: its part index is not the one its seal names (changed or damaged "
+                        "after it was written); reading its whole manifest instead", name, self._store.url)
+        return ok
 
     def check_manifest(self, name: str, data: bytes) -> None:
         """ManifestError when ``data`` is not the manifest backup ``name``'s seal names (a root without

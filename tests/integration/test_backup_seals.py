@@ -112,6 +112,22 @@ def test_a_manifest_changed_after_its_seal_is_not_restored_and_the_one_before_is
     assert why in log, log[-3000:]
 
 
+def test_a_damaged_part_index_costs_no_backup(job):
+    """The newest backup's part index damaged (its manifest intact): the restore reads that backup's whole
+    manifest, against its seal, and restores it bit for bit."""
+    cluster, cfg, devices, root = job
+    names = _backups(root)
+    index = root / "backups" / f"{names[3]}.parts"
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    index.write_bytes(bytes(data))
+    with CheckpointManager(cfg) as m:
+        assert_trees_bitwise_equal(state(3, devices), m.restore(3, target=target(devices)))
+        assert m.last_restore_report.source == names[3]
+    log = "".join(cluster.log_path(h).read_text() for h in cluster.hosts)
+    assert "its part index is not the one its seal names" in log and "reading its whole manifest" in log, log[-3000:]
+
+
 def test_a_root_written_before_seals_is_still_read_with_a_warning(job):
     cluster, cfg, devices, root = job
     for p in (root / "backups").glob(f"*{backup_seals.SUFFIX}"):
