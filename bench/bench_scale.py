@@ -23,7 +23,8 @@ FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
 - the CPU to read and check the whole manifest (``StepManifest.from_json``): what a host that
   fetches it, and the head's replication and backup planning after each commit pay (a keeper only
   hashes it before it commits), beside the same manifest with its parts as rows (``mtc-host/1``,
-  the format before the columns); skipped past ``--budget-s``, with an estimate.
+  the format before the columns), and its blob names alone (``fmt.step_blob_names``, what ``mtc status
+  --verify`` reads); skipped past ``--budget-s``, with an estimate.
 
 Per restore onto the topology that saved the step (a restart, the common case): every host's
 inventory parsed, the manifest's header read alone (``fmt.StepHeader``), the step chosen by parts
@@ -162,7 +163,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     sent2 = decisions + len(data) * len(keepers)
     repl_s, repl_received = replication_decision(hosts, len(per_host["h0"]))
     plan_s, _ = replication_decision(hosts, len(per_host["h0"]), twins=False)
-    keeper_s = old_restore_s = v1_parse_s = v1_bytes = None
+    keeper_s = old_restore_s = v1_parse_s = v1_bytes = names_s = None
     if parse:
         quiet()
         p0 = time.process_time()
@@ -171,6 +172,12 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         assert m.digest == digest
         old_restore_s = keeper_s + restore_by_rows(m, per_host)
         del m
+        quiet()
+        p0 = time.process_time()
+        names = fmt.step_blob_names(data)  # what `mtc status --verify` reads: the names alone, from the columns
+        names_s = time.process_time() - p0
+        assert names.digest == digest
+        del names
         # The same manifest with its parts as rows (mtc-host/1, the format before the columns), read the same way.
         v1 = [(h, _rows_part(h, shards)) for h, shards in per_host.items()]
         data_v1, _ = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
@@ -187,7 +194,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
-            "keeper_parse_s": keeper_s, "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
+            "keeper_parse_s": keeper_s, "names_s": names_s, "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
             "plan_s": plan_s, "old_restore_s": old_restore_s, **restore,
             "head_sent": sent1 + sent2, "head_received": recv1,
             "before_sent": sent1 + len(data) * hosts}
@@ -408,18 +415,19 @@ def main() -> None:
     print("| hosts | shard rows | manifest | head CPU per save | head sends | head receives | head sends per host "
           "| head receives per host | a host: its part | replication decision, data-parallel slices (head CPU) "
           "| replication plan, no twins (head CPU) | reading the whole manifest (a restore) "
-          "| the same with row parts (mtc-host/1): size, read |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| its blob names alone (`status --verify`) | the same with row parts (mtc-host/1): size, read |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         head = r["head_check_s"] + r["head_build_s"] + r["head_phase2_s"]
         keeper = (f"{r['keeper_parse_s']:.2f} s" if r["keeper_parse_s"] is not None
                   else f"skipped (about {r['keeper_estimate_s']:.0f} s)")
+        names = f"{r['names_s']:.2f} s" if r["names_s"] is not None else "skipped"
         rows_v1 = (f"{_mib(r['v1_bytes'])}, {r['v1_parse_s']:.2f} s ({r['v1_parse_s'] / r['keeper_parse_s']:.1f}x)"
                    if r["v1_parse_s"] is not None else "skipped")
         print(f"| {r['hosts']} | {r['shards']:,} | {_mib(r['manifest_bytes'])} | {head * 1e3:,.0f} ms | "
               f"{_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
               f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | "
-              f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} | {rows_v1} |")
+              f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} | {names} | {rows_v1} |")
     print("\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")
     print("| hosts | head CPU | head sends | head receives | head sends per host | head receives per host "
           "| `mtc status` (head CPU) | elastic shrink, one data-parallel slice lost (head CPU) "

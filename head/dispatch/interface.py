@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import msgspec
 
@@ -21,6 +21,7 @@ from mtc.shared import wire_errors
 from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
 
 log = logging.getLogger(__name__)
+_M = TypeVar("_M")  # what a manifest read returns (``Dispatcher._read_manifest``)
 
 __all__ = ["Dispatcher", "HostInventory", "Leaf", "LoadRequest", "PullResult", "StepHolding", "WriteResult",
            "host_failure", "raise_claim_failures", "raise_host_failures", "raise_remote",
@@ -258,7 +259,14 @@ class Dispatcher(abc.ABC):
         others; those that keep only a record of it (``RecordOnlyError``) are asked again last,
         to fetch it from a keeper. One host's answer is one manifest, so the head never receives
         a copy per host."""
+        return self._read_manifest(step, digest, fmt.StepManifest.from_json)
 
+    def manifest_blob_names(self, step: int) -> list[str]:
+        """Every blob name of ``step``'s manifest, sorted, from a host as ``manifest`` asks; read from the
+        parts' columns (``fmt.step_blob_names``: the hashes checked, no shard record made)."""
+        return self._read_manifest(step, None, fmt.step_blob_names).names
+
+    def _read_manifest(self, step: int, digest: str | None, parse: Callable[..., _M]) -> _M:
         hosts = sorted(self.hosts())
         likely = choose_keepers(hosts, self.slice_of, step, self._keepers)
         causes: list[str] = []
@@ -266,8 +274,7 @@ class Dispatcher(abc.ABC):
         for here_only, order in ((True, likely + [h for h in hosts if h not in likely]), (False, records)):
             for h in order:
                 try:
-                    m = fmt.StepManifest.from_json(self._manifest_from(h, step, here_only),
-                                                   source=f"step {step} manifest on {h}")
+                    m = parse(self._manifest_from(h, step, here_only), source=f"step {step} manifest on {h}")
                 except errors.RecordOnlyError as e:
                     if here_only:
                         records.append(h)

@@ -364,6 +364,39 @@ def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str
     return step, digest, out
 
 
+@dataclasses.dataclass(frozen=True)
+class StepBlobNames:
+    """A step manifest's digest and every blob name it holds, sorted (``step_blob_names``)."""
+
+    step: int
+    digest: str
+    names: list[str]
+
+
+def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
+    """Every blob name of a step manifest, sorted, for a reader that needs the names alone (``mtc status
+    --verify``): of an ``mtc/3`` manifest, from its parts' columns, after its header's digest and every
+    part's hash and length are checked (``check_step_bytes``), with no shard record made and one name
+    per distinct blob; an older format is read whole."""
+    data = bytes(data)
+    try:
+        first = load_json(data.partition(b"\n")[0], source)
+    except ManifestError:  # (an older document over several lines: read whole, which says what is wrong)
+        first = None
+    if not isinstance(first, dict) or first.get("format") != FORMAT:
+        m = StepManifest.from_json(data, source=source)
+        return StepBlobNames(m.step, m.digest, m.sorted_blob_names())
+    step, digest, hosts = check_step_bytes(data, source=source)
+    lines = data.partition(b"\n")[2].split(b"\n") if hosts else []
+    blobs = []
+    for j, (host, line) in enumerate(zip(hosts, lines)):
+        part = PartColumns.from_json(line, source=f"{source}: part {j} (host {host})")
+        expect(part.step == step and part.host == host, f"{source}: part {j}",
+               f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
+        blobs.append(part.blob)
+    return StepBlobNames(step, digest, _sorted_unique(blobs))
+
+
 def _parse_v2(doc: dict, source: str) -> StepManifest:
     digest = doc.pop("digest", None)
     expect(doc.get("format") in (_FORMAT_V2, _FORMAT_V1), source,

@@ -222,6 +222,19 @@ def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parse
     assert rows_parsed[0] + bits[0] > 0
     assert [(r["step"], r["replicated"], r["min_copies"], r["restorable"]) for r in st["steps"]] == [
         (1, False, 1, True), (2, False, 1, True)]
+    # --verify maps every host's bitmap with the step's blob names, read from the parts' columns: no whole
+    # manifest read (no shard record made) on the head.
+    whole = [0]
+    real_read = fmt.StepManifest.from_json.__func__
+
+    def whole_read(cls, data, **kw):
+        whole[0] += 1
+        return real_read(cls, data, **kw)
+
+    monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+    assert main(["status", "--cluster-spec", str(local_cluster.spec_path), "--json", "--verify"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert whole[0] == 0 and st["verified"]["copies"] > 0 and not st["verified"]["corrupt"], st["verified"]
 
 
 def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local_cluster, ramdisk, rows_parsed):

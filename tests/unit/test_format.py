@@ -460,3 +460,24 @@ def test_sorted_blob_names_from_the_columns_are_the_strings_sorted():
     assert m.part_blob_names("h9") == []
     in_memory = fmt.StepManifest(step=1, arrays=m.arrays, tree=m.tree)  # no columns: the strings sorted
     assert in_memory.sorted_blob_names() == m.sorted_blob_names()
+
+
+def test_the_names_alone_are_the_whole_reads_and_a_changed_part_is_refused():
+    """``step_blob_names`` (what `mtc status --verify` maps the hosts' bitmaps with) reads the parts' columns
+    without a shard record: the same sorted names as the whole read, for every format; a part changed after
+    it was written is refused as the whole read refuses it."""
+    meta, parts = _parts()
+    new, digest = fmt.encode_step(**meta, parts=parts)
+    old, _ = fmt.encode_step(**meta, parts=[(h, _encode_part(_rows_doc(p), "mtc-host/1")) for h, p in parts])
+    for data in (new, old, GOLDEN_V2.encode(), sample().to_json()):
+        got = fmt.step_blob_names(data)
+        whole = fmt.StepManifest.from_json(data)
+        assert (got.step, got.digest, got.names) == (whole.step, whole.digest, whole.sorted_blob_names())
+        assert got.names == sorted(whole.blob_names()) and got.names
+    assert fmt.step_blob_names(new).digest == digest
+    i = new.rindex(b'"columns":"') + 15
+    changed = new[:i] + (b"A" if new[i:i + 1] != b"A" else b"B") + new[i + 1:]
+    with pytest.raises(ManifestError, match="does not match its hash in the header"):
+        fmt.step_blob_names(changed)
+    with pytest.raises(ManifestError, match="does not match its hash in the header"):
+        fmt.StepManifest.from_json(changed)

@@ -269,7 +269,7 @@ def copies_by_share(inv: dict, step: int, digest: str, header: Any, slice_of: di
 
 def _blob_names(dispatch: Any, step: int) -> list[str]:
     try:
-        return dispatch.manifest(step).sorted_blob_names()
+        return dispatch.manifest_blob_names(step)
     except MTCError:
         return []
 
