@@ -128,6 +128,25 @@ def test_a_stopped_multi_host_job_is_read_with_the_host_ids_its_folders_hold(tmp
     assert st["choice"] == 2 and "from the hosts" in st["reason"] and not st["notes"], st
     # Slices too: a copy on the twin in the other slice counts as a copy in another failure domain.
     assert rows[2]["replicated"] and rows[2]["min_copies"] == 2
+    # --verify: a host that committed a record cannot fetch the manifest from the keepers of the stopped job
+    # (their addresses were the job's); it hashes its own part's blobs, and a flipped byte there is found.
+    records = {}
+    for d in renamed:
+        rec = fmt.CommitRecord.parse((d / "mtc" / "steps" / f"{2:012d}.json").read_bytes())
+        if rec is not None:
+            records[rec.host_manifest().host] = (d, sorted(rec.host_manifest().blob_names()))
+    assert records, "no host committed a record of step 2"
+    host, (d, blobs) = sorted(records.items())[0]
+    path = d / "mtc" / "blobs" / blobs[0]
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0x01
+    path.write_bytes(bytes(data))
+    st = _status(capsys, "--local-checkpoint-directory", *map(str, renamed), "--verify")
+    rows = {r["step"]: r for r in st["steps"]}
+    assert f"blob {blobs[0][:12]}.. corrupt on {host}" in rows[2]["why_not"], rows[2]
+    assert any(n.startswith(f"{host} hashed its own part's blobs only") for n in st["notes"]), st["notes"]
+    assert not any("could not hash" in n for n in st["notes"]), st["notes"]
+    path.write_bytes(bytes(data[:3]) + bytes([data[3] ^ 0x01]) + bytes(data[4:]))  # repaired
     from mtc.head.tools.sources import folder_hosts
 
     assert sorted((h, sl) for h, _, sl in folder_hosts(map(str, renamed))) == [

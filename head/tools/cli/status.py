@@ -49,7 +49,8 @@ class Status:
     damaged: list[dict] = field(default_factory=list)  # backups a scrub marked damaged: {"name", "step", "why"}
     backup_root_missing: bool = False  # the (local) backup root does not exist: backup_error says so
     pin_broken: bool = False  # restore.version names a backup restore cannot take: every restore fails
-    verified: dict | None = None  # with --verify: {"steps", "copies" hashed, "corrupt", "errors": {host: why}}
+    verified: dict | None = None  # with --verify: {"steps", "copies" hashed, "corrupt", "errors": {host: why},
+    #                                "own_part_only": {host: why its copies for others went unhashed}}
 
     def verify_line(self) -> str | None:
         """What --verify hashed, in one line (None without --verify)."""
@@ -111,7 +112,7 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
     for b in listing["backups"]:
         in_backup.setdefault(b["step"], []).append(b["name"])
     slice_of = _slices(spec)
-    verified: dict = {"steps": 0, "copies": 0, "corrupt": 0, "errors": {}}
+    verified: dict = {"steps": 0, "copies": 0, "corrupt": 0, "errors": {}, "own_part_only": {}}
     factor = config.replication_factor
     rows = []
     for step in sorted(set(views) | set(in_backup)):
@@ -139,6 +140,8 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                 if "error" in res:
                     verified["errors"][host] = res["error"]
                     continue
+                if res.get("own_part_only"):
+                    verified["own_part_only"][host] = res["own_part_only"]
                 verified["copies"] += int(res.get("checked", 0))
                 verified["corrupt"] += len(res.get("bad", []))
                 for n in res.get("bad", []):
@@ -206,6 +209,9 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                      "--base-output-directory and --run-name are not the job's")
     for h, e in sorted(verified["errors"].items()):
         notes.append(f"{h} could not hash its blobs ({e}): its copies are counted unverified")
+    for h, e in sorted(verified["own_part_only"].items()):
+        notes.append(f"{h} hashed its own part's blobs only; the copies it keeps for other hosts are counted "
+                     f"unverified ({e})")
     by_why: dict[str, list[dict]] = {}
     for d in listing.get("damaged", []):
         by_why.setdefault(d["why"], []).append(d)
