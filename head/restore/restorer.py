@@ -34,8 +34,8 @@ from mtc.shared.errors import (CorruptBlobError, FencedError, HostUnreachableErr
 
 log = logging.getLogger(__name__)
 
-HOST_WAIT_POLL_S = 1.0
-_IN_BACKUP = "(backup)"  # who holds every writer's part, to ``writers.plan``, in a restore from a backup  # how often a restore that waits for hosts plans again
+HOST_WAIT_POLL_S = 1.0  # how often a restore that waits for hosts plans again
+_IN_BACKUP = "(backup)"  # who holds every writer's part, to ``writers.plan``, in a restore from a backup
 _T = TypeVar("_T")
 # What a host that is not there (yet) answers: its daemon is not running or restarting, or does not answer.
 # A TLS or authentication failure is not among them: waiting would not change it.
