@@ -43,9 +43,15 @@ def encode(e: BaseException, host: str | None = None) -> tuple[str, str]:
         base = next((c for c in type(e).__mro__ if c.__name__ in TYPES and TYPES[c.__name__] is c), None)
         if base is not None:
             name = base.__name__
-        elif host and host not in message:
+        elif host and not names_host(message, host):
             message = f"host {host}: {message}"
     return name, message
+
+
+def names_host(message: str, host: str) -> bool:
+    """Whether ``message`` already says which host it is from ("host <id>"). Not the bare id: a
+    short one ("vm") also turns up inside a path the message quotes."""
+    return f"host {host}" in message
 
 
 def name_of(e: BaseException) -> str:
@@ -55,7 +61,7 @@ def name_of(e: BaseException) -> str:
 
 def decode(host: str, name: str, message: str) -> errors.MTCError:
     """The exception a sidecar of ``host`` reported as (``name``, ``message``), typed."""
-    text = message if host in message else f"host {host}: {message}"
+    text = message if names_host(message, host) else f"host {host}: {message}"
     cls = TYPES.get(name)
     if cls is None:
         return SidecarError(f"{name}: {text}", type_name=name)

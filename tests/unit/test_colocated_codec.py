@@ -41,6 +41,17 @@ def test_reply_carries_results_and_typed_errors():
         decode_reply(b'{"other": 1}')
 
 
+def test_a_host_id_inside_a_quoted_path_still_gets_the_host_named():
+    """A short host id ("vm") turned up inside a temporary folder's random name, and the error lost
+    its "host vm:" (a CI failure): only "host <id>" counts as naming the host."""
+    from mtc.shared import wire_errors
+
+    path_err = FileExistsError(17, "File exists", "/dev/shm/mtc-test-5vm4_09b/mtc/steps")
+    assert wire_errors.encode(path_err, host="vm")[1].startswith("host vm: ")
+    assert str(wire_errors.decode("vm", "FileExistsError", str(path_err))).startswith("FileExistsError: host vm: ")
+    assert str(wire_errors.decode("vm", "MTCError", "host vm: gone")) == "host vm: gone"  # named once, not twice
+
+
 @pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
                                  b'{"op": "verify", "step": ' + b"9" * 4000 + b"}", b'{"op": "verify", "step": NaN}',
                                  b'{"op": "backup_listing", "deadline_s": 1e400}',
