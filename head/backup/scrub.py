@@ -110,7 +110,9 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
             log.warning("backup scrub: backup %s is marked damaged and its manifest cannot be read (%s); "
                         "its mark stays", b["name"], e)
     targets = [b for b in targets if b["name"] in manifests]
-    sizes = {sh.blob: sh.nbytes for m in manifests.values() for rec in m.arrays for sh in rec.shards}
+    sizes: dict[str, int] = {}
+    for m in manifests.values():  # (from each manifest's columns: no shard record is made)
+        sizes.update(m.blob_sizes())
     hosts = dispatch.hosts()
     work = {h: {"blobs": bl, "sizes": {b: sizes[b] for b in bl}} for h, bl in assign_scrub(sizes, hosts).items() if bl}
     if ramdisk and sizes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Iterable
 
 import msgspec
@@ -98,7 +98,10 @@ class StepManifest:
 
     @functools.cached_property
     def _blob_sizes(self) -> dict[str, int]:  # (made once: a whole manifest has millions of rows)
+        table = self.__dict__.get("_table")
         with collector.paused():
+            if table is not None:  # read from parts: from the columns, no shard record made
+                return table.blob_sizes()
             return {s.blob: s.nbytes for a in self.arrays for s in a.shards}
 
     def blob_names(self) -> set[str]:
@@ -468,7 +471,7 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: dict[str, bytes] | None
         cols.append(part)
         parts.append((host, meta["digest"]))
         hosts.append(host)
-    records = _shards_from_columns(heads, cols, hosts, source, whole=only is None)
+    records, table = _shards_from_columns(heads, cols, hosts, source, whole=only is None)
     part_blobs = _PartBlobs(dict(zip(hosts, cols)))
     keys = [r.key for r in records]
     expect(len(set(keys)) == len(keys), source, "duplicate array keys")
@@ -476,6 +479,7 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: dict[str, bytes] | None
                      topology=dict(doc.get("topology") or {}), fingerprint=dict(doc.get("fingerprint") or {}),
                      parts=tuple(parts), part_blobs=part_blobs)
     m.__dict__["digest"] = digest
+    m.__dict__["_table"] = table
     return m
 
 
@@ -521,7 +525,7 @@ def _sorted_unique(blobs: list[np.ndarray]) -> list[str]:
 
 
 def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str], source: str, whole: bool
-                         ) -> list[ArrayRecord]:
+                         ) -> tuple[list[ArrayRecord], "_ShardTable"]:
     """The arrays of ``heads`` with their shards, from the parts' columns, checked as one table (no
     Python object per row until the shards are made): every row names an array of the step, the
     rows of one box of one array (replicas) name one blob, every box fits its array and its size is
@@ -530,7 +534,7 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
     gindex: dict[Box, int] = {}  # every distinct box of the step -> its id
     empty = np.zeros(0, np.int64)
     # The step's rows as one table: per row its array, box id, size, blob (16 bytes) and part.
-    A = np.concatenate([p.array.astype(np.int64) for p in cols] or [empty])
+    A = np.concatenate([p.array for p in cols]).astype(np.int64) if cols else empty
     G = np.concatenate([np.array([gindex.setdefault(b, len(gindex)) for b in p.boxes] or [0], np.int64)[p.box]
                         for p in cols] or [empty])
     NB = np.concatenate([p.nbytes for p in cols] or [empty])
@@ -550,7 +554,8 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
     first = np.ones(n, bool)
     first[1:] = ks[1:] != ks[:-1]
     lead = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))] if n else order
-    differ = (BL[order] != BL[lead]).any(axis=1) | (NB[order] != NB[lead])
+    hi_, lo_ = BL[:, 0], BL[:, 1]  # (compared a column at a time: a reduction over rows of two is slow)
+    differ = (hi_[order] != hi_[lead]) | (lo_[order] != lo_[lead]) | (NB[order] != NB[lead])
     if differ.any():
         i = int(order[differ].min())
         j = int(lead[np.flatnonzero(order == i)[0]])
@@ -581,7 +586,7 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
         if rec.kind != "scalar":
             arr_nd[i], itemsize[i] = len(rec.shape), rec.np_dtype.itemsize
             shapes[i, :len(rec.shape)] = rec.shape
-    fits = (box_nd[ug] == arr_nd[ua]) & (stops[ug] <= shapes[ua]).all(axis=1)
+    fits = _fits(box_nd, stops, arr_nd, shapes, ua, ug)
     want = volume[ug] * itemsize[ua]
     wrong = ~fits | (unb != want)
     if wrong.any():
@@ -590,15 +595,17 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
         where = f"{source}: array {rec.key!r}"
         expect(bool(fits[i]), where, f"box {box_str(box)} does not fit shape {list(rec.shape)}")
         expect(False, where, f"nbytes {int(unb[i])} does not match box {box_str(box)} of {rec.dtype} ({int(want[i])})")
-    bounds = np.searchsorted(ua, np.arange(n_heads + 1)).tolist()
+    edges = np.searchsorted(ua, np.arange(n_heads + 1))
+    bounds = edges.tolist()
     if whole:  # boxes of a jax sharding tile the array without overlap, so their volumes add up
-        summed = np.concatenate([[0], np.cumsum(volume[ug])]).tolist()
+        summed = np.concatenate([[0], np.cumsum(volume[ug])])
+        per_array = (summed[edges[1:]] - summed[edges[:-1]]).tolist()
         for i, (rec, _) in enumerate(heads):
             total = math.prod(rec.shape)
-            have = summed[bounds[i + 1]] - summed[bounds[i]]
+            have = per_array[i]
             expect(rec.kind == "scalar" or total == 0 or have == total, f"{source}: array {rec.key!r}",
                    "its shards do not cover the whole array")
-    names, nbytes, gl = split_names(BL[u]), unb.tolist(), ug.tolist()
+    table = _ShardTable(gboxes, np.ascontiguousarray(BL[u]), unb, ug)
     owners_by_id: dict[int, dict[int, tuple[int, ...]]] = {}  # the heads share their owners by (sharding, shape)
     records = []
     for i, (rec, owners) in enumerate(heads):
@@ -608,11 +615,88 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
         og = owners_by_id.get(id(owners))
         if og is None:
             og = owners_by_id[id(owners)] = {gindex[b]: d for b, d in owners.items() if b in gindex}
-        lo, hi = bounds[i], bounds[i + 1]
-        records.append(dataclasses.replace(rec, shards=tuple(
-            [ShardRecord(gboxes[g], name, nb, og.get(g, ())) for g, name, nb in
-             zip(gl[lo:hi], names[lo:hi], nbytes[lo:hi])])))
-    return records
+        records.append(dataclasses.replace(rec, shards=_Shards(table, bounds[i], bounds[i + 1], og)))
+    return records, table
+
+
+class _ShardTable:
+    """The shards of a manifest read from its parts, as columns, one row per shard in the order of the
+    records (by array, then by box): the box (an index of ``boxes``), the blob (16 bytes) and its size.
+    What the readers of the whole step want (``StepManifest.blob_sizes``, ``sorted_blob_names``) is
+    made from the columns; a ``ShardRecord`` is made only for the arrays whose shards are asked for."""
+
+    __slots__ = ("boxes", "blob", "nbytes", "box")
+
+    def __init__(self, boxes: list[Box], blob: np.ndarray, nbytes: np.ndarray, box: np.ndarray):
+        self.boxes, self.blob, self.nbytes, self.box = boxes, blob, nbytes, box
+
+    def blob_sizes(self) -> dict[str, int]:
+        return dict(zip(split_names(self.blob), self.nbytes.tolist()))
+
+
+class _Shards(Sequence):
+    """An array's shards (a sequence of ``ShardRecord``, as the tuple an ``ArrayRecord`` made in memory
+    holds), made from its rows of a ``_ShardTable`` the first time they are read: a whole manifest has
+    millions of shards, and most readers of it want a few arrays' or none (a reader that walks every
+    shard makes them all, as before). Equal to the tuple of the same records; pickled as that tuple."""
+
+    __slots__ = ("_table", "_lo", "_hi", "_owners", "_made")
+
+    def __init__(self, table: _ShardTable, lo: int, hi: int, owners: dict[int, tuple[int, ...]]):
+        self._table, self._lo, self._hi, self._owners, self._made = table, lo, hi, owners, None
+
+    def _records(self) -> tuple[ShardRecord, ...]:
+        made = self._made
+        if made is None:
+            t, lo, hi, og = self._table, self._lo, self._hi, self._owners
+            boxes = t.boxes
+            with collector.paused():
+                made = tuple([ShardRecord(boxes[g], name, nb, og.get(g, ())) for g, name, nb in
+                              zip(t.box[lo:hi].tolist(), split_names(t.blob[lo:hi]), t.nbytes[lo:hi].tolist())])
+            self._made = made
+        return made
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def __getitem__(self, i):
+        return self._records()[i]
+
+    def __iter__(self):
+        return iter(self._records())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (_Shards, tuple)):
+            return self._records() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._records())
+
+    def __add__(self, other: tuple) -> tuple:
+        return self._records() + tuple(other)
+
+    def __radd__(self, other: tuple) -> tuple:
+        return tuple(other) + self._records()
+
+    def __repr__(self) -> str:
+        return repr(self._records())
+
+    def __reduce__(self):
+        return tuple, (self._records(),)
+
+
+def _fits(box_nd: np.ndarray, stops: np.ndarray, arr_nd: np.ndarray, shapes: np.ndarray, ua: np.ndarray,
+          ug: np.ndarray) -> np.ndarray:
+    """Per row (array ``ua``, box ``ug``): whether the box has its array's rank and fits in its shape.
+    Checked once per distinct shape and box, then looked up per row (a step has few shapes and boxes,
+    and millions of rows), unless that table would be larger than the rows."""
+    kinds, shape_of = np.unique(np.column_stack([arr_nd, shapes]), axis=0, return_inverse=True)
+    shape_of = shape_of.reshape(-1)
+    if len(kinds) * len(stops) > 4 * len(ua) + 1024:
+        return (box_nd[ug] == arr_nd[ua]) & (stops[ug] <= shapes[ua]).all(axis=1)
+    table = (box_nd[None, :] == kinds[:, :1]) & (stops[None, :, :] <= kinds[:, None, 1:]).all(axis=2)
+    return table[shape_of[ua], ug]
 
 
 def _array_head(doc: Any, table: list, where: str,

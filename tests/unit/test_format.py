@@ -481,3 +481,54 @@ def test_the_names_alone_are_the_whole_reads_and_a_changed_part_is_refused():
         fmt.step_blob_names(changed)
     with pytest.raises(ManifestError, match="does not match its hash in the header"):
         fmt.StepManifest.from_json(changed)
+
+
+def test_a_whole_read_makes_the_shards_of_an_array_only_when_they_are_read(monkeypatch):
+    """A whole manifest is read into columns: its blob names and sizes come from them, and an array's
+    shard records are made the first time its shards are read (a spy on ``ShardRecord``), equal to the
+    records a manifest made in memory holds, and pickled as that tuple."""
+    import pickle
+
+    from mtc.shared.format import step as step_module
+
+    made = []
+    real = step_module.ShardRecord
+    monkeypatch.setattr(step_module, "ShardRecord", lambda *a: made.append(a) or real(*a))
+    names = [f"{i:032x}" for i in range(1, 9)]
+    arrays = [fmt.ArrayRecord(key=f"['a{k}']", kind="jax", dtype="float32", shape=(4,),
+                              sharding={"type": "named", "mesh_shape": [4], "axis_names": ["d"],
+                                        "device_ids": [0, 1, 2, 3], "spec": ["d"]}) for k in range(2)]
+    rows = {h: tuple(fmt.HostShard(k, ((d, d + 1),), names[4 * k + d], 4) for k in range(2) for d in (2 * j, 2 * j + 1))
+            for j, h in enumerate(("h0", "h1"))}
+    data, _ = fmt.encode_step(step=1, arrays=arrays, tree={"t": "leaf", "i": 0}, created=0.0, topology={},
+                              fingerprint={}, parts=[(h, fmt.HostManifest(1, h, r).to_json()) for h, r in rows.items()])
+    m = fmt.StepManifest.from_json(data)
+    assert m.blob_sizes() == {n: 4 for n in names} and m.sorted_blob_names() == names and m.nbytes == 32
+    assert [len(a.shards) for a in m.arrays] == [4, 4] and made == []
+    first = m.arrays[0].shards
+    assert [(s.box, s.blob, s.devices) for s in first] == [(((d, d + 1),), names[d], (d,)) for d in range(4)]
+    assert len(made) == 4  # the first array's alone, once
+    assert first[1:3] == tuple(first)[1:3] and first + () == tuple(first) and len(made) == 4
+    monkeypatch.undo()  # (pickle finds the class by its name)
+    eager = [dataclasses.replace(a, shards=tuple(a.shards)) for a in m.arrays]
+    assert list(m.arrays) == eager and eager == list(m.arrays)
+    assert pickle.loads(pickle.dumps(m.arrays[1].shards)) == eager[1].shards
+    assert type(pickle.loads(pickle.dumps(m.arrays[1]))).__name__ == "ArrayRecord"
+
+
+def test_the_fit_check_by_shape_and_box_agrees_with_the_check_of_every_row():
+    """A box fits its array when it has the array's rank and lies in its shape: checked once per
+    distinct shape and box and looked up per row; when that table would outgrow the rows, row by row.
+    Both ways must agree, on boxes that fit, that overhang and that have another rank."""
+    from mtc.shared.format.step import _fits
+
+    rng = np.random.default_rng(3)
+    for n_shapes, n_boxes, n_rows in ((3, 20, 500), (400, 300, 50)):
+        arr_nd = rng.integers(1, 4, n_shapes)
+        shapes = np.where(np.arange(3)[None, :] < arr_nd[:, None], rng.integers(1, 9, (n_shapes, 3)), 0)
+        box_nd = rng.integers(1, 4, n_boxes)
+        stops = np.where(np.arange(3)[None, :] < box_nd[:, None], rng.integers(1, 9, (n_boxes, 3)), 0)
+        ua, ug = rng.integers(0, n_shapes, n_rows), rng.integers(0, n_boxes, n_rows)
+        want = np.array([box_nd[g] == arr_nd[a] and bool((stops[g] <= shapes[a]).all()) for a, g in zip(ua, ug)])
+        got = _fits(box_nd, stops, arr_nd, shapes, ua, ug)
+        assert got.tolist() == want.tolist() and 0 < want.sum() < n_rows
