@@ -543,10 +543,35 @@ class Restorer:
         its ramdisk by the manifest it keeps. The head reads no shard row. None when a part could not be
         brought (the caller plans by the rows, with ``pulled``: what moved, and the copies found bad,
         which their holders removed)."""
+        t1 = time.perf_counter()
+        if not self._pull_writers(step, header, needs, view, pulled):
+            return None
+        t_pull = time.perf_counter()
+        try:
+            arrays = self._dispatch.load(step, requests, None, header.digest, view.keepers)
+        except (ManifestError, CorruptBlobError, StepNotFoundError) as e:
+            # A host that committed a record reads by the header a keeper gives it; a keeper it cannot
+            # reach (its address changed with a restart) leaves it nothing to read by. The rows path gives
+            # hosts the manifest.
+            log.warning("restore of step %d by the writers' parts: %s; planning by the manifest's rows", step, e)
+            return None
+        t2 = time.perf_counter()
+        result = finish(arrays)
+        report = self._parts_report(step, requests, view, pulled, prefetched, t0, t1, t_pull, t2)
+        log.info("- restore step %d; duration=%.3fs; size=%d bytes (by the writers' parts: %d pulled whole)", step,
+                 report.total_s, sum(r.record.nbytes for r in requests), sum(len(ws) for ws in needs.values()))
+        return result, report
+
+    def _pull_writers(self, step: int, header: fmt.StepHeader, needs: dict[str, set[str]], view: Any,
+                      pulled: Pulled) -> bool:
+        """Every host pulls, whole, the parts of the writers named for it in ``needs`` (``_writers_plan``)
+        from the hosts that hold them, and a host that lacked the step adopts it from a keeper: the first
+        half of a restore by the writers' parts, and the start-up pull's. Counted in ``pulled`` (with the
+        copies found bad, which their holders removed); False when a part could not be brought (the
+        caller plans by the rows)."""
         # Each part from its writer first, else from a host that keeps a peer copy of it.
         shares = {h: [(w, sorted(view.part_holders[w], key=lambda x, w=w: (x != w, x))) for w in sorted(ws)]
                   for h, ws in needs.items() if ws}
-        t1 = time.perf_counter()
         if shares:
             lacking = set(needs) - set(view.hosts)  # they adopt the step from a keeper once their parts arrived
             results = self._dispatch.peer_pull(step, {}, shares=shares,
@@ -564,28 +589,14 @@ class Restorer:
             if bad:
                 log.warning("restore of step %d: the writers' parts could not be brought (%s); planning by the "
                             "manifest's rows", step, "; ".join(f"{h}: {w}" for h, w in sorted(bad.items())))
-                return None
+                return False
             if lacking or set(needs) & set(view.lost):
                 # A host was refilled: the copies it held for its peers are gone too; make them again (by
                 # the hosts' shares; the manifest is read in the background only if they cannot tell).
                 self._replicate(CommittedStep(step, digest=header.digest,
                                               hosts=tuple(sorted(set(view.hosts) | lacking)),
                                               fetch=lambda: self._manifest(step, None, header.digest)))
-        t_pull = time.perf_counter()
-        try:
-            arrays = self._dispatch.load(step, requests, None, header.digest, view.keepers)
-        except (ManifestError, CorruptBlobError, StepNotFoundError) as e:
-            # A host that committed a record reads by the header a keeper gives it; a keeper it cannot
-            # reach (its address changed with a restart) leaves it nothing to read by. The rows path gives
-            # hosts the manifest.
-            log.warning("restore of step %d by the writers' parts: %s; planning by the manifest's rows", step, e)
-            return None
-        t2 = time.perf_counter()
-        result = finish(arrays)
-        report = self._parts_report(step, requests, view, pulled, prefetched, t0, t1, t_pull, t2)
-        log.info("- restore step %d; duration=%.3fs; size=%d bytes (by the writers' parts: %d pulled whole)", step,
-                 report.total_s, sum(r.record.nbytes for r in requests), sum(len(ws) for ws in shares.values()))
-        return result, report
+        return True
 
     def _same_layout(self, header: fmt.StepHeader, requests: list[LoadRequest]) -> bool:
         """Whether every request is a jax array asked for in the sharding it was saved with, on devices
@@ -687,6 +698,16 @@ class Restorer:
         if view is not None and view.by_writers and not set(view.lost) & set(self._dispatch.hosts()):
             return PrefetchReport(step=step, source="cluster", bytes_by_tier={"peer": 0, "backup": 0},
                                   blobs_by_tier={"peer": 0, "backup": 0}, seconds=time.perf_counter() - t0)
+        header = self._headers.get(view.manifest) if view is not None and view.by_writers and view.manifest else None
+        if header is not None:  # a writer lost its part (a replaced node): the parts it reads, planned from the header
+            needs = self._writers_plan(header, plan_target(header.as_manifest(), None)[0], view, True)
+            if needs is not None:
+                if closing():
+                    return None
+                pulled = Pulled()
+                if self._pull_writers(step, header, needs, view, pulled):
+                    return PrefetchReport(step=step, source="cluster", bytes_by_tier=dict(pulled.bytes),
+                                          blobs_by_tier=dict(pulled.blobs), seconds=time.perf_counter() - t0)
         manifest = self._manifest(step, backup_name, view.manifest if view is not None and view.manifest else None)
         requests, _ = plan_target(manifest, None)  # the saved shardings (fails after a shrink: skipped)
         if closing():  # closed before anything moved: a job that did not want it

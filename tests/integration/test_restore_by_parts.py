@@ -186,6 +186,29 @@ def test_a_replaced_host_pulls_its_parts_and_adopts_the_step_without_a_row(local
     assert (local_cluster.store_root("s0-h1") / "steps" / "000000000004.json").exists()  # committed there again
 
 
+def test_the_start_up_pull_refills_a_replaced_host_by_the_writers_parts_without_a_row(local_cluster, rows_parsed):
+    """The start-up pull (the restore waits for it) plans a replaced node's refill from the header as the
+    restore does: it pulls the parts it reads whole and adopts the step, and the head parses no shard row;
+    the restore after it then moves nothing."""
+    state = make_state(6)
+    with manager(local_cluster, replication_factor=2) as m:
+        m.save(6, state)
+        m.wait_until_finished()
+        m.wait_for_replication()
+    local_cluster.wipe("s1-h0")
+    local_cluster.restart("s1-h0")
+    rows_parsed[0] = 0
+    with manager(local_cluster, replication_factor=2) as m:
+        pre = m.wait_for_prefetch()
+        assert pre is not None and pre.step == 6 and pre.source == "cluster" and pre.bytes_by_tier["peer"] > 0, pre
+        assert rows_parsed[0] == 0, f"the start-up pull parsed {rows_parsed[0]} shard rows to refill a replaced host"
+        assert (local_cluster.store_root("s1-h0") / "steps" / "000000000006.json").exists()  # adopted
+        assert_trees_bitwise_equal(state, m.restore(6))
+        rep = m.last_restore_report
+        assert rep.prefetched and rep.bytes_by_tier["peer"] == pre.bytes_by_tier["peer"], rep
+        assert rows_parsed[0] == 0
+
+
 def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parsed, capsys, monkeypatch):
     """Status of a whole job: from the header and each host's word on its own share (O(hosts)); no
     shard row parsed, and no host's bitmap over the step's blob names read (what the rows path reads)."""
