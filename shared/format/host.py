@@ -10,7 +10,6 @@ row (a whole step's manifest has millions) until it asks for them. ``mtc-host/1`
 from __future__ import annotations
 
 import base64
-import binascii
 import dataclasses
 import json
 import re
@@ -67,7 +66,7 @@ class _ColumnsDoc(msgspec.Struct, gc=False):
     host: str
     rows: _Count
     boxes: list[tuple[tuple[_Count, _Count], ...]]
-    columns: str
+    columns: bytes  # base64 in the JSON, decoded by msgspec (about 6x faster than base64.b64decode of the string)
     written_bytes: _Count = 0
     seconds: float = 0.0
 
@@ -138,12 +137,14 @@ class PartColumns:
                 + base64.b64encode(packed) + b'"}')
 
     @classmethod
-    def from_json(cls, data: bytes | str, *, source: str = "host manifest") -> "PartColumns":
+    def from_json(cls, data: bytes | memoryview | str, *, source: str = "host manifest") -> "PartColumns":
         """The part in ``data`` (``mtc-host/2``, or ``mtc-host/1`` turned into columns), checked:
         every box index in range, sizes non-negative; ManifestError naming what is wrong."""
         try:
             doc = _COLUMNS_DECODER.decode(data)
         except (msgspec.DecodeError, UnicodeDecodeError):
+            if isinstance(data, memoryview):  # (a part cut from a whole manifest without a copy)
+                data = bytes(data)
             try:
                 named = _FORMAT_DECODER.decode(data).format
             except (msgspec.DecodeError, UnicodeDecodeError):
@@ -154,17 +155,17 @@ class PartColumns:
             try:  # an mtc-host/2 document that is wrong somewhere: msgspec says where
                 msgspec.convert(load_json(data, source), _ColumnsDoc, strict=True)
             except msgspec.ValidationError as e:
+                if "base64" in str(e) and "$.columns" in str(e):
+                    raise ManifestError(f"{source} is invalid: 'columns' is not base64") from None
                 raise ManifestError(f"{source} is invalid: {e}") from None
             raise ManifestError(f"{source} is invalid: not an {HOST_FORMAT} document") from None
         n = doc.rows
-        try:
-            packed = base64.b64decode(doc.columns, validate=True)
-        except (binascii.Error, ValueError):
-            raise ManifestError(f"{source} is invalid: 'columns' is not base64") from None
+        packed = doc.columns
         expect(len(packed) == n * _ROW_BYTES, source,
                f"'columns' holds {len(packed)} bytes, {n} rows take {n * _ROW_BYTES}")
         for i, b in enumerate(doc.boxes):
-            expect(all(lo <= hi for lo, hi in b), source, f"boxes[{i}] {box_str(b)} has a start past its stop")
+            if not all(lo <= hi for lo, hi in b):  # (the message made only when it is said)
+                expect(False, source, f"boxes[{i}] {box_str(b)} has a start past its stop")
         array = np.frombuffer(packed, "<u4", n, 0)
         box = np.frombuffer(packed, "<u4", n, 4 * n)
         nbytes = np.frombuffer(packed, "<i8", n, 8 * n)

@@ -191,7 +191,7 @@ class StepManifest:
         if isinstance(data, str):
             data = data.encode()
         data = bytes(data)
-        first, _, rest = data.partition(b"\n")
+        first, rest = _first_line(data)
         doc = load_json(first, source)
         with collector.paused():  # a whole manifest makes millions of objects, none of them cyclic garbage
             if doc.get("format") == FORMAT:
@@ -346,7 +346,7 @@ def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str
     (one pass of hashing, no per-shard work); the full checks (coverage, equal replicas, every
     row) run when the manifest is read (``StepManifest.from_json``)."""
     data = bytes(data)
-    first, _, rest = data.partition(b"\n")
+    first, rest = _first_line(data)
     doc = load_json(first, source)
     expect(doc.get("format") == FORMAT, source, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
     digest = doc.pop("digest", None)
@@ -357,7 +357,7 @@ def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str
             f"step {step!r} is not a non-negative integer")
     expect(isinstance(metas, list) and all(isinstance(m, dict) and isinstance(m.get("host"), str) for m in metas),
             source, "'parts' is missing or malformed")
-    lines = rest.split(b"\n") if rest else []
+    lines = _part_lines(rest, metas)
     expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
     out = {}
     for meta, line in zip(metas, lines):
@@ -382,15 +382,16 @@ def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
     part's hash and length are checked (``check_step_bytes``), with no shard record made and one name
     per distinct blob; an older format is read whole."""
     data = bytes(data)
+    head, rest = _first_line(data)
     try:
-        first = load_json(data.partition(b"\n")[0], source)
+        first = load_json(head, source)
     except ManifestError:  # (an older document over several lines: read whole, which says what is wrong)
         first = None
     if not isinstance(first, dict) or first.get("format") != FORMAT:
         m = StepManifest.from_json(data, source=source)
         return StepBlobNames(m.step, m.digest, m.sorted_blob_names())
     step, digest, hosts = check_step_bytes(data, source=source)
-    lines = data.partition(b"\n")[2].split(b"\n") if hosts else []
+    lines = _part_lines(rest, first["parts"]) if hosts else []
     blobs = []
     for j, (host, line) in enumerate(zip(hosts, lines)):
         part = PartColumns.from_json(line, source=f"{source}: part {j} (host {host})")
@@ -398,6 +399,35 @@ def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
                f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
         blobs.append(part.blob)
     return StepBlobNames(step, digest, _sorted_unique(blobs))
+
+
+def _first_line(data: bytes) -> tuple[bytes, memoryview]:
+    """(the first line of ``data``, a view of the rest): the parts are not copied (at thousands of hosts
+    they are hundreds of MiB)."""
+    i = data.find(b"\n")
+    if i < 0:
+        return data, memoryview(b"")
+    return data[:i], memoryview(data)[i + 1:]
+
+
+def _part_lines(rest: memoryview, metas: list) -> list:
+    """The parts' lines of ``rest`` (what follows the header), as views, cut at the lengths the header
+    gives when they account for every byte and a newline is between each two; else split at the
+    newlines (which then disagree with the header, and the caller says so)."""
+    if not len(rest):
+        return []
+    sizes = [m.get("bytes") if isinstance(m, dict) else None for m in metas]
+    if all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes) and \
+            sum(sizes) + len(sizes) - 1 == len(rest):
+        lines, at = [], 0
+        for n in sizes:
+            if at and rest[at - 1] != 0x0A:
+                break
+            lines.append(rest[at:at + n])
+            at += n + 1
+        else:
+            return lines
+    return bytes(rest).split(b"\n")
 
 
 def _parse_v2(doc: dict, source: str) -> StepManifest:
@@ -436,7 +466,7 @@ def _checked_header(doc: dict, source: str) -> tuple[str, int]:
     return digest, step
 
 
-def _parse_v3(doc: dict, rest: bytes, source: str, only: dict[str, bytes] | None = None) -> StepManifest:
+def _parse_v3(doc: dict, rest: memoryview | bytes, source: str, only: dict[str, bytes] | None = None) -> StepManifest:
     digest, step = _checked_header(doc, source)
     table = doc.get("shardings")
     expect(isinstance(table, list), source, "'shardings' is missing or not a list")
@@ -446,7 +476,7 @@ def _parse_v3(doc: dict, rest: bytes, source: str, only: dict[str, bytes] | None
     expect(isinstance(docs, list), source, "'arrays' is missing or not a list")
     expect(isinstance(metas, list), source, "'parts' is missing or not a list")
     if only is None:
-        lines = rest.split(b"\n") if rest else []
+        lines = _part_lines(rest, metas)
         expect(len(lines) == len(metas), source, f"it has {len(lines)} host parts, its header lists {len(metas)}")
         pairs = list(zip(metas, lines))
     else:  # a view of some hosts' parts only (see StepManifest.parts_view)
@@ -533,43 +563,57 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
     n_heads = len(heads)
     gindex: dict[Box, int] = {}  # every distinct box of the step -> its id
     empty = np.zeros(0, np.int64)
-    # The step's rows as one table: per row its array, box id, size, blob (16 bytes) and part.
-    A = np.concatenate([p.array for p in cols]).astype(np.int64) if cols else empty
+    # The step's rows as one table: per row its array, box id, size and blob (16 bytes). (Few temporaries
+    # of a row each: at millions of rows, fresh memory costs more than the arithmetic on it.)
+    A = np.concatenate([p.array for p in cols]) if cols else np.zeros(0, np.uint32)
     G = np.concatenate([np.array([gindex.setdefault(b, len(gindex)) for b in p.boxes] or [0], np.int64)[p.box]
                         for p in cols] or [empty])
     NB = np.concatenate([p.nbytes for p in cols] or [empty])
     BL = np.concatenate([p.blob for p in cols]) if cols else np.zeros((0, 2), np.uint64)
-    P = np.concatenate([np.full(len(p), k, np.int64) for k, p in enumerate(cols)] or [empty])
+    starts = np.cumsum([0] + [len(p) for p in cols])
+
+    def part_of(row: int) -> int:
+        return int(np.searchsorted(starts, row, side="right")) - 1
+
     gboxes = list(gindex)
     n = len(A)
-    is_array = np.array([rec.kind != "scalar" for rec, _ in heads] + [False])
-    bad = ~is_array[np.minimum(A, n_heads)]
-    if bad.any():
-        i = int(np.argmax(bad))
-        expect(False, f"{source}: part {int(P[i])}", f"shard of array #{int(A[i])}, which is not an array of this step")
-    # The replicas of a box (equal array and box on several hosts) must name one blob of one size.
-    key = A * max(1, len(gboxes)) + G
+    not_arrays = [i for i, (rec, _) in enumerate(heads) if rec.kind == "scalar"]
+    if n and (int(A.max()) >= n_heads or not_arrays):
+        bad = (A >= n_heads) | np.isin(A, not_arrays)
+        if bad.any():
+            i = int(np.argmax(bad))
+            expect(False, f"{source}: part {part_of(i)}", f"shard of array #{int(A[i])}, which is not an array of this step")
+    # The replicas of a box (equal array and box on several hosts) must name one blob of one size: each
+    # row of a box the same as the row before it, in a stable sort by (array, box).
+    key = A.astype(np.int64)
+    key *= max(1, len(gboxes))
+    key += G
     order = np.argsort(key, kind="stable")  # stable: the first row of each box is the first part's
     ks = key[order]
     first = np.ones(n, bool)
-    first[1:] = ks[1:] != ks[:-1]
-    lead = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))] if n else order
-    hi_, lo_ = BL[:, 0], BL[:, 1]  # (compared a column at a time: a reduction over rows of two is slow)
-    differ = (hi_[order] != hi_[lead]) | (lo_[order] != lo_[lead]) | (NB[order] != NB[lead])
-    if differ.any():
+    np.not_equal(ks[1:], ks[:-1], out=first[1:])
+    del key, ks
+    same = np.ones(n, bool)
+    for col in (BL[:, 0], BL[:, 1], NB):  # (a column at a time: a reduction over rows of two is slow)
+        c = col[order]
+        same[1:] &= c[1:] == c[:-1]
+    if not (same | first).all():
+        lead = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))]
+        differ = (BL[order] != BL[lead]).any(axis=1) | (NB[order] != NB[lead])
         i = int(order[differ].min())
         j = int(lead[np.flatnonzero(order == i)[0]])
         a, box = int(A[i]), gboxes[int(G[i])]
         one, other = split_names(BL[[j, i]])
-        expect(False, f"{source}: part {int(P[i])}",
+        expect(False, f"{source}: part {part_of(i)}",
                f"array {heads[a][0].key!r} shard {box_str(box)} has different contents on hosts "
-               f"{hosts[int(P[j])]} and {hosts[int(P[i])]} ({one} != {other}); replicas must be identical")
+               f"{hosts[part_of(j)]} and {hosts[part_of(i)]} ({one} != {other}); replicas must be identical")
+    del same
     # One row per shard, in the order of the records: by array, then by box.
     rank = np.empty(len(gboxes), np.int64)
     rank[sorted(range(len(gboxes)), key=gboxes.__getitem__)] = np.arange(len(gboxes))
     u = order[first]
     u = u[np.lexsort((rank[G[u]], A[u]))]
-    ua, ug, unb = A[u], G[u], NB[u]
+    ua, ug, unb = A[u].astype(np.int64), G[u], NB[u]
     # Each box fits its array's shape and its size is its elements' (boxes and shapes as padded tables).
     ndim = max([len(b) for b in gboxes] + [len(rec.shape) for rec, _ in heads] + [1])
     stops = np.zeros((len(gboxes), ndim), np.int64)
