@@ -311,6 +311,21 @@ def test_collect_blob_names():
         collect_blob_names(b"{nope")
 
 
+@pytest.mark.unit
+def test_a_committed_manifest_must_be_json_lines_of_its_step():
+    """What a host checks before it keeps a step manifest (``parse_step``): its header names the step
+    and every further line is JSON; any line that is not, an empty last line included, is refused."""
+    from mtc.sidecar.ram.steps import parse_step
+
+    good = b'{"step": 4, "format": "mtc/3"}\n{"host": "h0", "columns": "AAAA"}\n{"host": "h1"}'
+    parse_step(good, 4, "here")
+    parse_step(b'{"step": 4}', 4, "here")
+    for bad, message in ((good + b"\n", "not valid JSON"), (good.replace(b'"h1"}', b'"h1"'), "not valid JSON"),
+                         (b'{"step": 4}\n{nope}\n{}', "not valid JSON"), (good, "must be a JSON object with \"step\": 5")):
+        with pytest.raises(ManifestError, match=message):
+            parse_step(bad, 5 if message.startswith("must") else 4, "here")
+
+
 # --- commit, retention, GC -----------------------------------------------------------------
 
 def save_step(store: RamStore, step: int, blobs: list[bytes], *, commit: bool = True) -> list[str]:
