@@ -85,15 +85,24 @@ def test_smallest_run_accounts_for_every_second_and_step(maxtext_python, tmp_pat
                 assert rec["resumed_at"] == 0, (name, rec)
         # Steps recomputed: the steps that more than one process trained, from the marks themselves.
         trained: list[int] = []
+        restored_steps: set[int] = set()
         for pod in sorted((work / name).glob("pod*")):
             by_pid: dict[int, set[int]] = {}
             for m in _marks(pod):
                 if m["mark"] == "step":
                     by_pid.setdefault(m["pid"], set()).add(m["step"])
+                elif m["mark"] in ("mtc_restored", "maxtext_restored"):
+                    restored_steps.add(int(re.search(r"(?:restored step|directory step) (\d+)", m["line"]).group(1)))
             for steps in by_pid.values():
                 trained += sorted(steps)
         assert acc["recomputed"] == len(trained) - len(set(trained)), (name, acc["recomputed"])
-        assert set(trained) == set(range(200))
+        # Every step was trained. MaxText logs a step's "completed step" line one step later (its metric
+        # logger holds one step back), so a process killed after saving step N and before training N + 1
+        # never logs N: the restore of N that follows is what shows N was trained. Only such a step may
+        # go unmarked.
+        unmarked = set(range(200)) - set(trained)
+        assert unmarked <= restored_steps, (name, sorted(unmarked), sorted(restored_steps))
+        assert set(trained) <= set(range(200))
         assert 0 < acc["ratio"] < 1 and acc["wall_s"] > acc["ideal_s"]
     mtc = accs["mtc"]
     assert {k["cls"] for k in mtc["strikes"]} == set(FAULTS)
