@@ -49,6 +49,7 @@ land in whichever section is timed when it comes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -190,6 +191,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         del m, data_v1
     restore = restore_side(records, per_host, data, digest)
     restore.update(resize_side(hosts, layers))
+    restore.update(regroup_side(hosts, layers))
     restore.update(backup_side(data))
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
@@ -346,6 +348,71 @@ def resize_side(hosts: int, layers: int) -> dict:
     return {"resize_s": spent}
 
 
+def regroup_side(hosts: int, layers: int) -> dict:
+    """A restore from the backup onto the same hosts grouped in half as many data-parallel slices, twice
+    as wide (FSDP within a slice): each device's new box is half of a saved one, so a host reads the part
+    of one writer and loads half of its boxes. The head plans which parts each host reads
+    (``writers.plan``) and what each loads (``writers.loads``, sent with the fetch); one host's view of
+    the parts it reads then says which blobs it downloads (``StepManifest.blob_sizes_for``), beside every
+    blob of those parts (what it downloaded before) and the bytes it loads (the least it can download)."""
+    slices = max(2, hosts // HOSTS_PER_SLICE)
+    per_slice = hosts // slices
+    width = per_slice * DEVICES_PER_HOST
+
+    def mesh(s: int, w: int) -> dict:
+        return {"type": "named", "mesh_shape": [s, w], "axis_names": ["data", "fsdp"], "device_ids": list(range(s * w))}
+
+    by_rank = {r: {k: {**m, "spec": ["fsdp"] + [None] * (r - 1)}
+                   for k, m in (("saved", mesh(slices, width)), ("target", mesh(slices // 2, 2 * width)))}
+               for r in (1, 2)}
+    records = [fmt.ArrayRecord(key=key, kind="jax", dtype=dtype, shape=shape, sharding=by_rank[len(shape)]["saved"])
+               for key, shape, dtype in state_shapes(layers)]
+    devices = {f"h{h}": tuple(range(h * DEVICES_PER_HOST, (h + 1) * DEVICES_PER_HOST)) for h in range(hosts)}
+    header = fmt.StepHeader(step=1, digest="d" * 64, arrays=tuple(records), tree=None,
+                            parts=tuple((h, "p" * 64) for h in devices), topology={"devices": devices}, fingerprint={})
+
+    class Request:
+        __slots__ = ("record", "sharding")
+
+        def __init__(self, record, sharding):
+            self.record, self.sharding = record, sharding
+
+    readers = list(devices)
+    host_of = lambda d: f"h{d // DEVICES_PER_HOST}"  # noqa: E731
+    quiet()
+    t0 = time.process_time()
+    requests = [Request(r, by_rank[len(r.shape)]["target"]) for r in records]
+    needs = writers.plan(header, requests, {w: {"backup"} for w in devices}, host_of, readers)
+    loads = writers.loads(requests, host_of, readers)
+    spent = time.process_time() - t0
+    assert needs is not None and loads is not None
+    reader = "h1"  # (host 0 loads half of its own part; host 1 half of host 0's)
+    # Its view of the parts it reads: each writer's devices' boxes, one blob per (array, box).
+    arrays, blob = [], 0
+    for rec in records:
+        saved = shardings.described_device_boxes(rec.sharding, rec.shape)
+        boxes = sorted({saved[d] for w in sorted(needs[reader]) for d in devices[w]})
+        itemsize = rec.np_dtype.itemsize
+        shards = []
+        for box in boxes:
+            shards.append(fmt.ShardRecord(box=box, blob=f"{blob:032x}", nbytes=math.prod(b - a for a, b in box) * itemsize))
+            blob += 1
+        arrays.append(dataclasses.replace(rec, shards=tuple(shards)))
+    view = fmt.StepManifest(step=1, arrays=tuple(arrays), tree=None)
+    wants = {k: boxes for keys, boxes in loads[reader] for k in keys}
+    quiet()
+    t0 = time.process_time()
+    wanted = view.blob_sizes_for(wants)
+    host_s = time.process_time() - t0
+    loaded = sum(math.prod(b - a for a, b in box) * rec.np_dtype.itemsize
+                 for rec in records for box in wants[rec.key])
+    return {"regroup_head_s": spent, "regroup_host_s": host_s, "regroup_parts": len(needs[reader]),
+            "regroup_whole_bytes": sum(view.blob_sizes().values()), "regroup_bytes": sum(wanted.values()),
+            "regroup_loaded_bytes": loaded,
+            "regroup_wants_bytes": len(json.dumps([[keys, boxes] for keys, boxes in loads[reader]],
+                                                  separators=(",", ":")))}
+
+
 def restore_by_rows(m: fmt.StepManifest, per_host: dict[str, list[fmt.HostShard]]) -> float:
     """Head CPU past the manifest's parse of a restore that reads every row (a host lost its part, a
     resharded target): the inventories mapped onto the blob names, every blob's holders."""
@@ -460,6 +527,18 @@ def main() -> None:
         print(f"| {r['hosts']} | {r['backup_index_s'] * 1e3:,.0f} ms | {_mib(r['backup_head_bytes'])} | "
               f"{r['backup_head_s'] * 1e3:,.0f} ms | {_mib(r['backup_host_bytes'])} | {r['backup_host_s'] * 1e3:,.1f} ms | "
               f"{_mib(r['manifest_bytes'])} | {_whole_read(r)} |")
+    print("\n## A restore from the backup onto half as many data-parallel slices, twice as wide (every ramdisk "
+          "lost): what one host downloads\n")
+    print("| hosts | slices, saved -> restored | head CPU: which parts, what each host loads | sent with each "
+          "host's fetch | the host: parts it reads | their blobs (downloaded before) | downloaded now "
+          "| the bytes it loads | now / the least | the host's CPU to choose |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        slices = max(2, r["hosts"] // HOSTS_PER_SLICE)
+        print(f"| {r['hosts']} | {slices} -> {slices // 2} | {r['regroup_head_s'] * 1e3:,.0f} ms | "
+              f"{_mib(r['regroup_wants_bytes'])} | {r['regroup_parts']} | {_mib(r['regroup_whole_bytes'])} | "
+              f"{_mib(r['regroup_bytes'])} | {_mib(r['regroup_loaded_bytes'])} | "
+              f"{r['regroup_bytes'] / r['regroup_loaded_bytes']:.2f}x | {r['regroup_host_s'] * 1e3:,.1f} ms |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         k = a1["hosts"] / a0["hosts"]

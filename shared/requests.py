@@ -237,13 +237,28 @@ class BackupManifest(_Rooted, kw_only=True):
     WHY = {**_WHY_ROOT, **_WHY_NAME}
 
 
+class Wanted(Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """Arrays a host loads from a backup (their keys) and the boxes of them it loads, the same for
+    each (the arrays of one target sharding and shape); ``boxes`` null: every box of them."""
+
+    keys: list[str]
+    boxes: list[Box] | None = None
+
+
 class BackupFetch(Request, kw_only=True):
     name: Name
     blobs: list[BlobName]
     # Instead of blobs: every blob of these writers' parts, which the host reads with the header by range.
     parts: list[HostId] | None = None
-    PER_HOST = ("blobs", "parts")
-    WHY = {**_WHY_NAME, **_WHY_BLOBS}
+    # With parts: only the blobs of the arrays it will load whose boxes overlap those it will load (a
+    # resized restore reads some of a writer's boxes; a partial restore some arrays). None: every blob.
+    wants: list[Wanted] | None = None
+    PER_HOST = ("blobs", "parts", "wants")
+    WHY = {**_WHY_NAME, **_WHY_BLOBS,
+           "wants": "'wants' must be a list of [keys, boxes or null] (array keys, and boxes of [start, stop] pairs)",
+           "wants[*]": "{at} is not [keys, boxes or null]",
+           "wants[*][1]": "{up}: boxes is not a list of boxes (lists of [start, stop] pairs, "
+                          "0 <= start <= stop < 2**63) or null"}
 
 
 class BackupScrub(_Rooted, kw_only=True):

@@ -120,6 +120,21 @@ def _backup_finalize(r: requests.BackupFinalize, payloads: Sequence[bytes]) -> A
     return (r.name, manifest), {"generation": r.gen}
 
 
+def _wants(wants: list[requests.Wanted] | None) -> dict[str, list[fmt.Box] | None] | None:
+    """``backup_fetch``'s ``wants`` as array key -> the boxes of it the host loads (None: every box)."""
+    if wants is None:
+        return None
+    out: dict[str, list[fmt.Box] | None] = {}
+    for w in wants:
+        boxes = None if w.boxes is None else [requests.box(b) for b in w.boxes]
+        for k in w.keys:  # a key named twice: the boxes of both (null: every box)
+            if k not in out:
+                out[k] = boxes
+            elif out[k] is not None:
+                out[k] = None if boxes is None else out[k] + boxes
+    return out
+
+
 def _backup_scrub(r: requests.BackupScrub, payloads: Sequence[bytes]) -> Args:
     return (r.root, r.blobs, r.repair, r.damaged, r.bytes_per_s), {"ramdisk": r.ramdisk, "sizes": r.sizes,
                                                                    "clear": r.clear}
@@ -217,7 +232,7 @@ OPS: dict[str, Op] = dict([
     _op("backup_listing", lambda s: s.backup_listing, lambda r, p: ((r.root, r.deadline_s), {})),
     _op("backup_manifest", lambda s: s.backup_manifest, lambda r, p: ((r.root, r.name, r.header_only), {}),
         answer=_bytes_answer),
-    _op("backup_fetch", lambda s: s.backup_fetch, lambda r, p: ((r.name, r.blobs, r.parts), {})),
+    _op("backup_fetch", lambda s: s.backup_fetch, lambda r, p: ((r.name, r.blobs, r.parts), {"wants": _wants(r.wants)})),
     _op("peer_pull", lambda s: s.peer_pull, _peer_pull),
     _op("backup_scrub", lambda s: s.backup_scrub, _backup_scrub),
     _op("close", lambda s: s.close, _none, answer=lambda _: (True, [])),

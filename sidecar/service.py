@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from mtc.shared import format as fmt
 from mtc.shared import ramdisk, version
@@ -265,13 +265,16 @@ class SidecarService:
             return tier.header(name) or b""
         return tier.manifest(name)
 
-    def backup_fetch(self, name: str, blobs: list[str], parts: Sequence[str] | None = None) -> dict:
+    def backup_fetch(self, name: str, blobs: list[str], parts: Sequence[str] | None = None,
+                     wants: Mapping[str, Sequence[fmt.Box] | None] | None = None) -> dict:
         """Pull this host's blobs of backup ``name`` into the ramdisk, verified; restore reads them.
 
-        With ``parts`` (writers' host ids), every blob of those writers' parts instead, which this host
+        With ``parts`` (writers' host ids), the blobs of those writers' parts instead, which this host
         reads with the header by range (``BackupTier.parts_view``): its own part on the topology that
         saved the step, after a resize the parts its new boxes overlap. The view of those parts is kept
-        to read by, not the whole manifest."""
+        to read by, not the whole manifest. With ``wants`` (array key -> the boxes of it this host will
+        load, None: all of it), only the blobs of those arrays whose boxes overlap them: a resize reads
+        part of a writer's boxes, a partial restore some of the arrays."""
         tier = self._backup_tier()
         if parts is not None:
             manifest = tier.parts_view(name, list(parts))
@@ -280,7 +283,7 @@ class SidecarService:
                                     "restore it by the whole manifest")
         else:
             manifest = fmt.StepManifest.from_json(tier.manifest(name), source=f"backup {name}")
-        sizes = manifest.blob_sizes()
+        sizes = manifest.blob_sizes() if parts is None or wants is None else manifest.blob_sizes_for(wants)
         out = tier.fetch(sorted(sizes) if parts is not None else list(blobs), sizes)
         self.index.keep_manifest(manifest.step, manifest)
         if parts is not None:

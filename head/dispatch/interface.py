@@ -428,12 +428,22 @@ class Dispatcher(abc.ABC):
                               {h: requests.BackupFetch(name=name, blobs=list(b)) for h, b in needs.items()},
                               lane="backup")
 
-    def backup_fetch_parts(self, name: str, parts: Mapping[str, Iterable[str]]) -> dict[str, dict]:
-        """Every host of ``parts`` downloads every blob of the writers' parts named for it (host -> writers),
-        which it reads with the manifest's header by range, checked against the backup's part index."""
+    def backup_fetch_parts(self, name: str, parts: Mapping[str, Iterable[str]],
+                           wants: Mapping[str, list[tuple[list[str], list[fmt.Box] | None]]] | None = None
+                           ) -> dict[str, dict]:
+        """Every host of ``parts`` downloads the blobs of the writers' parts named for it (host -> writers),
+        which it reads with the manifest's header by range, checked against the backup's part index: every
+        blob, or with ``wants`` (host -> what it will load, ``fmt.writers.loads``) only those it loads."""
+        def wanted(h: str) -> list[requests.Wanted] | None:
+            if wants is None:
+                return None
+            return [requests.Wanted(keys=keys, boxes=None if boxes is None else
+                                    [[requests.Span(lo, hi) for lo, hi in b] for b in boxes])
+                    for keys, boxes in wants.get(h, ())]
+
         return self._all_jobs(f"fetch of backup {name}", "backup_fetch",
-                              {h: requests.BackupFetch(name=name, blobs=[], parts=sorted(ws)) for h, ws in parts.items()},
-                              lane="backup")
+                              {h: requests.BackupFetch(name=name, blobs=[], parts=sorted(ws), wants=wanted(h))
+                               for h, ws in parts.items()}, lane="backup")
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
         """Each host of ``work`` scrubs the backup root: host -> {"blobs": to hash in the store,

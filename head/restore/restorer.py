@@ -435,6 +435,13 @@ class Restorer:
             raise ManifestError(f"backup {name} holds the manifest of step {header.step}, not {step}")
         return header
 
+    def _host_of(self, device_id: int) -> str | None:
+        """The host of device ``device_id`` now; None for a device this topology does not have."""
+        try:
+            return self._dispatch.host_of_device(device_id)
+        except MTCError:
+            return None
+
     def _backup_parts(self, header: fmt.StepHeader, requests: list[LoadRequest]) -> dict[str, set[str]] | None:
         """Which writers' parts of a backup each host reads, from the header: onto the hosts and shardings
         that saved the step its own; onto another target (an elastic resize, another mesh) those whose
@@ -444,13 +451,7 @@ class Restorer:
             hosts = set(self._dispatch.hosts())
             return {h: {h} for h, _ in header.parts if h in hosts}
 
-        def host_of(device_id: int) -> str | None:
-            try:
-                return self._dispatch.host_of_device(device_id)
-            except MTCError:  # a device this topology does not have
-                return None
-
-        needs = writers.plan(header, requests, {w: {_IN_BACKUP} for w, _ in header.parts}, host_of,
+        needs = writers.plan(header, requests, {w: {_IN_BACKUP} for w, _ in header.parts}, self._host_of,
                              self._dispatch.hosts())
         return None if needs is None else {h: ws for h, ws in needs.items() if ws}
 
@@ -459,12 +460,14 @@ class Restorer:
                            prefetched: PrefetchReport | None) -> tuple[Any, RestoreReport] | None:
         """The restore from backup ``name`` by its parts (``parts``: host -> the writers whose parts it
         reads): each host reads the header and those parts by range (checked against the sealed part
-        index), downloads their blobs and loads its boxes by them. The head reads the header alone:
+        index), downloads the blobs of them it loads and loads its boxes by them. The head reads the header alone:
         O(arrays + hosts). None when a blob of the backup is corrupt (the rows path names the array and
         the shard)."""
         pulled = Pulled()
         try:
-            fetched = self._dispatch.backup_fetch_parts(name, parts)
+            # Only the blobs it loads: a writer's boxes it does not overlap, arrays the restore leaves out.
+            fetched = self._dispatch.backup_fetch_parts(
+                name, parts, writers.loads(requests, self._host_of, self._dispatch.hosts()))
         except CorruptBlobError as e:
             log.warning("restore of step %d from backup %s by parts: %s; planning by the manifest's rows", step, name, e)
             return None
@@ -516,14 +519,8 @@ class Restorer:
         if new and not view.keepers:
             return None
 
-        def host_of(device_id: int) -> str | None:
-            try:
-                return self._dispatch.host_of_device(device_id)
-            except MTCError:  # a device this topology does not have
-                return None
-
         holders = view.part_holders
-        needs = writers.plan(header, requests, holders, host_of, readers)
+        needs = writers.plan(header, requests, holders, self._host_of, readers)
         if needs is None:
             return None
         for h in new:  # it holds nothing: even one that reads no box pulls a part, so that it adopts the step

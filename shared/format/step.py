@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import msgspec
 import numpy as np
@@ -16,8 +16,8 @@ import numpy as np
 from mtc.shared import collector
 from mtc.shared import shardings as shardings_lib
 from mtc.shared.errors import ManifestError
-from mtc.shared.format.base import (Box, box_from_doc, box_shape, box_str, canonical_json, doc_digest, dtype_from_name,
-                                    expect, load_json)
+from mtc.shared.format.base import (Box, box_from_doc, box_intersect, box_shape, box_str, canonical_json, doc_digest,
+                                    dtype_from_name, expect, load_json)
 from mtc.shared.format.host import HostManifest, HostShard, PartColumns, split_names
 from mtc.shared.hashing import HASH_NAME, blob_name, is_blob_name
 
@@ -106,6 +106,22 @@ class StepManifest:
 
     def blob_names(self) -> set[str]:
         return set(self._blob_sizes)
+
+    def blob_sizes_for(self, wants: Mapping[str, Sequence[Box] | None]) -> dict[str, int]:
+        """The blobs (and their sizes) a host reads to load ``wants``: array key -> the boxes of it
+        that it loads (None: the whole array). The blobs of the shards whose boxes overlap one of
+        those; every shard of an array with an empty dimension (nothing to overlap); none of an array
+        not named."""
+        out: dict[str, int] = {}
+        for a in self.arrays:
+            if a.key not in wants or a.kind == "scalar":
+                continue
+            boxes = wants[a.key]
+            whole = boxes is None or 0 in a.shape
+            for sh in a.shards:
+                if whole or any(box_intersect(sh.box, b) is not None for b in boxes):
+                    out[sh.blob] = sh.nbytes
+        return out
 
     def sorted_blob_names(self) -> list[str]:
         """Every blob name of the step, sorted (the order an inventory's bitmaps are over); made
@@ -554,6 +570,47 @@ def _sorted_unique(blobs: list[np.ndarray]) -> list[str]:
     return split_names(ordered[keep])
 
 
+def _one_row_per_box(key: np.ndarray, span: int, BL: np.ndarray, NB: np.ndarray) -> np.ndarray | None:
+    """One row of each distinct ``key`` (array and box), in the keys' order, where every row of a key
+    names the blob and size of that row; None where one does not, or where the keys span too many
+    values for a table of them (the sort decides). A table with any row of each key: when all rows of a
+    key agree, whichever row the table holds, every row equals it; when they do not, some row differs
+    from it, whichever it is. (No sort: at millions of rows the sort was a third of the read.)"""
+    n = len(key)
+    if span > 4 * n + 4096:
+        return None
+    any_row = np.full(span, -1, np.int64)
+    any_row[key] = np.arange(n)
+    rep = any_row[key]
+    for col in (NB, BL[:, 0], BL[:, 1]):  # (a column at a time: a reduction over rows of two is slow)
+        if not np.array_equal(col[rep], col):
+            return None
+    return any_row[any_row >= 0]
+
+
+def _one_row_per_box_sorted(key: np.ndarray, BL: np.ndarray, NB: np.ndarray,
+                            differ: Callable[[int, int], None]) -> np.ndarray:
+    """``_one_row_per_box`` by a stable sort of the keys: each row of a key compared with the row before
+    it. Where one differs, ``differ(i, j)`` is called with the first such row in the parts' order and the
+    first row of its key (it raises)."""
+    n = len(key)
+    order = np.argsort(key, kind="stable")  # stable: the first row of each box is the first part's
+    ks = key[order]
+    first = np.ones(n, bool)
+    np.not_equal(ks[1:], ks[:-1], out=first[1:])
+    del ks
+    same = np.ones(n, bool)
+    for col in (BL[:, 0], BL[:, 1], NB):
+        c = col[order]
+        same[1:] &= c[1:] == c[:-1]
+    if not (same | first).all():
+        lead = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))]
+        bad = (BL[order] != BL[lead]).any(axis=1) | (NB[order] != NB[lead])
+        i = int(order[bad].min())
+        differ(i, int(lead[np.flatnonzero(order == i)[0]]))
+    return order[first]
+
+
 def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str], source: str, whole: bool
                          ) -> tuple[list[ArrayRecord], "_ShardTable"]:
     """The arrays of ``heads`` with their shards, from the parts' columns, checked as one table (no
@@ -583,35 +640,21 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
         if bad.any():
             i = int(np.argmax(bad))
             expect(False, f"{source}: part {part_of(i)}", f"shard of array #{int(A[i])}, which is not an array of this step")
-    # The replicas of a box (equal array and box on several hosts) must name one blob of one size: each
-    # row of a box the same as the row before it, in a stable sort by (array, box).
+    # The replicas of a box (equal array and box on several hosts) must name one blob of one size.
     key = A.astype(np.int64)
     key *= max(1, len(gboxes))
     key += G
-    order = np.argsort(key, kind="stable")  # stable: the first row of each box is the first part's
-    ks = key[order]
-    first = np.ones(n, bool)
-    np.not_equal(ks[1:], ks[:-1], out=first[1:])
-    del key, ks
-    same = np.ones(n, bool)
-    for col in (BL[:, 0], BL[:, 1], NB):  # (a column at a time: a reduction over rows of two is slow)
-        c = col[order]
-        same[1:] &= c[1:] == c[:-1]
-    if not (same | first).all():
-        lead = order[np.maximum.accumulate(np.where(first, np.arange(n), 0))]
-        differ = (BL[order] != BL[lead]).any(axis=1) | (NB[order] != NB[lead])
-        i = int(order[differ].min())
-        j = int(lead[np.flatnonzero(order == i)[0]])
-        a, box = int(A[i]), gboxes[int(G[i])]
-        one, other = split_names(BL[[j, i]])
-        expect(False, f"{source}: part {part_of(i)}",
-               f"array {heads[a][0].key!r} shard {box_str(box)} has different contents on hosts "
-               f"{hosts[part_of(j)]} and {hosts[part_of(i)]} ({one} != {other}); replicas must be identical")
-    del same
+    u = _one_row_per_box(key, n_heads * max(1, len(gboxes)), BL, NB)
+    if u is None:  # (a replica differs, or too many keys for a table): the stable sort says which
+        u = _one_row_per_box_sorted(key, BL, NB, lambda i, j: expect(
+            False, f"{source}: part {part_of(i)}",
+            f"array {heads[int(A[i])][0].key!r} shard {box_str(gboxes[int(G[i])])} has different contents on "
+            f"hosts {hosts[part_of(j)]} and {hosts[part_of(i)]} ({' != '.join(split_names(BL[[j, i]]))}); "
+            "replicas must be identical"))
+    del key
     # One row per shard, in the order of the records: by array, then by box.
     rank = np.empty(len(gboxes), np.int64)
     rank[sorted(range(len(gboxes)), key=gboxes.__getitem__)] = np.arange(len(gboxes))
-    u = order[first]
     u = u[np.lexsort((rank[G[u]], A[u]))]
     ua, ug, unb = A[u].astype(np.int64), G[u], NB[u]
     # Each box fits its array's shape and its size is its elements' (boxes and shapes as padded tables).

@@ -11,6 +11,9 @@ host that keeps a peer copy of it) can serve them.
 - ``cover``: every saved box has a writer whose part some host holds whole, so the step is
   restorable from the writers' parts whatever the target (a host that lost its part, a slice that
   is gone: a data-parallel twin wrote the same boxes, or a peer keeps a copy of the part).
+- ``loads``: for a restore's requests, what each host will load: the arrays of each target (sharding,
+  shape) and the boxes of them on its devices, so that a host that reads from the backup downloads
+  only the blobs of a writer's part that it loads.
 - ``plan``: for a restore's requests (an elastic resize, another mesh, or the saving topology with
   a host that lost its part), which writers' parts each reading host needs besides its own. The
   restore pulls those parts whole from their holders, then every host reads its boxes from its
@@ -30,7 +33,7 @@ from mtc.shared import shardings
 from mtc.shared.format.base import Box
 from mtc.shared.format.step import ArrayRecord, StepHeader
 
-__all__ = ["Grid", "cover", "plan", "saved_grid"]
+__all__ = ["Grid", "cover", "loads", "plan", "saved_grid"]
 
 
 class Grid:
@@ -173,3 +176,43 @@ def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Coll
             if not held_by.get(h) and not needs[h]:
                 needs[h].add(available[0])
     return needs
+
+
+def loads(requests: Sequence[Any], host_of_device: Callable[[int], str | None],
+          readers: Sequence[str]) -> dict[str, list[tuple[list[str], list[Box] | None]]] | None:
+    """reading host -> what it will load for ``requests`` (``LoadRequest``s): (the keys of the arrays
+    of one target sharding and shape, the boxes of them on its devices), and (the keys of the host
+    numpy leaves, None: whole, on every host of ``readers``). O(distinct (sharding, shape) x devices
+    + arrays); None where a target's boxes cannot be known (a device of no host)."""
+    groups: dict[tuple, tuple[list[str], dict[str, set[Box]]]] = {}
+    whole: list[str] = []
+    for r in requests:
+        rec = r.record
+        if rec.kind == "scalar":  # no blob: its value is in the header
+            continue
+        if r.sharding is None:
+            whole.append(rec.key)
+            continue
+        tkey = (id(r.sharding), tuple(rec.shape))
+        group = groups.get(tkey)
+        if group is None:
+            boxes = (shardings.described_device_boxes(r.sharding, tuple(rec.shape)) if isinstance(r.sharding, Mapping)
+                     else shardings.device_boxes(r.sharding, tuple(rec.shape)))
+            if boxes is None:
+                return None
+            by_host: dict[str, set[Box]] = {}
+            for dev, box in boxes.items():
+                host = host_of_device(dev)
+                if host is None:
+                    return None
+                by_host.setdefault(host, set()).add(box)
+            group = groups[tkey] = ([], by_host)
+        group[0].append(rec.key)
+    out: dict[str, list[tuple[list[str], list[Box] | None]]] = {h: [] for h in readers}
+    for keys, by_host in groups.values():
+        for host, boxes in by_host.items():
+            out.setdefault(host, []).append((keys, sorted(boxes)))
+    if whole:
+        for wants in out.values():
+            wants.append((whole, None))
+    return out

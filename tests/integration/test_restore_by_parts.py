@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
+from mtc.head import tree as tree_lib
 from mtc.shared import format as fmt
 from mtc.sidecar.local_cluster import LocalCluster
 
@@ -304,3 +305,66 @@ def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local
         assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a resharded backup restore"
         again = parts_read()[len(read):]
         assert len(again) == len(local_cluster.hosts) and any(n > 1 for n, _ in again), again
+
+
+def by_columns_reversed(state) -> dict:
+    """``like(state)`` with "w" split by columns over the devices in reverse order: a host then loads one
+    of the two column boxes of the part it reads besides its own, none of that part's other arrays."""
+    target = like(state)
+    mesh = Mesh(np.array(jax.devices()[::-1]), ("x",))
+    target["params"]["w"] = jax.ShapeDtypeStruct((64, 48), np.float32, sharding=NamedSharding(mesh, P(None, "x")))
+    return target
+
+
+def loaded_bytes(manifest: fmt.StepManifest, target, hosts: list[str], per_host: int) -> int:
+    """The bytes of the blobs that each host's loads of ``target`` overlap, summed over the hosts: what
+    they download from the backup when their ramdisks hold nothing."""
+    by_key = {a.key: a for a in manifest.arrays}
+    blobs: dict[str, dict[str, int]] = {h: {} for h in hosts}
+    for key, leaf in zip(*tree_lib.flatten(target)[:2]):
+        rec = by_key[key]
+        sharding = getattr(leaf, "sharding", None)
+        if rec.kind == "scalar":
+            continue
+        if sharding is None:  # a host numpy leaf: every host loads it whole
+            for h in hosts:
+                blobs[h].update({s.blob: s.nbytes for s in rec.shards})
+            continue
+        for dev, idx in sharding.devices_indices_map(rec.shape).items():
+            box = fmt.box_from_index(idx, rec.shape)
+            blobs[hosts[dev.id // per_host]].update(
+                {s.blob: s.nbytes for s in rec.shards
+                 if all(lo < b_hi and b_lo < hi for (lo, hi), (b_lo, b_hi) in zip(s.box, box))})
+    return sum(n for held in blobs.values() for n in held.values())
+
+
+def test_a_backup_restore_downloads_only_the_blobs_each_host_loads(local_cluster, ramdisk, rows_parsed):
+    """From the backup by parts, a host downloads of the writers' parts it reads only the blobs whose
+    boxes overlap those it loads: after a resize, not a writer's other boxes; in a partial restore, not
+    the arrays left out. Bit for bit, and no shard row on the head."""
+    state = make_state(7)
+    cfg = dict(base_output_directory=str(ramdisk / "bucket"), run_name="r",
+               multi_tier_checkpointing_backup_interval_steps=1)
+    with manager(local_cluster, **cfg) as m:
+        m.save(7, state)
+        m.wait_until_finished()
+        assert m.wait_for_backup().error is None
+        saved = m.manifest(7)
+    hosts = local_cluster.hosts
+    targets = [("columns reversed", by_columns_reversed(state), False),
+               ("params alone", {"params": like(state)["params"]}, True)]
+    for what, target, partial in targets:
+        for h in hosts:
+            local_cluster.wipe(h)
+            local_cluster.restart(h)
+        rows_parsed[0] = 0
+        with manager(local_cluster, prefetch_on_start=False, **cfg) as m:
+            got = m.restore(7, target=target, partial=partial)
+            want = state if not partial else {"params": state["params"]}
+            assert_trees_bitwise_equal(want, got, check_sharding=False)
+            rep = m.last_restore_report
+            assert rep.source != "cluster" and rows_parsed[0] == 0, (what, rep, rows_parsed[0])
+            loaded = loaded_bytes(saved, target, hosts, local_cluster.devices_per_host)
+            assert rep.bytes_by_tier["backup"] == loaded, (what, rep.bytes_by_tier, loaded)
+            whole_parts = sum(saved.blob_sizes()[b] for h in hosts for b in saved.part_blob_names(h))
+            assert loaded < whole_parts, (what, loaded, whole_parts)

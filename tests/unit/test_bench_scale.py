@@ -33,3 +33,11 @@ def test_head_bytes_per_host_do_not_grow_with_hosts():
     # The design before sent every host the whole manifest: that would be ~8x here.
     before = re.search(r"head sends [\d,.]+ \w+ per save at 64 hosts, [\d,.]+ \w+ per host \((\d+)x\)", proc.stdout)
     assert before and int(before.group(1)) >= 4, proc.stdout
+    # From the backup onto half as many slices, twice as wide: a host downloads the half of a writer's
+    # part it loads, no more (before: the whole part, twice that).
+    regroup = re.findall(r"^\| (\d+) \| \d+ -> \d+ \| [\d,]+ ms \| [\d,.]+ \w+ \| (\d+) \| ([\d,.]+) MiB \| ([\d,.]+) MiB "
+                         r"\| ([\d,.]+) MiB \| ([\d.]+)x \|", proc.stdout, re.M)
+    assert [int(h) for h, *_ in regroup] == [8, 64], proc.stdout
+    for _, parts, before, now, least, ratio in regroup:
+        assert int(parts) >= 1 and float(ratio) == 1.0 and now == least, proc.stdout
+        assert float(before.replace(",", "")) >= 1.9 * float(now.replace(",", "")), proc.stdout

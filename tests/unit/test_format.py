@@ -532,3 +532,35 @@ def test_the_fit_check_by_shape_and_box_agrees_with_the_check_of_every_row():
         want = np.array([box_nd[g] == arr_nd[a] and bool((stops[g] <= shapes[a]).all()) for a, g in zip(ua, ug)])
         got = _fits(box_nd, stops, arr_nd, shapes, ua, ug)
         assert got.tolist() == want.tolist() and 0 < want.sum() < n_rows
+
+
+def test_one_row_per_box_by_a_table_is_the_sorts_and_a_differing_replica_goes_to_the_sort():
+    """The whole read's replica check: a table of any row per (array, box) where the keys allow one, the
+    stable sort otherwise and to name a replica that differs (the first in the parts' order, against
+    the first row of its box)."""
+    from mtc.shared.format import step as step_lib
+
+    rng = np.random.default_rng(3)
+    key = rng.integers(0, 700, 5000)
+    blob = np.stack([key * 7 + 1, key * 11 + 2], axis=1).astype(np.uint64)
+    nbytes = key * 3
+
+    def never(i: int, j: int) -> None:
+        raise AssertionError((i, j))
+
+    by_table = step_lib._one_row_per_box(key, 700, blob, nbytes)
+    by_sort = step_lib._one_row_per_box_sorted(key, blob, nbytes, never)
+    assert key[by_table].tolist() == key[by_sort].tolist() == sorted(set(key.tolist()))
+    assert step_lib._one_row_per_box(key, 10**9, blob, nbytes) is None  # too many keys for a table
+    rows = np.flatnonzero(key == key[4000])
+    assert len(rows) >= 2
+    for col in (0, 1, None):
+        bad_blob, bad_nbytes = blob.copy(), nbytes.copy()
+        if col is None:
+            bad_nbytes[rows[-1]] += 1
+        else:
+            bad_blob[rows[-1], col] += 1
+        assert step_lib._one_row_per_box(key, 700, bad_blob, bad_nbytes) is None
+        said = []
+        step_lib._one_row_per_box_sorted(key, bad_blob, bad_nbytes, lambda i, j: said.append((i, j)))
+        assert said == [(rows[-1], rows[0])]

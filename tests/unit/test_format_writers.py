@@ -113,3 +113,36 @@ def test_the_grid_is_the_described_boxes():
         for d in devs:
             assert boxes[d] == tuple((i * c, (i + 1) * c) for i, c in zip(piece, g.chunk))
     assert sorted(d for ds in g.writers.values() for d in ds) == list(np.arange(8))
+
+
+def test_what_each_host_loads_is_its_devices_boxes_by_target_and_the_host_leaves_whole():
+    h = header(("w", (64, 8), SPLIT), ("v", (64, 8), SPLIT), ("u", (16,), mesh((8,), ("x",), range(8), ["x"])))
+    numpy = SimpleNamespace(record=fmt.ArrayRecord(key="rng", kind="numpy", dtype="uint32", shape=(4,)), sharding=None)
+    scalar = SimpleNamespace(record=fmt.ArrayRecord(key="step", kind="scalar", value=3), sharding=None)
+    target = mesh((8,), ("x",), range(7, -1, -1), [None, "x"])  # columns, reversed
+    reqs = [SimpleNamespace(record=h.arrays[0], sharding=target), SimpleNamespace(record=h.arrays[1], sharding=target),
+            SimpleNamespace(record=h.arrays[2], sharding=h.arrays[2].sharding), numpy, scalar]
+    loads = writers.loads(reqs, host_of, sorted(DEVICES))
+    cols = shardings.described_device_boxes(target, (64, 8))
+    rows = shardings.described_device_boxes(h.arrays[2].sharding, (16,))
+    for host, devs in DEVICES.items():  # one group per (target, shape): its keys once, the host's boxes
+        assert loads[host] == [(["w", "v"], sorted(cols[d] for d in devs)), (["u"], sorted(rows[d] for d in devs)),
+                               (["rng"], None)], host
+    assert writers.loads(reqs, lambda d: None if d == 7 else host_of(d), sorted(DEVICES)) is None
+
+
+def test_the_blobs_a_host_loads_are_those_whose_boxes_overlap_its_own():
+    shards = tuple(fmt.ShardRecord(box=((r, r + 16), (0, 8)), blob=f"{i:032x}", nbytes=16 * 8 * 4)
+                   for i, r in enumerate(range(0, 64, 16)))
+    w = fmt.ArrayRecord(key="w", kind="jax", dtype="float32", shape=(64, 8), shards=shards)
+    e = fmt.ArrayRecord(key="e", kind="jax", dtype="float32", shape=(0, 8),
+                        shards=(fmt.ShardRecord(box=((0, 0), (0, 8)), blob="e" * 32, nbytes=0),))
+    rng = fmt.ArrayRecord(key="rng", kind="numpy", dtype="uint32", shape=(4,),
+                          shards=(fmt.ShardRecord(box=((0, 4),), blob="f" * 32, nbytes=16),))
+    m = fmt.StepManifest(step=1, arrays=(w, e, rng), tree=None)
+    assert m.blob_sizes_for({"w": [((10, 20), (0, 8))]}) == {shards[0].blob: 512, shards[1].blob: 512}
+    assert m.blob_sizes_for({"w": [((16, 32), (4, 8))]}) == {shards[1].blob: 512}  # edges touch: no overlap
+    assert m.blob_sizes_for({"w": [((0, 64), (8, 8))]}) == {}
+    assert m.blob_sizes_for({"w": None, "rng": None}) == {**{s.blob: 512 for s in shards}, "f" * 32: 16}
+    assert m.blob_sizes_for({"e": [((0, 0), (0, 4))]}) == {"e" * 32: 0}  # nothing to overlap: all of it
+    assert m.blob_sizes_for({}) == {} and m.blob_sizes_for({"x": None}) == {}

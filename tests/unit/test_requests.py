@@ -30,6 +30,9 @@ def test_every_row_names_a_request_type():
     ("backup_listing", requests.BackupListing(root="gs://b/p", deadline_s=5.0)),
     ("backup_scrub", requests.BackupScrub(root="/r", blobs=[BLOB],
                                           damaged={"20260101T000000Z-step-000000000004": "x"})),
+    ("backup_fetch", requests.BackupFetch(name="n", blobs=[], parts=["s0-h1"], wants=[
+        requests.Wanted(["params.w", "opt.mu.w"], [[requests.Span(0, 8), requests.Span(4, 12)]]),
+        requests.Wanted(["rng"])])),
     ("peer_pull", requests.PeerPull(step=3, peers=BOOK, pulls=[requests.Pull(BLOB, 5, ("s0-h1",))],
                                     shares=[requests.Share("s0-h1", ("s0-h0",))],
                                     adopt=requests.Adopt(digest="d", keepers=["s0-h1"]))),
@@ -65,6 +68,11 @@ def test_requests_for_several_hosts_travel_as_what_they_share_and_each_ones_own(
     ("peer_pull", {"step": 1, "peers": {"s0-h0": "nowhere"}}, r"peer_pull: peers\['s0-h0'\]: address 'nowhere'"),
     ("read", {"step": 1, "reads": [["w", [[3, 2]]]]}, r"read: reads\[0\]\[1\]\[0\]: \[3, 2\] has start > stop"),
     ("backup_upload", {"blobs": [BLOB], "step": 1}, "give 'blobs' or 'step', not both"),
+    ("backup_fetch", {"name": "n", "blobs": [], "parts": ["s0-h0"], "wants": [[["w"], [[[4, 2]]]]]},
+     r"backup_fetch: wants\[0\]\[1\]\[0\]\[0\]: \[4, 2\] has start > stop"),
+    ("backup_fetch", {"name": "n", "blobs": [], "parts": ["s0-h0"], "wants": [[["w"], [[4, 2]]]]},
+     r"backup_fetch: wants\[0\]: boxes is not a list of boxes .*, got \[\[4, 2\]\]"),
+    ("backup_fetch", {"name": "n", "blobs": [], "wants": [{"keys": ["w"]}]}, r"backup_fetch: wants\[0\] is not \[keys, boxes or null\]"),
     ("job", {"job": "j1", "wait_s": 11}, r"'wait_s' must be a number in \[0, 10\], got 11"),
     ("claim", {"head": {}}, "'generation' must be the head's generation.*got nothing"),
 ])
