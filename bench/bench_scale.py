@@ -388,9 +388,11 @@ def regroup_side(hosts: int, layers: int) -> dict:
     assert needs is not None and loads is not None
     reader = "h1"  # (host 0 loads half of its own part; host 1 half of host 0's)
     # Its view of the parts it reads: each writer's devices' boxes, one blob per (array, box).
-    arrays, blob = [], 0
+    arrays, blob, described = [], 0, {}
     for rec in records:
-        saved = shardings.described_device_boxes(rec.sharding, rec.shape)
+        saved = described.get(rec.shape)
+        if saved is None:
+            saved = described[rec.shape] = shardings.described_device_boxes(rec.sharding, rec.shape)
         boxes = sorted({saved[d] for w in sorted(needs[reader]) for d in devices[w]})
         itemsize = rec.np_dtype.itemsize
         shards = []

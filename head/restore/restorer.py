@@ -465,9 +465,12 @@ class Restorer:
         the shard)."""
         pulled = Pulled()
         try:
-            # Only the blobs it loads: a writer's boxes it does not overlap, arrays the restore leaves out.
+            # Only the blobs it loads: a writer's boxes it does not overlap, arrays the restore leaves out
+            # (each host all of its own part where it loads it whole: nothing to choose).
+            whole = (all(ws == {h} for h, ws in parts.items())
+                     and {a.key for a in header.arrays} <= {r.record.key for r in requests})
             fetched = self._dispatch.backup_fetch_parts(
-                name, parts, writers.loads(requests, self._host_of, self._dispatch.hosts()))
+                name, parts, None if whole else writers.loads(requests, self._host_of, self._dispatch.hosts()))
         except CorruptBlobError as e:
             log.warning("restore of step %d from backup %s by parts: %s; planning by the manifest's rows", step, name, e)
             return None

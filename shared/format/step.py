@@ -577,7 +577,7 @@ def _one_row_per_box(key: np.ndarray, span: int, BL: np.ndarray, NB: np.ndarray)
     key agree, whichever row the table holds, every row equals it; when they do not, some row differs
     from it, whichever it is. (No sort: at millions of rows the sort was a third of the read.)"""
     n = len(key)
-    if span > 4 * n + 4096:
+    if span > 2 * n + 4096:  # (a table no bigger than the sort's own temporaries)
         return None
     any_row = np.full(span, -1, np.int64)
     any_row[key] = np.arange(n)
