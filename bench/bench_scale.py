@@ -40,6 +40,14 @@ Per elastic shrink (data-parallel slices, FSDP within each; the last slice gone)
 hosts' inventories, the step chosen by its writers' parts (a twin wrote every box the lost slice did)
 and which writer's part each host reads on the smaller mesh (``fmt.writers.plan``), from the header.
 
+Per restore from the backup onto the same hosts in half as many data-parallel slices, twice as wide
+(each new box half of a saved one): the head's plan of which parts each host reads and of what it
+loads (``fmt.writers.loads``, sent with its fetch), and what one host downloads of the parts it reads
+(``StepManifest.blob_sizes_for``) beside every blob of those parts and the bytes it loads.
+
+The head's CPU per save is timed twice in one process, the first save and the next (a job's later
+saves find memory mapped that its first had to fault in).
+
 Ratios in one run, not absolute times. The data itself (the shards' bytes) is not counted. Before
 each timed section the collector runs and what exists is frozen (``quiet``): the simulation keeps
 millions of objects alive that a head would not, and a full collection over them would otherwise
