@@ -156,23 +156,25 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         doc = json.loads(s)
         assert doc["host"] == h and doc["step"] == 1
     t1 = time.process_time()
-    # Which host wrote which devices (the save's ``topology.devices``), from the sharding descriptions.
-    devices = shardings.devices_by_host({id(r.sharding): r.sharding for r in records if r.sharding}.values(),
-                                        lambda d: f"h{d // DEVICES_PER_HOST}")
-    data, digest = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
-                                   topology={"hosts": sorted(per_host), "devices": devices}, fingerprint={}, parts=parts)
+
+    def build_manifest() -> tuple[bytes, str, dict]:
+        # Which host wrote which devices (the save's ``topology.devices``), from the sharding descriptions.
+        devices = shardings.devices_by_host({id(r.sharding): r.sharding for r in records if r.sharding}.values(),
+                                            lambda d: f"h{d // DEVICES_PER_HOST}")
+        return *fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0, topology={
+            "hosts": sorted(per_host), "devices": devices}, fingerprint={}, parts=parts), devices
+
+    data, digest, devices = build_manifest()
     t2 = time.process_time()
     first_build_s = t2 - t1
     # Again: a training job saves every few minutes, and its first save pays for fresh memory (the
-    # manifest's hundreds of MiB at thousands of hosts) that later saves find mapped (4096 hosts on the
-    # 2-core machine of the README: 1.6-1.8 s the first time, 0.3 s after).
+    # manifest's hundreds of MiB at thousands of hosts) that later saves may find mapped (4096 hosts on
+    # the 2-core machine of the README, alone: 1.78 s the first time, 0.35 s after; within this
+    # benchmark's run the second paid too, 1.94 s against 3.12 s).
     del data
     quiet()
     t1 = time.process_time()
-    devices = shardings.devices_by_host({id(r.sharding): r.sharding for r in records if r.sharding}.values(),
-                                        lambda d: f"h{d // DEVICES_PER_HOST}")
-    data, digest = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
-                                   topology={"hosts": sorted(per_host), "devices": devices}, fingerprint={}, parts=parts)
+    data, digest, devices = build_manifest()
     t2 = time.process_time()
     keepers = choose_keepers(sorted(per_host), lambda h: int(h[1:]) // HOSTS_PER_SLICE, 1, KEEPERS)
     where = [[k, f"10.0.{i}.1:7001"] for i, k in enumerate(keepers)]
@@ -320,6 +322,16 @@ def backup_side(data: bytes) -> dict:
             "backup_host_bytes": seal_bytes + len(index) + len(line) + len(part)}
 
 
+class _Request:
+    """A restore's ``LoadRequest`` as the planners read it: the saved record and the target sharding
+    (here its description: no jax devices)."""
+
+    __slots__ = ("record", "sharding")
+
+    def __init__(self, record, sharding):
+        self.record, self.sharding = record, sharding
+
+
 def resize_side(hosts: int, layers: int) -> dict:
     """The head's side of an elastic shrink, from the header alone: the slices are data-parallel twins
     (FSDP within a slice, as MaxText runs multi-slice) and the last slice is gone. Every surviving host's
@@ -350,19 +362,13 @@ def resize_side(hosts: int, layers: int) -> dict:
              "held": protocol.encode_bitmap([True] * 300), "manifest": digest, "part": True, "own": own,
              "copies": []}]})
 
-    class Request:
-        __slots__ = ("record", "sharding")
-
-        def __init__(self, record, sharding):
-            self.record, self.sharding = record, sharding
-
     assert n == len(saved["device_ids"])
     quiet()
     t0 = time.process_time()
     inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
     view = step_views(inv, None, lambda s, d: header if d == digest else None)[1]
     assert view.by_writers and not view.by_parts and len(view.lost) == per_slice
-    requests = [Request(r, by_rank[len(r.shape)]["target"]) for r in records]
+    requests = [_Request(r, by_rank[len(r.shape)]["target"]) for r in records]
     needs = writers.plan(header, requests, view.part_holders, lambda d: f"h{d // DEVICES_PER_HOST}", left)
     spent = time.process_time() - t0
     assert needs is not None and not any(needs.values()), "a surviving host should read its own part"
@@ -392,17 +398,11 @@ def regroup_side(hosts: int, layers: int) -> dict:
     header = fmt.StepHeader(step=1, digest="d" * 64, arrays=tuple(records), tree=None,
                             parts=tuple((h, "p" * 64) for h in devices), topology={"devices": devices}, fingerprint={})
 
-    class Request:
-        __slots__ = ("record", "sharding")
-
-        def __init__(self, record, sharding):
-            self.record, self.sharding = record, sharding
-
     readers = list(devices)
     host_of = lambda d: f"h{d // DEVICES_PER_HOST}"  # noqa: E731
     quiet()
     t0 = time.process_time()
-    requests = [Request(r, by_rank[len(r.shape)]["target"]) for r in records]
+    requests = [_Request(r, by_rank[len(r.shape)]["target"]) for r in records]
     needs = writers.plan(header, requests, {w: {"backup"} for w in devices}, host_of, readers)
     loads = writers.loads(requests, host_of, readers)
     spent = time.process_time() - t0
