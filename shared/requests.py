@@ -234,7 +234,9 @@ class BackupListing(_Rooted, kw_only=True):
 class BackupManifest(_Rooted, kw_only=True):
     name: Name
     header_only: bool = False  # its header line alone, by the backup's part index (b"": it has none)
-    WHY = {**_WHY_ROOT, **_WHY_NAME}
+    # Instead of the manifest: those of these blobs it names (their names, joined): the host reads it.
+    among: list[BlobName] | None = None
+    WHY = {**_WHY_ROOT, **_WHY_NAME, "among": "'among' must be a list of blob names (32 lowercase hex digits) or null"}
 
 
 class Wanted(Struct, array_like=True, forbid_unknown_fields=True, gc=False):

@@ -230,7 +230,7 @@ OPS: dict[str, Op] = dict([
     _op("backup_upload", lambda s: s.backup_upload, _backup_upload),
     _op("backup_finalize", lambda s: s.backup_finalize, _backup_finalize),
     _op("backup_listing", lambda s: s.backup_listing, lambda r, p: ((r.root, r.deadline_s), {})),
-    _op("backup_manifest", lambda s: s.backup_manifest, lambda r, p: ((r.root, r.name, r.header_only), {}),
+    _op("backup_manifest", lambda s: s.backup_manifest, lambda r, p: ((r.root, r.name, r.header_only), {"among": r.among}),
         answer=_bytes_answer),
     _op("backup_fetch", lambda s: s.backup_fetch, lambda r, p: ((r.name, r.blobs, r.parts), {"wants": _wants(r.wants)})),
     _op("peer_pull", lambda s: s.peer_pull, _peer_pull),

@@ -257,12 +257,18 @@ class SidecarService:
         """The backups under ``root`` (the head's backup root), newest first."""
         return self._backup_tier(root, configured=False, create=False).listing(deadline_s)
 
-    def backup_manifest(self, root: str | None, name: str, header_only: bool = False) -> bytes:
+    def backup_manifest(self, root: str | None, name: str, header_only: bool = False,
+                        among: Sequence[str] | None = None) -> bytes:
         """The manifest of backup ``name``; with ``header_only``, its header line, read by range and
-        checked against the backup's part index (b"" when it has none: read the manifest whole)."""
+        checked against the backup's part index (b"" when it has none: read the manifest whole); with
+        ``among`` (blob names), those of them the manifest names, sorted and joined (32 characters each):
+        a head looking for a few blobs in a backup gets them, not the manifest of every shard."""
         tier = self._backup_tier(root, configured=False, create=False)
         if header_only:
             return tier.header(name) or b""
+        if among is not None:
+            found = fmt.step_blobs_among(tier.manifest(name), among, source=f"backup {name}")
+            return "".join(sorted(found)).encode()
         return tier.manifest(name)
 
     def backup_fetch(self, name: str, blobs: list[str], parts: Sequence[str] | None = None,

@@ -261,10 +261,11 @@ class Dispatcher(abc.ABC):
         a copy per host."""
         return self._read_manifest(step, digest, fmt.StepManifest.from_json)
 
-    def manifest_blob_names(self, step: int) -> list[str]:
-        """Every blob name of ``step``'s manifest, sorted, from a host as ``manifest`` asks; read from the
-        parts' columns (``fmt.step_blob_names``: the hashes checked, no shard record made)."""
-        return self._read_manifest(step, None, fmt.step_blob_names).names
+    def manifest_blob_names(self, step: int, digest: str | None = None) -> list[str]:
+        """Every blob name of ``step``'s manifest (with ``digest``: that copy's), sorted, from a host as
+        ``manifest`` asks; read from the parts' columns (``fmt.step_blob_names``: the hashes checked, no
+        shard record made)."""
+        return self._read_manifest(step, digest, fmt.step_blob_names).names
 
     def _read_manifest(self, step: int, digest: str | None, parse: Callable[..., _M]) -> _M:
         hosts = sorted(self.hosts())
@@ -410,6 +411,22 @@ class Dispatcher(abc.ABC):
         if len(payloads) != 1:
             raise errors.ProtocolError(f"host {h}: backup_manifest answered no manifest")
         return fmt.StepManifest.from_json(bytes(payloads[0]), source=f"backup {name} (via {h})")
+
+    def backup_blobs_among(self, name: str, blobs: Iterable[str]) -> set[str]:
+        """Those of ``blobs`` that backup ``name``'s manifest names, as a host that reads it answers: the
+        head gets the names it asked after, not the manifest of every shard (``fmt.step_blobs_among``)."""
+        blobs = sorted(set(blobs))
+        if not blobs:
+            return set()
+        h, _, payloads = self._any_host("backup_manifest", wire("backup_manifest", requests.BackupManifest(
+            root=self._host_settings["backup_url"], name=name, among=blobs)))
+        if len(payloads) != 1:
+            raise errors.ProtocolError(f"host {h}: backup_manifest answered no blob names")
+        text = bytes(payloads[0]).decode("ascii", "replace")
+        found = {text[i:i + 32] for i in range(0, len(text), 32)}
+        if len(text) % 32 or not found <= set(blobs):
+            raise errors.ProtocolError(f"host {h}: backup_manifest answered blob names it was not asked after")
+        return found
 
     def backup_header(self, name: str) -> fmt.StepHeader | None:
         """The header of backup ``name``'s manifest (``fmt.StepHeader``), read by a host by range and

@@ -202,6 +202,15 @@ class StepView:
         """Every blob has a copy on some host."""
         return self.known is None or all(self.known)
 
+    def lacking(self, names: Sequence[str]) -> list[str] | None:
+        """The blobs no host holds, given the step's sorted blob names; None if they are not this step's."""
+        full = self.full
+        if full is None or full.known is None:
+            return None
+        if len(names) != len(full.known) or protocol.blob_list_digest(names) != full.digest:
+            return None
+        return [b for b, hs in zip(names, full.known) if not hs]
+
     @collector.paused()  # a set per blob: millions of containers on a large job
     def by_name(self, names: Sequence[str]) -> dict[str, set[str]] | None:
         """blob -> holders, given the step's sorted blob names; None if they are not this step's."""

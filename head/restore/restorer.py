@@ -224,30 +224,44 @@ class Restorer:
     def _completed_by_backups(self, inv: Inventory, listing: dict, *, newer_than: int,
                               only: int | None) -> int | None:
         """The newest step committed on the hosts (newer than ``newer_than``; ``only``, if given)
-        whose blobs that no host holds are all listed by backups; None if there is none."""
+        whose blobs that no host holds are all listed by backups; None if there is none. The head
+        reads the step's blob names (no shard record) and asks a host which of the lacking blobs each
+        backup lists, newest first, until none is left: it never reads a backup's manifest itself."""
         if inv.unreachable or not listing["backups"]:
             return None
         candidates = sorted((s for s, v in inv.views.items() if not v.restorable and s > newer_than
                              and (only is None or s == only)), reverse=True)
-        in_backups: set[str] | None = None
         for s in candidates:
             try:
-                manifest = self._manifest(s, None, inv.views[s].manifest or None)
+                names = self._dispatch.manifest_blob_names(s, inv.views[s].manifest or None)
             except MTCError:
                 continue
-            holders = inv.views[s].by_name(manifest.sorted_blob_names())
-            if holders is None:
+            lacking = inv.views[s].lacking(names)
+            if lacking is None:
                 continue
-            if in_backups is None:
-                in_backups = set()
-                for name in _names(listing):
-                    try:
-                        in_backups |= self._dispatch.backup_manifest(name).blob_names()
-                    except MTCError as e:
-                        log.warning("backup %s cannot be read (%s); its blobs do not count", name, e)
-            if {b for b, hs in holders.items() if not hs} <= in_backups:
+            left = set(lacking)
+            self._find_in_backups(s, left, _names(listing))
+            if not left:
                 return s
         return None
+
+    def _find_in_backups(self, step: int, blobs: set[str], backups: list[str]) -> dict[str, list[str]]:
+        """Backup -> those of ``blobs`` that it is the newest to list, asking each backup (newest first)
+        after the blobs not found yet; the blobs found are taken out of ``blobs``, so that what is left
+        is what no backup lists."""
+        found: dict[str, list[str]] = {}
+        for name in backups:  # newest first
+            if not blobs:
+                break
+            try:
+                held = self._dispatch.backup_blobs_among(name, blobs)
+            except MTCError as e:
+                log.warning("step %d: backup %s cannot be read (%s); its blobs do not count", step, name, e)
+                continue
+            if held:
+                found[name] = sorted(held)
+                blobs -= held
+        return found
 
     def manifest_of(self, step: int | None) -> fmt.StepManifest:
         """The manifest of ``step`` (default: the one a restore would choose), as a restore reads it."""
@@ -843,18 +857,8 @@ class Restorer:
     def _fetch_from_other_backups(self, step: int, manifest: fmt.StepManifest,
                                   failed: dict[tuple[str, str], list[str]], pulled: Pulled, backups: list[str]) -> None:
         """No backup of ``step``: fetch each failed blob from the newest backup that lists it."""
-        want = {blob for _, blob in failed}
-        source: dict[str, str] = {}
-        for name in backups:  # newest first
-            if len(source) == len(want):
-                break
-            try:
-                held = self._dispatch.backup_manifest(name).blob_names()
-            except MTCError as e:
-                log.warning("restore of step %d: backup %s cannot be read (%s); not a source", step, name, e)
-                continue
-            for blob in want & held:
-                source.setdefault(blob, name)
+        source = {blob: name for name, blobs in self._find_in_backups(step, {b for _, b in failed}, backups).items()
+                  for blob in blobs}
         without = {k: v for k, v in failed.items() if k[1] not in source}
         if without:
             raise self._no_good_copy(step, manifest, without)

@@ -397,6 +397,37 @@ def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
     --verify``): of an ``mtc/3`` manifest, from its parts' columns, after its header's digest and every
     part's hash and length are checked (``check_step_bytes``), with no shard record made and one name
     per distinct blob; an older format is read whole."""
+    got = _blob_columns(data, source)
+    if isinstance(got, StepManifest):
+        return StepBlobNames(got.step, got.digest, got.sorted_blob_names())
+    step, digest, blobs = got
+    return StepBlobNames(step, digest, _sorted_unique(blobs))
+
+
+def step_blobs_among(data: bytes, names: Iterable[str], *, source: str = "manifest") -> set[str]:
+    """Those of ``names`` (blob names) that a step manifest holds, for a reader that asks after a few
+    among millions (a restore looking in the backups of other steps for the blobs no host holds): read
+    and checked as ``step_blob_names`` reads it, and a name made only for a row whose first 8 bytes are
+    those of one of ``names``; an older format is read whole."""
+    names = set(names)
+    bad = next((n for n in names if not is_blob_name(n)), None)
+    if bad is not None:
+        raise ManifestError(f"{source}: {bad!r} is not a blob name")
+    got = _blob_columns(bytes(data), source)
+    if isinstance(got, StepManifest):
+        return names & got.blob_names()
+    _, _, blobs = got
+    if not names or not blobs:
+        return set()
+    want = np.frombuffer(bytes.fromhex("".join(sorted(names))), np.uint64).reshape(-1, 2)
+    every = np.concatenate(blobs)
+    near = every[np.isin(every[:, 0], want[:, 0])]  # (few rows: the exact names are compared as text)
+    return names.intersection(split_names(near))
+
+
+def _blob_columns(data: bytes, source: str) -> "tuple[int, str, list[np.ndarray]] | StepManifest":
+    """(step, digest, each part's blob column) of an ``mtc/3`` manifest, its header's digest and every
+    part's hash, length, step and host checked; an older format read whole (a ``StepManifest``)."""
     data = bytes(data)
     head, rest = _first_line(data)
     try:
@@ -404,8 +435,7 @@ def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
     except ManifestError:  # (an older document over several lines: read whole, which says what is wrong)
         first = None
     if not isinstance(first, dict) or first.get("format") != FORMAT:
-        m = StepManifest.from_json(data, source=source)
-        return StepBlobNames(m.step, m.digest, m.sorted_blob_names())
+        return StepManifest.from_json(data, source=source)
     step, digest, hosts = check_step_bytes(data, source=source)
     lines = _part_lines(rest, first["parts"]) if hosts else []
     blobs = []
@@ -414,7 +444,7 @@ def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
         expect(part.step == step and part.host == host, f"{source}: part {j}",
                f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
         blobs.append(part.blob)
-    return StepBlobNames(step, digest, _sorted_unique(blobs))
+    return step, digest, blobs
 
 
 def _first_line(data: bytes) -> tuple[bytes, memoryview]:

@@ -171,8 +171,8 @@ class BackupTier:
                 store.delete(obj)
         live: set[str] = set()
         for n in names[:max_to_keep]:
-            live |= fmt.StepManifest.from_json(store.get_bytes(layout.manifest_object(n), max_bytes=MAX_MANIFEST_BYTES),
-                                               source=f"backup {n}").blob_names()
+            live.update(fmt.step_blob_names(store.get_bytes(layout.manifest_object(n), max_bytes=MAX_MANIFEST_BYTES),
+                                            source=f"backup {n}").names)
         # A manifest this retention leaves in place keeps its blobs, whether or not its seal checked
         # this time: a seal that did not check is never chosen, but a seal that a listing or a read
         # missed once must not cost a backup its blobs (only the manifests deleted above lose theirs).
@@ -188,7 +188,7 @@ class BackupTier:
         """The blobs backup ``name``'s manifest names; none when it is gone or is no manifest."""
         try:
             data = store.get_bytes(layout.manifest_object(name), max_bytes=MAX_MANIFEST_BYTES)
-            return fmt.StepManifest.from_json(data, source=f"backup {name}").blob_names()
+            return set(fmt.step_blob_names(data, source=f"backup {name}").names)
         except (ObjectNotFoundError, UntrustedObjectError, ManifestError, ValueError):
             return set()
 

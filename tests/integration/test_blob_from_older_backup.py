@@ -6,6 +6,10 @@ its blobs was corrupt, and the step had no backup of its own; the blob (an array
 since an earlier step) was in that earlier step's backup, yet the restore failed with "backup (no backup
 of this step)". Blobs are content-addressed and shared by every backup, so a backup of another step that
 lists the blob is as good a source.
+
+The head asks a host which of the blobs it looks for each backup lists; it never reads a backup's
+manifest itself (a spy on the host-part parser in the head's process counts the parts of backups it
+parses: none).
 """
 
 from __future__ import annotations
@@ -17,13 +21,30 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import assert_trees_bitwise_equal, random_array
 from mtc.head import CheckpointManager, MTCConfig
+from mtc.shared import format as fmt
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 
 
-def test_corrupt_only_peer_copy_of_an_unchanged_blob_comes_from_an_older_backup(ramdisk, tmp_path):
+@pytest.fixture
+def backup_parts_parsed(monkeypatch):
+    """The parts of backup manifests the head has parsed (the sidecars parse theirs in their own processes)."""
+    seen = []
+    real = fmt.PartColumns.from_json.__func__
+
+    def counting(cls, data, **kw):
+        if "backup" in kw.get("source", ""):
+            seen.append(kw["source"])
+        return real(cls, data, **kw)
+
+    monkeypatch.setattr(fmt.PartColumns, "from_json", classmethod(counting))
+    return seen
+
+
+def test_corrupt_only_peer_copy_of_an_unchanged_blob_comes_from_an_older_backup(ramdisk, tmp_path,
+                                                                                 backup_parts_parsed):
     rng = np.random.default_rng(0)
     frozen = random_array(rng, (8, 1024), np.float32)  # the same in every step
     sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))  # one row per device
@@ -59,9 +80,10 @@ def test_corrupt_only_peer_copy_of_an_unchanged_blob_comes_from_an_older_backup(
             assert_trees_bitwise_equal(two, m.restore(2), check_sharding=True)
             rep = m.last_restore_report
             assert rep.bytes_by_tier["backup"] == 4096 and rep.bytes_by_tier["peer"] > 0, rep
+        assert backup_parts_parsed == [], f"the head read backup manifests: {backup_parts_parsed}"
 
 
-def test_a_step_whose_lost_blobs_are_in_an_older_backup_is_still_the_latest(ramdisk, tmp_path):
+def test_a_step_whose_lost_blobs_are_in_an_older_backup_is_still_the_latest(ramdisk, tmp_path, backup_parts_parsed):
     """Found by the soak (slice_lost right after a restore from the backup, replication still running):
     the lost slice's blobs of the newest step were all unchanged since a backed-up step, yet the restore
     chose that older backup, losing the newest committed step."""
@@ -104,3 +126,4 @@ def test_a_step_whose_lost_blobs_are_in_an_older_backup_is_still_the_latest(ramd
                       for (k, v), s in zip(state(2, live).items(), shardings(live).values())}
             assert_trees_bitwise_equal(state(2, live), m.restore(2, target=target), check_sharding=True)
             assert m.last_restore_report.bytes_by_tier["backup"] == 4 * 512 * 4
+        assert backup_parts_parsed == [], f"the head read backup manifests: {backup_parts_parsed}"

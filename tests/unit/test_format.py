@@ -483,6 +483,29 @@ def test_the_names_alone_are_the_whole_reads_and_a_changed_part_is_refused():
         fmt.StepManifest.from_json(changed)
 
 
+def test_the_blobs_among_some_names_are_those_the_whole_read_holds():
+    """``step_blobs_among`` (how a host answers which of a few blobs a backup lists) finds the names the
+    whole read holds and no other: not a name whose first 8 bytes are a held one's, for every format; a
+    changed part is refused as the whole read refuses it, and a malformed name is named."""
+    meta, parts = _parts()
+    new, _ = fmt.encode_step(**meta, parts=parts)
+    old, _ = fmt.encode_step(**meta, parts=[(h, _encode_part(_rows_doc(p), "mtc-host/1")) for h, p in parts])
+    for data in (new, old, GOLDEN_V2.encode(), sample().to_json()):
+        held = sorted(fmt.StepManifest.from_json(data).blob_names())
+        # Names not held: one whose first 8 bytes are a held one's, and another.
+        near = next(held[0][:16] + c * 16 for c in "0123" if held[0][:16] + c * 16 not in held)
+        other = next(c * 32 for c in "abcdef" if c * 32 not in held)
+        asked = set(held[::2]) | {near, other}
+        assert fmt.step_blobs_among(data, asked) == set(held[::2])
+        assert fmt.step_blobs_among(data, []) == set()
+    i = new.rindex(b'"columns":"') + 15
+    changed = new[:i] + (b"A" if new[i:i + 1] != b"A" else b"B") + new[i + 1:]
+    with pytest.raises(ManifestError, match="does not match its hash in the header"):
+        fmt.step_blobs_among(changed, held)
+    with pytest.raises(ManifestError, match="'XYZ' is not a blob name"):
+        fmt.step_blobs_among(new, ["XYZ"])
+
+
 def test_a_whole_read_makes_the_shards_of_an_array_only_when_they_are_read(monkeypatch):
     """A whole manifest is read into columns: its blob names and sizes come from them, and an array's
     shard records are made the first time its shards are read (a spy on ``ShardRecord``), equal to the

@@ -28,6 +28,7 @@ def test_every_row_names_a_request_type():
     ("commit", requests.Commit(step=3, digest="d", keepers=[("s0-h0", "127.0.0.1:7001")])),
     ("backup_finalize", requests.BackupFinalize(name="n", step=3, digest="d")),
     ("backup_listing", requests.BackupListing(root="gs://b/p", deadline_s=5.0)),
+    ("backup_manifest", requests.BackupManifest(name="n", among=[BLOB])),
     ("backup_scrub", requests.BackupScrub(root="/r", blobs=[BLOB],
                                           damaged={"20260101T000000Z-step-000000000004": "x"})),
     ("backup_fetch", requests.BackupFetch(name="n", blobs=[], parts=["s0-h1"], wants=[
@@ -73,6 +74,7 @@ def test_requests_for_several_hosts_travel_as_what_they_share_and_each_ones_own(
     ("backup_fetch", {"name": "n", "blobs": [], "parts": ["s0-h0"], "wants": [[["w"], [[4, 2]]]]},
      r"backup_fetch: wants\[0\]: boxes is not a list of boxes .*, got \[\[4, 2\]\]"),
     ("backup_fetch", {"name": "n", "blobs": [], "wants": [{"keys": ["w"]}]}, r"backup_fetch: wants\[0\] is not \[keys, boxes or null\]"),
+    ("backup_manifest", {"name": "n", "among": [BLOB, "x"]}, r"backup_manifest: 'among' must be a list of blob names"),
     ("job", {"job": "j1", "wait_s": 11}, r"'wait_s' must be a number in \[0, 10\], got 11"),
     ("claim", {"head": {}}, "'generation' must be the head's generation.*got nothing"),
 ])
