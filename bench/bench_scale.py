@@ -20,6 +20,9 @@ FSDP: dim 0 of every array sharded over all devices). Per save, for each H:
   runs multi-slice): every host's inventory (its own share's digest and bitmap) parsed, and
   ``covered_by_shares`` deciding that every copy exists, with no manifest read; and without
   twins (FSDP over every host): ``plan_shares`` sending each host's share to another slice;
+- a newer step whose lost host's blobs are looked for in a backup of another step: the CPU of the
+  host the head asks (``fmt.step_blobs_among``: the manifest read for those names) and the names the
+  head gets back, beside the whole manifest the head read and parsed per backup before;
 - the CPU to read and check the whole manifest (``StepManifest.from_json``): what a host that
   fetches it, and the head's replication and backup planning after each commit pay (a keeper only
   hashes it before it commits), beside the same manifest with its parts as rows (``mtc-host/1``,
@@ -186,7 +189,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     sent2 = decisions + len(data) * len(keepers)
     repl_s, repl_received = replication_decision(hosts, len(per_host["h0"]))
     plan_s, _ = replication_decision(hosts, len(per_host["h0"]), twins=False)
-    keeper_s = old_restore_s = v1_parse_s = v1_bytes = names_s = None
+    keeper_s = old_restore_s = v1_parse_s = v1_bytes = names_s = among_s = among_asked = among_bytes = None
     if parse:
         quiet()
         p0 = time.process_time()
@@ -201,6 +204,15 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         names_s = time.process_time() - p0
         assert names.digest == digest
         del names
+        # A newer step whose lost host's blobs are looked for in a backup (of the same state): the host
+        # asked reads the backup's manifest for those names; the head gets the names it found.
+        ask = sorted({s.blob for s in per_host["h1"]})
+        quiet()
+        p0 = time.process_time()
+        found = fmt.step_blobs_among(data, ask)
+        among_s = time.process_time() - p0
+        assert found == set(ask)
+        among_asked, among_bytes = len(ask), 32 * len(found)
         # The same manifest with its parts as rows (mtc-host/1, the format before the columns), read the same way.
         v1 = [(h, _rows_part(h, shards)) for h, shards in per_host.items()]
         data_v1, _ = fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0,
@@ -219,7 +231,8 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
             "first_build_s": first_build_s,
-            "keeper_parse_s": keeper_s, "names_s": names_s, "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
+            "keeper_parse_s": keeper_s, "names_s": names_s, "among_s": among_s, "among_asked": among_asked,
+            "among_bytes": among_bytes, "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
             "plan_s": plan_s, "old_restore_s": old_restore_s, **restore,
             "head_sent": sent1 + sent2, "head_received": recv1,
             "before_sent": sent1 + len(data) * hosts}
@@ -564,6 +577,17 @@ def main() -> None:
               f"{_mib(r['regroup_wants_bytes'])} | {r['regroup_parts']} | {_mib(r['regroup_whole_bytes'])} | "
               f"{_mib(r['regroup_bytes'])} | {_mib(r['regroup_loaded_bytes'])} | "
               f"{r['regroup_bytes'] / r['regroup_loaded_bytes']:.2f}x | {r['regroup_host_s'] * 1e3:,.1f} ms |")
+    print("\n## A newer step whose lost host's blobs are looked for in a backup of another step (one host's part "
+          "lost; the backup holds them): per backup asked\n")
+    print("| hosts | blobs looked for | a host: reads the backup's manifest for them (CPU) | head receives "
+          "| head before: the backup's whole manifest (bytes) | head before (CPU) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r["among_s"] is None:
+            print(f"| {r['hosts']} | skipped | | | {_mib(r['manifest_bytes'])} | {_whole_read(r)} |")
+            continue
+        print(f"| {r['hosts']} | {r['among_asked']:,} | {r['among_s'] * 1e3:,.0f} ms | {r['among_bytes']:,} B | "
+              f"{_mib(r['manifest_bytes'])} | {_whole_read(r)} |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         k = a1["hosts"] / a0["hosts"]

@@ -407,8 +407,8 @@ def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
 def step_blobs_among(data: bytes, names: Iterable[str], *, source: str = "manifest") -> set[str]:
     """Those of ``names`` (blob names) that a step manifest holds, for a reader that asks after a few
     among millions (a restore looking in the backups of other steps for the blobs no host holds): read
-    and checked as ``step_blob_names`` reads it, and a name made only for a row whose first 8 bytes are
-    those of one of ``names``; an older format is read whole."""
+    and checked as ``step_blob_names`` reads it, and a name made only for a row whose 64-bit key (both
+    halves of its 16 bytes, mixed) is one of ``names``'s; an older format is read whole."""
     names = set(names)
     bad = next((n for n in names if not is_blob_name(n)), None)
     if bad is not None:
@@ -421,8 +421,14 @@ def step_blobs_among(data: bytes, names: Iterable[str], *, source: str = "manife
         return set()
     want = np.frombuffer(bytes.fromhex("".join(sorted(names))), np.uint64).reshape(-1, 2)
     every = np.concatenate(blobs)
-    near = every[np.isin(every[:, 0], want[:, 0])]  # (few rows: the exact names are compared as text)
+    near = every[np.isin(_mixed(every), _mixed(want))]  # (few rows: their names are compared as text)
     return names.intersection(split_names(near))
+
+
+def _mixed(blob: np.ndarray) -> np.ndarray:
+    """One 64-bit key per blob name (rows of its 16 bytes) that both halves change: equal names have
+    equal keys, and other names seldom do."""
+    return blob[:, 0] ^ (blob[:, 1] * np.uint64(0x9E3779B97F4A7C15))
 
 
 def _blob_columns(data: bytes, source: str) -> "tuple[int, str, list[np.ndarray]] | StepManifest":

@@ -41,3 +41,10 @@ def test_head_bytes_per_host_do_not_grow_with_hosts():
     for _, parts, before, now, least, ratio in regroup:
         assert int(parts) >= 1 and float(ratio) == 1.0 and now == least, proc.stdout
         assert float(before.replace(",", "")) >= 1.9 * float(now.replace(",", "")), proc.stdout
+    # A lost host's blobs looked for in a backup: the head receives their names (32 bytes each), not the
+    # backup's manifest.
+    among = re.findall(r"^\| (\d+) \| ([\d,]+) \| [\d,]+ ms \| ([\d,]+) B \| ([\d,.]+) (KiB|MiB) \|", proc.stdout, re.M)
+    assert [int(h) for h, *_ in among] == [8, 64], proc.stdout
+    for _, asked, got, whole, unit in among:
+        assert int(got.replace(",", "")) == 32 * int(asked.replace(",", "")), proc.stdout
+        assert float(whole.replace(",", "")) * (1024 if unit == "KiB" else 2**20) > 4 * 32 * int(asked.replace(",", "")), proc.stdout
