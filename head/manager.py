@@ -529,11 +529,14 @@ class CheckpointManager:
         self._restorer.waits_for_hosts = False  # restored: as after the first save (see save)
         return uncommit_lone(target, result) if pull and target is not None else result
 
-    def manifest(self, step: int | None = None) -> fmt.StepManifest:
-        """What ``step`` (default: the latest) holds: every array's key, shape, dtype and sharding."""
+    def manifest(self, step: int | None = None, *, shards: bool = True) -> fmt.StepManifest:
+        """What ``step`` (default: the latest) holds: every array's key, shape, dtype and sharding, and
+        its shards (which boxes, in which blobs). ``shards=False``: the arrays without their shards, read
+        from the manifest's header alone (a line: what a tool that wants the arrays reads at thousands of
+        hosts); a step saved by a version without headers is read whole."""
         self._check_open()
         self._check_versions()
-        return self._restorer.manifest_of(step)
+        return self._restorer.manifest_of(step, shards)
 
     def export(self, directory: str, step: int | None = None, **kwargs: Any) -> "ExportReport":
         """``step`` (default: the latest) as MaxText's standard Orbax checkpoint (``mtc.head.orbax.export``)."""

@@ -360,7 +360,7 @@ def export(manager: Any, directory: str, step: int | None = None, *, max_bytes: 
         step = steps[-1]
     elif step not in steps:
         raise StepNotFoundError(f"step {step} is not restorable; restorable steps: {steps}")
-    manifest = manager.manifest(step)
+    manifest = manager.manifest(step, shards=False)  # the arrays and the tree: the header alone
     state_path, file_items = plan_items(manifest)
     paths, empties = _paths(manifest)
     leaves = [i for i, p in enumerate(paths) if _under(p, state_path)

@@ -263,12 +263,20 @@ class Restorer:
                 blobs -= held
         return found
 
-    def manifest_of(self, step: int | None) -> fmt.StepManifest:
-        """The manifest of ``step`` (default: the one a restore would choose), as a restore reads it."""
+    def manifest_of(self, step: int | None, shards: bool = True) -> fmt.StepManifest:
+        """The manifest of ``step`` (default: the one a restore would choose), as a restore reads it. Without
+        ``shards``, from its header alone where it has one (every array, the tree, the topology; no shard:
+        O(arrays + hosts), ``fmt.StepHeader.as_manifest``), else whole."""
         listing = self.backup_listing()
         step, backup_name, _, inv = self.choose_step(step, listing)
         view = inv.views.get(step) if backup_name is None else None
-        return self._manifest(step, backup_name, view.manifest if view is not None and view.manifest else None)
+        agreed = view.manifest if view is not None and view.manifest else None
+        if not shards:
+            header = (self._backup_header(step, backup_name) if backup_name is not None
+                      else self._header_for(step, agreed) if agreed else None)
+            if header is not None:
+                return header.as_manifest()
+        return self._manifest(step, backup_name, agreed)
 
     # --- restore ---------------------------------------------------------------------------
 

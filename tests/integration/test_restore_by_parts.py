@@ -112,6 +112,28 @@ def test_a_resharded_restore_reads_no_row_and_stays_bit_for_bit(local_cluster, r
         assert m.last_restore_report.bytes_by_tier["peer"] > 0  # the writers' parts moved to their new readers
 
 
+def test_an_export_onto_the_saving_topology_reads_no_shard_row(local_cluster, rows_parsed, tmp_path):
+    """``export`` takes the arrays and the tree from the manifest's header (``manifest(shards=False)``) and
+    restores each group onto the saving shardings, each host from its own part: no row on the head. The
+    export is read back with Orbax and compared bit for bit (``verify``)."""
+    pytest.importorskip("orbax.checkpoint")
+    state = make_state(4)
+    with manager(local_cluster) as m:
+        m.save(4, state)
+        m.wait_until_finished()
+        whole = m.manifest(4)
+    rows_parsed[0] = 0
+    with manager(local_cluster, prefetch_on_start=False) as m:
+        header = m.manifest(4, shards=False)
+        assert [(a.key, a.kind, a.dtype, a.shape, a.sharding, a.value) for a in header.arrays] == [
+            (a.key, a.kind, a.dtype, a.shape, a.sharding, a.value) for a in whole.arrays]
+        assert header.tree == whole.tree and header.digest == whole.digest
+        assert all(not a.shards for a in header.arrays)
+        rep = m.export(str(tmp_path / "out"), 4, max_bytes=4096, verify=True)
+        assert rep.verified and rep.groups > 1 and rep.bytes_by_tier.get("ram", 0) > 0
+        assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows to export a step"
+
+
 def test_an_older_step_without_its_writers_reads_the_rows(local_cluster, rows_parsed, monkeypatch):
     """The control: a step whose header does not say which host wrote which devices (saved by an older
     version) is planned from its rows, and stays bit for bit."""
