@@ -263,16 +263,28 @@ class BackupFetch(Request, kw_only=True):
                           "0 <= start <= stop < 2**63) or null"}
 
 
+class ScrubPart(Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """A backup whose blobs a host hashes by parts: it reads the parts of ``writers`` with the header, by
+    range, and hashes the blobs of each that fall to that writer (``fmt.writers.designated``)."""
+
+    name: BackupName
+    writers: list[HostId]
+
+
 class BackupScrub(_Rooted, kw_only=True):
     blobs: list[BlobName] = []  # to hash in the store
+    parts: list[ScrubPart] = []  # ... and the blobs of these backups' parts it reads
+    ramdisk_parts: bool = False  # first, its ramdisk copies of every blob of those parts
     repair: list[BlobName] = []  # to re-upload from the ramdisk where it holds good copies
     damaged: dict[BackupName, Annotated[str, Meta(max_length=4096)]] = {}  # backup -> why, to mark
     bytes_per_s: Annotated[float, Meta(gt=0, le=MAX_SETTING)] | None = None  # None: the configured cap
     ramdisk: list[BlobName] = []
     sizes: dict[str, Annotated[int, Meta(ge=0, le=2**63 - 1)]] = {}  # blob -> its size in bytes
     clear: list[BackupName] = []
-    PER_HOST = ("blobs", "repair", "damaged", "ramdisk", "sizes", "clear")
+    PER_HOST = ("blobs", "parts", "repair", "damaged", "ramdisk", "sizes", "clear")
     WHY = {**_WHY_ROOT, **_WHY_BLOBS,
+           "parts": "'parts' must be a list of [backup name, [writer host ids]]",
+           "parts[*]": "{at} is not [backup name, [writer host ids]]",
            "repair": "'repair' must be a list of blob names (32 lowercase hex digits)",
            "ramdisk": "'ramdisk' must be a list of blob names (32 lowercase hex digits)",
            "damaged": "'damaged' must be an object of backup name -> why (at most 4096 characters)",

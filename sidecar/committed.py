@@ -17,8 +17,8 @@ import os
 from typing import Mapping, Sequence
 
 from mtc.shared import format as fmt
-from mtc.shared import protocol, shardings
-from mtc.shared.format.base import canonical_json
+from mtc.shared import protocol
+from mtc.shared.format import writers
 from mtc.shared.host_reports import HostInventory, StepHolding
 from mtc.shared.errors import ManifestError, MTCError, RecordOnlyError, StepNotFoundError
 from mtc.sidecar.peer import PeerClient
@@ -232,39 +232,21 @@ class CommittedSteps:
 
     def designated_uploads(self, step: int) -> list[str]:
         """The blobs of its own part this host uploads in a backup of ``step`` that the hosts share out among
-        themselves, each unique box by exactly one host and no head planning: of the devices that held a
-        box (its sharding's description), the one its blob's name picks (spreading the boxes over the
-        holders), uploads it; a numpy leaf, which every host wrote, goes to the host its name picks. Which
-        host holds which device is the manifest's ``topology.devices``; ManifestError without it (a step
-        saved by an older version: the head plans the uploads itself)."""
-        view = self.own_view(step)
-        devices = view.topology.get("devices")
-        if not isinstance(devices, dict) or not devices:
-            raise ManifestError(f"step {step} records no devices per host (saved by an older version)")
-        host_of = {int(d): h for h, ids in devices.items() for d in ids}
-        hosts = sorted(devices)
-        out: set[str] = set()
-        holders: dict[tuple, dict] = {}  # (description, shape) -> box -> devices that held it, sorted
-        for rec in view.arrays:
-            for sh in rec.shards:
-                pick = int(sh.blob[:8], 16)
-                if rec.kind != "jax" or rec.sharding is None:
-                    if hosts[pick % len(hosts)] == self.host_id:
-                        out.add(sh.blob)
-                    continue
-                key = (canonical_json(rec.sharding), rec.shape)
-                boxes = holders.get(key)
-                if boxes is None:
-                    boxes = {}
-                    for dev, box in (shardings.described_device_boxes(rec.sharding, rec.shape) or {}).items():
-                        boxes.setdefault(box, []).append(dev)
-                    boxes = holders[key] = {b: sorted(ds) for b, ds in boxes.items()}
-                devs = boxes.get(sh.box)
-                if not devs:  # boxes its description does not give (an unusual sharding): this host uploads it
-                    out.add(sh.blob)
-                elif host_of.get(devs[pick % len(devs)]) == self.host_id:
-                    out.add(sh.blob)
-        return sorted(out)
+        themselves, each unique box by exactly one host and no head planning (``fmt.writers.designated``);
+        ManifestError for a step saved by an older version (the head plans the uploads itself)."""
+        return writers.designated(self.own_view(step), self.host_id)
+
+    def held_blobs(self, step: int) -> set[str]:
+        """The blobs of ``step`` this host may hold: every blob of its manifest where it keeps it whole (its
+        own part and the copies it keeps for others), its own part's where it committed a record, none
+        where it has not committed the step. Nothing is fetched."""
+        rec, own = self._read_record(step)
+        if rec is not None:
+            return set(own or ())
+        try:
+            return set(self.manifest(step).blob_names())
+        except (ManifestError, StepNotFoundError):
+            return set()
 
     # --- inventory and verify --------------------------------------------------------------
 

@@ -136,8 +136,9 @@ def _wants(wants: list[requests.Wanted] | None) -> dict[str, list[fmt.Box] | Non
 
 
 def _backup_scrub(r: requests.BackupScrub, payloads: Sequence[bytes]) -> Args:
-    return (r.root, r.blobs, r.repair, r.damaged, r.bytes_per_s), {"ramdisk": r.ramdisk, "sizes": r.sizes,
-                                                                   "clear": r.clear}
+    return (r.root, r.blobs, r.repair, r.damaged, r.bytes_per_s), {
+        "ramdisk": r.ramdisk, "sizes": r.sizes, "clear": r.clear, "ramdisk_parts": r.ramdisk_parts,
+        "parts": [(p.name, list(p.writers)) for p in r.parts]}
 
 
 def _peer_pull(r: requests.PeerPull, payloads: Sequence[bytes]) -> Args:

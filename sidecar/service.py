@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 from mtc.shared import format as fmt
+from mtc.shared.format.writers import designated
 from mtc.shared import ramdisk, version
 from mtc.shared.errors import ConfigError, ManifestError, NotConfiguredError, StepNotFoundError
 from mtc.shared.host_settings import HostSettings
@@ -305,16 +306,43 @@ class SidecarService:
 
     def backup_scrub(self, root: str | None, blobs: list[str], repair: list[str], damaged: dict[str, str],
                      bytes_per_s: float | None = None, *, ramdisk: Sequence[str] = (),
-                     sizes: dict[str, int] | None = None, clear: Sequence[str] = ()) -> dict:
+                     sizes: dict[str, int] | None = None, clear: Sequence[str] = (),
+                     parts: Sequence[tuple[str, Sequence[str]]] = (), ramdisk_parts: bool = False) -> dict:
         """Hash ``blobs`` of the backup root ``root`` (None: the head's) at ``bytes_per_s`` (None: the
         head's cap; ``sizes``: each blob's size, an object of another size is bad unread), re-upload
         ``repair`` from this ramdisk where it holds good copies, mark ``damaged`` backups (name -> why)
         so restore skips them, remove the marks of ``clear``; first, hash this ramdisk's copies of
-        ``ramdisk`` and remove corrupt ones (``mtc.sidecar.backup.scrub``)."""
+        ``ramdisk`` and remove corrupt ones (``mtc.sidecar.backup.scrub``).
+
+        ``parts``: (backup, writers) whose blobs are hashed too: the writers' parts read with the header
+        by range (``BackupTier.parts_view``), of each the blobs that fall to that writer
+        (``fmt.writers.designated``: each unique box of the step to one writer, as the uploads share them);
+        their sizes from the parts. With ``ramdisk_parts``, first this ramdisk's copies of every blob of
+        those steps it holds (its own part, the copies it keeps for others) and of those parts. The answer
+        says per backup what was hashed and found bad (``"backups": {name: {"checked", "bad"}}``)."""
         tier = self._backup_tier(root, configured=root is None)
         rate = self._settings("the backup scrub").backup_scrub_bytes_per_s if bytes_per_s is None else bytes_per_s
-        return tier.scrub(list(blobs), float(rate), list(repair), dict(damaged), list(ramdisk),
-                          sizes=dict(sizes or {}), clear=list(clear))
+        sizes, ramdisk, by_backup = dict(sizes or {}), set(ramdisk), {}
+        for name, writers in parts:
+            view = tier.parts_view(name, list(writers))
+            if view is None:
+                raise ManifestError(f"backup {name} has no part index (written by an older version); "
+                                    "scrub it by its blobs")
+            mine = set().union(*(designated(view, w) for w in writers))
+            every = view.blob_sizes()
+            by_backup[name] = sorted(mine)
+            sizes.update((b, every[b]) for b in mine)
+            if ramdisk_parts:
+                ramdisk.update(every)
+                ramdisk.update(self.committed.held_blobs(view.step))
+        hashed = sorted(set(blobs).union(*by_backup.values()))
+        out = tier.scrub(hashed, float(rate), list(repair), dict(damaged), sorted(ramdisk),
+                         sizes=sizes, clear=list(clear))
+        if by_backup:
+            bad = set(out.get("bad", ())) | set(out.get("missing", ()))
+            out["backups"] = {name: {"checked": len(names), "bad": sorted(bad.intersection(names))}
+                              for name, names in by_backup.items()}
+        return out
 
     # --- peer tier -----------------------------------------------------------------------
 

@@ -3,12 +3,14 @@
 ``backup_due`` says whether a committed step is due for a backup under the config's interval;
 ``assign_uploads`` gives each unique blob of a step to one of the hosts that hold it, largest
 first to the least loaded, so that uploads spread over every host; ``assign_scrub`` spreads the
-blobs a backup scrub re-hashes the same way. They are plain functions of plain values, unit-tested
+blobs a backup scrub re-hashes the same way (a backup without a part index), ``assign_parts`` says
+which writers' parts each host reads to scrub one that has it. They are plain functions of plain values, unit-tested
 without processes; the manager calls them and the dispatcher runs the uploads.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Callable, Sequence
 
 from mtc.shared import format as fmt
@@ -52,10 +54,26 @@ def assign_uploads(manifest: fmt.StepManifest, hosts: Sequence[str],
 def assign_scrub(sizes: dict[str, int], hosts: Sequence[str]) -> dict[str, list[str]]:
     """host -> the backup blobs it checks: each blob once, largest first to the least loaded host,
     so that every host reads about as many bytes (and the cap holds per host)."""
-    load = {h: 0 for h in hosts}
-    out: dict[str, list[str]] = {h: [] for h in load}
+    out: dict[str, list[str]] = {h: [] for h in hosts}
+    load = [(0, h) for h in sorted(out)]  # a heap of (bytes so far, host): O(blobs x log hosts)
+    heapq.heapify(load)
     for blob in sorted(sizes, key=lambda b: (-sizes[b], b)):
-        host = min(load, key=lambda h: (load[h], h))
-        load[host] += sizes[blob]
+        n, host = heapq.heappop(load)
         out[host].append(blob)
+        heapq.heappush(load, (n + sizes[blob], host))
+    return out
+
+
+def assign_parts(writers: Sequence[str], hosts: Sequence[str]) -> dict[str, list[str]]:
+    """host -> the writers whose parts of a backup it reads for the scrub: each writer its own, the parts
+    of writers that are not among ``hosts`` (a resized job) spread over those that are, in turn."""
+    out: dict[str, list[str]] = {}
+    present = set(hosts)
+    order = sorted(present)
+    for w in writers:
+        if w in present:
+            out.setdefault(w, []).append(w)
+    for i, w in enumerate(sorted(w for w in writers if w not in present)):
+        if order:
+            out.setdefault(order[i % len(order)], []).append(w)
     return out

@@ -31,9 +31,10 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from mtc.head.backup.plan import assign_scrub
+from mtc.head.backup.plan import assign_parts, assign_scrub
 from mtc.head.dispatch.interface import Dispatcher
 from mtc.shared import backup_layout as layout
+from mtc.shared import format as fmt
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import ConfigError, MTCError
 
@@ -100,48 +101,82 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
         targets = [listed.get(n) or damaged_before[n] for n in dict.fromkeys(names)]
     else:
         targets = _targets(listing["backups"], list(damaged_before.values()), backups)
-    manifests: dict = {}
+    # A backup with a part index is scrubbed by parts: the head reads its header (O(arrays + hosts)), and
+    # each host reads its own part (a writer gone from a resized job: another host reads its part) and
+    # hashes the blobs that fall to it, as the uploads shared the unique boxes out. An older one: its
+    # whole manifest, its blobs assigned one by one.
+    headers: dict[str, fmt.StepHeader] = {}
+    manifests: dict[str, fmt.StepManifest] = {}
+    hosts = dispatch.hosts()
+    plans: dict[str, dict] = {}
     for b in targets:
+        name = b["name"]
         try:
-            manifests[b["name"]] = dispatch.backup_manifest(b["name"])
+            header = dispatch.backup_header(name)
+            if header is None or header.devices is None:
+                manifests[name] = dispatch.backup_manifest(name)
+            else:
+                headers[name], plans[name] = header, assign_parts([h for h, _ in header.parts], hosts)
         except MTCError as e:
-            if b["name"] not in damaged_before:
+            if name not in damaged_before:
                 raise
             log.warning("backup scrub: backup %s is marked damaged and its manifest cannot be read (%s); "
-                        "its mark stays", b["name"], e)
-    targets = [b for b in targets if b["name"] in manifests]
+                        "its mark stays", name, e)
+    targets = [b for b in targets if b["name"] in manifests or b["name"] in headers]
+    work: dict[str, dict] = {}
+    for name, plan in plans.items():
+        for h, ws in plan.items():
+            work.setdefault(h, {}).setdefault("parts", []).append((name, ws))
     sizes: dict[str, int] = {}
     for m in manifests.values():  # (from each manifest's columns: no shard record is made)
         sizes.update(m.blob_sizes())
-    hosts = dispatch.hosts()
-    work = {h: {"blobs": bl, "sizes": {b: sizes[b] for b in bl}} for h, bl in assign_scrub(sizes, hosts).items() if bl}
-    if ramdisk and sizes:
-        work = {h: {**work.get(h, {}), "ramdisk": sorted(sizes)} for h in hosts}
+    for h, bl in assign_scrub(sizes, hosts).items():
+        if bl:
+            work.setdefault(h, {}).update(blobs=bl, sizes={b: sizes[b] for b in bl})
+    if ramdisk:
+        for h in hosts if sizes else ():
+            work.setdefault(h, {})["ramdisk"] = sorted(sizes)
+        for w in work.values():
+            if "parts" in w:
+                w["ramdisk_parts"] = True
     found = dispatch.backup_scrub(work, bytes_per_s) if work else {}
     bad = {b for r in found.values() for b in [*r.get("bad", []), *r.get("missing", [])]}
-    repaired = _repair(dispatch, hosts, bad, bytes_per_s) if bad else set()
+    # Per backup: what was hashed, what was bad (a blob of several backups counts in each).
+    in_backup: dict[str, set[str]] = {name: set() for name in headers}
+    counted: dict[str, int] = {name: 0 for name in headers}
+    for r in found.values():
+        for name, got in r.get("backups", {}).items():
+            if name in in_backup:
+                in_backup[name].update(got.get("bad", ()))
+                counted[name] += int(got.get("checked", 0))
+    for name, m in manifests.items():
+        in_backup[name] = m.blob_names() & bad
+        counted[name] = len(m.blob_names())
+    reporters = sorted(h for h, r in found.items() if r.get("bad") or r.get("missing"))
+    repaired = _repair(dispatch, reporters + [h for h in hosts if h not in reporters], bad,
+                       bytes_per_s) if bad else set()
     marks: dict[str, str] = {}
     if bad - repaired:
         after = dispatch.backup_listing()  # a backup pruned meanwhile lost its blobs
         still = {b["name"] for b in [*after["backups"], *after.get("damaged", [])]}
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        for name, m in manifests.items():
-            lost = sorted(m.blob_names() & (bad - repaired))
+        for name, its_bad in in_backup.items():
+            lost = sorted(its_bad - repaired)
             if lost and name in still:
                 marks[name] = (f"{len(lost)} blob(s) corrupt or missing in the store ({lost[0]}"
                                f"{', ...' if len(lost) > 1 else ''}), found by the backup scrub at {when}; "
                                "no host holds a good copy to repair it")
         if marks:
             dispatch.backup_scrub({hosts[0]: {"damaged": marks}}, bytes_per_s)
-    clear = [n for n, m in manifests.items() if n in damaged_before and not m.blob_names() & (bad - repaired)]
+    clear = [n for n, its_bad in in_backup.items() if n in damaged_before and not its_bad - repaired]
     cleared = set(dispatch.backup_scrub({hosts[0]: {"clear": clear}}, bytes_per_s)[hosts[0]].get("cleared", [])
                   ) if clear else set()
     out = []
     for b in targets:
-        blobs = manifests[b["name"]].blob_names()
+        its_bad = in_backup[b["name"]]
         before = damaged_before[b["name"]]["why"] if b["name"] in damaged_before else ""
-        out.append(BackupScrub(b["name"], b["step"], len(blobs), tuple(sorted(blobs & bad)),
-                               tuple(sorted(blobs & bad & repaired)), marks.get(b["name"], ""),
+        out.append(BackupScrub(b["name"], b["step"], counted[b["name"]], tuple(sorted(its_bad)),
+                               tuple(sorted(its_bad & repaired)), marks.get(b["name"], ""),
                                before, b["name"] in cleared))
     checked = {b["name"] for b in targets}
     report = ScrubReport(tuple(out), tuple(d for n, d in damaged_before.items() if n not in checked),
@@ -151,7 +186,7 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
                          ramdisk_removed={h: r["ramdisk_removed"] for h, r in found.items()
                                           if r.get("ramdisk_removed")})
     log.info("- backup scrub; %d backups, %d blobs, %d bytes in %.3fs; %d bad, %d repaired, %d marked damaged, "
-             "%d marks cleared", len(out), len(sizes), report.bytes, report.seconds, report.bad_blobs,
+             "%d marks cleared", len(out), sum(b.checked for b in out), report.bytes, report.seconds, report.bad_blobs,
              report.repaired_blobs, len(marks), len(cleared))
     return report
 

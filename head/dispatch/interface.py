@@ -451,24 +451,23 @@ class Dispatcher(abc.ABC):
         """Every host of ``parts`` downloads the blobs of the writers' parts named for it (host -> writers),
         which it reads with the manifest's header by range, checked against the backup's part index: every
         blob, or with ``wants`` (host -> what it will load, ``fmt.writers.loads``) only those it loads."""
-        def wanted(h: str) -> list[requests.Wanted] | None:
-            if wants is None:
-                return None
-            return [requests.Wanted(keys=keys, boxes=None if boxes is None else
-                                    [[requests.Span(lo, hi) for lo, hi in b] for b in boxes])
-                    for keys, boxes in wants.get(h, ())]
-
         return self._all_jobs(f"fetch of backup {name}", "backup_fetch",
-                              {h: requests.BackupFetch(name=name, blobs=[], parts=sorted(ws), wants=wanted(h))
+                              {h: requests.BackupFetch(name=name, blobs=[], parts=sorted(ws),
+                                                       wants=None if wants is None else _wanted(wants.get(h, ())))
                                for h, ws in parts.items()}, lane="backup")
 
     def backup_scrub(self, work: dict[str, dict], bytes_per_s: float | None = None) -> dict[str, dict]:
         """Each host of ``work`` scrubs the backup root: host -> {"blobs": to hash in the store,
+        "parts": [(backup, the writers whose parts it reads, to hash what falls to each)],
         "repair": to re-upload from its ramdisk where it holds good copies, "damaged": {backup: why}
         to mark}, each optional; at most ``bytes_per_s`` (None: the configured cap). Host -> what it
-        found ({"checked", "bytes", "bad", "missing", "repaired", "marked", ...})."""
+        found ({"checked", "bytes", "bad", "missing", "repaired", "marked", "backups", ...})."""
         root = self._host_settings["backup_url"]
-        scrubs = {h: requests.BackupScrub(root=root, bytes_per_s=bytes_per_s, **w) for h, w in work.items()}
+        scrubs = {}
+        for h, w in work.items():
+            if "parts" in w:
+                w = {**w, "parts": [requests.ScrubPart(name=n, writers=list(ws)) for n, ws in w["parts"]]}
+            scrubs[h] = requests.BackupScrub(root=root, bytes_per_s=bytes_per_s, **w)
         return self._all_jobs("backup scrub", "backup_scrub", scrubs, own_threads=True)
 
     # --- peer tier (the sidecars pull from each other; the head plans) --------------------
@@ -603,3 +602,9 @@ def raise_host_failures(what: str, failures: Mapping[str, BaseException]) -> Non
     err.__cause__ = next((e for e in failures.values() if isinstance(e, errors.FencedError)), None) or next(
         (e for e in failures.values() if isinstance(e, errors.HostUnreachableError)), None)
     raise err
+
+
+def _wanted(wants: Iterable[tuple[list[str], list[fmt.Box] | None]]) -> list[requests.Wanted]:
+    """(array keys, their boxes or None: every box) as the wire's ``Wanted``."""
+    return [requests.Wanted(keys=list(keys), boxes=None if boxes is None else
+                            [[requests.Span(lo, hi) for lo, hi in b] for b in boxes]) for keys, boxes in wants]

@@ -14,6 +14,8 @@ host that keeps a peer copy of it) can serve them.
 - ``loads``: for a restore's requests, what each host will load: the arrays of each target (sharding,
   shape) and the boxes of them on its devices, so that a host that reads from the backup downloads
   only the blobs of a writer's part that it loads.
+- ``designated``: the blobs of a writer's part that fall to it when the writers share the step's
+  unique boxes out among themselves (a backup's uploads, the backup scrub): each box to one writer.
 - ``plan``: for a restore's requests (an elastic resize, another mesh, or the saving topology with
   a host that lost its part), which writers' parts each reading host needs besides its own. The
   restore pulls those parts whole from their holders, then every host reads its boxes from its
@@ -30,10 +32,11 @@ import itertools
 from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from mtc.shared import shardings
-from mtc.shared.format.base import Box
-from mtc.shared.format.step import ArrayRecord, StepHeader
+from mtc.shared.errors import ManifestError
+from mtc.shared.format.base import Box, canonical_json
+from mtc.shared.format.step import ArrayRecord, StepHeader, StepManifest
 
-__all__ = ["Grid", "cover", "loads", "plan", "saved_grid"]
+__all__ = ["Grid", "cover", "designated", "loads", "plan", "saved_grid"]
 
 
 class Grid:
@@ -216,3 +219,42 @@ def loads(requests: Sequence[Any], host_of_device: Callable[[int], str | None],
         for wants in out.values():
             wants.append((whole, None))
     return out
+
+
+
+def designated(view: StepManifest, writer: str) -> list[str]:
+    """The blobs of ``writer``'s part (``view`` holds its rows) that fall to it when the writers share a
+    step's unique boxes out among themselves with no plan from the head (a backup's uploads, the backup
+    scrub): of the devices that held a box (its sharding's description), the one its blob's name picks
+    (spreading the boxes over the data-parallel replicas) names the writer; a numpy leaf, which every
+    writer wrote, falls to the writer its name picks; a box its description does not give (an unusual
+    sharding), to every writer of it. Which writer held which device is the header's
+    ``topology.devices``; ManifestError without it (a step saved by an older version)."""
+    devices = view.topology.get("devices")
+    if not isinstance(devices, dict) or not devices:
+        raise ManifestError(f"step {view.step} records no devices per host (saved by an older version)")
+    host_of = {int(d): h for h, ids in devices.items() for d in ids}
+    hosts = sorted(devices)
+    mine = view.part_blobs.get(writer, frozenset()) if view.part_blobs else frozenset()
+    out: set[str] = set()
+    holders: dict[tuple, dict] = {}  # (description, shape) -> box -> devices that held it, sorted
+    for rec in view.arrays:
+        for sh in rec.shards:
+            if sh.blob not in mine:
+                continue
+            pick = int(sh.blob[:8], 16)
+            if rec.kind != "jax" or rec.sharding is None:
+                if hosts[pick % len(hosts)] == writer:
+                    out.add(sh.blob)
+                continue
+            key = (canonical_json(rec.sharding), rec.shape)
+            boxes = holders.get(key)
+            if boxes is None:
+                boxes = {}
+                for dev, box in (shardings.described_device_boxes(rec.sharding, rec.shape) or {}).items():
+                    boxes.setdefault(box, []).append(dev)
+                boxes = holders[key] = {b: sorted(ds) for b, ds in boxes.items()}
+            devs = boxes.get(sh.box)
+            if not devs or host_of.get(devs[pick % len(devs)]) == writer:
+                out.add(sh.blob)
+    return sorted(out)

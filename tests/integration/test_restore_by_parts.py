@@ -301,6 +301,15 @@ def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local
         want = {sh.blob for a in m.manifest(5).arrays for sh in a.shards}
         assert report.uploaded_blobs == len(want), (report.uploaded_blobs, len(want))  # each once, none left out
         assert len([h for h, n in report.bytes_by_host.items() if n]) >= 2  # spread over the holders
+        # The scrub goes by parts too: the head reads the header, each host its own part by range, and hashes
+        # the blobs that fall to it as the uploads did: every unique box once, not once per data-parallel twin.
+        from mtc.head.backup.scrub import scrub_backups
+
+        rows_parsed[0] = 0  # (the test's own read of the manifest above)
+        scrub = scrub_backups(m._dispatch, backups=1)
+        assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows to scrub a backup"
+        (checked,) = scrub.backups
+        assert checked.checked == len(want) and checked.ok and not checked.bad, (checked, len(want))
     for h in local_cluster.hosts:
         local_cluster.wipe(h)
         local_cluster.restart(h)
@@ -318,14 +327,16 @@ def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local
                 rf"backup {rep.source}: read the manifest's header and (\d+) part\(s\) by range \((\d+) bytes\)",
                 local_cluster.log_path(h).read_text())]
 
-        read = parts_read()  # (the start-up pull's, then the restore's: each host its own part)
+        # (the scrub's, then the start-up pull's, then the restore's: each host its own part)
+        scrubbed, read = parts_read()[:len(local_cluster.hosts)], parts_read()[len(local_cluster.hosts):]
+        assert all(n == 1 for n, _ in scrubbed) and len(scrubbed) == len(local_cluster.hosts), scrubbed
         assert len(read) == 2 * len(local_cluster.hosts) and all(n == 1 and b < whole for n, b in read), (read, whole)
         # Onto another sharding each host reads the parts its new boxes overlap, by range; no row on the head.
         got = m.restore(5, target=resharded(state))
         assert_trees_bitwise_equal(state, got, check_sharding=False)
         assert got["params"]["w"].sharding == resharded(state)["params"]["w"].sharding
         assert rows_parsed[0] == 0, f"the head parsed {rows_parsed[0]} shard rows on a resharded backup restore"
-        again = parts_read()[len(read):]
+        again = parts_read()[len(scrubbed) + len(read):]
         assert len(again) == len(local_cluster.hosts) and any(n > 1 for n, _ in again), again
 
 

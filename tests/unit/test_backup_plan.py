@@ -56,3 +56,13 @@ def test_assign_scrub_gives_each_blob_to_one_host_and_spreads_the_bytes():
     loads = [sum(sizes[b] for b in bl) for bl in out.values()]
     assert max(loads) - min(loads) <= max(sizes.values())
     assert assign_scrub({}, ["h0"]) == {"h0": []}
+
+
+def test_assign_parts_gives_each_writer_its_own_part_and_spreads_the_parts_of_writers_gone():
+    from mtc.head.backup.plan import assign_parts
+
+    assert assign_parts(["h0", "h1"], ["h0", "h1"]) == {"h0": ["h0"], "h1": ["h1"]}
+    # A resized job: h2 and h3 are gone, their parts read by the hosts that remain, one each.
+    assert assign_parts(["h0", "h1", "h2", "h3"], ["h1", "h0"]) == {"h0": ["h0", "h2"], "h1": ["h1", "h3"]}
+    assert assign_parts(["h0"], ["n0", "n1"]) == {"n0": ["h0"]}  # every host new
+    assert assign_parts(["h0"], []) == {}
