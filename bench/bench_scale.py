@@ -43,6 +43,12 @@ Per elastic shrink (data-parallel slices, FSDP within each; the last slice gone)
 hosts' inventories, the step chosen by its writers' parts (a twin wrote every box the lost slice did)
 and which writer's part each host reads on the smaller mesh (``fmt.writers.plan``), from the header.
 
+Per backup scrub (in the background of the training process): the head's CPU to read the backup's header
+and say which writer's part each host reads (``assign_parts``), what it sends a host, and one host's CPU to
+read the header and its part and choose the blobs that fall to it (``fmt.writers.designated``), beside the
+head reading the whole manifest and giving each unique blob to a host (``assign_scrub``, what a backup
+without a part index still gets).
+
 Per restore from the backup onto the same hosts in half as many data-parallel slices, twice as wide
 (each new box half of a saved one): the head's plan of which parts each host reads and of what it
 loads (``fmt.writers.loads``, sent with its fetch), and what one host downloads of the parts it reads
@@ -67,6 +73,7 @@ import math
 import tempfile
 import time
 
+from mtc.head.backup.plan import assign_parts, assign_scrub
 from mtc.head.commit import choose_keepers
 from mtc.head.dispatch.interface import HostInventory
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
@@ -226,7 +233,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     restore = restore_side(records, per_host, data, digest)
     restore.update(resize_side(hosts, layers))
     restore.update(regroup_side(hosts, layers))
-    restore.update(backup_side(data))
+    restore.update(backup_side(data, parse))
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
@@ -299,7 +306,7 @@ def restore_side(records: list[fmt.ArrayRecord], per_host: dict[str, list[fmt.Ho
             "restore_received": sum(len(w) for w in wire.values()) + len(line)}
 
 
-def backup_side(data: bytes) -> dict:
+def backup_side(data: bytes, parse: bool) -> dict:
     """A restore from the backup onto the topology that saved the step (every ramdisk lost), in a real
     local backup root: the finalizing host's CPU for the part index (``backup_index.make``; its seal
     hashes the whole manifest anyway), then the head's read (the header by range, checked against the
@@ -330,9 +337,31 @@ def backup_side(data: bytes) -> dict:
         view = fmt.StepManifest.local_view(line, host, part)
         host_s = time.process_time() - t0
         assert view.digest == header.digest and view.blob_sizes()
+        # The scrub of this backup, by parts: the head's plan (who reads which writer's part) and what it
+        # sends each host; the host's choice of the blobs that fall to it in the part it read.
+        writers_ = [h for h, _ in header.parts]
+        quiet()
+        t0 = time.process_time()
+        reads = assign_parts(writers_, writers_)
+        sent = {h: len(json.dumps({"parts": [[name, ws]]}, separators=(",", ":"))) for h, ws in reads.items()}
+        scrub_head_s = head_s + time.process_time() - t0
+        quiet()
+        t0 = time.process_time()
+        mine = writers.designated(view, host)
+        scrub_host_s = host_s + time.process_time() - t0
+        scrub_whole_s = scrub_blobs = None
+        if parse:  # before: the whole manifest read on the head, each unique blob given to a host
+            quiet()
+            t0 = time.process_time()
+            sizes = fmt.StepManifest.from_json(store.get_bytes(backup_layout.manifest_object(name))).blob_sizes()
+            assign_scrub(sizes, writers_)
+            scrub_whole_s, scrub_blobs = time.process_time() - t0, len(sizes)
+            del sizes
     return {"backup_index_s": index_s, "backup_head_s": head_s, "backup_host_s": host_s,
             "backup_head_bytes": seal_bytes + len(index) + len(line),
-            "backup_host_bytes": seal_bytes + len(index) + len(line) + len(part)}
+            "backup_host_bytes": seal_bytes + len(index) + len(line) + len(part),
+            "scrub_head_s": scrub_head_s, "scrub_sent_per_host": max(sent.values()), "scrub_host_s": scrub_host_s,
+            "scrub_host_blobs": len(mine), "scrub_whole_s": scrub_whole_s, "scrub_blobs": scrub_blobs}
 
 
 class _Request:
@@ -577,6 +606,16 @@ def main() -> None:
               f"{_mib(r['regroup_wants_bytes'])} | {r['regroup_parts']} | {_mib(r['regroup_whole_bytes'])} | "
               f"{_mib(r['regroup_bytes'])} | {_mib(r['regroup_loaded_bytes'])} | "
               f"{r['regroup_bytes'] / r['regroup_loaded_bytes']:.2f}x | {r['regroup_host_s'] * 1e3:,.1f} ms |")
+    print("\n## A backup scrub (the newest backup), by parts: in the background of the training process\n")
+    print("| hosts | head CPU: header, who reads which part | head sends per host | a host: header and its part "
+          "read, the blobs that fall to it (CPU) | blobs it hashes | head before: whole manifest, each blob to a "
+          "host (CPU) | unique blobs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        whole = f"{r['scrub_whole_s']:.2f} s" if r["scrub_whole_s"] is not None else "skipped"
+        blobs = f"{r['scrub_blobs']:,}" if r["scrub_blobs"] is not None else "skipped"
+        print(f"| {r['hosts']} | {r['scrub_head_s'] * 1e3:,.0f} ms | {r['scrub_sent_per_host']} B | "
+              f"{r['scrub_host_s'] * 1e3:,.0f} ms | {r['scrub_host_blobs']:,} | {whole} | {blobs} |")
     print("\n## A newer step whose lost host's blobs are looked for in a backup of another step (one host's part "
           "lost; the backup holds them): per backup asked\n")
     print("| hosts | blobs looked for | a host: reads the backup's manifest for them (CPU) | head receives "

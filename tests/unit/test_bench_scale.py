@@ -48,3 +48,10 @@ def test_head_bytes_per_host_do_not_grow_with_hosts():
     for _, asked, got, whole, unit in among:
         assert int(got.replace(",", "")) == 32 * int(asked.replace(",", "")), proc.stdout
         assert float(whole.replace(",", "")) * (1024 if unit == "KiB" else 2**20) > 4 * 32 * int(asked.replace(",", "")), proc.stdout
+    # The backup scrub by parts: what the head sends a host is one backup's name and its own part, whatever
+    # the hosts; a host hashes no more than its part's blobs.
+    scrub = re.findall(r"^\| (\d+) \| [\d,]+ ms \| (\d+) B \| [\d,]+ ms \| ([\d,]+) \| [\d.]+ s \| ([\d,]+) \|", proc.stdout,
+                       re.M)
+    assert [int(h) for h, *_ in scrub] == [8, 64], proc.stdout
+    assert all(int(sent) < 100 and 0 < int(mine.replace(",", "")) < int(blobs.replace(",", ""))
+               for _, sent, mine, blobs in scrub), proc.stdout
