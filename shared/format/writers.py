@@ -238,22 +238,28 @@ def designated(view: StepManifest, writer: str) -> list[str]:
     mine = view.part_blobs.get(writer, frozenset()) if view.part_blobs else frozenset()
     out: set[str] = set()
     holders: dict[tuple, dict] = {}  # (description, shape) -> box -> devices that held it, sorted
+    described: dict[int, str] = {}  # id of a description -> its text (a header shares one per sharding)
     for rec in view.arrays:
-        for sh in rec.shards:
-            if sh.blob not in mine:
-                continue
-            pick = int(sh.blob[:8], 16)
-            if rec.kind != "jax" or rec.sharding is None:
-                if hosts[pick % len(hosts)] == writer:
-                    out.add(sh.blob)
-                continue
-            key = (canonical_json(rec.sharding), rec.shape)
+        boxes = None
+        if rec.kind == "jax" and rec.sharding is not None and rec.shards:
+            text = described.get(id(rec.sharding))
+            if text is None:  # (a mesh lists every device: once per description, not per shard)
+                text = described[id(rec.sharding)] = canonical_json(rec.sharding)
+            key = (text, rec.shape)
             boxes = holders.get(key)
             if boxes is None:
                 boxes = {}
                 for dev, box in (shardings.described_device_boxes(rec.sharding, rec.shape) or {}).items():
                     boxes.setdefault(box, []).append(dev)
                 boxes = holders[key] = {b: sorted(ds) for b, ds in boxes.items()}
+        for sh in rec.shards:
+            if sh.blob not in mine:
+                continue
+            pick = int(sh.blob[:8], 16)
+            if boxes is None:
+                if hosts[pick % len(hosts)] == writer:
+                    out.add(sh.blob)
+                continue
             devs = boxes.get(sh.box)
             if not devs or host_of.get(devs[pick % len(devs)]) == writer:
                 out.add(sh.blob)
