@@ -14,6 +14,7 @@ host that keeps a peer copy of it) can serve them.
 - ``loads``: for a restore's requests, what each host will load: the arrays of each target (sharding,
   shape) and the boxes of them on its devices, so that a host that reads from the backup downloads
   only the blobs of a writer's part that it loads.
+- ``copies``: on how few failure domains some saved box is held, counting twins and peer copies.
 - ``designated``: the blobs of a writer's part that fall to it when the writers share the step's
   unique boxes out among themselves (a backup's uploads, the backup scrub): each box to one writer.
 - ``plan``: for a restore's requests (an elastic resize, another mesh, or the saving topology with
@@ -36,7 +37,7 @@ from mtc.shared.errors import ManifestError
 from mtc.shared.format.base import Box, canonical_json
 from mtc.shared.format.step import ArrayRecord, StepHeader, StepManifest
 
-__all__ = ["Grid", "cover", "designated", "loads", "plan", "saved_grid"]
+__all__ = ["Grid", "copies", "cover", "designated", "loads", "plan", "saved_grid"]
 
 
 class Grid:
@@ -110,6 +111,36 @@ def cover(header: StepHeader, holders: Mapping[str, Collection[str]]) -> bool:
         if not all(any(holders.get(writer_of.get(d)) for d in devs) for devs in g.writers.values()):
             return False
     return True
+
+
+def copies(header: StepHeader, holders: Mapping[str, Collection[str]], domain_of: Callable[[str], Any]) -> int | None:
+    """The fewest failure domains (``domain_of(host)``: its slice) on which some saved box of the step is in
+    a part held whole: of the box's writers (data-parallel twins wrote the same box), each counts the hosts
+    that hold its part whole (``holders``: itself, the keepers of peer copies). What ``mtc status`` shows
+    as a step's copies where a writer lost its part, from the header: O(distinct (sharding, shape) x
+    devices). None where the header cannot say (as ``cover``)."""
+    writer_of = _writer_of(header)
+    if writer_of is None:
+        return None
+    grids = _grids(header)
+    fewest: int | None = None
+    checked: set[int] = set()
+    for rec in header.arrays:
+        if rec.kind == "scalar":
+            continue
+        if rec.kind == "numpy":  # every writer wrote it whole
+            n = len({domain_of(h) for hs in holders.values() for h in hs})
+        else:
+            g = _grid_of(rec, header.listed, grids)
+            if g is None:
+                return None
+            if id(g) in checked:
+                continue
+            checked.add(id(g))
+            n = min((len({domain_of(h) for d in devs for h in holders.get(writer_of.get(d), ())})
+                     for devs in g.writers.values()), default=0)
+        fewest = n if fewest is None else min(fewest, n)
+    return fewest or 0
 
 
 def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Collection[str]],

@@ -260,14 +260,16 @@ def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parse
     assert [(r["step"], r["replicated"], r["min_copies"], r["restorable"]) for r in st["steps"]] == [
         (1, True, 2, True), (2, True, 2, True)]
     assert st["choice"] == 2
-    # A host that lost its ramdisk: its share is whole on one slice only; status reads the blob rows.
+    # A host that lost its ramdisk: its share is whole on one slice only (the peer copy), which the keeper of
+    # the copy says by writer: still no row read, and the lost host named.
     local_cluster.wipe("s1-h1")
     local_cluster.restart("s1-h1")
     assert main(["status", "--cluster-spec", str(local_cluster.spec_path), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
-    assert rows_parsed[0] + bits[0] > 0
+    assert rows_parsed[0] == 0 and bits[0] == 0, (rows_parsed[0], bits[0])
     assert [(r["step"], r["replicated"], r["min_copies"], r["restorable"]) for r in st["steps"]] == [
         (1, False, 1, True), (2, False, 1, True)]
+    assert all("s1-h1 no longer hold" in r["why_not"] for r in st["steps"]), st["steps"]
     # --verify maps every host's bitmap with the step's blob names, read from the parts' columns: no whole
     # manifest read (no shard record made) on the head.
     whole = [0]

@@ -146,3 +146,22 @@ def test_the_blobs_a_host_loads_are_those_whose_boxes_overlap_its_own():
     assert m.blob_sizes_for({"w": None, "rng": None}) == {**{s.blob: 512 for s in shards}, "f" * 32: 16}
     assert m.blob_sizes_for({"e": [((0, 0), (0, 4))]}) == {"e" * 32: 0}  # nothing to overlap: all of it
     assert m.blob_sizes_for({}) == {} and m.blob_sizes_for({"x": None}) == {}
+
+
+def test_a_steps_copies_count_each_box_where_its_twins_and_the_peer_copies_are():
+    """``copies``: the fewest slices on which some saved box is in a part held whole. Twins: a box is on
+    both slices while both hold their parts, on one once a slice's host lost its part; FSDP over both
+    slices: a box of a lost writer counts its peer copy only; None where the header cannot say."""
+    def slice_of(h):
+        return int(h[1])
+
+    twins, split = header(("w", (64, 8), TWINS)), header(("w", (64, 8), SPLIT))
+    assert writers.copies(twins, whole(*DEVICES), slice_of) == 2
+    assert writers.copies(twins, whole("s0-h0", "s0-h1", "s1-h0"), slice_of) == 1  # s1-h1's boxes: s0-h1's twin
+    assert writers.copies(split, whole(*DEVICES), slice_of) == 1
+    assert writers.copies(split, {**whole(*DEVICES), "s1-h0": ("s1-h0", "s0-h1")}, slice_of) == 1  # others: one
+    copies = {w: (w, f"s{1 - int(w[1])}-h{w[-1]}") for w in DEVICES}  # each part copied to the other slice
+    assert writers.copies(split, copies, slice_of) == 2
+    assert writers.copies(split, {**copies, "s1-h0": ("s0-h0",)}, slice_of) == 1  # s1-h0 gone, its copy left
+    assert writers.copies(split, {**copies, "s1-h0": ()}, slice_of) == 0
+    assert writers.copies(header(("w", (64, 8), SPLIT), devices=None), copies, slice_of) is None

@@ -17,6 +17,7 @@ from typing import Any
 from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import MTCError
+from mtc.shared.format import writers
 
 from mtc.head.tools.cli.common import missing_local_root
 
@@ -30,7 +31,7 @@ class StepRow:
     replicated: bool  # every blob on >= replication_factor slices
     backups: list[str]  # backups of this step
     restorable: bool
-    why_not: str = ""  # what is missing, when not restorable
+    why_not: str = ""  # what is missing (not restorable), or lost and covered by other parts
     replication: str = ""  # when not replicated: hosts whose last pull of the step failed, and why
 
 
@@ -123,12 +124,22 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
                                 "" if backups else "on no host"))
             continue
         n_slices = len(set(slice_of.values()))
-        if v.by_parts and not verify:  # every part whole where it was written: the copies by shares, O(hosts)
-            copies = copies_by_share(inv, step, v.manifest, headers[v.manifest], slice_of)
+        # Every saved box is in a part some host holds whole (its writer's, a peer copy of it, a data-parallel
+        # twin's): the copies from the header and the inventories, O(hosts), no blob row. Each writer's share
+        # where every part is whole; where a writer's part is gone, each box where its twins' parts and the
+        # peer copies are (None: the header cannot say, and the rows do).
+        fewest = (writers.copies(headers[v.manifest], v.part_holders,
+                                 (lambda h: slice_of.get(h, 0)) if n_slices > 1 else (lambda h: h))
+                  if v.by_writers and v.lost and not verify else None)
+        if v.by_parts and not verify or fewest is not None:
+            copies = [fewest] if fewest is not None else copies_by_share(inv, step, v.manifest,
+                                                                         headers[v.manifest], slice_of)
             restorable = not unreachable or bool(backups)
             replicated = bool(copies) and min(copies) >= factor
+            lost = (f"hosts {', '.join(v.lost)} no longer hold their parts; every box they wrote is in a part "
+                    "another host holds whole" if v.lost else "")
             rows.append(StepRow(step, sorted(v.hosts), sorted(v.whole), min(copies) if copies else 0, replicated,
-                                backups, restorable, "", "" if replicated else _pull_failures(inv, step)))
+                                backups, restorable, lost, "" if replicated else _pull_failures(inv, step)))
             continue
         holders = [set(hs) for hs in v.holders]
         corrupt: list[str] = []
