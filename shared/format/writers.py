@@ -30,7 +30,7 @@ whole): the restore then plans from the rows as before.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from mtc.shared import shardings
 from mtc.shared.errors import ManifestError
@@ -90,6 +90,22 @@ def _grid_of(rec: ArrayRecord, listed: frozenset, grids: dict) -> Grid | None:
     return grids[key]
 
 
+def _saved_grids(header: StepHeader) -> Iterator[Grid | None]:
+    """Each distinct grid of the header's sharded arrays, once; None for an array whose boxes the header
+    does not give (listed boxes, a PRNG key array). Scalars and host numpy leaves have none."""
+    grids = _grids(header)
+    seen: set[int] = set()
+    for rec in header.arrays:
+        if rec.kind in ("scalar", "numpy"):  # no data / written whole by every host
+            continue
+        g = _grid_of(rec, header.listed, grids)
+        if g is None:
+            yield None
+        elif id(g) not in seen:
+            seen.add(id(g))
+            yield g
+
+
 def cover(header: StepHeader, holders: Mapping[str, Collection[str]]) -> bool:
     """Whether every saved box of the step was written by a host whose part some host holds whole now
     (``holders``: writer -> those hosts: the writer itself, or a host that keeps a peer copy of its
@@ -97,20 +113,8 @@ def cover(header: StepHeader, holders: Mapping[str, Collection[str]]) -> bool:
     writer_of = _writer_of(header)
     if writer_of is None or not any(holders.values()):
         return False
-    grids = _grids(header)
-    checked: set[int] = set()
-    for rec in header.arrays:
-        if rec.kind in ("scalar", "numpy"):  # no data / written whole by every host
-            continue
-        g = _grid_of(rec, header.listed, grids)
-        if g is None:
-            return False
-        if id(g) in checked:
-            continue
-        checked.add(id(g))
-        if not all(any(holders.get(writer_of.get(d)) for d in devs) for devs in g.writers.values()):
-            return False
-    return True
+    return all(g is not None and all(any(holders.get(writer_of.get(d)) for d in devs) for devs in g.writers.values())
+               for g in _saved_grids(header))
 
 
 def copies(header: StepHeader, holders: Mapping[str, Collection[str]], domain_of: Callable[[str], Any]) -> int | None:
@@ -122,26 +126,15 @@ def copies(header: StepHeader, holders: Mapping[str, Collection[str]], domain_of
     writer_of = _writer_of(header)
     if writer_of is None:
         return None
-    grids = _grids(header)
-    fewest: int | None = None
-    checked: set[int] = set()
-    for rec in header.arrays:
-        if rec.kind == "scalar":
-            continue
-        if rec.kind == "numpy":  # every writer wrote it whole
-            n = len({domain_of(h) for hs in holders.values() for h in hs})
-        else:
-            g = _grid_of(rec, header.listed, grids)
-            if g is None:
-                return None
-            if id(g) in checked:
-                continue
-            checked.add(id(g))
-            n = min((len({domain_of(h) for d in devs for h in holders.get(writer_of.get(d), ())})
-                     for devs in g.writers.values()), default=0)
-        fewest = n if fewest is None else min(fewest, n)
-    return fewest or 0
-
+    counts = []
+    if any(rec.kind == "numpy" for rec in header.arrays):  # every writer wrote those whole
+        counts.append(len({domain_of(h) for hs in holders.values() for h in hs}))
+    for g in _saved_grids(header):
+        if g is None:
+            return None
+        counts.extend(len({domain_of(h) for d in devs for h in holders.get(writer_of.get(d), ())})
+                      for devs in g.writers.values())
+    return min(counts, default=0)
 
 def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Collection[str]],
          host_of_device: Callable[[int], str | None], readers: Sequence[str]) -> dict[str, set[str]] | None:
