@@ -239,7 +239,8 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
             "first_build_s": first_build_s,
             "keeper_parse_s": keeper_s, "names_s": names_s, "among_s": among_s, "among_asked": among_asked,
-            "among_bytes": among_bytes, "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
+            "among_bytes": among_bytes,
+            "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
             "plan_s": plan_s, "old_restore_s": old_restore_s, **restore,
             "head_sent": sent1 + sent2, "head_received": recv1,
             "before_sent": sent1 + len(data) * hosts}

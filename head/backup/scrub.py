@@ -134,8 +134,9 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
         if bl:
             work.setdefault(h, {}).update(blobs=bl, sizes={b: sizes[b] for b in bl})
     if ramdisk:
-        for h in hosts if sizes else ():
-            work.setdefault(h, {})["ramdisk"] = sorted(sizes)
+        if sizes:
+            for h in hosts:
+                work.setdefault(h, {})["ramdisk"] = sorted(sizes)
         for w in work.values():
             if "parts" in w:
                 w["ramdisk_parts"] = True
@@ -186,8 +187,8 @@ def scrub_backups(dispatch: Dispatcher, *, backups: int, bytes_per_s: float | No
                          ramdisk_removed={h: r["ramdisk_removed"] for h, r in found.items()
                                           if r.get("ramdisk_removed")})
     log.info("- backup scrub; %d backups, %d blobs, %d bytes in %.3fs; %d bad, %d repaired, %d marked damaged, "
-             "%d marks cleared", len(out), sum(b.checked for b in out), report.bytes, report.seconds, report.bad_blobs,
-             report.repaired_blobs, len(marks), len(cleared))
+             "%d marks cleared", len(out), sum(b.checked for b in out), report.bytes, report.seconds,
+             report.bad_blobs, report.repaired_blobs, len(marks), len(cleared))
     return report
 
 

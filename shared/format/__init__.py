@@ -32,6 +32,7 @@ __all__ = [
     "COMMIT_FORMAT", "FORMAT", "HOST_FORMAT", "HOST_FORMAT_V1", "ArrayRecord", "Box", "CommitRecord", "HostManifest",
     "HostShard", "PartColumns",
     "ShardRecord", "StepBlobNames", "StepHeader", "StepManifest", "box_from_index", "box_intersect", "box_shape", "box_slices", "box_str",
-    "check_step_bytes", "collect_blob_names", "dtype_from_name", "dtype_name", "encode_step", "step_blob_names", "step_blobs_among", "step_digest",
+    "check_step_bytes", "collect_blob_names", "dtype_from_name", "dtype_name", "encode_step", "step_blob_names",
+    "step_blobs_among", "step_digest",
     "step_format",
 ]
