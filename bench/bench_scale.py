@@ -232,6 +232,7 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         del m, data_v1
     restore = restore_side(records, per_host, data, digest)
     restore.update(resize_side(hosts, layers))
+    restore.update(pieces_side(hosts, layers))
     restore.update(regroup_side(hosts, layers))
     restore.update(backup_side(data, parse))
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
@@ -427,6 +428,59 @@ def resize_side(hosts: int, layers: int) -> dict:
     return {"resize_s": spent, "resize_status_s": status_s}
 
 
+def pieces_side(hosts: int, layers: int) -> dict:
+    """The head's side of a restart after a host died whose part no host holds whole, but two hosts hold
+    its blobs between them (a per-blob replication spreads a part; one cut short leaves pieces). Each
+    matrix split over every device (no twin). Every host's inventory parsed (the two report the pieces: a bitmap each over the
+    lost part's blobs), the step chosen by its writers' parts with the pieces (``step_views``), which parts
+    each host reads on the same mesh (``writers.plan``: the replaced node, the lost part from the pieces),
+    and `mtc status`'s copies. Before, the step went to the rows path (column "reading every row")."""
+    slices = max(2, hosts // HOSTS_PER_SLICE)
+    n = hosts * DEVICES_PER_HOST
+    mesh = {"type": "named", "mesh_shape": [slices, n // slices], "axis_names": ["data", "fsdp"],
+            "device_ids": list(range(n))}
+    # A matrix split over every device (rows over a slice's devices, columns over the slices); a norm vector
+    # over a slice's devices, the slices holding twins of it.
+    by_rank = {1: {**mesh, "spec": ["fsdp"]}, 2: {**mesh, "spec": ["fsdp", "data"]}}
+    records = [fmt.ArrayRecord(key=key, kind="jax", dtype=dtype, shape=shape, sharding=by_rank[len(shape)])
+               for key, shape, dtype in state_shapes(layers)]
+    per_part = len(records) * DEVICES_PER_HOST
+    devices = {f"h{h}": tuple(range(h * DEVICES_PER_HOST, (h + 1) * DEVICES_PER_HOST)) for h in range(hosts)}
+    digest = "d" * 64
+    header = fmt.StepHeader(step=1, digest=digest, arrays=tuple(records), tree=None,
+                            parts=tuple((h, "p" * 64) for h in devices), topology={"devices": devices}, fingerprint={})
+    total = hosts * per_part
+    wire = {}
+    for i, h in enumerate(devices):
+        own = f"{i:064x}"
+        row = {"step": 1, "blobs": per_part, "local_blobs": per_part if i else 0, "step_blobs": per_part,
+               "digest": own, "held": protocol.encode_bitmap([bool(i)] * per_part), "manifest": digest,
+               "part": True, "own": own, "copies": []}
+        if i in (1, 2):  # they keep the whole manifest: a bitmap over every blob, and a piece each of h0's part
+            row.update({"part": False, "step_blobs": total, "held": "f" * (total // 4), "copies": [own],
+                        "pieces": [["h0", per_part, protocol.encode_bitmap([k % 2 == i - 1 for k in range(per_part)])]]})
+        wire[h] = json.dumps({"host": h, "damaged": [], "steps": [row]})
+    quiet()
+    t0 = time.process_time()
+    inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
+    view = step_views(inv, None, lambda s, d: header if d == digest else None)[1]
+    assert view.by_writers and view.lost == ("h0",) and list(view.pieces["h0"]) == ["h1", "h2"], view.lost
+    requests = [_Request(r, r.sharding) for r in records]
+    needs = writers.plan(header, requests, view.sources, lambda d: f"h{d // DEVICES_PER_HOST}", list(devices),
+                         pieced=view.pieces)
+    spent = time.process_time() - t0
+    assert needs is not None and needs["h0"] == {"h0"} and not any(needs[h] for h in devices if h != "h0"), needs
+    quiet()
+    t0 = time.process_time()
+    inv = {h: HostInventory.from_wire(h, json.loads(w)) for h, w in wire.items()}
+    view = step_views(inv, None, lambda s, d: header if d == digest else None)[1]
+    fewest = writers.copies(header, view.part_holders, lambda h: h, view.pieces)
+    status_s = time.process_time() - t0
+    assert fewest == 1, fewest
+    return {"pieces_s": spent, "pieces_status_s": status_s,
+            "pieces_received": sum(len(w) for w in wire.values()) / hosts}
+
+
 def regroup_side(hosts: int, layers: int) -> dict:
     """A restore from the backup onto the same hosts grouped in half as many data-parallel slices, twice
     as wide (FSDP within a slice): each device's new box is half of a saved one, so a host reads the part
@@ -581,15 +635,17 @@ def main() -> None:
     print("| hosts | head CPU | head sends | head receives | head sends per host | head receives per host "
           "| `mtc status` (head CPU) | elastic shrink, one data-parallel slice lost (head CPU) "
           "| `mtc status` after it (head CPU) "
+          "| a host lost, its part in pieces on two others (head CPU: restore plan, `mtc status`) "
           "| reading every row instead (a host lost its part; head CPU) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         old = (f"{r['old_restore_s']:.2f} s" if r["old_restore_s"] is not None
                else f"skipped (about {r['keeper_estimate_s']:.0f} s and more)")
         print(f"| {r['hosts']} | {r['restore_s'] * 1e3:,.0f} ms | {_mib(r['restore_sent'])} | "
               f"{_mib(r['restore_received'])} | {_mib(r['restore_sent'] / r['hosts'])} | "
               f"{_mib(r['restore_received'] / r['hosts'])} | {r['status_s'] * 1e3:,.0f} ms | "
-              f"{r['resize_s'] * 1e3:,.0f} ms | {r['resize_status_s'] * 1e3:,.0f} ms | {old} |")
+              f"{r['resize_s'] * 1e3:,.0f} ms | {r['resize_status_s'] * 1e3:,.0f} ms | "
+              f"{r['pieces_s'] * 1e3:,.0f} ms, {r['pieces_status_s'] * 1e3:,.0f} ms | {old} |")
     if len(rows) >= 2:
         a0, a1 = rows[0], rows[-1]
         print(f"\n- restore, {a1['hosts'] / a0['hosts']:.0f}x the hosts: head bytes sent per host "

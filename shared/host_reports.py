@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
-from mtc.shared import requests
+from mtc.shared import protocol, requests
 from mtc.shared.errors import ProtocolError
 
 _SAME_VERSION = "run the same mtc version on the head and every sidecar"
@@ -49,18 +49,24 @@ class StepHolding:
     # The digests of the shares this host holds whole (a host that keeps the whole manifest: its
     # own and the copies it keeps for others; a record host reports none, its counts say).
     copies: tuple[str, ...] = ()
-    # The writers whose parts this host holds whole as peer copies (not its own part, nor a data-parallel
-    # twin's, which is the same share): where a restore finds a lost writer's part without a blob name.
+    # The writers (not this host) whose parts this host holds whole: peer copies, and the parts of its
+    # data-parallel twins (the same share): where a restore finds a lost writer's part without a blob name.
     parts: tuple[str, ...] = ()
+    # (writer, n, bitmap): the writers whose parts this host holds some but not all of, beyond its own share
+    # and the parts it holds whole (a peer copy that a per-blob replication spread over several hosts, or one
+    # cut short): the bitmap (``protocol.encode_bitmap``) over the writer's part's n sorted blob names. The
+    # pieces of a lost writer's part that several hosts hold restore it without a blob row on the head.
+    pieces: tuple[tuple[str, int, str], ...] = ()
 
     _FIELDS = frozenset({"step", "blobs", "local_blobs", "step_blobs", "digest", "held", "manifest", "part", "own",
-                         "copies", "parts"})
+                         "copies", "parts", "pieces"})
 
     def to_wire(self) -> dict:
         return {"step": self.step, "blobs": self.blobs, "local_blobs": self.local_blobs,
                 "step_blobs": self.step_blobs, "digest": self.digest, "held": self.held, "manifest": self.manifest,
                 "part": self.part, "own": self.own, "copies": list(self.copies),
-                **({"parts": list(self.parts)} if self.parts else {})}
+                **({"parts": list(self.parts)} if self.parts else {}),
+                **({"pieces": [list(p) for p in self.pieces]} if self.pieces else {})}
 
     @classmethod
     def from_wire(cls, host: str, s: Any) -> "StepHolding":
@@ -74,8 +80,14 @@ class StepHolding:
                 or not isinstance(s.get("held"), str):
             raise ProtocolError(f"{where} lacks its blob bitmap; {_SAME_VERSION}")
         a = _decode(s, _HoldingAnswer, where, cls._FIELDS)
+        pieces = tuple((w, n, bits) for w, n, bits in a.pieces)
+        for w, n, bits in pieces:
+            try:
+                protocol.decode_bitmap(bits, n)
+            except ProtocolError as e:
+                raise ProtocolError(f"{where}: 'pieces' of writer {w!r:.100}: {e}") from None
         return cls(a.step, a.blobs, a.local_blobs, a.step_blobs, a.digest, a.held, a.manifest, a.part, a.own,
-                   tuple(a.copies), tuple(a.parts))
+                   tuple(a.copies), tuple(a.parts), pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +247,7 @@ class _HoldingAnswer(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     own: str = ""
     copies: list[str] = []
     parts: list[_HostId] = []
+    pieces: list[tuple[_HostId, _Count, str]] = []
 
     WHY: ClassVar[dict[str, str]] = {
         **{k: f"{k!r} must be an integer >= 0" for k in ("step", "blobs", "local_blobs", "step_blobs")},
@@ -243,6 +256,7 @@ class _HoldingAnswer(msgspec.Struct, forbid_unknown_fields=True, gc=False):
         "own": "'own' or 'copies' is not a digest (list)",
         "copies": "'own' or 'copies' is not a digest (list)",
         "parts": "'parts' must list host ids",
+        "pieces": "'pieces' must list [host id, blob count, bitmap]",
     }
 
 

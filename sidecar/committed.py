@@ -28,6 +28,10 @@ from mtc.sidecar.step_index import StepIndex
 
 log = logging.getLogger(__name__)
 
+# The most writers whose pieces one inventory row reports: a lost writer's pieces beyond them leave its
+# step to the rows (exact, slower), and a step of many equal blobs does not make every answer large.
+_MAX_PIECES = 64
+
 
 class CommittedSteps:
     """The committed steps' manifests, records and views, inventory and verify of one host.
@@ -294,9 +298,9 @@ class CommittedSteps:
             # Its share: the part it wrote (mtc/3), else the shards of its devices.
             share = m.part_blobs.get(self.host_id, own)
             mine_digest = protocol.blob_list_digest(sorted(share))
-            copies, parts = self._shares_held(m, have, mine_digest)
+            copies, parts, pieces = self._shares_held(m, have)
             out.append(StepHolding(step=s, blobs=len(own), local_blobs=len(own & have), manifest=m.digest,
-                                   own=mine_digest, copies=tuple(copies), parts=tuple(parts),
+                                   own=mine_digest, copies=tuple(copies), parts=tuple(parts), pieces=tuple(pieces),
                                    **held_bits(m.blob_names(), have)))
         # A step file that is no longer JSON hides its step; this host committed it, so it is
         # damaged, not gone: the head gives the manifest the others agree on back.
@@ -306,15 +310,28 @@ class CommittedSteps:
                              pull_failures=pull_notes(self.store),
                              ramdisk=(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)).to_wire()
 
-    def _shares_held(self, m: fmt.StepManifest, have: set[str], own: str) -> tuple[list[str], list[str]]:
+    def _shares_held(self, m: fmt.StepManifest, have: set[str]
+                     ) -> tuple[list[str], list[str], list[tuple[str, int, str]]]:
         """(the digests of the shares (hosts' parts) of ``m`` that this host holds whole, its own and
         the copies it keeps for others, as the head's replication counts them (``covered_by_shares``);
-        the writers of those whose share is not its own: the parts it holds as peer copies, which a
-        restore reads from the header alone)."""
+        the other writers whose parts it holds whole: peer copies and its data-parallel twins' parts,
+        which a restore reads from the header alone; the pieces it holds of other writers' parts,
+        ``StepHolding.pieces``)."""
         digests = self.index.share_digests_of(
             m.step, m.digest, lambda: {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()})
-        held = {h: d for h, d in digests.items() if m.part_blobs[h] <= have}
-        return sorted(set(held.values())), sorted(h for h, d in held.items() if d != own and h != self.host_id)
+        held, pieces = {}, []
+        for h, blobs in m.part_blobs.items():
+            got = blobs & have
+            if len(got) == len(blobs):
+                held[h] = digests[h]
+            elif got and h != self.host_id:
+                pieces.append((h, blobs, got))
+        if pieces:  # beyond what its own share and the parts it holds whole explain (blobs of equal bytes)
+            known = set(m.part_blobs.get(self.host_id, ())).union(*(m.part_blobs[h] for h in held))
+            pieces = [(h, len(blobs), protocol.encode_bitmap([b in got for b in sorted(blobs)]))
+                      for h, blobs, got in pieces if not got <= known][:_MAX_PIECES]
+        return (sorted(set(held.values())), sorted(h for h in held if h != self.host_id),
+                sorted(pieces))
 
     def verify(self, step: int) -> dict:
         """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}.

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 from collections import Counter
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Sequence
 
 from mtc.head.dispatch.interface import HostInventory, StepHolding
 from mtc.shared import collector
@@ -174,6 +174,16 @@ class StepView:
     keepers: tuple[str, ...] = ()  # by parts / writers: hosts that keep the whole manifest (the others a record)
     # By parts / writers: writer -> the hosts that hold its part whole (itself; the keepers of peer copies).
     part_holders: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # By writers: a lost writer whose part no host holds whole but whose every blob some host holds (the
+    # pieces their inventories report) -> host -> its bitmap over the part's sorted blob names, most held
+    # first. Those hosts are the sources of the part's blobs; none of them holds the part.
+    pieces: Mapping[str, Mapping[str, Sequence[bool]]] = dataclasses.field(default_factory=dict, compare=False,
+                                                                          repr=False)
+
+    @property
+    def sources(self) -> dict[str, tuple[str, ...]]:
+        """writer -> the hosts to pull its part from: those that hold it whole, then those that hold pieces."""
+        return {**self.part_holders, **{w: tuple(hs) for w, hs in self.pieces.items()}}
 
     @property
     def by_parts(self) -> bool:
@@ -253,6 +263,22 @@ def _part_holders(agreeing: Mapping[str, StepHolding], whole: set[str]) -> dict[
     return {w: tuple(sorted(hs)) for w, hs in out.items()}
 
 
+def _pieced(agreeing: Mapping[str, StepHolding], holders: Mapping[str, Collection[str]]
+            ) -> dict[str, dict[str, list[bool]]]:
+    """writer -> host -> its bitmap, for the writers no host holds whole whose every blob some host holds,
+    as the pieces of the hosts' inventory rows say (``StepHolding.pieces``); most held first."""
+    got: dict[str, dict[str, list[bool]]] = {}
+    for h, s in agreeing.items():
+        for w, n, bits in s.pieces:
+            if not holders.get(w):
+                got.setdefault(w, {})[h] = protocol.decode_bitmap(bits, n)
+    out = {}
+    for w, by_host in got.items():
+        if len({len(b) for b in by_host.values()}) == 1 and all(map(any, zip(*by_host.values()))):
+            out[w] = dict(sorted(by_host.items(), key=lambda kv: (-sum(kv[1]), kv[0])))
+    return out
+
+
 def holds_own_part(s: StepHolding) -> bool:
     """Whether a host holds the whole of the part it wrote of a step, as its inventory row says."""
     return s.local_blobs == s.blobs if s.part else (bool(s.own) and s.own in s.copies)
@@ -300,12 +326,17 @@ def step_views(inventories: Mapping[str, HostInventory],
                 continue
             # Some writer lost its part: restorable from the parts alone where every box it wrote is in a
             # part some host holds whole (a data-parallel twin's, or a peer copy of its own).
+            # Or the pieces of a lost writer's part that several hosts hold (a per-blob replication's copies).
             head = header(step, manifest) if holders else None
-            if head is not None and head.parts and writers.cover(head, holders):
+            if head is None or not head.parts:
+                continue
+            covered = writers.cover(head, holders)
+            pieces = {} if covered else _pieced(agreeing, holders)
+            if covered or pieces and writers.cover(head, {**holders, **pieces}):
                 out[step] = StepView(step, "", None, tuple(sorted(agreeing)), tuple(sorted(mine)), manifest,
                                      resolve=full, part_blobs=sum(agreeing[h].blobs for h in mine),
                                      lost=tuple(sorted({p for p, _ in head.parts} - mine)), keepers=keepers,
-                                     part_holders=holders)
+                                     part_holders=holders, pieces=pieces)
         if out:
             rest = step_views({h: _without_steps(inv, set(out)) for h, inv in inventories.items()}, resolve)
             return dict(sorted({**rest, **out}.items()))

@@ -544,8 +544,8 @@ class Restorer:
         if new and not view.keepers:
             return None
 
-        holders = view.part_holders
-        needs = writers.plan(header, requests, holders, self._host_of, readers)
+        holders = view.sources
+        needs = writers.plan(header, requests, holders, self._host_of, readers, pieced=view.pieces)
         if needs is None:
             return None
         for h in new:  # it holds nothing: even one that reads no box pulls a part, so that it adopts the step
@@ -591,8 +591,10 @@ class Restorer:
         half of a restore by the writers' parts, and the start-up pull's. Counted in ``pulled`` (with the
         copies found bad, which their holders removed); False when a part could not be brought (the
         caller plans by the rows)."""
-        # Each part from its writer first, else from a host that keeps a peer copy of it.
-        shares = {h: [(w, sorted(view.part_holders[w], key=lambda x, w=w: (x != w, x))) for w in sorted(ws)]
+        # Each part from its writer first, else from a host that keeps a peer copy of it, else blob by blob
+        # from the hosts that hold its pieces (each blob asked of them in turn, most held first).
+        sources = view.sources
+        shares = {h: [(w, [x for x in sorted(sources[w], key=lambda x, w=w: x != w) if x != h]) for w in sorted(ws)]
                   for h, ws in needs.items() if ws}
         if shares:
             lacking = set(needs) - set(view.hosts)  # they adopt the step from a keeper once their parts arrived

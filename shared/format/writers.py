@@ -117,40 +117,56 @@ def cover(header: StepHeader, holders: Mapping[str, Collection[str]]) -> bool:
                for g in _saved_grids(header))
 
 
-def copies(header: StepHeader, holders: Mapping[str, Collection[str]], domain_of: Callable[[str], Any]) -> int | None:
+def copies(header: StepHeader, holders: Mapping[str, Collection[str]], domain_of: Callable[[str], Any],
+           pieces: Mapping[str, Mapping[str, Sequence[bool]]] | None = None) -> int | None:
     """The fewest failure domains (``domain_of(host)``: its slice) on which some saved box of the step is in
     a part held whole: of the box's writers (data-parallel twins wrote the same box), each counts the hosts
     that hold its part whole (``holders``: itself, the keepers of peer copies). What ``mtc status`` shows
     as a step's copies where a writer lost its part, from the header: O(distinct (sharding, shape) x
-    devices). None where the header cannot say (as ``cover``)."""
+    devices). None where the header cannot say (as ``cover``). A writer whose part is held in ``pieces``
+    (host -> its bitmap over the part's blobs) counts, for each of its boxes, the fewest domains on which
+    any blob of the part is held (a lower bound: the bitmaps do not say which blob is which box)."""
     writer_of = _writer_of(header)
     if writer_of is None:
         return None
+    floor = {}
+    for w, by_host in (pieces or {}).items():
+        domains: dict[Any, list[bool]] = {}
+        for h, bits in by_host.items():
+            d = domains.setdefault(domain_of(h), [False] * len(bits))
+            domains[domain_of(h)] = [a or b for a, b in zip(d, bits)]
+        floor[w] = min((sum(col) for col in zip(*domains.values())), default=0)
     counts = []
     if any(rec.kind == "numpy" for rec in header.arrays):  # every writer wrote those whole
         counts.append(len({domain_of(h) for hs in holders.values() for h in hs}))
     for g in _saved_grids(header):
         if g is None:
             return None
-        counts.extend(len({domain_of(h) for d in devs for h in holders.get(writer_of.get(d), ())})
+        counts.extend(max(len({domain_of(h) for d in devs for h in holders.get(writer_of.get(d), ())}),
+                          max((floor.get(writer_of.get(d), 0) for d in devs), default=0))
                       for devs in g.writers.values())
     return min(counts, default=0)
 
+
 def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Collection[str]],
-         host_of_device: Callable[[int], str | None], readers: Sequence[str]) -> dict[str, set[str]] | None:
+         host_of_device: Callable[[int], str | None], readers: Sequence[str],
+         pieced: Collection[str] = ()) -> dict[str, set[str]] | None:
     """reading host -> the writers whose parts it needs and does not hold (empty: the parts it holds have
     all it reads), for ``requests`` (``LoadRequest``s planned from the header); None where the header
     cannot say (the restore reads the rows). ``holders``: writer -> the hosts that hold its part whole
     (itself, or a peer copy's keeper), from the inventories. ``readers`` are the hosts that load host
-    numpy leaves (every host); one that holds no part whole reads them from another writer's."""
+    numpy leaves (every host); one that holds no part whole reads them from another writer's. The holders
+    of the ``pieced`` writers hold pieces of their parts (``StepView.pieces``): the blobs are there, so the
+    boxes count as held, but each host that reads one pulls the part."""
     writer_of = _writer_of(header)
-    available = sorted(w for w, hs in holders.items() if hs)
+    available = sorted((w for w, hs in holders.items() if hs), key=lambda w: (w in pieced, w))
     if writer_of is None or not available:
         return None
     held_by: dict[str, set[str]] = {}  # host -> the writers whose parts it holds whole
     for w, hs in holders.items():
-        for h in hs:
-            held_by.setdefault(h, set()).add(w)
+        if w not in pieced:
+            for h in hs:
+                held_by.setdefault(h, set()).add(w)
     needs: dict[str, set[str]] = {h: set() for h in readers}
     grids = _grids(header)
     # Per (grid, chunk): the writers of that chunk whose parts some host holds, as a set, and the one a

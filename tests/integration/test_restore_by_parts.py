@@ -403,3 +403,76 @@ def test_a_backup_restore_downloads_only_the_blobs_each_host_loads(local_cluster
             assert rep.bytes_by_tier["backup"] == loaded, (what, rep.bytes_by_tier, loaded)
             whole_parts = sum(saved.blob_sizes()[b] for h in hosts for b in saved.part_blob_names(h))
             assert loaded < whole_parts, (what, loaded, whole_parts)
+
+
+def fsdp_state(seed: int) -> dict:
+    """Every array split over all 8 devices: no data-parallel twin, each box on one host only."""
+    rng = np.random.default_rng(seed)
+    m = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    fsdp = NamedSharding(m, P(("data", "model")))
+    return {"a": jax.device_put(random_array(rng, (64, 8), np.float32), fsdp),
+            "b": jax.device_put(random_array(rng, (32, 6), ml_dtypes.bfloat16), fsdp),
+            "c": jax.device_put(random_array(rng, (16,), np.int32), fsdp),
+            "rng": random_array(rng, (4,), np.uint32), "step": seed}
+
+
+def test_a_lost_part_held_in_pieces_by_two_hosts_restores_without_a_row(local_cluster, rows_parsed, capsys,
+                                                                        monkeypatch):
+    """A host dies whose part no host holds whole, but two hosts hold its blobs between them (a per-blob
+    replication spreads a part over several hosts; one cut short leaves pieces): their inventories report
+    the pieces, and the head finds the part whole from them without a blob row. The hosts that read its
+    boxes pull them blob by blob from the pieces' holders; the restore is bit for bit, and status shows the
+    step restorable, naming the holders of the pieces."""
+    import json
+
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
+    from mtc.head.tools.cli.main import main
+
+    state = fsdp_state(7)
+    cfg = MTCConfig(local_checkpoint_directory=str(local_cluster.root), cluster_spec=str(local_cluster.spec_path),
+                    local_checkpoint_period=1, replication_factor=1)
+    d = ClusterDispatcher(cfg)
+    lost = "s0-h1"
+    with CheckpointManager(cfg, dispatcher=d) as m:
+        m.save(7, state)
+        m.wait_until_finished()
+        whole = m.manifest(7)
+        sizes = whole.blob_sizes()
+        everyone = set.intersection(*(set(whole.part_blobs[h]) for h in whole.part_blobs))  # the host numpy leaf
+        theirs = sorted(set(whole.part_blobs[lost]) - everyone)
+        assert len(theirs) >= 4, theirs
+        halves = {"s1-h0": theirs[::2], "s1-h1": theirs[1::2]}
+        got = d.peer_pull(7, {h: [(b, sizes[b], [lost]) for b in bs] for h, bs in halves.items()})
+        assert all(not r.error and not r.failed and r.pulled == len(halves[h]) for h, r in got.items()), got
+    local_cluster.wipe(lost)
+    local_cluster.restart(lost)
+    # The rows path reads the whole manifest (its parts by columns) where a host committed a record, and every
+    # host's bitmap over the step's blob names: both counted.
+    from mtc.head.replication import plan as replication_plan
+
+    whole_reads = [0]
+    real_read, real_bits = fmt.StepManifest.from_json.__func__, replication_plan.protocol.decode_bitmap
+
+    def whole_read(cls, data, **kw):
+        whole_reads[0] += 1
+        return real_read(cls, data, **kw)
+
+    def bitmap(held, n):
+        whole_reads[0] += n == len(sizes)
+        return real_bits(held, n)
+
+    monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+    monkeypatch.setattr(replication_plan.protocol, "decode_bitmap", bitmap)
+    rows_parsed[0] = 0
+    assert main(["status", "--cluster-spec", str(local_cluster.spec_path), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert rows_parsed[0] == 0 and whole_reads[0] == 0, f"status read {whole_reads[0]} manifests, bitmaps"
+    assert [(r["step"], r["restorable"], r["min_copies"]) for r in st["steps"]] == [(7, True, 1)], st["steps"]
+    assert "s0-h1's blobs are held in pieces by s1-h0, s1-h1" in st["steps"][0]["why_not"], st["steps"]
+    with manager(local_cluster, replication_factor=1, prefetch_on_start=False) as m:
+        assert m.latest_step() == 7
+        assert_trees_bitwise_equal(state, m.restore(7))
+        rep = m.last_restore_report
+        assert rep.bytes_by_tier["peer"] == sum(sizes[b] for b in whole.part_blobs[lost]), rep  # into the new node
+        assert rows_parsed[0] == 0 and whole_reads[0] == 0, \
+            f"the head read {whole_reads[0]} whole manifests, bitmaps to restore a part held in pieces"

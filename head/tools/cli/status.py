@@ -129,15 +129,17 @@ def collect(dispatch: Any, spec: dict, config: MTCConfig, *, verify: bool = Fals
         # where every part is whole; where a writer's part is gone, each box where its twins' parts and the
         # peer copies are (None: the header cannot say, and the rows do).
         fewest = (writers.copies(headers[v.manifest], v.part_holders,
-                                 (lambda h: slice_of.get(h, 0)) if n_slices > 1 else (lambda h: h))
+                                 (lambda h: slice_of.get(h, 0)) if n_slices > 1 else (lambda h: h), v.pieces)
                   if v.by_writers and v.lost and not verify else None)
         if v.by_parts and not verify or fewest is not None:
             copies = [fewest] if fewest is not None else copies_by_share(inv, step, v.manifest,
                                                                          headers[v.manifest], slice_of)
             restorable = not unreachable or bool(backups)
             replicated = bool(copies) and min(copies) >= factor
+            pieced = "; ".join(f"{w}'s blobs are held in pieces by {', '.join(hs)}" for w, hs in v.pieces.items())
             lost = (f"hosts {', '.join(v.lost)} no longer hold their parts; every box they wrote is in a part "
-                    "another host holds whole" if v.lost else "")
+                    "another host holds whole" + (f", or in pieces ({pieced})" if pieced else "")
+                    if v.lost else "")
             rows.append(StepRow(step, sorted(v.hosts), sorted(v.whole), min(copies) if copies else 0, replicated,
                                 backups, restorable, lost, "" if replicated else _pull_failures(inv, step)))
             continue
