@@ -165,3 +165,32 @@ def test_a_steps_copies_count_each_box_where_its_twins_and_the_peer_copies_are()
     assert writers.copies(split, {**copies, "s1-h0": ("s0-h0",)}, slice_of) == 1  # s1-h0 gone, its copy left
     assert writers.copies(split, {**copies, "s1-h0": ()}, slice_of) == 0
     assert writers.copies(header(("w", (64, 8), SPLIT), devices=None), copies, slice_of) is None
+
+
+def test_a_part_held_in_pieces_is_pulled_by_its_readers_and_counts_its_fewest_domains():
+    """FSDP over both slices, s1-h0 gone: no host holds its part whole, s0-h0 and s0-h1 hold a piece each
+    (``StepView.pieces``). Its boxes count as held (``cover``), but neither holder reads them from its own
+    ramdisk: the reader of s1-h0's boxes pulls the part, and a holder of a piece is no holder of it."""
+    split = header(("w", (64, 8), SPLIT))
+    left = whole("s0-h0", "s0-h1", "s1-h1")
+    pieces = {"s1-h0": {"s0-h0": [True, False, True], "s0-h1": [False, True, True]}}
+    assert not writers.cover(split, left) and writers.cover(split, {**left, **pieces})
+    # The saving mesh, with a new node in s1-h0's place: it pulls its own part from the pieces.
+    needs = writers.plan(split, requests(split, SPLIT), {**left, **pieces}, host_of, sorted(DEVICES),
+                         pieced=pieces)
+    assert needs == {"s0-h0": set(), "s0-h1": set(), "s1-h0": {"s1-h0"}, "s1-h1": set()}
+    # A smaller mesh on slice 0: s0-h1 reads rows 32-64 (devices 4-7): it holds a piece of s1-h0's part, not
+    # the part, so it pulls it (and s1-h1's, which s1-h1 holds).
+    small = mesh((4,), ("x",), range(4), ["x"])
+    needs = writers.plan(split, requests(split, small), {**left, **pieces}, host_of, ["s0-h0", "s0-h1"],
+                         pieced=pieces)
+    assert needs == {"s0-h0": {"s0-h1"}, "s0-h1": {"s1-h0", "s1-h1"}}, needs
+
+    def slice_of(h):
+        return int(h[1])
+
+    # Every other part on both slices; s1-h0's blobs: the third on both, the first two on slice 0 only.
+    two = {"s0-h0": ("s0-h0", "s1-h1"), "s0-h1": ("s0-h1", "s1-h1"), "s1-h1": ("s1-h1", "s0-h0")}
+    assert writers.copies(split, two, slice_of) == 0  # without the pieces: s1-h0's boxes nowhere
+    assert writers.copies(split, two, slice_of, {"s1-h0": {**pieces["s1-h0"], "s1-h1": [False, False, True]}}) == 1
+    assert writers.copies(split, two, slice_of, {"s1-h0": {"s0-h0": [True, True, True], "s1-h1": [True] * 3}}) == 2

@@ -23,7 +23,7 @@ def test_an_inventory_round_trips_through_json():
     a, b = blob_name(b"a"), blob_name(b"b")
     inv = HostInventory("h1", (
         StepHolding(3, 2, 1, 4, "d" * 64, "c0", manifest="m" * 64, own="o" * 64, copies=("o" * 64, "p" * 64),
-                    parts=("s1-h0",)),
+                    parts=("s1-h0",), pieces=(("s0-h1", 5, "a0"),)),
         StepHolding(4, 2, 2, 2, "e" * 64, "c0", manifest="n" * 64, part=True, own=a + b)),
         damaged=(2,), pull_failures=((4, "ramdisk full", 2.5),), ramdisk=(10, 100))
     assert HostInventory.from_wire("h1", _wire(inv)) == inv
@@ -77,6 +77,10 @@ def test_a_sidecar_answers_what_the_head_parses(ramdisk):
      r"step 1: unknown fields \['x'\]"),
     ({"steps": [{"step": 1, "blobs": 1, "local_blobs": 0, "step_blobs": 1, "digest": "", "held": "", "parts": [3]}]},
      "step 1: 'parts' must list host ids"),
+    ({"steps": [{"step": 1, "blobs": 1, "local_blobs": 0, "step_blobs": 1, "digest": "", "held": "",
+                 "pieces": [["s0-h1", 5]]}]}, "step 1: 'pieces' must list"),
+    ({"steps": [{"step": 1, "blobs": 1, "local_blobs": 0, "step_blobs": 1, "digest": "", "held": "",
+                 "pieces": [["s0-h1", 5, "f"]]}]}, "step 1: 'pieces' of writer 's0-h1': bitmap 'f' is not 2"),
 ])
 def test_a_malformed_inventory_names_the_host_and_the_field(doc, field):
     with pytest.raises(ProtocolError, match=f"host h1: .*{field}"):

@@ -235,3 +235,38 @@ def test_an_inventory_says_which_pulls_of_a_step_failed_and_garbage_is_refused()
     for bad in ({}, [{"step": "3", "error": "x", "age_s": 1}], [{"step": 3, "age_s": 1}], [[3, "x", 1]]):
         with pytest.raises(ProtocolError, match="host a: inventory 'pull_failures'"):
             HostInventory.from_wire("a", {"steps": [], "pull_failures": bad})
+
+
+def test_a_lost_writers_part_in_pieces_makes_a_view_by_writers_only_when_the_pieces_cover_it():
+    """The inventories' pieces of a lost writer's part (each a bitmap over the part's sorted blob names):
+    ORed, they cover it, and the step is viewed by its writers from the header; a blob no piece holds
+    leaves the step to its rows. Hosts that agree on another manifest do not count."""
+    from mtc.shared import format as fmt
+
+    sharding = {"type": "named", "mesh_shape": [4], "axis_names": ["x"], "device_ids": [0, 1, 2, 3], "spec": ["x"]}
+    header = fmt.StepHeader(step=1, digest="m" * 64, arrays=(fmt.ArrayRecord(
+        key="w", kind="jax", dtype="float32", shape=(8,), sharding=sharding),), tree=None,
+        parts=tuple((h, "p") for h in ("h0", "h1", "h2", "h3")),
+        topology={"devices": {"h0": [0], "h1": [1], "h2": [2], "h3": [3]}}, fingerprint={})
+
+    def row(host: str, pieces=(), manifest="m" * 64) -> dict:
+        own = f"{int(host[1:]):064x}"
+        return {"step": 1, "blobs": 3, "local_blobs": 3, "step_blobs": 12, "digest": "d" * 64, "held": "fff",
+                "manifest": manifest, "own": own, "copies": [own], "pieces": [list(p) for p in pieces]}
+
+    def views(rows: dict) -> dict:
+        inv = {h: HostInventory.from_wire(h, {"host": h, "steps": [r]}) for h, r in rows.items()}
+        return step_views(inv, None, lambda s, d: header if d == "m" * 64 else None)
+
+    a, b = protocol.encode_bitmap([True, False, True]), protocol.encode_bitmap([False, True, False])
+    v = views({"h1": row("h1", [("h0", 3, a)]), "h2": row("h2", [("h0", 3, b)]), "h3": row("h3")})[1]
+    assert v.by_writers and v.lost == ("h0",) and v.restorable
+    assert {w: list(hs) for w, hs in v.pieces.items()} == {"h0": ["h1", "h2"]}  # most held first
+    assert v.sources["h0"] == ("h1", "h2") and "h0" not in v.part_holders
+    # The middle blob is held by no piece: the rows decide (here every host's bitmap says who holds what).
+    v = views({"h1": row("h1", [("h0", 3, a)]), "h2": row("h2"), "h3": row("h3")})[1]
+    assert not v.by_writers and not v.pieces
+    # A host of another manifest holds nothing of this one.
+    v = views({"h1": row("h1", [("h0", 3, a)]), "h2": row("h2", [("h0", 3, b)], manifest="x" * 64),
+               "h3": row("h3")})[1]
+    assert v.manifest == "m" * 64 and not v.by_writers and not v.pieces
