@@ -425,7 +425,25 @@ def resize_side(hosts: int, layers: int) -> dict:
     fewest = writers.copies(header, view.part_holders, lambda h: int(h[1:]) // per_slice)
     status_s = time.process_time() - t0
     assert fewest == slices - 1, (fewest, slices)
-    return {"resize_s": spent, "resize_status_s": status_s}
+    # Replication of the step when one saving host died after the commit (every other host answers): its
+    # share is its twins' (the header's ``writers.twins``), on the other slices; no manifest read.
+    rows = {}
+    for i, h in enumerate(devices):
+        own = f"{i % per_slice:064x}"
+        rows[h] = json.dumps({"host": h, "damaged": [], "steps": [
+            {"step": 1, "blobs": 300, "local_blobs": 300, "step_blobs": 300, "digest": own,
+             "held": protocol.encode_bitmap([True] * 300), "manifest": digest, "part": True, "own": own,
+             "copies": []}]})
+    topology = {h: i // per_slice for i, h in enumerate(devices)}
+    quiet()
+    t0 = time.process_time()
+    inv = {h: (HostInventory.unreachable(h, "down") if h == "h1" else HostInventory.from_wire(h, json.loads(w)))
+           for h, w in rows.items()}
+    twins = writers.twins(header)
+    covered = covered_by_shares(inv, 1, digest, list(devices), ReplicationStrategy(2), topology, twins)
+    down_s = time.process_time() - t0
+    assert covered == (slices > 2), covered
+    return {"resize_s": spent, "resize_status_s": status_s, "replication_down_s": down_s}
 
 
 def pieces_side(hosts: int, layers: int) -> dict:
@@ -617,9 +635,11 @@ def main() -> None:
     print("| hosts | shard rows | manifest | head CPU per save | the first save in the process | head sends "
           "| head receives | head sends per host "
           "| head receives per host | a host: its part | replication decision, data-parallel slices (head CPU) "
-          "| replication plan, no twins (head CPU) | reading the whole manifest (a restore) "
+          "| replication plan, no twins (head CPU) "
+          "| replication decision, a saving host down, data-parallel slices (head CPU) "
+          "| reading the whole manifest (a restore) "
           "| its blob names alone (`status --verify`) | the same with row parts (mtc-host/1): size, read |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         head = r["head_check_s"] + r["head_build_s"] + r["head_phase2_s"]
         first = head - r["head_build_s"] + r["first_build_s"]
@@ -630,7 +650,8 @@ def main() -> None:
         print(f"| {r['hosts']} | {r['shards']:,} | {_mib(r['manifest_bytes'])} | {head * 1e3:,.0f} ms | "
               f"{first * 1e3:,.0f} ms | {_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
               f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | "
-              f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | {keeper} | {names} | {rows_v1} |")
+              f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | "
+              f"{r['replication_down_s'] * 1e3:,.0f} ms | {keeper} | {names} | {rows_v1} |")
     print("\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")
     print("| hosts | head CPU | head sends | head receives | head sends per host | head receives per host "
           "| `mtc status` (head CPU) | elastic shrink, one data-parallel slice lost (head CPU) "

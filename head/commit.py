@@ -52,7 +52,8 @@ class CommittedStep:
     """
 
     def __init__(self, step: int, data: bytes | None = None, *, digest: str = "", hosts: tuple[str, ...] = (),
-                 manifest: fmt.StepManifest | None = None, fetch: Callable[[], fmt.StepManifest] | None = None):
+                 manifest: fmt.StepManifest | None = None, fetch: Callable[[], fmt.StepManifest] | None = None,
+                 header: fmt.StepHeader | None = None):
         if sum(x is not None for x in (data, manifest, fetch)) != 1:
             raise ValueError("CommittedStep needs exactly one of the manifest's bytes, the manifest and a way to "
                              "fetch it")
@@ -62,6 +63,7 @@ class CommittedStep:
         self._data = data
         self._manifest = manifest
         self._fetch = fetch  # a step restored by its writers' parts: the head has not read its manifest
+        self._header = header
         self._lock = threading.Lock()
 
     @classmethod
@@ -69,9 +71,26 @@ class CommittedStep:
         return cls(manifest.step, manifest=manifest)
 
     @property
+    def header(self) -> fmt.StepHeader | None:
+        """The manifest's header line (arrays, shardings, who wrote which devices), read alone; None where
+        it is not at hand (a step given by its manifest, or written by an older version)."""
+        with self._lock:
+            self._read_header()
+            return self._header
+
+    def _read_header(self) -> None:
+        if self._header is None and self._data is not None:
+            try:
+                self._header = fmt.StepHeader.from_line(self._data.partition(b"\n")[0],
+                                                        source=f"step {self.step} manifest header")
+            except Exception:  # an older format, or bytes that do not read: the manifest's reader says why
+                pass
+
+    @property
     def manifest(self) -> fmt.StepManifest:
         with self._lock:
             if self._manifest is None:
+                self._read_header()  # (its bytes are dropped once read)
                 self._manifest = (self._fetch() if self._data is None else
                                   fmt.StepManifest.from_json(self._data, source=f"step {self.step} manifest"))
                 self._data = None

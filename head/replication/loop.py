@@ -22,6 +22,7 @@ from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, pl
 from mtc.head.reports import ReplicationReport
 from mtc.head.commit import CommittedStep
 from mtc.shared import format as fmt
+from mtc.shared.format import writers
 from mtc.shared.config import MTCConfig
 from mtc.shared.errors import StepNotFoundError
 from mtc.shared.objstore.retry import Backoff
@@ -204,13 +205,14 @@ class Replicator:
         step, digest, hosts = committed.step, committed.digest, committed.hosts
         inv = self._inventories()
         topology = self.topology()
-        if covered_by_shares(inv, step, digest, hosts, self._strategy, topology):
+        twins = self._twins(committed, inv)
+        if covered_by_shares(inv, step, digest, hosts, self._strategy, topology, twins):
             return True, True
         down = {h for h, i in inv.items() if i.error}
         short.update({h: f"could not be asked ({inv[h].error})" for h in down})
         targets = {h for h, i in inv.items() if not i.error
                    and any(s.step == step and s.manifest == digest for s in i.steps)}
-        plan = plan_shares(inv, step, digest, hosts, self._strategy, topology, targets=targets)
+        plan = plan_shares(inv, step, digest, hosts, self._strategy, topology, targets=targets, twins=twins)
         if not plan:
             return None
         if first:
@@ -237,11 +239,23 @@ class Replicator:
             return None
         if repaired:  # holders dropped corrupt copies: they hold less than the inventory said; look again
             return False, False
-        if covered_by_shares(self._inventories(), step, digest, hosts, self._strategy, topology):
+        if covered_by_shares(self._inventories(), step, digest, hosts, self._strategy, topology, twins):
             return True, True
         if failed or down:
             return False, False
         return None  # the shares' copies were made and still not enough: the per-blob plan decides
+
+    @staticmethod
+    def _twins(committed: CommittedStep, inv: dict) -> dict[str, tuple[str, ...]] | None:
+        """writer -> the writers that wrote exactly its boxes, from the header (``fmt.writers.twins``), where
+        a saving host did not answer for the step: its share is then told by its twins' (or by the hosts
+        that keep its part), not by the manifest's rows. None while every saving host answers."""
+        answered = {h for h, i in inv.items() if not i.error
+                    and any(s.step == committed.step and s.manifest == committed.digest for s in i.steps)}
+        if all(h in answered for h in committed.hosts):
+            return None
+        header = committed.header
+        return writers.twins(header) if header is not None and header.digest == committed.digest else None
 
     def _inventories(self) -> dict:
         inv = self._dispatch.peer_inventories()

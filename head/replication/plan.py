@@ -407,15 +407,22 @@ def step_views(inventories: Mapping[str, HostInventory],
     return out
 
 
-def _shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Sequence[str]
-            ) -> tuple[dict[str, str], dict[str, set[str]]] | None:
+def _shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Sequence[str],
+            twins: Mapping[str, Sequence[str]] | None = None) -> tuple[dict[str, str], dict[str, set[str]]] | None:
     """(host -> its share's digest, share digest -> hosts that hold that share whole), for the
     saving ``hosts``; None when some saving host does not report its share under ``manifest``.
     A share is held whole by a host that committed a record of it and holds all of it, and by a
     host that lists it among the shares it holds whole (``StepHolding.copies``: a host that keeps
-    the whole manifest lists its own share and the copies it keeps for others)."""
+    the whole manifest lists its own share and the copies it keeps for others).
+
+    A saving host that did not answer (down, or its ramdisk lost) is told apart by the header when
+    ``twins`` says which writers wrote exactly its boxes (``fmt.writers.twins``): its share is theirs.
+    Without an answering twin its part is a share of its own, held whole by the hosts that list it
+    among the parts they hold (``StepHolding.parts``: the keepers of its peer copies); a part that no
+    host lists leaves the shares unable to tell (None)."""
     share: dict[str, str] = {}
     whole: dict[str, set[str]] = {}
+    listed: dict[str, set[str]] = {}  # writer -> the hosts that list its part among those they hold whole
     for host, inv in inventories.items():
         if inv.error:
             continue
@@ -426,13 +433,27 @@ def _shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, 
                     whole.setdefault(s.own, set()).add(host)
                 for d in s.copies:
                     whole.setdefault(d, set()).add(host)
-    if not hosts or any(h not in share for h in hosts):
+                for w in s.parts:
+                    listed.setdefault(w, set()).add(host)
+    if not hosts:
         return None
+    for h in hosts:
+        if h in share:
+            continue
+        twin = next((t for t in (twins or {}).get(h, ()) if t in share), None)
+        if twin is not None:
+            share[h] = share[twin]
+        elif twins is not None and listed.get(h):
+            share[h] = f"part of {h}"
+            whole[share[h]] = listed[h]
+        else:
+            return None
     return share, whole
 
 
 def covered_by_shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Iterable[str],
-                      strategy: ReplicationStrategy, topology: Mapping[str, int]) -> bool:
+                      strategy: ReplicationStrategy, topology: Mapping[str, int],
+                      twins: Mapping[str, Sequence[str]] | None = None) -> bool:
     """Whether every blob of ``step`` has its copies already, as the hosts' shares say.
 
     Needs no step manifest (its reading grows with the shards; this grows with the hosts): the
@@ -441,11 +462,12 @@ def covered_by_shares(inventories: Mapping[str, HostInventory], step: int, manif
     data-parallel twins) and holds it whole, and on every host that keeps a copy of it
     (``StepHolding.copies``). True when each share is so on ``strategy.factor`` failure
     domains, as in a multi-slice data-parallel job right after a save. False when that is not
-    so or cannot be told (a saving host unreachable, or reporting the step under another
+    so or cannot be told (a saving host unreachable whose share ``twins`` (``fmt.writers.twins``, from
+    the header) and the hosts' lists of parts cannot tell, or reporting the step under another
     manifest ``digest``, or from an older sidecar).
     """
     hosts = list(hosts)
-    got = _shares(inventories, step, manifest, hosts)
+    got = _shares(inventories, step, manifest, hosts, twins)
     if got is None:
         return False
     share, whole = got
@@ -454,8 +476,8 @@ def covered_by_shares(inventories: Mapping[str, HostInventory], step: int, manif
 
 
 def plan_shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, hosts: Sequence[str],
-                strategy: ReplicationStrategy, topology: Mapping[str, int], *, targets: Iterable[str]
-                ) -> dict[str, list[tuple[str, list[str]]]] | None:
+                strategy: ReplicationStrategy, topology: Mapping[str, int], *, targets: Iterable[str],
+                twins: Mapping[str, Sequence[str]] | None = None) -> dict[str, list[tuple[str, list[str]]]] | None:
     """The copies to make, share by share: dst -> [(owner host, holders to pull from)].
 
     O(hosts): a share is named by one host that saved it (its owner), and the receiving host
@@ -467,7 +489,7 @@ def plan_shares(inventories: Mapping[str, HostInventory], step: int, manifest: s
     finds them). None when the shares cannot be told (see ``covered_by_shares``): then the
     caller plans per blob.
     """
-    got = _shares(inventories, step, manifest, list(hosts))
+    got = _shares(inventories, step, manifest, list(hosts), twins)
     if got is None:
         return None
     share, whole = got
@@ -495,7 +517,7 @@ def plan_shares(inventories: Mapping[str, HostInventory], step: int, manifest: s
             continue
         covered = {domain(h) for h in have}
         start, p = index[domain(owner)], position[owner]
-        for k in range(1, len(order)):
+        for k in range(len(order)):  # the owner's own domain first: it lacks the share where the owner is down
             if len(covered) >= strategy.factor:
                 break
             dom = order[(start + k) % len(order)]

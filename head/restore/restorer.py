@@ -619,7 +619,7 @@ class Restorer:
                 # the hosts' shares; the manifest is read in the background only if they cannot tell).
                 self._replicate(CommittedStep(step, digest=header.digest,
                                               hosts=tuple(sorted(set(view.hosts) | lacking)),
-                                              fetch=lambda: self._manifest(step, None, header.digest)))
+                                              fetch=lambda: self._manifest(step, None, header.digest), header=header))
         return True
 
     def _same_layout(self, header: fmt.StepHeader, requests: list[LoadRequest]) -> bool:

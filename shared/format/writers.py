@@ -15,6 +15,8 @@ host that keeps a peer copy of it) can serve them.
   shape) and the boxes of them on its devices, so that a host that reads from the backup downloads
   only the blobs of a writer's part that it loads.
 - ``copies``: on how few failure domains some saved box is held, counting twins and peer copies.
+- ``twins``: the writers that wrote exactly the same boxes (data-parallel replicas: equal shares), so
+  that a writer that cannot be asked is known to hold what its twins hold.
 - ``designated``: the blobs of a writer's part that fall to it when the writers share the step's
   unique boxes out among themselves (a backup's uploads, the backup scrub): each box to one writer.
 - ``plan``: for a restore's requests (an elastic resize, another mesh, or the saving topology with
@@ -37,7 +39,7 @@ from mtc.shared.errors import ManifestError
 from mtc.shared.format.base import Box, canonical_json
 from mtc.shared.format.step import ArrayRecord, StepHeader, StepManifest
 
-__all__ = ["Grid", "copies", "cover", "designated", "loads", "plan", "saved_grid"]
+__all__ = ["Grid", "copies", "cover", "designated", "loads", "plan", "saved_grid", "twins"]
 
 
 class Grid:
@@ -146,6 +148,30 @@ def copies(header: StepHeader, holders: Mapping[str, Collection[str]], domain_of
                           max((floor.get(writer_of.get(d), 0) for d in devs), default=0))
                       for devs in g.writers.values())
     return min(counts, default=0)
+
+
+def twins(header: StepHeader) -> dict[str, tuple[str, ...]] | None:
+    """writer -> the other writers that wrote exactly its boxes (data-parallel replicas, whose parts
+    are equal: the save's twin check compares them), from the header: O(distinct (sharding, shape) x
+    devices). None where the header cannot say (as ``cover``). Host numpy leaves, which every writer
+    wrote whole, and scalars, which have no blob, do not tell writers apart."""
+    writer_of = _writer_of(header)
+    if writer_of is None:
+        return None
+    signature: dict[str, list[frozenset]] = {w: [] for w in header.devices or {}}
+    for g in _saved_grids(header):
+        if g is None:
+            return None
+        wrote: dict[str, set] = {}
+        for chunk, devs in g.writers.items():
+            for d in devs:
+                wrote.setdefault(writer_of.get(d), set()).add(chunk)
+        for w, sig in signature.items():
+            sig.append(frozenset(wrote.get(w, ())))
+    groups: dict[tuple, list[str]] = {}
+    for w, sig in signature.items():
+        groups.setdefault(tuple(sig), []).append(w)
+    return {w: tuple(x for x in group if x != w) for group in groups.values() for w in group}
 
 
 def plan(header: StepHeader, requests: Sequence[Any], holders: Mapping[str, Collection[str]],

@@ -476,3 +476,50 @@ def test_a_lost_part_held_in_pieces_by_two_hosts_restores_without_a_row(local_cl
         assert rep.bytes_by_tier["peer"] == sum(sizes[b] for b in whole.part_blobs[lost]), rep  # into the new node
         assert rows_parsed[0] == 0 and whole_reads[0] == 0, \
             f"the head read {whole_reads[0]} whole manifests, bitmaps to restore a part held in pieces"
+
+
+@pytest.mark.parametrize("layout", ["twins", "peer copies"])
+def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, rows_parsed, monkeypatch, layout):
+    """A saving host dies after the commit, before its copies are counted. Its share is told from the header
+    (data-parallel twins wrote exactly its boxes) or from the hosts that list its part among those they hold
+    whole (its peer copy), not from the manifest's rows: the copies its boxes still lack on the other slice
+    are made share by share, and the head reads no manifest (before, every attempt of the half hour
+    replication keeps trying while the host is down read every row)."""
+    import threading
+
+    from mtc.head.commit import CommittedStep
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
+    from mtc.head.replication.loop import Replicator
+    from mtc.head.replication.plan import ReplicationStrategy
+
+    state = data_parallel_state(5, jax.devices()) if layout == "twins" else make_state(5)
+    cfg = MTCConfig(local_checkpoint_directory=str(local_cluster.root), cluster_spec=str(local_cluster.spec_path),
+                    local_checkpoint_period=1, replication_factor=2)
+    d = ClusterDispatcher(cfg)
+    with CheckpointManager(cfg, dispatcher=d) as m:
+        m.save(5, state)
+        m.wait_until_finished()
+        assert m.wait_for_replication().replicated
+        saved = m.manifest(5)
+        data, digest = saved.to_json(), saved.digest
+        whole_reads = [0]
+        real_read = fmt.StepManifest.from_json.__func__
+
+        def whole_read(cls, data, **kw):
+            whole_reads[0] += 1
+            return real_read(cls, data, **kw)
+
+        monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+        rows_parsed[0] = 0
+        local_cluster.kill("s1-h1")
+        # The step as the save hands it to replication: its bytes, unread, and the hosts that saved it.
+        r = Replicator(d, cfg, ReplicationStrategy(2), threading.Event())
+        try:
+            r.submit(CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)))
+            report = r.wait(timeout=120)
+        finally:
+            r.close()
+        assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
+        assert report.replicated and report.error is None, report
+        # The other host of the dead one's slice took a copy of what only slice 0 held now.
+        assert report.moved_bytes > 0 and report.moved_blobs > 0, report

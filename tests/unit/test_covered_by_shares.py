@@ -128,3 +128,38 @@ def test_a_host_down_receives_nothing_and_a_share_nobody_holds_whole_is_left_to_
     assert plan["s1-h0"] == [("s0-h0", ["s0-h0"]), ("s0-h1", ["s0-h1"])]
     assert plan_shares(inventories({}), 7, "m1", list(FSDP), ReplicationStrategy(2), TWO_SLICES,
                        targets=FSDP) is None
+
+
+# --- a saving host that does not answer: its share from the header's twins, or the hosts that keep its part
+
+
+def test_a_saving_host_down_is_told_by_its_twins_or_by_the_keepers_of_its_part():
+    """Without ``twins`` (the header's word) a saving host that cannot be asked leaves the shares unable to
+    tell; with it, the host's share is its twins' (equal boxes: equal shares), or, without a twin, a share
+    of its own held by the hosts that list its part (``StepHolding.parts``). A share whose owner is down
+    is copied into the owner's own slice too, which lacks it now."""
+    strategy = ReplicationStrategy(2)
+    down = inventories({**{h: row(7, n) for h, n in TWINS.items()}, "s1-h1": None})
+    assert not covered_by_shares(down, 7, "m1", TWINS, strategy, TWO_SLICES)
+    assert plan_shares(down, 7, "m1", list(TWINS), strategy, TWO_SLICES, targets=TWINS) is None
+    twins = {"s0-h0": ("s1-h0",), "s1-h0": ("s0-h0",), "s0-h1": ("s1-h1",), "s1-h1": ("s0-h1",)}
+    assert not covered_by_shares(down, 7, "m1", TWINS, strategy, TWO_SLICES, twins)  # B on slice 0 alone now
+    plan = plan_shares(down, 7, "m1", list(TWINS), strategy, TWO_SLICES, targets=set(TWINS) - {"s1-h1"},
+                       twins=twins)
+    assert plan == {"s1-h0": [("s0-h1", ["s0-h1"])]}, plan
+    after = inventories({"s0-h0": row(7, A), "s0-h1": row(7, B), "s1-h0": full_row(7, A, [A, B]), "s1-h1": None})
+    assert covered_by_shares(after, 7, "m1", TWINS, strategy, TWO_SLICES, twins)
+    # FSDP: s1-h1's part (D) has no twin; s0-h1 keeps a copy of it and lists it.
+    alone = {h: () for h in FSDP}
+    keeps = StepHolding(7, 3, 3, 9, "x", "", "m1", False, share(B), (share(B), share(D)), ("s1-h1",))
+    inv = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": keeps, "s1-h0": full_row(7, C, [C, A]),
+                       "s1-h1": None})
+    assert not covered_by_shares(inv, 7, "m1", FSDP, strategy, TWO_SLICES, alone)
+    plan = plan_shares(inv, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets={"s0-h0", "s0-h1", "s1-h0"},
+                       twins=alone)
+    # B's copy on s1-h1 is gone and D is on slice 0 alone: both go to s1-h0, the host of slice 1 that answers.
+    assert plan == {"s1-h0": [("s0-h1", ["s0-h1"]), ("s1-h1", ["s0-h1"])]}, plan
+    # Nobody lists the part of a host that is down and has no twin: the shares cannot tell.
+    bare = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": full_row(7, B, [B, D]),
+                        "s1-h0": full_row(7, C, [C, A]), "s1-h1": None})
+    assert plan_shares(bare, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP, twins=alone) is None

@@ -194,3 +194,12 @@ def test_a_part_held_in_pieces_is_pulled_by_its_readers_and_counts_its_fewest_do
     assert writers.copies(split, two, slice_of) == 0  # without the pieces: s1-h0's boxes nowhere
     assert writers.copies(split, two, slice_of, {"s1-h0": {**pieces["s1-h0"], "s1-h1": [False, False, True]}}) == 1
     assert writers.copies(split, two, slice_of, {"s1-h0": {"s0-h0": [True, True, True], "s1-h1": [True] * 3}}) == 2
+
+
+def test_twins_are_the_writers_of_exactly_the_same_boxes():
+    twins = writers.twins(header(("w", (64, 8), TWINS), ("v", (8,), TWINS)))
+    assert twins == {"s0-h0": ("s1-h0",), "s1-h0": ("s0-h0",), "s0-h1": ("s1-h1",), "s1-h1": ("s0-h1",)}
+    # One array split over both slices: no writer wrote another's boxes.
+    assert writers.twins(header(("w", (64, 8), TWINS), ("e", (64, 8), SPLIT))) == {h: () for h in DEVICES}
+    assert writers.twins(header(("w", (64, 8), TWINS), devices=None)) is None
+    assert writers.twins(header(("w", (64, 8), TWINS), listed=frozenset({"w"}))) is None
