@@ -194,19 +194,32 @@ class Job(Request, kw_only=True):
            "wait_s": f"'wait_s' must be a number in [0, {MAX_WAIT_S:g}]"}
 
 
+class StandIn(Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """A writer gone from the step (its part lost) whose designated share of the boxes this host uploads:
+    read from the rows of ``part``, the writer's own (a peer copy this host keeps) or a data-parallel twin's
+    (the same boxes, this host's own part)."""
+
+    writer: HostId
+    part: HostId
+
+
 class BackupUpload(Request, kw_only=True):
-    """The blobs to upload, or ``step``: this host's designated share of the step's boxes."""
+    """The blobs to upload, or ``step``: this host's designated share of the step's boxes, and those of the
+    writers it stands in for (``stand_in``)."""
 
     blobs: list[BlobName] | UnsetType = UNSET
     step: Step | UnsetType = UNSET
-    PER_HOST = ("blobs", "step")
-    WHY = {**_WHY_BLOBS, **_WHY_STEP}
+    stand_in: list[StandIn] = []
+    PER_HOST = ("blobs", "step", "stand_in")
+    WHY = {**_WHY_BLOBS, **_WHY_STEP, "stand_in": "'stand_in' must list [writer, part] host ids"}
 
     def __post_init__(self):
         if self.step is not UNSET and self.blobs is not UNSET:
             raise ValueError("give 'blobs' or 'step', not both")
         if self.step is UNSET and self.blobs is UNSET:
             raise ValueError("'blobs' must be a list of blob names (32 lowercase hex digits), or give 'step'")
+        if self.stand_in and self.step is UNSET:
+            raise ValueError("'stand_in' goes with 'step'")
 
 
 class BackupFinalize(Request, kw_only=True):

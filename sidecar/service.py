@@ -230,11 +230,14 @@ class SidecarService:
                                                            store=open_store(url, create=False))
             return tier
 
-    def backup_upload(self, blobs: list[str] | None, step: int | None = None) -> dict:
+    def backup_upload(self, blobs: list[str] | None, step: int | None = None,
+                      stand_in: Sequence[tuple[str, str]] = ()) -> dict:
         """Upload the blobs the head assigned to this host (those the store lacks); with ``step``
-        instead, this host's share of the step's unique boxes (``Committed.designated_uploads``)."""
+        instead, this host's share of the step's unique boxes (``Committed.designated_uploads``), and
+        the shares of the writers gone from the step that it stands in for ((writer, part): read from
+        the rows of ``part``)."""
         if step is not None:
-            blobs = self.committed.designated_uploads(step)
+            blobs = self.committed.designated_uploads(step, stand_in)
         return self._backup_tier().upload(list(blobs or []))
 
     def backup_finalize(self, name: str, manifest_json: bytes | None, max_to_keep: int | None = None, *,

@@ -76,25 +76,40 @@ class BackupRunner:
         skipped, self._skipped = self._skipped, 0
         self._pending = self._executor.submit(self._run, committed, skipped)
 
-    def _parts_plan(self, committed: CommittedStep) -> tuple[list[str], str] | None:
-        """(the hosts that upload their parts, the host that finalizes) for a backup with no manifest read on
-        the head, O(hosts): when every host holds its own part of the step whole (the inventories) and the
-        manifest records which host held which device (its header), the hosts share the uploads out among
-        themselves (each unique box by one host) and a host that keeps the manifest finalizes from its own
-        copy. None when it cannot go that way (a host that lost its part, a step of an older version)."""
-        from mtc.head.replication.plan import whole_by_parts
+    def _parts_plan(self, committed: CommittedStep) -> tuple[dict[str, list[tuple[str, str]]], str] | None:
+        """(the hosts that upload their parts -> the writers they stand in for, the host that finalizes) for a
+        backup with no manifest read on the head, O(hosts): when every box is in a part some host holds whole
+        (the inventories) and the manifest records which host held which device (its header), the hosts share
+        the uploads out among themselves (each unique box by one host) and a host that keeps the manifest
+        finalizes from its own copy. A writer that lost its part (gone, or its ramdisk lost) has its share
+        uploaded by a host that keeps a peer copy of its part, else by a data-parallel twin that holds its own
+        part whole (the same boxes): (writer, the part whose rows say its boxes). None when it cannot go that
+        way (a writer with neither, a part held in pieces only, a step of an older version)."""
+        from mtc.head.replication.plan import step_views
+        from mtc.shared.format import writers
 
         step, digest = committed.step, committed.digest
         if not digest:
             return None
-        rows = {h: s for h, inv in self._dispatch.inventories().items() if not inv.error
-                for s in inv.steps if s.step == step}
         header = self._dispatch.manifest_header(step, digest)
-        if header.devices is None or not whole_by_parts(step, digest, rows, lambda s, d: header):
+        if header.devices is None:
             return None
-        hosts = [h for h, _ in header.parts]
-        keepers = [h for h in hosts if not rows[h].part] or hosts  # a keeper finalizes from the copy it has
-        return hosts, keepers[0]
+        inv = self._dispatch.inventories()
+        view = step_views(inv, None, lambda s, d: header if d == digest else None).get(step)
+        if view is None or not view.by_writers or view.manifest != digest or view.pieces:
+            return None
+        uploads: dict[str, list[tuple[str, str]]] = {h: [] for h, _ in header.parts if h in view.part_holders.get(h, ())}
+        twins = writers.twins(header) if view.lost else {}
+        for w in view.lost:
+            keeper = next((h for h in view.part_holders.get(w, ()) if h != w), None)
+            twin = next((t for t in (twins or {}).get(w, ()) if t in uploads), None)
+            if keeper is not None:
+                uploads.setdefault(keeper, []).append((w, w))
+            elif twin is not None:
+                uploads[twin].append((w, twin))
+            else:
+                return None
+        return uploads, (list(view.keepers) or sorted(uploads))[0]  # a keeper finalizes from the copy it has
 
     def _run(self, committed: CommittedStep, skipped: int) -> BackupReport:
         t0 = time.perf_counter()

@@ -288,20 +288,22 @@ def loads(requests: Sequence[Any], host_of_device: Callable[[int], str | None],
 
 
 
-def designated(view: StepManifest, writer: str) -> list[str]:
+def designated(view: StepManifest, writer: str, part: str | None = None) -> list[str]:
     """The blobs of ``writer``'s part (``view`` holds its rows) that fall to it when the writers share a
     step's unique boxes out among themselves with no plan from the head (a backup's uploads, the backup
     scrub): of the devices that held a box (its sharding's description), the one its blob's name picks
     (spreading the boxes over the data-parallel replicas) names the writer; a numpy leaf, which every
     writer wrote, falls to the writer its name picks; a box its description does not give (an unusual
     sharding), to every writer of it. Which writer held which device is the header's
-    ``topology.devices``; ManifestError without it (a step saved by an older version)."""
+    ``topology.devices``; ManifestError without it (a step saved by an older version). With ``part``,
+    the blobs that fall to ``writer`` among the rows of that host's part (a data-parallel twin of a writer
+    gone from the step wrote the same boxes: it uploads the writer's share for it)."""
     devices = view.topology.get("devices")
     if not isinstance(devices, dict) or not devices:
         raise ManifestError(f"step {view.step} records no devices per host (saved by an older version)")
     host_of = {int(d): h for h, ids in devices.items() for d in ids}
     hosts = sorted(devices)
-    mine = view.part_blobs.get(writer, frozenset()) if view.part_blobs else frozenset()
+    mine = view.part_blobs.get(part or writer, frozenset()) if view.part_blobs else frozenset()
     out: set[str] = set()
     holders: dict[tuple, dict] = {}  # (description, shape) -> box -> devices that held it, sorted
     described: dict[int, str] = {}  # id of a description -> its text (a header shares one per sharding)

@@ -523,3 +523,58 @@ def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, ro
         assert report.replicated and report.error is None, report
         # The other host of the dead one's slice took a copy of what only slice 0 held now.
         assert report.moved_bytes > 0 and report.moved_blobs > 0, report
+
+
+@pytest.mark.parametrize("layout", ["twins", "peer copies"])
+def test_a_backup_with_a_writer_down_is_uploaded_by_its_stand_ins_without_a_row(local_cluster, ramdisk, rows_parsed,
+                                                                               monkeypatch, layout):
+    """A host that saved the step is down when its backup is due. Its share of the uploads goes to a stand-in:
+    a data-parallel twin (the same boxes, its own part's rows) or the host that keeps a peer copy of its part.
+    The head reads no manifest; the backup holds every blob and restores bit for bit once every ramdisk is
+    lost (before, the head read the manifest and assigned every blob)."""
+    import threading  # noqa: F401  (the runner's own threads)
+
+    from mtc.head.backup.runner import BackupRunner
+    from mtc.head.commit import CommittedStep
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
+
+    states = {s: data_parallel_state(s, jax.devices()) if layout == "twins" else make_state(s) for s in (4, 5)}
+    cfg = MTCConfig(local_checkpoint_directory=str(local_cluster.root), cluster_spec=str(local_cluster.spec_path),
+                    local_checkpoint_period=1, replication_factor=2, base_output_directory=str(ramdisk / "bucket"),
+                    run_name="r", multi_tier_checkpointing_backup_interval_steps=100)
+    d = ClusterDispatcher(cfg)
+    with CheckpointManager(cfg, dispatcher=d) as m:
+        for s in (4, 5):  # step 4's backup is due (the first); step 5's is not
+            m.save(s, states[s])
+            m.wait_until_finished()
+            assert m.wait_for_replication().replicated
+        assert m.wait_for_backup().step == 4
+        saved = m.manifest(5)
+        data, digest = saved.to_json(), saved.digest
+        whole_reads = [0]
+        real_read = fmt.StepManifest.from_json.__func__
+
+        def whole_read(cls, data, **kw):
+            whole_reads[0] += 1
+            return real_read(cls, data, **kw)
+
+        monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+        rows_parsed[0] = 0
+        local_cluster.kill("s1-h1")
+        runner = BackupRunner(d, cfg)
+        try:
+            runner.maybe_start(CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)), now=True)
+            report = runner.wait()
+        finally:
+            runner.close()
+        assert report.error is None and report.step == 5, report
+        assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
+        assert "s1-h1" not in report.bytes_by_host
+        assert report.uploaded_blobs + report.skipped_blobs >= len(saved.blob_names()), report
+    monkeypatch.undo()
+    for h in local_cluster.hosts:
+        local_cluster.wipe(h)
+        local_cluster.restart(h)
+    with manager(local_cluster, base_output_directory=str(ramdisk / "bucket"), run_name="r") as m:
+        assert_trees_bitwise_equal(states[5], m.restore(5))
+        assert m.last_restore_report.bytes_by_tier["backup"] > 0

@@ -69,6 +69,8 @@ def test_requests_for_several_hosts_travel_as_what_they_share_and_each_ones_own(
     ("peer_pull", {"step": 1, "peers": {"s0-h0": "nowhere"}}, r"peer_pull: peers\['s0-h0'\]: address 'nowhere'"),
     ("read", {"step": 1, "reads": [["w", [[3, 2]]]]}, r"read: reads\[0\]\[1\]\[0\]: \[3, 2\] has start > stop"),
     ("backup_upload", {"blobs": [BLOB], "step": 1}, "give 'blobs' or 'step', not both"),
+    ("backup_upload", {"blobs": [BLOB], "stand_in": [["s1-h1", "s0-h1"]]}, "'stand_in' goes with 'step'"),
+    ("backup_upload", {"step": 1, "stand_in": [["s1-h1"]]}, r"backup_upload: 'stand_in' must list \[writer, part\] host ids, got \[\['s1-h1'\]\]"),
     ("backup_fetch", {"name": "n", "blobs": [], "parts": ["s0-h0"], "wants": [[["w"], [[[4, 2]]]]]},
      r"backup_fetch: wants\[0\]\[1\]\[0\]\[0\]: \[4, 2\] has start > stop"),
     ("backup_fetch", {"name": "n", "blobs": [], "parts": ["s0-h0"], "wants": [[["w"], [[4, 2]]]]},
