@@ -449,10 +449,10 @@ def resize_side(hosts: int, layers: int) -> dict:
 def pieces_side(hosts: int, layers: int) -> dict:
     """The head's side of a restart after a host died whose part no host holds whole, but two hosts hold
     its blobs between them (a per-blob replication spreads a part; one cut short leaves pieces). Each
-    matrix split over every device (no twin). Every host's inventory parsed (the two report the pieces: a bitmap each over the
-    lost part's blobs), the step chosen by its writers' parts with the pieces (``step_views``), which parts
-    each host reads on the same mesh (``writers.plan``: the replaced node, the lost part from the pieces),
-    and `mtc status`'s copies. Before, the step went to the rows path (column "reading every row")."""
+    matrix split over every device (no twin). Every host's inventory parsed (the two report the pieces:
+    a bitmap each over the lost part's blobs), the step chosen by its writers' parts with the pieces
+    (``step_views``), which parts each host reads on the same mesh (``writers.plan``: the replaced node,
+    the lost part from the pieces), and `mtc status`'s copies. Before, the step went to the rows path (column "reading every row")."""
     slices = max(2, hosts // HOSTS_PER_SLICE)
     n = hosts * DEVICES_PER_HOST
     mesh = {"type": "named", "mesh_shape": [slices, n // slices], "axis_names": ["data", "fsdp"],
@@ -475,8 +475,9 @@ def pieces_side(hosts: int, layers: int) -> dict:
                "digest": own, "held": protocol.encode_bitmap([bool(i)] * per_part), "manifest": digest,
                "part": True, "own": own, "copies": []}
         if i in (1, 2):  # they keep the whole manifest: a bitmap over every blob, and a piece each of h0's part
+            half = protocol.encode_bitmap([k % 2 == i - 1 for k in range(per_part)])
             row.update({"part": False, "step_blobs": total, "held": "f" * (total // 4), "copies": [own],
-                        "pieces": [["h0", per_part, protocol.encode_bitmap([k % 2 == i - 1 for k in range(per_part)])]]})
+                        "pieces": [["h0", per_part, half]]})
         wire[h] = json.dumps({"host": h, "damaged": [], "steps": [row]})
     quiet()
     t0 = time.process_time()

@@ -98,7 +98,8 @@ class BackupRunner:
         view = step_views(inv, None, lambda s, d: header if d == digest else None).get(step)
         if view is None or not view.by_writers or view.manifest != digest or view.pieces:
             return None
-        uploads: dict[str, list[tuple[str, str]]] = {h: [] for h, _ in header.parts if h in view.part_holders.get(h, ())}
+        uploads: dict[str, list[tuple[str, str]]] = {  # the writers that hold their own parts whole
+            h: [] for h, _ in header.parts if h in view.part_holders.get(h, ())}
         twins = writers.twins(header) if view.lost else {}
         for w in view.lost:
             keeper = next((h for h in view.part_holders.get(w, ()) if h != w), None)
