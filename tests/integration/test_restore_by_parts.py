@@ -59,6 +59,21 @@ def rows_parsed(monkeypatch):
     return count
 
 
+@pytest.fixture
+def whole_reads(monkeypatch):
+    """How many whole step manifests the head has read (``StepManifest.from_json``: every row parsed, the
+    rows path's and the per-blob replication's and backup plan's first step)."""
+    count = [0]
+    real = fmt.StepManifest.from_json.__func__
+
+    def counting(cls, data, **kw):
+        count[0] += 1
+        return real(cls, data, **kw)
+
+    monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(counting))
+    return count
+
+
 def manager(cluster: LocalCluster, **kw) -> CheckpointManager:
     return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root),
                                        cluster_spec=str(cluster.spec_path), local_checkpoint_period=1, **kw))
@@ -232,7 +247,8 @@ def test_the_start_up_pull_refills_a_replaced_host_by_the_writers_parts_without_
         assert rows_parsed[0] == 0
 
 
-def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parsed, capsys, monkeypatch):
+def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parsed, capsys, monkeypatch,
+                                                        whole_reads):
     """Status of a whole job: from the header and each host's word on its own share (O(hosts)); no
     shard row parsed, and no host's bitmap over the step's blob names read (what the rows path reads)."""
     import json
@@ -272,17 +288,10 @@ def test_status_sums_up_a_whole_job_without_a_blob_row(local_cluster, rows_parse
     assert all("s1-h1 no longer hold" in r["why_not"] for r in st["steps"]), st["steps"]
     # --verify maps every host's bitmap with the step's blob names, read from the parts' columns: no whole
     # manifest read (no shard record made) on the head.
-    whole = [0]
-    real_read = fmt.StepManifest.from_json.__func__
-
-    def whole_read(cls, data, **kw):
-        whole[0] += 1
-        return real_read(cls, data, **kw)
-
-    monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+    whole_reads[0] = 0
     assert main(["status", "--cluster-spec", str(local_cluster.spec_path), "--json", "--verify"]) == 0
     st = json.loads(capsys.readouterr().out)
-    assert whole[0] == 0 and st["verified"]["copies"] > 0 and not st["verified"]["corrupt"], st["verified"]
+    assert whole_reads[0] == 0 and st["verified"]["copies"] > 0 and not st["verified"]["corrupt"], st["verified"]
 
 
 def test_a_backup_reads_no_shard_row_on_the_head_and_uploads_each_box_once(local_cluster, ramdisk, rows_parsed):
@@ -417,7 +426,7 @@ def fsdp_state(seed: int) -> dict:
 
 
 def test_a_lost_part_held_in_pieces_by_two_hosts_restores_without_a_row(local_cluster, rows_parsed, capsys,
-                                                                        monkeypatch):
+                                                                        monkeypatch, whole_reads):
     """A host dies whose part no host holds whole, but two hosts hold its blobs between them (a per-blob
     replication spreads a part over several hosts; one cut short leaves pieces): their inventories report
     the pieces, and the head finds the part whole from them without a blob row. The hosts that read its
@@ -450,18 +459,13 @@ def test_a_lost_part_held_in_pieces_by_two_hosts_restores_without_a_row(local_cl
     # host's bitmap over the step's blob names: both counted.
     from mtc.head.replication import plan as replication_plan
 
-    whole_reads = [0]
-    real_read, real_bits = fmt.StepManifest.from_json.__func__, replication_plan.protocol.decode_bitmap
-
-    def whole_read(cls, data, **kw):
-        whole_reads[0] += 1
-        return real_read(cls, data, **kw)
+    real_bits = replication_plan.protocol.decode_bitmap
 
     def bitmap(held, n):
         whole_reads[0] += n == len(sizes)
         return real_bits(held, n)
 
-    monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+    whole_reads[0] = 0
     monkeypatch.setattr(replication_plan.protocol, "decode_bitmap", bitmap)
     rows_parsed[0] = 0
     assert main(["status", "--cluster-spec", str(local_cluster.spec_path), "--json"]) == 0
@@ -479,7 +483,7 @@ def test_a_lost_part_held_in_pieces_by_two_hosts_restores_without_a_row(local_cl
 
 
 @pytest.mark.parametrize("layout", ["twins", "peer copies"])
-def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, rows_parsed, monkeypatch, layout):
+def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, rows_parsed, whole_reads, layout):
     """A saving host dies after the commit, before its copies are counted. Its share is told from the header
     (data-parallel twins wrote exactly its boxes) or from the hosts that list its part among those they hold
     whole (its peer copy), not from the manifest's rows: the copies its boxes still lack on the other slice
@@ -502,14 +506,7 @@ def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, ro
         assert m.wait_for_replication().replicated
         saved = m.manifest(5)
         data, digest = saved.to_json(), saved.digest
-        whole_reads = [0]
-        real_read = fmt.StepManifest.from_json.__func__
-
-        def whole_read(cls, data, **kw):
-            whole_reads[0] += 1
-            return real_read(cls, data, **kw)
-
-        monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+        whole_reads[0] = 0
         rows_parsed[0] = 0
         local_cluster.kill("s1-h1")
         # The step as the save hands it to replication: its bytes, unread, and the hosts that saved it.
@@ -527,13 +524,11 @@ def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, ro
 
 @pytest.mark.parametrize("layout", ["twins", "peer copies"])
 def test_a_backup_with_a_writer_down_is_uploaded_by_its_stand_ins_without_a_row(local_cluster, ramdisk, rows_parsed,
-                                                                               monkeypatch, layout):
+                                                                               whole_reads, layout):
     """A host that saved the step is down when its backup is due. Its share of the uploads goes to a stand-in:
     a data-parallel twin (the same boxes, its own part's rows) or the host that keeps a peer copy of its part.
     The head reads no manifest; the backup holds every blob and restores bit for bit once every ramdisk is
     lost (before, the head read the manifest and assigned every blob)."""
-    import threading  # noqa: F401  (the runner's own threads)
-
     from mtc.head.backup.runner import BackupRunner
     from mtc.head.commit import CommittedStep
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
@@ -551,14 +546,7 @@ def test_a_backup_with_a_writer_down_is_uploaded_by_its_stand_ins_without_a_row(
         assert m.wait_for_backup().step == 4
         saved = m.manifest(5)
         data, digest = saved.to_json(), saved.digest
-        whole_reads = [0]
-        real_read = fmt.StepManifest.from_json.__func__
-
-        def whole_read(cls, data, **kw):
-            whole_reads[0] += 1
-            return real_read(cls, data, **kw)
-
-        monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(whole_read))
+        whole_reads[0] = 0
         rows_parsed[0] = 0
         local_cluster.kill("s1-h1")
         runner = BackupRunner(d, cfg)
@@ -571,7 +559,6 @@ def test_a_backup_with_a_writer_down_is_uploaded_by_its_stand_ins_without_a_row(
         assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
         assert "s1-h1" not in report.bytes_by_host
         assert report.uploaded_blobs + report.skipped_blobs >= len(saved.blob_names()), report
-    monkeypatch.undo()
     for h in local_cluster.hosts:
         local_cluster.wipe(h)
         local_cluster.restart(h)
