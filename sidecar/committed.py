@@ -333,19 +333,19 @@ class CommittedSteps:
         ``StepHolding.pieces``)."""
         digests = self.index.share_digests_of(
             m.step, m.digest, lambda: {h: protocol.blob_list_digest(sorted(b)) for h, b in m.part_blobs.items()})
-        held, pieces = {}, []
-        for h, blobs in m.part_blobs.items():
-            got = blobs & have
-            if len(got) == len(blobs):
-                held[h] = digests[h]
-            elif got and h != self.host_id:
-                pieces.append((h, blobs, got))
-        if pieces:  # beyond what its own share and the parts it holds whole explain (blobs of equal bytes)
-            known = set(m.part_blobs.get(self.host_id, ())).union(*(m.part_blobs[h] for h in held))
-            pieces = [(h, len(blobs), protocol.encode_bitmap([b in got for b in sorted(blobs)]))
-                      for h, blobs, got in pieces if not got <= known][:_MAX_PIECES]
-        return (sorted(set(held.values())), sorted(h for h in held if h != self.host_id),
-                sorted(pieces))
+        held = {h: d for h, d in digests.items() if m.part_blobs[h] <= have}  # (stops at a blob it lacks)
+        # The step's blobs it holds that neither its own share nor a part it holds whole explains (a blob of
+        # equal bytes in many parts is in its own share): usually none, and then no part is looked at again.
+        known = set(m.part_blobs.get(self.host_id, ())).union(*(m.part_blobs[h] for h in held))
+        extra = m.blobs_among(have - known)
+        pieces = []
+        if extra:
+            for h, blobs in m.part_blobs.items():
+                if h not in held and h != self.host_id and not blobs.isdisjoint(extra):
+                    pieces.append((h, len(blobs), protocol.encode_bitmap([b in have for b in sorted(blobs)])))
+                    if len(pieces) == _MAX_PIECES:
+                        break
+        return (sorted(set(held.values())), sorted(h for h in held if h != self.host_id), sorted(pieces))
 
     def verify(self, step: int) -> dict:
         """Hash every blob of ``step`` this host holds: {"checked": n, "bad": [names that fail]}.

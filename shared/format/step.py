@@ -107,6 +107,11 @@ class StepManifest:
     def blob_names(self) -> set[str]:
         return set(self._blob_sizes)
 
+    def blobs_among(self, names: Iterable[str]) -> set[str]:
+        """Those of ``names`` that are blobs of this step (no copy of the step's names)."""
+        sizes = self._blob_sizes
+        return {n for n in names if n in sizes}
+
     def blob_sizes_for(self, wants: Mapping[str, Sequence[Box] | None]) -> dict[str, int]:
         """The blobs (and their sizes) a host reads to load ``wants``: array key -> the boxes of it
         that it loads (None: the whole array). The blobs of the shards whose boxes overlap one of

@@ -472,7 +472,7 @@ def test_a_lost_part_held_in_pieces_by_two_hosts_restores_without_a_row(local_cl
     st = json.loads(capsys.readouterr().out)
     assert rows_parsed[0] == 0 and whole_reads[0] == 0, f"status read {whole_reads[0]} manifests, bitmaps"
     assert [(r["step"], r["restorable"], r["min_copies"]) for r in st["steps"]] == [(7, True, 1)], st["steps"]
-    assert "s0-h1's blobs are held in pieces by s1-h0, s1-h1" in st["steps"][0]["why_not"], st["steps"]
+    assert "s0-h1's blobs are held in pieces by s1-h0, s1-h1)" in st["steps"][0]["why_not"], st["steps"]
     with manager(local_cluster, replication_factor=1, prefetch_on_start=False) as m:
         assert m.latest_step() == 7
         assert_trees_bitwise_equal(state, m.restore(7))
