@@ -197,10 +197,12 @@ class Job(Request, kw_only=True):
 class StandIn(Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """A writer gone from the step (its part lost) whose designated share of the boxes this host uploads:
     read from the rows of ``part``, the writer's own (a peer copy this host keeps) or a data-parallel twin's
-    (the same boxes, this host's own part)."""
+    (the same boxes, this host's own part). With ``pieces``, this host holds pieces of the part only and
+    uploads the blobs of the share that it holds (the other holders of pieces upload the rest)."""
 
     writer: HostId
     part: HostId
+    pieces: bool = False
 
 
 class BackupUpload(Request, kw_only=True):
@@ -211,7 +213,7 @@ class BackupUpload(Request, kw_only=True):
     step: Step | UnsetType = UNSET
     stand_in: list[StandIn] = []
     PER_HOST = ("blobs", "step", "stand_in")
-    WHY = {**_WHY_BLOBS, **_WHY_STEP, "stand_in": "'stand_in' must list [writer, part] host ids"}
+    WHY = {**_WHY_BLOBS, **_WHY_STEP, "stand_in": "'stand_in' must list [writer, part] host ids (and whether it holds pieces only)"}
 
     def __post_init__(self):
         if self.step is not UNSET and self.blobs is not UNSET:

@@ -234,24 +234,27 @@ class CommittedSteps:
         return dataclasses.replace(whole, arrays=tuple(
             dataclasses.replace(a, shards=tuple(sh for sh in a.shards if sh.blob in mine)) for a in whole.arrays))
 
-    def designated_uploads(self, step: int, stand_in: Sequence[tuple[str, str]] = ()) -> list[str]:
+    def designated_uploads(self, step: int, stand_in: Sequence[tuple[str, str, bool]] = ()) -> list[str]:
         """The blobs of its own part this host uploads in a backup of ``step`` that the hosts share out among
         themselves, each unique box by exactly one host and no head planning (``fmt.writers.designated``);
         ManifestError for a step saved by an older version (the head plans the uploads itself).
 
-        ``stand_in``: (writer, part) for each writer gone from the step whose share this host uploads
-        instead, read from the rows of ``part``: the writer's own (a peer copy of it that this host keeps,
-        read by the whole manifest) or this host's own (a data-parallel twin of the writer: the same boxes)."""
+        ``stand_in``: (writer, part, pieces) for each writer gone from the step whose share this host
+        uploads instead, read from the rows of ``part``: the writer's own (a peer copy of it that this host
+        keeps, read by the whole manifest) or this host's own (a data-parallel twin of the writer: the same
+        boxes). With ``pieces`` it holds pieces of the writer's part only, and gives the blobs of the share
+        that it holds (the holders of the other pieces give the rest; the finalize checks that none lacks)."""
         own = self.own_view(step)
         out = set(writers.designated(own, self.host_id))
-        for writer, part in stand_in:
+        have = self.store.blobs.names()
+        for writer, part, pieces in stand_in:
             view = own if part == self.host_id else self.manifest(step)  # a peer copy's rows: the whole manifest
             rows = view.part_blobs.get(part)
-            missing = len(rows - self.store.blobs.names()) if rows is not None else "every"
-            if missing:
+            missing = len(rows - have) if rows is not None else "every"
+            if missing and not (pieces and rows is not None):
                 raise ManifestError(f"host {self.host_id}: it lacks {missing} blob(s) of the part of {part} of step "
                                     f"{step}, so it cannot upload the share of {writer} in a backup")
-            out.update(writers.designated(view, writer, part=part))
+            out.update(b for b in writers.designated(view, writer, part=part) if not pieces or b in have)
         return sorted(out)
 
     def held_blobs(self, step: int) -> set[str]:

@@ -107,7 +107,7 @@ def _commit(r: requests.Commit, payloads: Sequence[bytes]) -> Args:
 
 def _backup_upload(r: requests.BackupUpload, payloads: Sequence[bytes]) -> Args:
     if r.step is not UNSET:  # this host's designated share of the step's boxes, instead of a list of blobs
-        return (None,), {"step": r.step, "stand_in": [(x.writer, x.part) for x in r.stand_in]}
+        return (None,), {"step": r.step, "stand_in": [(x.writer, x.part, x.pieces) for x in r.stand_in]}
     return (r.blobs,), {}
 
 

@@ -231,11 +231,11 @@ class SidecarService:
             return tier
 
     def backup_upload(self, blobs: list[str] | None, step: int | None = None,
-                      stand_in: Sequence[tuple[str, str]] = ()) -> dict:
+                      stand_in: Sequence[tuple[str, str, bool]] = ()) -> dict:
         """Upload the blobs the head assigned to this host (those the store lacks); with ``step``
         instead, this host's share of the step's unique boxes (``Committed.designated_uploads``), and
-        the shares of the writers gone from the step that it stands in for ((writer, part): read from
-        the rows of ``part``)."""
+        the shares of the writers gone from the step that it stands in for ((writer, part, pieces only):
+        read from the rows of ``part``)."""
         if step is not None:
             blobs = self.committed.designated_uploads(step, stand_in)
         return self._backup_tier().upload(list(blobs or []))

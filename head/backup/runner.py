@@ -76,15 +76,16 @@ class BackupRunner:
         skipped, self._skipped = self._skipped, 0
         self._pending = self._executor.submit(self._run, committed, skipped)
 
-    def _parts_plan(self, committed: CommittedStep) -> tuple[dict[str, list[tuple[str, str]]], str] | None:
+    def _parts_plan(self, committed: CommittedStep) -> tuple[dict[str, list[tuple[str, str, bool]]], str] | None:
         """(the hosts that upload their parts -> the writers they stand in for, the host that finalizes) for a
         backup with no manifest read on the head, O(hosts): when every box is in a part some host holds whole
         (the inventories) and the manifest records which host held which device (its header), the hosts share
         the uploads out among themselves (each unique box by one host) and a host that keeps the manifest
         finalizes from its own copy. A writer that lost its part (gone, or its ramdisk lost) has its share
         uploaded by a host that keeps a peer copy of its part, else by a data-parallel twin that holds its own
-        part whole (the same boxes): (writer, the part whose rows say its boxes). None when it cannot go that
-        way (a writer with neither, a part held in pieces only, a step of an older version)."""
+        part whole (the same boxes), else by every host that holds a piece of its part, each the blobs it
+        holds: (writer, the part whose rows say its boxes, pieces only). None when it cannot go that way (a
+        writer with none of them, a step of an older version)."""
         from mtc.head.replication.plan import step_views
         from mtc.shared.format import writers
 
@@ -96,18 +97,21 @@ class BackupRunner:
             return None
         inv = self._dispatch.inventories()
         view = step_views(inv, None, lambda s, d: header if d == digest else None).get(step)
-        if view is None or not view.by_writers or view.manifest != digest or view.pieces:
+        if view is None or not view.by_writers or view.manifest != digest:
             return None
-        uploads: dict[str, list[tuple[str, str]]] = {  # the writers that hold their own parts whole
+        uploads: dict[str, list[tuple[str, str, bool]]] = {  # the writers that hold their own parts whole
             h: [] for h, _ in header.parts if h in view.part_holders.get(h, ())}
         twins = writers.twins(header) if view.lost else {}
         for w in view.lost:
             keeper = next((h for h in view.part_holders.get(w, ()) if h != w), None)
             twin = next((t for t in (twins or {}).get(w, ()) if t in uploads), None)
             if keeper is not None:
-                uploads.setdefault(keeper, []).append((w, w))
+                uploads.setdefault(keeper, []).append((w, w, False))
             elif twin is not None:
-                uploads[twin].append((w, twin))
+                uploads[twin].append((w, twin, False))
+            elif w in view.pieces:  # every holder of a piece gives the blobs of the share that it holds
+                for h in view.pieces[w]:
+                    uploads.setdefault(h, []).append((w, w, True))
             else:
                 return None
         return uploads, (list(view.keepers) or sorted(uploads))[0]  # a keeper finalizes from the copy it has

@@ -377,13 +377,16 @@ class Dispatcher(abc.ABC):
         return self._all_jobs("backup upload", "backup_upload",
                               {h: requests.BackupUpload(blobs=list(b)) for h, b in assignments.items()}, lane="backup")
 
-    def backup_upload_parts(self, step: int, hosts: Mapping[str, Sequence[tuple[str, str]]]) -> dict[str, dict]:
+    def backup_upload_parts(self, step: int, hosts: Mapping[str, Sequence[tuple[str, str, bool]]]
+                            ) -> dict[str, dict]:
         """Every host of ``hosts`` uploads its designated share of ``step``'s unique boxes
         (``Committed.designated_uploads``: the hosts share the work out among themselves, by the
         manifest's sharding descriptions and ``topology.devices``), and those of the writers it stands in
-        for ((writer, the part whose rows it reads)); host id -> what it uploaded."""
+        for ((writer, the part whose rows it reads, whether it holds pieces of it only)); host id -> what
+        it uploaded."""
         return self._all_jobs("backup upload", "backup_upload", {h: requests.BackupUpload(
-            step=step, stand_in=[requests.StandIn(w, p) for w, p in ws]) for h, ws in hosts.items()}, lane="backup")
+            step=step, stand_in=[requests.StandIn(w, p, pieces) for w, p, pieces in ws]) for h, ws in hosts.items()},
+            lane="backup")
 
     def backup_finalize_step(self, host: str, name: str, step: int, digest: str) -> dict:
         """``backup_finalize`` from the host's own copy of the manifest of ``step`` (``digest``): the head

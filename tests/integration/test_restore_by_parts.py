@@ -522,30 +522,40 @@ def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, ro
         assert report.moved_bytes > 0 and report.moved_blobs > 0, report
 
 
-@pytest.mark.parametrize("layout", ["twins", "peer copies"])
+@pytest.mark.parametrize("layout", ["twins", "peer copies", "pieces"])
 def test_a_backup_with_a_writer_down_is_uploaded_by_its_stand_ins_without_a_row(local_cluster, ramdisk, rows_parsed,
                                                                                whole_reads, layout):
     """A host that saved the step is down when its backup is due. Its share of the uploads goes to a stand-in:
-    a data-parallel twin (the same boxes, its own part's rows) or the host that keeps a peer copy of its part.
-    The head reads no manifest; the backup holds every blob and restores bit for bit once every ramdisk is
-    lost (before, the head read the manifest and assigned every blob)."""
+    a data-parallel twin (the same boxes, its own part's rows), the host that keeps a peer copy of its part,
+    or every host that holds a piece of it (each the blobs it holds). The head reads no manifest; the backup
+    holds every blob and restores bit for bit once every ramdisk is lost (before, the head read the manifest,
+    gave the down host blobs to upload, and the backup failed)."""
     from mtc.head.backup.runner import BackupRunner
     from mtc.head.commit import CommittedStep
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 
-    states = {s: data_parallel_state(s, jax.devices()) if layout == "twins" else make_state(s) for s in (4, 5)}
+    make = {"twins": lambda s: data_parallel_state(s, jax.devices()), "peer copies": make_state, "pieces": fsdp_state}
+    states = {s: make[layout](s) for s in (4, 5)}
     cfg = MTCConfig(local_checkpoint_directory=str(local_cluster.root), cluster_spec=str(local_cluster.spec_path),
-                    local_checkpoint_period=1, replication_factor=2, base_output_directory=str(ramdisk / "bucket"),
-                    run_name="r", multi_tier_checkpointing_backup_interval_steps=100)
+                    local_checkpoint_period=1, replication_factor=1 if layout == "pieces" else 2,
+                    base_output_directory=str(ramdisk / "bucket"), run_name="r",
+                    multi_tier_checkpointing_backup_interval_steps=100)
     d = ClusterDispatcher(cfg)
     with CheckpointManager(cfg, dispatcher=d) as m:
         for s in (4, 5):  # step 4's backup is due (the first); step 5's is not
             m.save(s, states[s])
             m.wait_until_finished()
-            assert m.wait_for_replication().replicated
+            assert layout == "pieces" or m.wait_for_replication().replicated  # (factor 1: no replication)
         assert m.wait_for_backup().step == 4
         saved = m.manifest(5)
         data, digest = saved.to_json(), saved.digest
+        if layout == "pieces":  # no copy of s1-h1's part: halves of it on two hosts of slice 0
+            everyone = set.intersection(*(set(saved.part_blobs[h]) for h in saved.part_blobs))
+            theirs = sorted(set(saved.part_blobs["s1-h1"]) - everyone)
+            sizes = saved.blob_sizes()
+            got = d.peer_pull(5, {h: [(b, sizes[b], ["s1-h1"]) for b in bs]
+                                  for h, bs in {"s0-h0": theirs[::2], "s0-h1": theirs[1::2]}.items()})
+            assert all(not r.error and not r.failed for r in got.values()), got
         whole_reads[0] = 0
         rows_parsed[0] = 0
         local_cluster.kill("s1-h1")

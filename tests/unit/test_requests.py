@@ -71,7 +71,7 @@ def test_requests_for_several_hosts_travel_as_what_they_share_and_each_ones_own(
     ("backup_upload", {"blobs": [BLOB], "step": 1}, "give 'blobs' or 'step', not both"),
     ("backup_upload", {"blobs": [BLOB], "stand_in": [["s1-h1", "s0-h1"]]}, "'stand_in' goes with 'step'"),
     ("backup_upload", {"step": 1, "stand_in": [["s1-h1"]]},
-     r"backup_upload: 'stand_in' must list \[writer, part\] host ids, got \[\['s1-h1'\]\]"),
+     r"backup_upload: 'stand_in' must list \[writer, part\] host ids \(and whether it holds pieces only\), got"),
     ("backup_fetch", {"name": "n", "blobs": [], "parts": ["s0-h0"], "wants": [[["w"], [[[4, 2]]]]]},
      r"backup_fetch: wants\[0\]\[1\]\[0\]\[0\]: \[4, 2\] has start > stop"),
     ("backup_fetch", {"name": "n", "blobs": [], "parts": ["s0-h0"], "wants": [[["w"], [[4, 2]]]]},
