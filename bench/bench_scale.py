@@ -452,7 +452,8 @@ def pieces_side(hosts: int, layers: int) -> dict:
     matrix split over every device (no twin). Every host's inventory parsed (the two report the pieces:
     a bitmap each over the lost part's blobs), the step chosen by its writers' parts with the pieces
     (``step_views``), which parts each host reads on the same mesh (``writers.plan``: the replaced node,
-    the lost part from the pieces), and `mtc status`'s copies. Before, the step went to the rows path (column "reading every row")."""
+    the lost part from the pieces), and `mtc status`'s copies. Before, the step went to the rows path
+    (column "reading every row")."""
     slices = max(2, hosts // HOSTS_PER_SLICE)
     n = hosts * DEVICES_PER_HOST
     mesh = {"type": "named", "mesh_shape": [slices, n // slices], "axis_names": ["data", "fsdp"],

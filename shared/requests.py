@@ -213,7 +213,8 @@ class BackupUpload(Request, kw_only=True):
     step: Step | UnsetType = UNSET
     stand_in: list[StandIn] = []
     PER_HOST = ("blobs", "step", "stand_in")
-    WHY = {**_WHY_BLOBS, **_WHY_STEP, "stand_in": "'stand_in' must list [writer, part] host ids (and whether it holds pieces only)"}
+    WHY = {**_WHY_BLOBS, **_WHY_STEP,
+           "stand_in": "'stand_in' must list [writer, part] host ids (and whether it holds pieces only)"}
 
     def __post_init__(self):
         if self.step is not UNSET and self.blobs is not UNSET:
