@@ -54,7 +54,8 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path, int]]:
         d = Path(path if sep else a)
         if not (d / "mtc").is_dir():
             raise ConfigError(f"{d} holds no mtc ramdisk ({d / 'mtc'} does not exist); pass the "
-                              "local_checkpoint_directory the job used")
+                              "local_checkpoint_directory the job used (a host whose ramdisk was lost holds "
+                              "nothing to read: leave its folder out, and the others say what it held)")
         named.append((hid if sep else None, d))
     parts: dict[str, set[str]] = {}  # host -> its part's blobs, from whole manifests
     slices: dict[str, int] = {}
