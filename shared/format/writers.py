@@ -131,13 +131,13 @@ def copies(header: StepHeader, holders: Mapping[str, Collection[str]], domain_of
     writer_of = _writer_of(header)
     if writer_of is None:
         return None
-    floor = {}
+    floor = {}  # pieced writer -> the fewest domains that hold any one blob of its part
     for w, by_host in (pieces or {}).items():
-        domains: dict[Any, list[bool]] = {}
+        held_in: dict[Any, list[bool]] = {}  # domain -> which of the part's blobs its hosts hold
         for h, bits in by_host.items():
-            d = domains.setdefault(domain_of(h), [False] * len(bits))
-            domains[domain_of(h)] = [a or b for a, b in zip(d, bits)]
-        floor[w] = min((sum(col) for col in zip(*domains.values())), default=0)
+            dom = domain_of(h)
+            held_in[dom] = [a or b for a, b in zip(held_in.get(dom, bits), bits)]
+        floor[w] = min((sum(col) for col in zip(*held_in.values())), default=0)
     counts = []
     if any(rec.kind == "numpy" for rec in header.arrays):  # every writer wrote those whole
         counts.append(len({domain_of(h) for hs in holders.values() for h in hs}))
