@@ -75,6 +75,28 @@ def read_regular(path: str | os.PathLike, max_bytes: int, what: str = "file") ->
         os.close(fd)
 
 
+def read_first_line(path: str | os.PathLike, max_bytes: int, what: str = "file") -> bytes:
+    """The first line of the regular file ``path`` (see ``open_regular``), without its newline: the
+    whole file when it has one line. A line longer than ``max_bytes`` is an UntrustedFileError; no more
+    of the file is read than the line (in chunks of 1 MiB)."""
+    fd = open_regular(path, what)
+    try:
+        chunks, got = [], 0
+        while True:
+            chunk = os.read(fd, min(max_bytes + 1 - got, MiB))
+            cut = chunk.find(b"\n")
+            if cut >= 0:
+                chunk = chunk[:cut]
+            chunks.append(chunk)
+            got += len(chunk)
+            if got > max_bytes:
+                raise _too_large(path, max_bytes, what)
+            if cut >= 0 or not chunk:
+                return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_text(path: str | os.PathLike, max_bytes: int, what: str = "file") -> str:
     """``read_regular`` decoded as UTF-8; bad bytes are an UntrustedFileError naming the file."""
     data = read_regular(path, max_bytes, what)

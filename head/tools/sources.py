@@ -32,17 +32,36 @@ from mtc.shared import protocol
 from mtc.shared.config import ENV_TOKEN
 from mtc.shared.errors import ConfigError, MTCError
 from mtc.shared.job_key import JobKey
-from mtc.shared.safe_files import MAX_MANIFEST_BYTES, MAX_NOTE_BYTES, read_regular
+from mtc.shared.safe_files import MAX_MANIFEST_BYTES, MAX_NOTE_BYTES, read_first_line, read_regular
 
 
-def _steps(d: Path) -> list[bytes]:
-    out = []
-    for f in sorted((d / "mtc" / "steps").glob("*.json"), reverse=True):
+def _step_files(d: Path) -> list[Path]:
+    """The committed step files of the ramdisk folder ``d``, newest first."""
+    return sorted((d / "mtc" / "steps").glob("*.json"), reverse=True)
+
+
+def _first_lines(d: Path) -> Iterator[tuple[Path, bytes]]:
+    """(file, its first line) of each committed step of ``d``, newest first: a commit record whole (it is one
+    line), a step manifest's header (its parts, hundreds of MiB at thousands of hosts, are not read)."""
+    for f in _step_files(d):
         try:
-            out.append(read_regular(f, MAX_MANIFEST_BYTES, "step manifest"))
+            yield f, read_first_line(f, MAX_MANIFEST_BYTES, "step manifest")
         except OSError:  # gone, unreadable, or not a regular file (UntrustedFileError)
             continue
-    return out
+
+
+def _part_blobs(files: Sequence[Path]) -> dict[str, set[str]]:
+    """host -> the blobs of its part, from the whole step manifests in ``files`` (read only to tell a
+    folder's host by the blobs it holds)."""
+    parts: dict[str, set[str]] = {}
+    for f in files:
+        try:
+            m = fmt.StepManifest.from_json(read_regular(f, MAX_MANIFEST_BYTES, "step manifest"))
+        except (OSError, MTCError):
+            continue
+        for h, blobs in (m.part_blobs or {}).items():
+            parts.setdefault(h, set()).update(blobs)
+    return parts
 
 
 def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path, int]]:
@@ -57,26 +76,30 @@ def folder_hosts(args: Sequence[str]) -> list[tuple[str, Path, int]]:
                               "local_checkpoint_directory the job used (a host whose ramdisk was lost holds "
                               "nothing to read: leave its folder out, and the others say what it held)")
         named.append((hid if sep else None, d))
-    parts: dict[str, set[str]] = {}  # host -> its part's blobs, from whole manifests
     slices: dict[str, int] = {}
+    whole: list[Path] = []  # step manifests: their parts tell a folder's host by the blobs it holds
     found: list[str | None] = []
     for hid, d in named:
         own = hid or _noted(d)
-        for data in _steps(d):
+        for f, line in _first_lines(d):
             try:
-                rec = fmt.CommitRecord.parse(data)
+                rec = fmt.CommitRecord.parse(line)
                 if rec is not None:
                     own = own or rec.host_manifest().host
                     continue
-                m = fmt.StepManifest.from_json(data)
-            except MTCError:
-                continue
-            for h, blobs in (m.part_blobs or {}).items():
-                parts.setdefault(h, set()).update(blobs)
-            for h, sl in (m.topology.get("slices") or {}).items():
+                topology = fmt.StepHeader.from_line(line).topology
+            except MTCError:  # an older format (its document over several lines) is read whole
+                try:
+                    data = read_regular(f, MAX_MANIFEST_BYTES, "step manifest")
+                    topology = fmt.StepManifest.from_json(data).topology
+                except (OSError, MTCError):
+                    continue
+            whole.append(f)
+            for h, sl in (topology.get("slices") or {}).items():
                 if isinstance(sl, int):
                     slices.setdefault(h, sl)
         found.append(own)
+    parts = _part_blobs(whole) if None in found else {}
     for i, (hid, d) in enumerate(named):
         if found[i] is not None:
             continue

@@ -107,7 +107,7 @@ def test_status_of_a_stopped_job_and_bad_input(tmp_path, capsys):
     assert "holds no mtc ramdisk" in err and "a host whose ramdisk was lost" in err and "Traceback" not in err
 
 
-def test_a_stopped_multi_host_job_is_read_with_the_host_ids_its_folders_hold(tmp_path, capsys):
+def test_a_stopped_multi_host_job_is_read_with_the_host_ids_its_folders_hold(tmp_path, capsys, monkeypatch):
     """The folders of a stopped 2 x 2 job, named in any order and not after their hosts: status sees
     the newest step on every host (not 'does not match the manifest'), and an export reads it."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
@@ -150,8 +150,22 @@ def test_a_stopped_multi_host_job_is_read_with_the_host_ids_its_folders_hold(tmp
     path.write_bytes(bytes(data[:3]) + bytes([data[3] ^ 0x01]) + bytes(data[4:]))  # repaired
     from mtc.head.tools.sources import folder_hosts
 
-    assert sorted((h, sl) for h, _, sl in folder_hosts(map(str, renamed))) == [
-        ("s0-h0", 0), ("s0-h1", 0), ("s1-h0", 1), ("s1-h1", 1)]
+    # Each folder names its host (host.json): the step files' headers tell the slices, no whole manifest is read.
+    whole = []
+    real = fmt.StepManifest.from_json
+    monkeypatch.setattr(fmt.StepManifest, "from_json", lambda *a, **k: whole.append(1) or real(*a, **k))
+    want = [("s0-h0", 0), ("s0-h1", 0), ("s1-h0", 1), ("s1-h1", 1)]
+    assert sorted((h, sl) for h, _, sl in folder_hosts(map(str, renamed))) == want
+    assert not whole, "folder_hosts read a whole step manifest of folders that name their hosts"
+    # Without the notes (an older mtc), the commit records and the keepers' parts tell them all the same.
+    notes = {d: (d / "mtc" / "host.json").read_bytes() for d in renamed}
+    for d in renamed:
+        (d / "mtc" / "host.json").unlink()
+    assert sorted((h, sl) for h, _, sl in folder_hosts(map(str, renamed))) == want
+    assert whole
+    monkeypatch.undo()
+    for d, note in notes.items():
+        (d / "mtc" / "host.json").write_bytes(note)
     assert main(["export", "--to", str(tmp_path / "out"), "--verify", "--local-checkpoint-directory",
                  *map(str, renamed)]) == 0
     assert "exported step 2" in capsys.readouterr().out
