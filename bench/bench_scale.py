@@ -73,12 +73,14 @@ import math
 import tempfile
 import time
 
+import numpy as np
+
 from mtc.head.backup.plan import assign_parts, assign_scrub
 from mtc.head.commit import choose_keepers
 from mtc.head.dispatch.interface import HostInventory
 from mtc.head.replication.plan import ReplicationStrategy, covered_by_shares, plan_shares, step_views
 from mtc.head.tools.cli.status import copies_by_share
-from mtc.shared import backup_index, backup_layout
+from mtc.shared import backup_index, backup_layout, colocated_codec
 from mtc.shared import format as fmt
 from mtc.shared import protocol, shardings
 from mtc.shared.backup_seals import SUFFIX as SEAL_SUFFIX, Seals
@@ -167,24 +169,23 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         assert doc["host"] == h and doc["step"] == 1
     t1 = time.process_time()
 
-    def build_manifest() -> tuple[bytes, str, dict]:
+    def build_manifest() -> tuple[list[bytes], str, dict]:
         # Which host wrote which devices (the save's ``topology.devices``), from the sharding descriptions.
         devices = shardings.devices_by_host({id(r.sharding): r.sharding for r in records if r.sharding}.values(),
                                             lambda d: f"h{d // DEVICES_PER_HOST}")
-        return *fmt.encode_step(step=1, arrays=records, tree=tree, created=0.0, topology={
+        # As the save builds it: the header and the parts, never joined (they are sent back to back).
+        return *fmt.encode_step_segments(step=1, arrays=records, tree=tree, created=0.0, topology={
             "hosts": sorted(per_host), "devices": devices}, fingerprint={}, parts=parts), devices
 
-    data, digest, devices = build_manifest()
+    segments, digest, devices = build_manifest()
     t2 = time.process_time()
     first_build_s = t2 - t1
-    # Again: a training job saves every few minutes, and its first save pays for fresh memory (the
-    # manifest's hundreds of MiB at thousands of hosts) that later saves may find mapped (4096 hosts on
-    # the 2-core machine of the README, alone: 1.78 s the first time, 0.35 s after; within this
-    # benchmark's run the second paid too, 1.94 s against 3.12 s).
-    del data
+    # Again: a training job saves every few minutes, and its first save pays for fresh memory that later
+    # saves may find mapped.
+    del segments
     quiet()
     t1 = time.process_time()
-    data, digest, devices = build_manifest()
+    segments, digest, devices = build_manifest()
     t2 = time.process_time()
     keepers = choose_keepers(sorted(per_host), lambda h: int(h[1:]) // HOSTS_PER_SLICE, 1, KEEPERS)
     where = [[k, f"10.0.{i}.1:7001"] for i, k in enumerate(keepers)]
@@ -193,6 +194,9 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
         if h not in keepers:
             decisions += len(json.dumps({"step": 1, "digest": digest, "keepers": where}))
     t3 = time.process_time()
+    colocated_s, colocated_before_s = colocated_commit(segments, digest)
+    data = b"".join(segments)  # (for the readers measured below)
+    del segments
     sent2 = decisions + len(data) * len(keepers)
     repl_s, repl_received = replication_decision(hosts, len(per_host["h0"]))
     plan_s, _ = replication_decision(hosts, len(per_host["h0"]), twins=False)
@@ -238,13 +242,33 @@ def measure(hosts: int, layers: int, parse: bool) -> dict:
     return {"hosts": hosts, "devices": hosts * DEVICES_PER_HOST, "arrays": len(records),
             "shards": sum(len(s) for s in per_host.values()), "manifest_bytes": len(data),
             "host_part_s": host_part_s, "head_check_s": t1 - t0, "head_build_s": t2 - t1, "head_phase2_s": t3 - t2,
-            "first_build_s": first_build_s,
+            "first_build_s": first_build_s, "colocated_s": colocated_s, "colocated_before_s": colocated_before_s,
             "keeper_parse_s": keeper_s, "names_s": names_s, "among_s": among_s, "among_asked": among_asked,
             "among_bytes": among_bytes,
             "v1_parse_s": v1_parse_s, "v1_bytes": v1_bytes, "replication_s": repl_s, "replication_received": repl_received,
             "plan_s": plan_s, "old_restore_s": old_restore_s, **restore,
             "head_sent": sent1 + sent2, "head_received": recv1,
             "before_sent": sent1 + len(data) * hosts}
+
+
+def colocated_commit(segments: list[bytes], digest: str) -> tuple[float, float]:
+    """Head CPU to put phase 2's request to the keepers in the colocated transport's rows (one per keeper's
+    control device; the device transfer itself not counted): now, the manifest's buffers copied once after
+    the request's JSON; before, the manifest joined, decoded and encoded as a JSON string, its rows a copy
+    each."""
+    doc = {"id": "0" * 32, "op": "commit", "gen": 1, "step": 1, "digest": digest}
+    quiet()
+    t0 = time.process_time()
+    row = colocated_codec.encode_request(doc, [protocol.Gathered(tuple(segments))])
+    now_s = time.process_time() - t0
+    del row
+    quiet()
+    t0 = time.process_time()
+    text = np.frombuffer(json.dumps({**doc, "payloads": [b"".join(segments).decode()]}).encode(), np.uint8)
+    rows = np.ascontiguousarray(np.broadcast_to(text, (KEEPERS, len(text))))
+    before_s = time.process_time() - t0
+    del text, rows
+    return now_s, before_s
 
 
 def _rows_part(host: str, shards: list[fmt.HostShard]) -> bytes:
@@ -636,12 +660,13 @@ def main() -> None:
           f"FSDP over hosts x {DEVICES_PER_HOST} devices, {KEEPERS} keepers\n")
     print("| hosts | shard rows | manifest | head CPU per save | the first save in the process | head sends "
           "| head receives | head sends per host "
-          "| head receives per host | a host: its part | replication decision, data-parallel slices (head CPU) "
+          "| head receives per host | colocated transport: phase 2's rows to the keepers (head CPU; before: the "
+          "manifest as a JSON string) | a host: its part | replication decision, data-parallel slices (head CPU) "
           "| replication plan, no twins (head CPU) "
           "| replication decision, a saving host down, data-parallel slices (head CPU) "
           "| reading the whole manifest (a restore) "
           "| its blob names alone (`status --verify`) | the same with row parts (mtc-host/1): size, read |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         head = r["head_check_s"] + r["head_build_s"] + r["head_phase2_s"]
         first = head - r["head_build_s"] + r["first_build_s"]
@@ -651,7 +676,8 @@ def main() -> None:
                    if r["v1_parse_s"] is not None else "skipped")
         print(f"| {r['hosts']} | {r['shards']:,} | {_mib(r['manifest_bytes'])} | {head * 1e3:,.0f} ms | "
               f"{first * 1e3:,.0f} ms | {_mib(r['head_sent'])} | {_mib(r['head_received'])} | {_mib(r['head_sent'] / r['hosts'])} | "
-              f"{_mib(r['head_received'] / r['hosts'])} | {r['host_part_s'] * 1e3:.1f} ms | "
+              f"{_mib(r['head_received'] / r['hosts'])} | {r['colocated_s'] * 1e3:,.0f} ms "
+              f"({r['colocated_before_s'] * 1e3:,.0f} ms) | {r['host_part_s'] * 1e3:.1f} ms | "
               f"{r['replication_s'] * 1e3:,.0f} ms | {r['plan_s'] * 1e3:,.0f} ms | "
               f"{r['replication_down_s'] * 1e3:,.0f} ms | {keeper} | {names} | {rows_v1} |")
     print("\n## One restore's control plane onto the topology that saved the step (a restart), simulated\n")

@@ -9,6 +9,7 @@ import threading
 from typing import Callable
 
 from mtc.shared import format as fmt
+from mtc.shared import protocol
 
 __all__ = ["CommittedStep", "choose_keepers", "commit_messages"]
 
@@ -46,13 +47,15 @@ def commit_messages(hosts: list[str], keepers: list[str], peers: dict[str, str])
 class CommittedStep:
     """A committed step whose manifest is read from its bytes when first needed, once.
 
-    Phase 2 ends with the manifest's bytes; reading them grows with the step's shards, so the
-    save thread hands them over unread and the first background task that needs the manifest
-    (replication, the backup) reads it: the next save does not wait for that.
+    Phase 2 ends with the manifest's bytes (the save's: its buffers, never joined unless it is read);
+    reading them grows with the step's shards, so the save thread hands them over unread and the first
+    background task that needs the manifest (replication, the backup) reads it: the next save does not
+    wait for that.
     """
 
-    def __init__(self, step: int, data: bytes | None = None, *, digest: str = "", hosts: tuple[str, ...] = (),
-                 manifest: fmt.StepManifest | None = None, fetch: Callable[[], fmt.StepManifest] | None = None,
+    def __init__(self, step: int, data: bytes | protocol.Gathered | None = None, *, digest: str = "",
+                 hosts: tuple[str, ...] = (), manifest: fmt.StepManifest | None = None,
+                 fetch: Callable[[], fmt.StepManifest] | None = None,
                  header: fmt.StepHeader | None = None):
         if sum(x is not None for x in (data, manifest, fetch)) != 1:
             raise ValueError("CommittedStep needs exactly one of the manifest's bytes, the manifest and a way to "
@@ -81,7 +84,9 @@ class CommittedStep:
     def _read_header(self) -> None:
         if self._header is None and self._data is not None:
             try:
-                self._header = fmt.StepHeader.from_line(self._data.partition(b"\n")[0],
+                data = self._data
+                first = data.buffers[0] if isinstance(data, protocol.Gathered) else data  # (the header line first)
+                self._header = fmt.StepHeader.from_line(bytes(first).partition(b"\n")[0],
                                                         source=f"step {self.step} manifest header")
             except Exception:  # an older format, or bytes that do not read: the manifest's reader says why
                 pass
@@ -91,7 +96,10 @@ class CommittedStep:
         with self._lock:
             if self._manifest is None:
                 self._read_header()  # (its bytes are dropped once read)
-                self._manifest = (self._fetch() if self._data is None else
-                                  fmt.StepManifest.from_json(self._data, source=f"step {self.step} manifest"))
+                data = self._data
+                if isinstance(data, protocol.Gathered):
+                    data = data.join()
+                self._manifest = (self._fetch() if data is None else
+                                  fmt.StepManifest.from_json(data, source=f"step {self.step} manifest"))
                 self._data = None
             return self._manifest

@@ -19,7 +19,7 @@ from mtc.head import tree as tree_lib
 from mtc.head.dispatch.interface import Leaf, WriteResult
 from mtc.head.twin_check import check as check_twins, hash_replicas
 from mtc.shared import format as fmt
-from mtc.shared import shardings, version
+from mtc.shared import protocol, shardings, version
 from mtc.shared.errors import TargetMismatchError
 
 
@@ -88,8 +88,9 @@ def flatten(state: Any, config: Any = None) -> tuple[list[Leaf], Any]:
 
 
 def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult,
-               dispatch: Any = None, twin_check: str = "off") -> tuple[bytes, str]:
-    """The step manifest (bytes, digest) from the leaves and phase 1's host parts.
+               dispatch: Any = None, twin_check: str = "off") -> tuple[protocol.Gathered, str]:
+    """The step manifest (its buffers, unjoined: ``fmt.encode_step_segments``; and its digest) from the
+    leaves and phase 1's host parts.
 
     First the twin check (``twin_check``: "warn", "fail" or "off"): where the hosts' parts (or the
     hash pass of ``flatten``) name more than one blob for one box, ``TwinMismatchError`` (the step
@@ -139,6 +140,7 @@ def build_step(step: int, leaves: list[Leaf], tree_doc: Any, result: WriteResult
         # Which host wrote the shards of which devices: a restore onto the same hosts and shardings
         # reads the header alone (fmt.StepHeader), each host its own part.
         topology["devices"] = shardings.devices_by_host(described.values(), dispatch.host_of_device)
-    return fmt.encode_step(step=step, arrays=records, tree=tree_doc, created=time.time(),
-                           topology=topology, fingerprint=version.fingerprint(),
-                           parts=result.parts, listed_boxes=listed)
+    segments, digest = fmt.encode_step_segments(step=step, arrays=records, tree=tree_doc, created=time.time(),
+                                                topology=topology, fingerprint=version.fingerprint(),
+                                                parts=result.parts, listed_boxes=listed)
+    return protocol.Gathered(tuple(segments)), digest

@@ -43,7 +43,8 @@ from mtc.shared.version import PROTOCOL_VERSION
 
 __all__ = [
     "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "Request", "Reply", "RemoteError",
-    "HostSpec", "ClusterSpec", "Digesting", "aligned_buffer", "byte_view", "send_frame", "recv_frame",
+    "HostSpec", "ClusterSpec", "Digesting", "Gathered", "aligned_buffer", "byte_view", "payload_nbytes",
+    "send_frame", "recv_frame",
     "frame_head", "recv_header",
     "encode_bitmap", "decode_bitmap", "blob_list_digest",
     "send_request", "recv_request", "send_reply", "recv_reply", "parse_address", "loads_message",
@@ -94,6 +95,31 @@ class Sink:
         raise NotImplementedError
 
 
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """One payload made of several buffers, sent back to back (``sendmsg`` on each, no copy): a step's
+    manifest as its header and host parts, never joined into one buffer on the head (hundreds of MiB at
+    thousands of hosts). The receiver gets one payload of ``nbytes``."""
+
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(byte_view(b).nbytes for b in self.buffers)
+
+    def views(self) -> list[memoryview]:
+        return [byte_view(b) for b in self.buffers]
+
+    def join(self) -> bytes:
+        """The payload's bytes in one buffer (a copy), for a reader that needs them whole."""
+        return b"".join(self.views())
+
+
+def payload_nbytes(payload: Buffer | Gathered) -> int:
+    """The bytes one payload sends."""
+    return payload.nbytes if isinstance(payload, Gathered) else byte_view(payload).nbytes
+
+
 def aligned_buffer(nbytes: int) -> np.ndarray:
     """An uninitialised uint8 array of ``nbytes`` whose data is 64-byte aligned.
 
@@ -117,10 +143,20 @@ def _encode_header(header: Mapping) -> bytes:
     return data
 
 
-def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer] = ()) -> None:
-    """Send one frame; ``header["payloads"]`` is set here from the payload sizes."""
-    views = [byte_view(p) for p in payloads]
-    _send_buffers(sock, [frame_head(header, [v.nbytes for v in views]), *views])
+def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer | Gathered] = ()) -> None:
+    """Send one frame; ``header["payloads"]`` is set here from the payload sizes (a ``Gathered``
+    payload is one, its buffers sent back to back)."""
+    sizes, views = [], []
+    for p in payloads:
+        if isinstance(p, Gathered):
+            parts = p.views()
+            sizes.append(sum(v.nbytes for v in parts))
+            views += parts
+        else:
+            v = byte_view(p)
+            sizes.append(v.nbytes)
+            views.append(v)
+    _send_buffers(sock, [frame_head(header, sizes), *views])
 
 
 def frame_head(header: Mapping, sizes: Sequence[int]) -> bytes:

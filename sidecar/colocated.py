@@ -187,10 +187,9 @@ class ColocatedSidecar:
                 ops.check(name, "colocated")
                 return None, []
             args.update(per_host[svc.host_id])
-        payloads = args.get("payloads") or []
-        if not (isinstance(payloads, list) and all(isinstance(p, str) for p in payloads)):
-            raise ProtocolError("'payloads' must be a list of texts")
-        payloads = [p.encode() for p in payloads]
+        payloads = args.pop("payloads", None) or []  # (bytes: colocated_codec.decode_request put them there)
+        if not (isinstance(payloads, list) and all(isinstance(p, bytes) for p in payloads)):
+            raise ProtocolError("'payloads' must travel as the request's payload bytes")
         if name == "close":  # the transport drops the service too
             ops.check(name, "colocated")
             ops.admit(svc, name, args)  # fencing: the generation decoded as every request's is

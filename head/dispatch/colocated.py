@@ -33,7 +33,7 @@ from mtc.head.dispatch.staging import HostStaging
 from mtc.shared import format as fmt
 from mtc.shared import landing_zones
 from mtc.shared.colocated_codec import decode_reply, encode_request
-from mtc.shared import requests, shardings, wire_errors
+from mtc.shared import protocol, requests, shardings, wire_errors
 from mtc.shared.config import MTCConfig
 from mtc.shared.host_settings import HostSettings
 from mtc.shared.objstore.retry import Backoff
@@ -110,8 +110,12 @@ class ColocatedDispatcher(Dispatcher):
 
     # --- control requests ---------------------------------------------------------------
 
-    def _request_array(self, payload: dict, devices: list) -> jax.Array:
-        data = encode_request(payload)
+    def _request_array(self, payload: dict, devices: list, payloads: Sequence[Any] = ()) -> jax.Array:
+        data = encode_request(payload, payloads)
+        if payloads:  # (a manifest: each device gets the one buffer, never a copy of it per row on the head)
+            row = data.reshape(1, -1)
+            return jax.make_array_from_single_device_arrays(
+                (len(devices), len(data)), _row_sharding(devices), [jax.device_put(row, d) for d in devices])
         rows = np.broadcast_to(data, (len(devices), len(data)))
         return jax.device_put(np.ascontiguousarray(rows), _row_sharding(devices))
 
@@ -119,7 +123,7 @@ class ColocatedDispatcher(Dispatcher):
                  per_host: dict[str, dict] | None = None, **args: Any) -> list[tuple[str, Any]]:
         """Run ``op`` on every host (or on the hosts of control device ``rows``); (host, result)
         per device row, errors re-raised typed. ``per_host``: arguments for some hosts only (the
-        others answer None); ``payloads``: the request's byte strings (text)."""
+        others answer None); ``payloads``: the request's bytes (bytes-like or ``protocol.Gathered``)."""
         return [(h, r) for h, r, _ in self._exchange(op, rows, payloads, per_host, args)]
 
     def _control_each(self, op: str, *, rows: list[int] | None = None, payloads: tuple[bytes, ...] = (),
@@ -152,11 +156,9 @@ class ColocatedDispatcher(Dispatcher):
         rid = uuid.uuid4().hex
         sharding = _row_sharding(devices)
         doc = {"id": rid, "op": op, "gen": self.generation, **args}
-        if payloads:
-            doc["payloads"] = [bytes(p).decode() for p in payloads]
         if per_host is not None:
             doc["per_host"] = per_host
-        req = self._request_array(doc, devices)
+        req = self._request_array(doc, devices, payloads)
         call = self._obj.call.specialize(
             out_specs_fn=lambda r: jax.ShapeDtypeStruct((len(devices),), np.int64, sharding=sharding))
         sizes = np.asarray(call(req))
@@ -291,7 +293,8 @@ class ColocatedDispatcher(Dispatcher):
                                                                      wire("part", requests.StepRequest(step=step)))}
         return WriteResult([(h, parts[h]) for h in self.hosts() if h in parts], {h: {} for h in self.hosts()})
 
-    def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
+    def commit(self, step: int, manifest: bytes | protocol.Gathered, digest: str, keepers: list[str]
+               ) -> dict[str, dict]:
         """Phase 2: the whole manifest to the keepers (one call on their control devices), the
         decision (digest, keepers) to the others (a second call, on theirs): each host receives
         its own rows only, so the others never get the manifest's bytes."""

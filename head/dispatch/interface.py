@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 import msgspec
 
 from mtc.head.commit import choose_keepers
-from mtc.shared import errors, op_table, requests
+from mtc.shared import errors, op_table, protocol, requests
 from mtc.shared import format as fmt
 from mtc.shared import wire_errors
 from mtc.shared.host_reports import HostInventory, PullResult, StepHolding
@@ -167,8 +167,10 @@ class Dispatcher(abc.ABC):
         """Phase 1 on every host."""
 
     @abc.abstractmethod
-    def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
-        """Phase 2 on every host (``manifest``: the step manifest's bytes, ``digest`` its digest): the
+    def commit(self, step: int, manifest: bytes | protocol.Gathered, digest: str, keepers: list[str]
+               ) -> dict[str, dict]:
+        """Phase 2 on every host (``manifest``: the step manifest's bytes, or its buffers unjoined (the save's);
+        ``digest`` its digest): the
         whole manifest to ``keepers`` (the manager's choice, ``commit.choose_keepers``), the decision to
         the others (``commit.commit_messages``); host id -> what the host wrote for the step."""
 

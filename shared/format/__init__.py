@@ -26,13 +26,15 @@ from mtc.shared.format.files import collect_blob_names, step_digest, step_format
 from mtc.shared.format.host import (COMMIT_FORMAT, HOST_FORMAT, HOST_FORMAT_V1, CommitRecord, HostManifest, HostShard,
                                     PartColumns)
 from mtc.shared.format.step import (FORMAT, ArrayRecord, ShardRecord, StepBlobNames, StepHeader, StepManifest,
-                                    check_step_bytes, encode_step, step_blob_names, step_blobs_among)
+                                    check_step_bytes, encode_step, encode_step_segments,
+                                    step_blob_names, step_blobs_among)
 
 __all__ = [
     "COMMIT_FORMAT", "FORMAT", "HOST_FORMAT", "HOST_FORMAT_V1", "ArrayRecord", "Box", "CommitRecord", "HostManifest",
     "HostShard", "PartColumns",
     "ShardRecord", "StepBlobNames", "StepHeader", "StepManifest", "box_from_index", "box_intersect", "box_shape", "box_slices", "box_str",
-    "check_step_bytes", "collect_blob_names", "dtype_from_name", "dtype_name", "encode_step", "step_blob_names",
+    "check_step_bytes", "collect_blob_names", "dtype_from_name", "dtype_name", "encode_step", "encode_step_segments",
+    "step_blob_names",
     "step_blobs_among", "step_digest",
     "step_format",
 ]

@@ -320,8 +320,21 @@ def encode_step(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created:
     ``parts`` are (host, host manifest bytes as the host wrote them); they are hashed and
     appended, never parsed, so this costs O(arrays + hosts) plus one pass over the bytes.
     ``listed_boxes`` (array index -> [(box, devices)]) is for arrays whose devices cannot be
-    derived from their sharding. Returns (bytes, digest).
+    derived from their sharding. Returns (bytes, digest); ``encode_step_segments`` the same
+    bytes unjoined.
     """
+    segments, digest = encode_step_segments(step=step, arrays=arrays, tree=tree, created=created, topology=topology,
+                                            fingerprint=fingerprint, parts=parts, listed_boxes=listed_boxes)
+    return b"".join(segments), digest
+
+
+def encode_step_segments(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created: float, topology: dict,
+                         fingerprint: dict, parts: Iterable[tuple[str, bytes]],
+                         listed_boxes: dict[int, list[tuple[Box, Iterable[int]]]] | None = None
+                         ) -> tuple[list[bytes], str]:
+    """``encode_step``'s manifest as the buffers it is made of, in order, never joined (at thousands of
+    hosts the manifest is hundreds of MiB, and its senders send buffers back to back): the header line
+    first, then a newline and a host's part for each part. Returns (buffers, digest)."""
     table: list[dict] = []
     index: dict[bytes, int] = {}
     by_id: dict[int, int] = {}  # the same description object (one sharding, many arrays): not re-encoded
@@ -358,7 +371,10 @@ def encode_step(*, step: int, arrays: Iterable[ArrayRecord], tree: Any, created:
               "topology": topology, "tree": tree, "shardings": table, "arrays": docs, "parts": metas}
     digest = doc_digest(header)
     header["digest"] = digest
-    return b"\n".join([canonical_json(header), *raw]), digest
+    segments = [canonical_json(header)]
+    for data in raw:
+        segments += (b"\n", data)
+    return segments, digest
 
 
 def check_step_bytes(data: bytes, *, source: str = "manifest") -> tuple[int, str, dict[str, str]]:

@@ -77,6 +77,7 @@ def test_the_save_thread_hands_the_manifest_to_replication_and_backup_unread(ram
         return real(cls, data, **kw)
 
     monkeypatch.setattr(fmt.StepManifest, "from_json", classmethod(spy))
+    joins = _spy_joins(monkeypatch)
     with LocalCluster(ramdisk / "cluster", 2, 2, devices_per_host=2) as cluster:
         cfg = MTCConfig(local_checkpoint_directory=str(cluster.root), cluster_spec=str(cluster.spec_path),
                         local_checkpoint_period=1, prefetch_on_start=False, base_output_directory=str(tmp_path / "bk"),
@@ -93,11 +94,41 @@ def test_the_save_thread_hands_the_manifest_to_replication_and_backup_unread(ram
             assert report.blobs_total > 0 and report.hosts == 4
             assert_trees_bitwise_equal(state, m.restore(1))
     assert not [t for t in readers if t.startswith("mtc-save")], readers
+    # The manifest went to the keepers as its header and parts, back to back: the head never joined it.
+    assert not joins, joins
     # Twins on both slices hold every copy: the hosts' shares say so, and replication reads nothing.
     assert not [t for t in readers if t.startswith("mtc-replicate")], readers
     # Every host holds its part whole: the hosts share the backup's uploads out, a keeper finalizes from its
     # own copy, and the head reads the manifest for none of it (it read it once, before).
     assert not [t for t in readers if t.startswith("mtc-backup")], readers
+
+
+def _spy_joins(monkeypatch) -> list[str]:
+    """The threads that made a step manifest's bytes in one buffer on the head (``fmt.encode_step``, or a
+    joined ``protocol.Gathered``)."""
+    from mtc.shared import protocol
+
+    joins: list[str] = []
+    real_join, real_encode = protocol.Gathered.join, fmt.encode_step
+    monkeypatch.setattr(protocol.Gathered, "join",
+                        lambda self: joins.append(threading.current_thread().name) or real_join(self))
+    monkeypatch.setattr(fmt, "encode_step",
+                        lambda **kw: joins.append(threading.current_thread().name) or real_encode(**kw))
+    return joins
+
+
+def test_the_colocated_save_sends_the_manifest_unjoined_and_as_bytes(ramdisk, monkeypatch):
+    """The colocated transport (Pathways) puts the manifest's buffers in the keepers' request rows as
+    bytes after the request's JSON, never as a JSON string and never joined first; the step restores."""
+    joins = _spy_joins(monkeypatch)
+    cfg = MTCConfig(local_checkpoint_directory=str(ramdisk / "ram"), local_checkpoint_period=1,
+                    prefetch_on_start=False)
+    state = _state(4)
+    with CheckpointManager(cfg) as m:
+        m.save(2, state)
+        m.wait_until_finished()
+        assert_trees_bitwise_equal(state, m.restore(2))
+    assert not joins, joins
 
 
 def test_without_twins_replication_plans_whole_shares_and_reads_no_manifest(ramdisk, monkeypatch):

@@ -71,3 +71,27 @@ def test_a_reply_with_a_lone_surrogate_is_mended_not_refused():
     """An answer may quote a file name that is not UTF-8; the head gets it printable."""
     data = encode_reply(lambda: ({"path": "/r/a\udcff"}, []))
     assert decode_reply(data)[0] == {"path": "/r/a\ufffd"}
+
+
+def test_payloads_travel_raw_after_the_json_in_both_directions():
+    """A manifest rides as bytes after its message's JSON and a newline, never as a JSON string: bytes
+    of any value (newlines, NULs), a ``Gathered`` one as its buffers back to back, in a padded row."""
+    from mtc.shared.protocol import Gathered
+
+    manifest = Gathered((b'{"header": 1}', b"\n", bytes(range(256)) * 3, b"\n", b"\0\0tail\0"))
+    payloads = (b"a\nb\0", manifest, b"")
+    row = encode_request({"id": "x", "op": "commit", "step": 4}, payloads)
+    assert b'"payload_bytes"' in row.tobytes() and bytes(range(256)) in row.tobytes()
+    padded = np.concatenate([row, np.zeros(100, np.uint8)])
+    assert decode_request(padded) == {"id": "x", "op": "commit", "step": 4,
+                                      "payloads": [b"a\nb\0", manifest.join(), b""]}
+    reply = encode_reply(lambda: ({"host": "h"}, [manifest.join(), b"\n"]))
+    assert decode_reply(reply + bytes(7)) == ({"host": "h"}, [manifest.join(), b"\n"], None)
+    assert decode_reply(encode_reply(lambda: ({"host": "h"}, []))) == ({"host": "h"}, [], None)
+
+
+@pytest.mark.parametrize("sizes", ["[5]", "[-1]", "5", '["3"]', "[1, 2, 3]"])
+def test_payload_sizes_that_the_row_does_not_hold_are_refused(sizes):
+    raw = b'{"id": "x", "op": "commit", "payload_bytes": ' + sizes.encode() + b'}\nabcd'
+    with pytest.raises(ProtocolError, match="'payload_bytes' must list the sizes"):
+        decode_request(np.frombuffer(raw, np.uint8))

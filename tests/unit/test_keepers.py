@@ -304,3 +304,26 @@ def test_an_inventory_beside_a_commit_that_prunes_is_not_an_error(tmp_path):
         assert svc.store.catalog.committed() == [2]  # a pruned step is never brought back
     finally:
         svc.close()
+
+
+def test_a_committed_step_given_its_manifest_unjoined_reads_the_header_alone_and_joins_only_to_read_it(
+        services, monkeypatch):
+    """The save hands replication and the backup the manifest as it sent it (its header and parts, never
+    joined): the header is read from the first buffer, and the manifest, when one of them asks for it,
+    reads as the joined bytes do."""
+    from mtc.head.commit import CommittedStep
+    from mtc.shared import protocol
+
+    manifest, digest, _ = _save(services, 6, ["h0"])
+    header = fmt.StepHeader.from_line(manifest)
+    parts = list(zip([h for h, _ in header.parts], manifest.split(b"\n")[1:]))
+    segments, again = fmt.encode_step_segments(step=6, arrays=header.arrays, tree=None, created=0.0,
+                                               topology={"hosts": HOSTS}, fingerprint={}, parts=parts)
+    assert again == digest and b"".join(segments) == manifest and segments[0] == manifest.partition(b"\n")[0]
+    joined = []
+    real = protocol.Gathered.join
+    monkeypatch.setattr(protocol.Gathered, "join", lambda self: joined.append(1) or real(self))
+    step = CommittedStep(6, protocol.Gathered(tuple(segments)), digest=digest, hosts=tuple(HOSTS))
+    assert step.header.digest == digest and not joined
+    assert step.manifest.digest == digest and joined == [1]
+    assert step.manifest.blob_names() == fmt.StepManifest.from_json(manifest).blob_names()

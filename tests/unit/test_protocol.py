@@ -224,3 +224,22 @@ def test_cluster_spec_validation_names_the_problem(doc, match):
 def test_missing_spec_file_says_what_to_set(tmp_path):
     with pytest.raises(ConfigError, match="MTC_CLUSTER_SPEC"):
         ClusterSpec.read(tmp_path / "nope.json")
+
+
+def test_a_gathered_payload_arrives_as_one_payload_of_its_buffers_back_to_back(pair):
+    """A step manifest goes to its keepers as its header and parts, never joined on the head: the
+    receiver gets one payload, byte for byte the join (more buffers than one sendmsg takes, and a large
+    one that crosses partial sends)."""
+    a, b = pair
+    rng = np.random.default_rng(2)
+    buffers = [bytes(rng.integers(0, 256, int(n), dtype=np.uint8)) for n in rng.integers(0, 40, 1500)]
+    buffers.append(rng.integers(0, 256, 32 << 20, dtype=np.uint8))
+    gathered = protocol.Gathered(tuple(buffers))
+    joined = b"".join(bytes(protocol.byte_view(x)) for x in buffers)
+    assert protocol.payload_nbytes(gathered) == len(joined) and gathered.join() == joined
+    t = threading.Thread(target=protocol.send_request, args=(a, Request("commit", 2, {"step": 1},
+                                                                        (b"first", gathered, b"last"))))
+    t.start()
+    got = protocol.recv_request(b)
+    t.join()
+    assert [bytes(p) for p in got.payloads] == [b"first", joined, b"last"]

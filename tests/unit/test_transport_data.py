@@ -21,7 +21,7 @@ from mtc.head.dispatch.interface import WriteResult
 from mtc.head.save import build_step, flatten
 from mtc.shared import format as fmt
 from mtc.shared import protocol, shardings
-from mtc.shared.colocated_codec import encode_request
+from mtc.shared.colocated_codec import decode_request, encode_request
 from mtc.shared.errors import ProtocolError
 from mtc.shared.hashing import blob_name
 from mtc.sidecar.colocated import ColocatedSidecar
@@ -105,8 +105,7 @@ class Colocated:
         self.control("ping", {})  # the service starts, with its layout
 
     def control(self, op: str, args: dict, payloads: tuple[bytes, ...] = ()):
-        return self.col._dispatch({"op": op, **args, **({"payloads": [p.decode() for p in payloads]}
-                                                        if payloads else {})})
+        return self.col._dispatch(decode_request(encode_request({"op": op, **args}, payloads)))
 
     def write(self, header: dict, arrays: list) -> bytes:
         """Phase 1 of ``arrays`` under ``header``; the host's part (``part``, a second call)."""

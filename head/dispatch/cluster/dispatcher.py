@@ -222,7 +222,8 @@ class ClusterDispatcher(Dispatcher):
                 for h, (r, _) in results.items()}
         return WriteResult([(h, results[h][1]) for h in self.topology.host_ids], info)
 
-    def commit(self, step: int, manifest: bytes, digest: str, keepers: list[str]) -> dict[str, dict]:
+    def commit(self, step: int, manifest: bytes | protocol.Gathered, digest: str, keepers: list[str]
+               ) -> dict[str, dict]:
         """Phase 2: the whole manifest to the keepers only; the decision (digest, keepers) to the others."""
         keep, where = commit_messages(self.topology.host_ids, keepers, dict(self.lanes.peer_addresses))
         args = wire("commit", requests.Commit(step=step, digest=digest))

@@ -110,7 +110,7 @@ class HostLanes:
         args_of = args if callable(args) else (lambda h, a=args or {}: a)
         lane = lane or lane_of(op)
         if payloads is not None and len(hosts) > 1 and max(
-                sum(protocol.byte_view(b).nbytes for b in payloads(h)) for h in hosts) > _INLINE_BYTES:
+                sum(protocol.payload_nbytes(b) for b in payloads(h)) for h in hosts) > _INLINE_BYTES:
             return self.fan_out(lambda h: self.call(h, op, args_of(h), payloads(h) if payloads else (), lane=lane),
                                 hosts, lane=lane)
         return call_each([self._lanes[lane][h] for h in hosts], op, args_of, payloads)
