@@ -86,6 +86,11 @@ class HostUnreachableError(MTCError, ConnectionError):
     """A sidecar daemon cannot be reached, or its connection broke in the middle of a request."""
 
 
+class PartUnreachableError(HostUnreachableError):
+    """A host that saved a step is down and no other host holds its part of it (whole, as a data-parallel
+    twin's, or in pieces): what needs that part (a backup of the step) waits for the host."""
+
+
 class StepsUnconfirmedError(HostUnreachableError):
     """Hosts could not be asked what they hold and no step is confirmed without them: whether a step is
     committed is not known, which is not "no step" (``latest_step()`` raises this rather than answer None).

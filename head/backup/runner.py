@@ -22,7 +22,7 @@ from mtc.head.reports import BackupReport
 from mtc.head.commit import CommittedStep
 from mtc.shared import backup_layout
 from mtc.shared.config import MTCConfig
-from mtc.shared.errors import MTCError
+from mtc.shared.errors import MTCError, PartUnreachableError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class BackupRunner:
         uploaded by a host that keeps a peer copy of its part, else by a data-parallel twin that holds its own
         part whole (the same boxes), else by every host that holds a piece of its part, each the blobs it
         holds: (writer, the part whose rows say its boxes, pieces only). None when it cannot go that way (a
-        writer with none of them, a step of an older version)."""
+        writer that answered with none of them, a step of an older version); PartUnreachableError for a
+        writer that is down with none of them (no plan, the rows' neither, can upload its part)."""
         from mtc.head.replication.plan import step_views
         from mtc.shared.format import writers
 
@@ -96,6 +97,14 @@ class BackupRunner:
         if header.devices is None:
             return None
         inv = self._dispatch.inventories()
+        held = {w for i in inv.values() if not i.error for s in i.steps if s.step == step and s.manifest == digest
+                for w in (*s.parts, *(p[0] for p in s.pieces))}
+        for w, _ in header.parts:  # (the rows would give a down host its own blobs to upload: no plan can)
+            if (w not in inv or inv[w].error) and w not in held:
+                raise PartUnreachableError(
+                    f"host {w} saved part of step {step} and is down, and no other host holds its part (whole, "
+                    "as a data-parallel twin's, or in pieces): the backup waits for it (the next due backup "
+                    "retries)")
         view = step_views(inv, None, lambda s, d: header if d == digest else None).get(step)
         if view is None or not view.by_writers or view.manifest != digest:
             return None
@@ -126,6 +135,8 @@ class BackupRunner:
                 plan = self._parts_plan(committed)
                 if plan is not None:
                     up = self._dispatch.backup_upload_parts(step, plan[0])
+            except PartUnreachableError:
+                raise
             except MTCError as e:  # the head plans them instead; what was uploaded stays (named by content)
                 log.info("backup of step %d: not by the hosts' parts (%s); the head plans the uploads", step, e)
             if up is not None:

@@ -200,8 +200,11 @@ class Replicator:
 
         O(hosts) on the head: the inventories say which hosts hold which share whole (their own,
         a twin's, or a copy they keep); each share short of copies is pulled whole by a host of a
-        domain that lacks it, which lists the blobs from its own copy of the manifest. ``short``
-        gets the hosts that could not make their copies, and why."""
+        domain that lacks it, which lists the blobs from its own copy of the manifest. A saving host
+        that is down and whose part no other host holds whole leaves its share for later: the attempt
+        is retried, by shares, until it is back (no copy of that part can be made before; the rows,
+        read on every attempt, would cost O(shards) each time for nothing). ``short`` gets the hosts
+        that could not make their copies, and why."""
         step, digest, hosts = committed.step, committed.digest, committed.hosts
         inv = self._inventories()
         topology = self.topology()
@@ -213,8 +216,10 @@ class Replicator:
         targets = {h for h, i in inv.items() if not i.error
                    and any(s.step == step and s.manifest == digest for s in i.steps)}
         plan = plan_shares(inv, step, digest, hosts, self._strategy, topology, targets=targets, twins=twins)
-        if not plan:
+        if plan is None:
             return None
+        if not plan:  # nothing to copy now: wait for the hosts that are down (their parts), else the rows decide
+            return (False, False) if down else None
         if first:
             blobs = {h: s.blobs for h, i in inv.items() for s in i.steps if s.step == step}
             stats["planned_blobs"] = sum(blobs.get(owner, 0) for rows in plan.values() for owner, _ in rows)

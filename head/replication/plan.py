@@ -418,8 +418,10 @@ def _shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, 
     A saving host that did not answer (down, or its ramdisk lost) is told apart by the header when
     ``twins`` says which writers wrote exactly its boxes (``fmt.writers.twins``): its share is theirs.
     Without an answering twin its part is a share of its own, held whole by the hosts that list it
-    among the parts they hold (``StepHolding.parts``: the keepers of its peer copies); a part that no
-    host lists leaves the shares unable to tell (None)."""
+    among the parts they hold (``StepHolding.parts``: the keepers of its peer copies). A part that no
+    host lists is a share held by no host while its writer is down (no copy of it can be made before it
+    is back; the others' shares can); of a writer that answered without it (its ramdisk lost), it
+    leaves the shares unable to tell (None: its blobs may be spread over hosts, which the rows find)."""
     share: dict[str, str] = {}
     whole: dict[str, set[str]] = {}
     listed: dict[str, set[str]] = {}  # writer -> the hosts that list its part among those they hold whole
@@ -446,6 +448,8 @@ def _shares(inventories: Mapping[str, HostInventory], step: int, manifest: str, 
         elif twins is not None and listed.get(h):
             share[h] = f"part of {h}"
             whole[share[h]] = listed[h]
+        elif twins is not None and (h not in inventories or inventories[h].error):
+            share[h] = f"part of {h}"  # down, and no other host holds its part whole: no holder now
         else:
             return None
     return share, whole

@@ -154,13 +154,13 @@ def test_an_older_step_without_its_writers_reads_the_rows(local_cluster, rows_pa
     version) is planned from its rows, and stays bit for bit."""
     from mtc.head import save as save_lib
 
-    real = save_lib.fmt.encode_step
+    real = save_lib.fmt.encode_step_segments
 
     def without_devices(**kw):
         kw["topology"] = {k: v for k, v in kw["topology"].items() if k != "devices"}
         return real(**kw)
 
-    monkeypatch.setattr(save_lib.fmt, "encode_step", without_devices)
+    monkeypatch.setattr(save_lib.fmt, "encode_step_segments", without_devices)
     state = make_state(6)
     with manager(local_cluster) as m:
         m.save(6, state)
@@ -520,6 +520,65 @@ def test_replication_with_a_saving_host_down_reads_no_manifest(local_cluster, ro
         assert report.replicated and report.error is None, report
         # The other host of the dead one's slice took a copy of what only slice 0 held now.
         assert report.moved_bytes > 0 and report.moved_blobs > 0, report
+
+
+def test_a_down_host_whose_part_no_other_host_holds_is_waited_for_without_a_row(local_cluster, ramdisk, rows_parsed,
+                                                                                whole_reads):
+    """FSDP over both slices, saved without copies; then a saving host dies. Its part is on no other host, so
+    nothing can copy or upload it until it is back. The backup fails at once, saying so; replication copies
+    the others' shares and retries by shares. No row is read (before, the backup read every row and then failed
+    on the down host, and every attempt of the half hour replication keeps trying read every row: O(shards)
+    of the training process's CPU each time, for nothing). Back, the host's share gets its copy."""
+    import dataclasses
+    import threading
+    import time
+
+    from mtc.head.backup.runner import BackupRunner
+    from mtc.head.commit import CommittedStep
+    from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
+    from mtc.head.replication.loop import Replicator
+    from mtc.head.replication.plan import ReplicationStrategy
+
+    cfg = MTCConfig(local_checkpoint_directory=str(local_cluster.root), cluster_spec=str(local_cluster.spec_path),
+                    local_checkpoint_period=1, replication_factor=1, base_output_directory=str(ramdisk / "bucket"),
+                    run_name="r", multi_tier_checkpointing_backup_interval_steps=100)
+    d = ClusterDispatcher(cfg)
+    with CheckpointManager(cfg, dispatcher=d) as m:
+        for s in (4, 5):  # step 4's backup is due (the first); step 5's is not
+            m.save(s, fsdp_state(s))
+            m.wait_until_finished()
+        assert m.wait_for_backup().step == 4
+        saved = m.manifest(5)
+        data, digest = saved.to_json(), saved.digest
+        whole_reads[0] = 0
+        rows_parsed[0] = 0
+        local_cluster.kill("s1-h1")
+        runner = BackupRunner(d, cfg)
+        try:
+            runner.maybe_start(CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)), now=True)
+            backup = runner.wait()
+        finally:
+            runner.close()
+        assert backup.step == 5 and "PartUnreachableError: host s1-h1 saved part of step 5 and is down" in backup.error
+        assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
+        closing = threading.Event()
+        r = Replicator(d, dataclasses.replace(cfg, replication_factor=2), ReplicationStrategy(2), closing)
+        try:
+            r.submit(CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)))
+            deadline = time.monotonic() + 60
+            while ((r._progress or {}).get("attempts") or 0) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            progress = dict(r._progress or {})  # (the loop's own record of its attempts)
+            assert progress.get("attempts", 0) >= 3 and "s1-h1" in progress.get("short", {}), (progress, r.last_report)
+            assert r.status_of(5)["replicating"] and "s1-h1" in r.status_of(5)["short_of_copies"]
+            assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
+            local_cluster.restart("s1-h1")
+            report = r.wait(timeout=120)
+        finally:
+            closing.set()  # (a failed assertion above leaves it retrying for half an hour otherwise)
+            r.close()
+        assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
+        assert report.replicated and report.error is None and report.moved_blobs > 0, report
 
 
 @pytest.mark.parametrize("layout", ["twins", "peer copies", "pieces"])

@@ -136,8 +136,8 @@ def test_a_host_down_receives_nothing_and_a_share_nobody_holds_whole_is_left_to_
 def test_a_saving_host_down_is_told_by_its_twins_or_by_the_keepers_of_its_part():
     """Without ``twins`` (the header's word) a saving host that cannot be asked leaves the shares unable to
     tell; with it, the host's share is its twins' (equal boxes: equal shares), or, without a twin, a share
-    of its own held by the hosts that list its part (``StepHolding.parts``). A share whose owner is down
-    is copied into the owner's own slice too, which lacks it now."""
+    of its own held by the hosts that list its part (``StepHolding.parts``), or held by no host while it
+    is down. A share whose owner is down is copied into the owner's own slice too, which lacks it now."""
     strategy = ReplicationStrategy(2)
     down = inventories({**{h: row(7, n) for h, n in TWINS.items()}, "s1-h1": None})
     assert not covered_by_shares(down, 7, "m1", TWINS, strategy, TWO_SLICES)
@@ -159,7 +159,21 @@ def test_a_saving_host_down_is_told_by_its_twins_or_by_the_keepers_of_its_part()
                        twins=alone)
     # B's copy on s1-h1 is gone and D is on slice 0 alone: both go to s1-h0, the host of slice 1 that answers.
     assert plan == {"s1-h0": [("s0-h1", ["s0-h1"]), ("s1-h1", ["s0-h1"])]}, plan
-    # Nobody lists the part of a host that is down and has no twin: the shares cannot tell.
-    bare = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": full_row(7, B, [B, D]),
+    # Nobody lists the part of a host that is down and has no twin: a share no host holds now. The others'
+    # shares are planned (B to slice 1); its own waits for it (no copy can be made before it is back).
+    bare = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": full_row(7, B, [B]),
                         "s1-h0": full_row(7, C, [C, A]), "s1-h1": None})
-    assert plan_shares(bare, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP, twins=alone) is None
+    assert not covered_by_shares(bare, 7, "m1", FSDP, strategy, TWO_SLICES, alone)
+    plan = plan_shares(bare, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets={"s0-h0", "s0-h1", "s1-h0"},
+                       twins=alone)
+    assert plan == {"s1-h0": [("s0-h1", ["s0-h1"])]}, plan
+    # Back, it answers for its share (D, whole on slice 1 only): the shares tell again, D is copied to slice 0.
+    back = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": full_row(7, B, [B]),
+                        "s1-h0": full_row(7, C, [C, A, B]), "s1-h1": row(7, D)})
+    assert plan_shares(back, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP, twins=None) == {
+        "s0-h1": [("s1-h1", ["s1-h1"])]}
+    # A saving host that answers without the step (its ramdisk lost) and has no twin: the shares cannot tell
+    # (its blobs may be spread over hosts, which the rows find).
+    wiped = inventories({"s0-h0": full_row(7, A, [A, C]), "s0-h1": full_row(7, B, [B]),
+                         "s1-h0": full_row(7, C, [C, A]), "s1-h1": row(9, D)})
+    assert plan_shares(wiped, 7, "m1", list(FSDP), strategy, TWO_SLICES, targets=FSDP, twins=alone) is None
