@@ -74,6 +74,18 @@ def whole_reads(monkeypatch):
     return count
 
 
+def backup_now(dispatch, cfg: MTCConfig, committed):
+    """The backup of ``committed`` as the save's background would run it, asked for now: its report."""
+    from mtc.head.backup.runner import BackupRunner
+
+    runner = BackupRunner(dispatch, cfg)
+    try:
+        runner.maybe_start(committed, now=True)
+        return runner.wait()
+    finally:
+        runner.close()
+
+
 def manager(cluster: LocalCluster, **kw) -> CheckpointManager:
     return CheckpointManager(MTCConfig(local_checkpoint_directory=str(cluster.root),
                                        cluster_spec=str(cluster.spec_path), local_checkpoint_period=1, **kw))
@@ -533,7 +545,6 @@ def test_a_down_host_whose_part_no_other_host_holds_is_waited_for_without_a_row(
     import threading
     import time
 
-    from mtc.head.backup.runner import BackupRunner
     from mtc.head.commit import CommittedStep
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
     from mtc.head.replication.loop import Replicator
@@ -553,12 +564,7 @@ def test_a_down_host_whose_part_no_other_host_holds_is_waited_for_without_a_row(
         whole_reads[0] = 0
         rows_parsed[0] = 0
         local_cluster.kill("s1-h1")
-        runner = BackupRunner(d, cfg)
-        try:
-            runner.maybe_start(CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)), now=True)
-            backup = runner.wait()
-        finally:
-            runner.close()
+        backup = backup_now(d, cfg, CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)))
         assert backup.step == 5 and "PartUnreachableError: host s1-h1 saved part of step 5 and is down" in backup.error
         assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
         closing = threading.Event()
@@ -589,7 +595,6 @@ def test_a_backup_with_a_writer_down_is_uploaded_by_its_stand_ins_without_a_row(
     or every host that holds a piece of it (each the blobs it holds). The head reads no manifest; the backup
     holds every blob and restores bit for bit once every ramdisk is lost (before, the head read the manifest,
     gave the down host blobs to upload, and the backup failed)."""
-    from mtc.head.backup.runner import BackupRunner
     from mtc.head.commit import CommittedStep
     from mtc.head.dispatch.cluster.dispatcher import ClusterDispatcher
 
@@ -618,12 +623,7 @@ def test_a_backup_with_a_writer_down_is_uploaded_by_its_stand_ins_without_a_row(
         whole_reads[0] = 0
         rows_parsed[0] = 0
         local_cluster.kill("s1-h1")
-        runner = BackupRunner(d, cfg)
-        try:
-            runner.maybe_start(CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)), now=True)
-            report = runner.wait()
-        finally:
-            runner.close()
+        report = backup_now(d, cfg, CommittedStep(5, data, digest=digest, hosts=tuple(local_cluster.hosts)))
         assert report.error is None and report.step == 5, report
         assert whole_reads[0] == 0 and rows_parsed[0] == 0, (whole_reads[0], rows_parsed[0])
         assert "s1-h1" not in report.bytes_by_host
