@@ -22,9 +22,7 @@ import numpy as np
 from mtc.shared import wire_errors
 from mtc.shared.buffers import byte_view
 from mtc.shared.errors import ProtocolError
-from mtc.shared.protocol import MAX_HEADER_BYTES, Gathered, loads_message, payload_nbytes
-
-
+from mtc.shared.protocol import MAX_HEADER_BYTES, loads_message, payload_views
 
 _PAYLOAD_SIZES = "payload_bytes"
 _FIRST_LOOK = 64 << 10  # the first bytes of a row searched for the newline after its JSON
@@ -32,17 +30,15 @@ _FIRST_LOOK = 64 << 10  # the first bytes of a row searched for the newline afte
 
 def _encode(doc: dict, payloads: Sequence[Any]) -> np.ndarray:
     """``doc`` as JSON, then (when there are payloads) a newline and each payload's bytes: one uint8 array."""
-    views = []
-    for p in payloads:
-        views += p.views() if isinstance(p, Gathered) else [byte_view(p)]
     if not payloads:
         return np.frombuffer(json.dumps(doc).encode(), np.uint8)
-    sizes = [payload_nbytes(p) for p in payloads]
+    each = [payload_views(p) for p in payloads]
+    sizes = [sum(v.nbytes for v in views) for views in each]
     head = json.dumps({**doc, _PAYLOAD_SIZES: sizes}).encode() + b"\n"
     out = np.empty(len(head) + sum(sizes), np.uint8)
     out[:len(head)] = np.frombuffer(head, np.uint8)
     at = len(head)
-    for v in views:
+    for v in (v for views in each for v in views):
         out[at:at + v.nbytes] = np.frombuffer(v, np.uint8)
         at += v.nbytes
     return out

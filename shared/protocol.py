@@ -44,7 +44,7 @@ from mtc.shared.version import PROTOCOL_VERSION
 __all__ = [
     "MAGIC", "MAX_HEADER_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOADS", "Request", "Reply", "RemoteError",
     "HostSpec", "ClusterSpec", "Digesting", "Gathered", "aligned_buffer", "byte_view", "payload_nbytes",
-    "send_frame", "recv_frame",
+    "payload_views", "send_frame", "recv_frame",
     "frame_head", "recv_header",
     "encode_bitmap", "decode_bitmap", "blob_list_digest",
     "send_request", "recv_request", "send_reply", "recv_reply", "parse_address", "loads_message",
@@ -120,6 +120,11 @@ def payload_nbytes(payload: Buffer | Gathered) -> int:
     return payload.nbytes if isinstance(payload, Gathered) else byte_view(payload).nbytes
 
 
+def payload_views(payload: Buffer | Gathered) -> list[memoryview]:
+    """The buffers one payload sends, back to back, as byte views (one, unless it is ``Gathered``)."""
+    return payload.views() if isinstance(payload, Gathered) else [byte_view(payload)]
+
+
 def aligned_buffer(nbytes: int) -> np.ndarray:
     """An uninitialised uint8 array of ``nbytes`` whose data is 64-byte aligned.
 
@@ -146,17 +151,9 @@ def _encode_header(header: Mapping) -> bytes:
 def send_frame(sock: socket.socket, header: Mapping, payloads: Sequence[Buffer | Gathered] = ()) -> None:
     """Send one frame; ``header["payloads"]`` is set here from the payload sizes (a ``Gathered``
     payload is one, its buffers sent back to back)."""
-    sizes, views = [], []
-    for p in payloads:
-        if isinstance(p, Gathered):
-            parts = p.views()
-            sizes.append(sum(v.nbytes for v in parts))
-            views += parts
-        else:
-            v = byte_view(p)
-            sizes.append(v.nbytes)
-            views.append(v)
-    _send_buffers(sock, [frame_head(header, sizes), *views])
+    each = [payload_views(p) for p in payloads]
+    sizes = [sum(v.nbytes for v in views) for views in each]
+    _send_buffers(sock, [frame_head(header, sizes), *(v for views in each for v in views)])
 
 
 def frame_head(header: Mapping, sizes: Sequence[int]) -> bytes:

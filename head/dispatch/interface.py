@@ -169,10 +169,10 @@ class Dispatcher(abc.ABC):
     @abc.abstractmethod
     def commit(self, step: int, manifest: bytes | protocol.Gathered, digest: str, keepers: list[str]
                ) -> dict[str, dict]:
-        """Phase 2 on every host (``manifest``: the step manifest's bytes, or its buffers unjoined (the save's);
-        ``digest`` its digest): the
-        whole manifest to ``keepers`` (the manager's choice, ``commit.choose_keepers``), the decision to
-        the others (``commit.commit_messages``); host id -> what the host wrote for the step."""
+        """Phase 2 on every host (``manifest``: the step manifest's bytes, or the save's buffers of it,
+        unjoined; ``digest`` its digest): the whole manifest to ``keepers`` (the manager's choice,
+        ``commit.choose_keepers``), the decision to the others (``commit.commit_messages``); host id ->
+        what the host wrote for the step."""
 
     @property
     def keeper_count(self) -> int:

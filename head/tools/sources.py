@@ -35,15 +35,10 @@ from mtc.shared.job_key import JobKey
 from mtc.shared.safe_files import MAX_MANIFEST_BYTES, MAX_NOTE_BYTES, read_first_line, read_regular
 
 
-def _step_files(d: Path) -> list[Path]:
-    """The committed step files of the ramdisk folder ``d``, newest first."""
-    return sorted((d / "mtc" / "steps").glob("*.json"), reverse=True)
-
-
 def _first_lines(d: Path) -> Iterator[tuple[Path, bytes]]:
     """(file, its first line) of each committed step of ``d``, newest first: a commit record whole (it is one
     line), a step manifest's header (its parts, hundreds of MiB at thousands of hosts, are not read)."""
-    for f in _step_files(d):
+    for f in sorted((d / "mtc" / "steps").glob("*.json"), reverse=True):
         try:
             yield f, read_first_line(f, MAX_MANIFEST_BYTES, "step manifest")
         except OSError:  # gone, unreadable, or not a regular file (UntrustedFileError)
