@@ -18,7 +18,7 @@ from mtc.shared import shardings as shardings_lib
 from mtc.shared.errors import ManifestError
 from mtc.shared.format.base import (Box, box_from_doc, box_intersect, box_shape, box_str, canonical_json, doc_digest,
                                     dtype_from_name, expect, load_json)
-from mtc.shared.format.host import HostManifest, HostShard, PartColumns, split_names
+from mtc.shared.format.host import HostManifest, HostShard, PartColumns, check_box_order, split_names
 from mtc.shared.hashing import HASH_NAME, blob_name, is_blob_name
 
 # mtc/3: a header line and one line per host part (see mtc.shared.format). Its "digest" is SHA-256 over the
@@ -134,9 +134,9 @@ class StepManifest:
         not of a million strings)."""
         names = self.__dict__.get("_sorted_names")
         if names is None:
-            parts = self.part_blobs
-            if isinstance(parts, _PartBlobs) and len(parts):
-                names = _sorted_unique([p.blob for p in parts.columns()])
+            table = self.__dict__.get("_table")
+            if table is not None:  # one row per shard: every blob of the step, replicas once
+                names = _sorted_unique([table.blob])
             else:
                 names = sorted(self._blob_sizes)
             self.__dict__["_sorted_names"] = names
@@ -421,8 +421,8 @@ def step_blob_names(data: bytes, *, source: str = "manifest") -> StepBlobNames:
     got = _blob_columns(data, source)
     if isinstance(got, StepManifest):
         return StepBlobNames(got.step, got.digest, got.sorted_blob_names())
-    step, digest, blobs = got
-    return StepBlobNames(step, digest, _sorted_unique(blobs))
+    step, digest, cols = got
+    return StepBlobNames(step, digest, _sorted_unique(_distinct_blobs(cols)))
 
 
 def step_blobs_among(data: bytes, names: Iterable[str], *, source: str = "manifest") -> set[str]:
@@ -437,7 +437,8 @@ def step_blobs_among(data: bytes, names: Iterable[str], *, source: str = "manife
     got = _blob_columns(bytes(data), source)
     if isinstance(got, StepManifest):
         return names & got.blob_names()
-    _, _, blobs = got
+    _, _, cols = got
+    blobs = [p.blob for p in cols]
     if not names or not blobs:
         return set()
     want = np.frombuffer(bytes.fromhex("".join(sorted(names))), np.uint64).reshape(-1, 2)
@@ -446,14 +447,18 @@ def step_blobs_among(data: bytes, names: Iterable[str], *, source: str = "manife
     return names.intersection(split_names(near))
 
 
-def _mixed(blob: np.ndarray) -> np.ndarray:
-    """One 64-bit key per blob name (rows of its 16 bytes) that both halves change: equal names have
-    equal keys, and other names seldom do."""
-    return blob[:, 0] ^ (blob[:, 1] * np.uint64(0x9E3779B97F4A7C15))
+def _mixed(blob: np.ndarray, size: np.ndarray | None = None) -> np.ndarray:
+    """One 64-bit key per blob name (rows of its 16 bytes), and its ``size`` where given, that every
+    half changes: equal names (and sizes) have equal keys, and others seldom do."""
+    out = blob[:, 1] * np.uint64(0x9E3779B97F4A7C15)
+    out ^= blob[:, 0]
+    if size is not None:
+        out ^= size.view(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F)
+    return out
 
 
-def _blob_columns(data: bytes, source: str) -> "tuple[int, str, list[np.ndarray]] | StepManifest":
-    """(step, digest, each part's blob column) of an ``mtc/3`` manifest, its header's digest and every
+def _blob_columns(data: bytes, source: str) -> "tuple[int, str, list[PartColumns]] | StepManifest":
+    """(step, digest, each part's columns) of an ``mtc/3`` manifest, its header's digest and every
     part's hash, length, step and host checked; an older format read whole (a ``StepManifest``)."""
     data = bytes(data)
     head, rest = _first_line(data)
@@ -467,10 +472,10 @@ def _blob_columns(data: bytes, source: str) -> "tuple[int, str, list[np.ndarray]
     lines = _part_lines(rest, first["parts"]) if hosts else []
     blobs = []
     for j, (host, line) in enumerate(zip(hosts, lines)):
-        part = PartColumns.from_json(line, source=f"{source}: part {j} (host {host})")
+        part = PartColumns.from_json(line, source=f"{source}: part {j} (host {host})", check_boxes=False)
         expect(part.step == step and part.host == host, f"{source}: part {j}",
                f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
-        blobs.append(part.blob)
+        blobs.append(part)
     return step, digest, blobs
 
 
@@ -568,7 +573,7 @@ def _parse_v3(doc: dict, rest: memoryview | bytes, source: str, only: dict[str, 
         host = meta["host"]
         expect(meta.get("bytes") == len(line) and meta.get("digest") == blob_name(line), where,
                 f"the part of host {host} does not match its hash in the header (changed after it was written)")
-        part = PartColumns.from_json(line, source=f"{where} (host {host})")
+        part = PartColumns.from_json(line, source=f"{where} (host {host})", check_boxes=False)
         expect(part.step == step and part.host == host, where,
                 f"it is the part of host {part.host} step {part.step}, the header says host {host} step {step}")
         cols.append(part)
@@ -615,34 +620,82 @@ class _PartBlobs(Mapping):
 
 def _sorted_unique(blobs: list[np.ndarray]) -> list[str]:
     """The distinct blob names of ``blobs`` ((n, 2) uint64 arrays of their 16 bytes), sorted as
-    strings: the bytes read big-endian order the same as their lowercase hex."""
-    every = np.concatenate(blobs) if blobs else np.zeros((0, 2), np.uint64)
+    strings: the bytes read big-endian order the same as their lowercase hex. Sorted by their first 8
+    bytes (names are hashes: distinct names share them about never, and a sort of one key is several
+    times faster than of two); by both halves where two distinct names do."""
+    every = np.concatenate(blobs) if len(blobs) > 1 else blobs[0] if blobs else np.zeros((0, 2), np.uint64)
     if not len(every):
         return []
     keys = every.view(">u8")  # the same bytes as big-endian numbers, on any machine
-    order = np.lexsort((keys[:, 1], keys[:, 0]))
+    first = keys[:, 0].astype(np.uint64)
+    order = np.argsort(first)
     ordered = every[order]
+    differ = (ordered[1:] != ordered[:-1]).any(axis=1)
+    lead = first[order]
+    if (differ & (lead[1:] == lead[:-1])).any():  # two distinct names with the same first 8 bytes
+        order = np.lexsort((keys[:, 1], keys[:, 0]))
+        ordered = every[order]
+        differ = (ordered[1:] != ordered[:-1]).any(axis=1)
     keep = np.ones(len(ordered), bool)
-    keep[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    keep[1:] = differ
     return split_names(ordered[keep])
 
 
-def _one_row_per_box(key: np.ndarray, span: int, BL: np.ndarray, NB: np.ndarray) -> np.ndarray | None:
-    """One row of each distinct ``key`` (array and box), in the keys' order, where every row of a key
-    names the blob and size of that row; None where one does not, or where the keys span too many
-    values for a table of them (the sort decides). A table with any row of each key: when all rows of a
-    key agree, whichever row the table holds, every row equals it; when they do not, some row differs
-    from it, whichever it is. (No sort: at millions of rows the sort was a third of the read.)"""
-    n = len(key)
+def _box_ids(cols: list["PartColumns"]) -> tuple[list[np.ndarray], list[Box]]:
+    """Per part, its rows' box ids in one numbering of the step's distinct boxes; and those boxes."""
+    index: dict[Box, int] = {}
+    ids = [np.array([index.setdefault(b, len(index)) for b in p.boxes] or [0], np.int64)[p.box] for p in cols]
+    return ids, list(index)
+
+
+def _distinct_blobs(cols: list["PartColumns"]) -> list[np.ndarray]:
+    """The parts' blob columns with one row per shard (array and box) where every replica of it names
+    one blob (``_first_rows``): at thousands of hosts data-parallel replicas are most of the rows, and
+    what sorts the names is fewer rows. Every row where they do not (the whole read refuses such a
+    step; its names are all there)."""
+    if not cols:
+        return []
+    ids, boxes = _box_ids(cols)
+    n_boxes = max(1, len(boxes))
+    keys = [p.array.astype(np.int64) * n_boxes + g for p, g in zip(cols, ids)]
+    span = (max((int(p.array.max()) for p in cols if len(p)), default=0) + 1) * n_boxes
+    firsts = _first_rows(keys, [p.blob for p in cols], [p.nbytes for p in cols], span)
+    if firsts is None:
+        return [p.blob for p in cols]
+    return [p.blob[r] for p, r in zip(cols, firsts)]
+
+
+def _first_rows(keys: list[np.ndarray], blobs: list[np.ndarray], sizes: list[np.ndarray], span: int
+                ) -> list[np.ndarray] | None:
+    """Per part (``keys``: each row's array and box as one number below ``span``; ``blobs``: (n, 2)
+    uint64; ``sizes``), the rows that are the first of their key in the parts' order, where every row of
+    a key names the blob and size of that first row; None where one does not, or where the keys span too
+    many values for a table of them (the sort decides, and names the replica that differs).
+
+    Streamed: one part at a time against a table of the first row's blob and size per key, so that the
+    step's rows are never put in one table (at thousands of hosts, millions of rows: the fresh memory of
+    that table and its temporaries cost more than the comparisons), and what is kept is one row per
+    shard. The table holds a 64-bit mix of the blob's 16 bytes and the size (``_mixed``): a replica that
+    differs yet mixes equal would take two blob names (hashes themselves) whose mixes collide. A part
+    may hold a key twice (two of its devices hold one replica): the first row wins."""
+    n = sum(len(k) for k in keys)
     if span > 2 * n + 4096:  # (a table no bigger than the sort's own temporaries)
         return None
-    any_row = np.full(span, -1, np.int64)
-    any_row[key] = np.arange(n)
-    rep = any_row[key]
-    for col in (NB, BL[:, 0], BL[:, 1]):  # (a column at a time: a reduction over rows of two is slow)
-        if not np.array_equal(col[rep], col):
+    first = np.full(span, -1, np.int32 if n < 2**31 else np.int64)  # the key's first row, in its part
+    mixed = np.empty(span, np.uint64)  # (written where ``first`` is)
+    out = []
+    for key, blob, size in zip(keys, blobs, sizes):
+        h = _mixed(blob, size)
+        rows = np.flatnonzero(first[key] < 0)
+        if len(rows):
+            new, back = key[rows[::-1]], rows[::-1]  # (assigned backwards: where a key repeats, the first row stays)
+            first[new] = back
+            mixed[new] = h[back]
+            rows = rows[first[key[rows]] == rows]
+        out.append(rows)
+        if not np.array_equal(mixed[key], h):
             return None
-    return any_row[any_row >= 0]
+    return out
 
 
 def _one_row_per_box_sorted(key: np.ndarray, BL: np.ndarray, NB: np.ndarray,
@@ -675,51 +728,60 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
     rows of one box of one array (replicas) name one blob, every box fits its array and its size is
     its box's, and (``whole``) each array's boxes cover it."""
     n_heads = len(heads)
-    gindex: dict[Box, int] = {}  # every distinct box of the step -> its id
-    empty = np.zeros(0, np.int64)
-    # The step's rows as one table: per row its array, box id, size and blob (16 bytes). (Few temporaries
-    # of a row each: at millions of rows, fresh memory costs more than the arithmetic on it.)
-    A = np.concatenate([p.array for p in cols]) if cols else np.zeros(0, np.uint32)
-    G = np.concatenate([np.array([gindex.setdefault(b, len(gindex)) for b in p.boxes] or [0], np.int64)[p.box]
-                        for p in cols] or [empty])
-    NB = np.concatenate([p.nbytes for p in cols] or [empty])
-    BL = np.concatenate([p.blob for p in cols]) if cols else np.zeros((0, 2), np.uint64)
-    starts = np.cumsum([0] + [len(p) for p in cols])
-
-    def part_of(row: int) -> int:
-        return int(np.searchsorted(starts, row, side="right")) - 1
-
-    gboxes = list(gindex)
-    n = len(A)
+    G, gboxes = _box_ids(cols)  # per part, its rows' box ids in the step's numbering of its distinct boxes
+    gindex = {b: g for g, b in enumerate(gboxes)}
     not_arrays = [i for i, (rec, _) in enumerate(heads) if rec.kind == "scalar"]
-    if n and (int(A.max()) >= n_heads or not_arrays):
-        bad = (A >= n_heads) | np.isin(A, not_arrays)
-        if bad.any():
-            i = int(np.argmax(bad))
-            expect(False, f"{source}: part {part_of(i)}", f"shard of array #{int(A[i])}, which is not an array of this step")
-    # The replicas of a box (equal array and box on several hosts) must name one blob of one size.
-    key = A.astype(np.int64)
-    key *= max(1, len(gboxes))
-    key += G
-    u = _one_row_per_box(key, n_heads * max(1, len(gboxes)), BL, NB)
-    if u is None:  # (a replica differs, or too many keys for a table): the stable sort says which
-        u = _one_row_per_box_sorted(key, BL, NB, lambda i, j: expect(
-            False, f"{source}: part {part_of(i)}",
-            f"array {heads[int(A[i])][0].key!r} shard {box_str(gboxes[int(G[i])])} has different contents on "
-            f"hosts {hosts[part_of(j)]} and {hosts[part_of(i)]} ({' != '.join(split_names(BL[[j, i]]))}); "
-            "replicas must be identical"))
-    del key
+    for j, p in enumerate(cols):  # every row names an array of the step
+        if len(p) and (int(p.array.max()) >= n_heads or not_arrays):
+            bad = (p.array >= n_heads) | np.isin(p.array, not_arrays)
+            if bad.any():
+                i = int(np.argmax(bad))
+                expect(False, f"{source}: part {j}", f"shard of array #{int(p.array[i])}, which is not an array of this step")
+    # The replicas of a box (equal array and box on several hosts) must name one blob of one size: the
+    # parts streamed against a table of each box's first row; one row per shard is kept.
+    span = n_heads * max(1, len(gboxes))
+    keys = [p.array.astype(np.int64) * max(1, len(gboxes)) + g for p, g in zip(cols, G)]
+    firsts = _first_rows(keys, [p.blob for p in cols], [p.nbytes for p in cols], span)
+    if firsts is not None:
+        UA = np.concatenate([p.array[r] for p, r in zip(cols, firsts)] or [np.zeros(0, np.uint32)])
+        UG = np.concatenate([g[r] for g, r in zip(G, firsts)] or [np.zeros(0, np.int64)])
+        UNB = np.concatenate([p.nbytes[r] for p, r in zip(cols, firsts)] or [np.zeros(0, np.int64)])
+        UBL = np.concatenate([p.blob[r] for p, r in zip(cols, firsts)] or [np.zeros((0, 2), np.uint64)])
+    else:  # (a replica differs, or too many keys for a table): the rows as one table, and the stable sort
+        key = np.concatenate(keys or [np.zeros(0, np.int64)])  # says which replica differs
+        A = np.concatenate([p.array for p in cols]) if cols else np.zeros(0, np.uint32)
+        NB = np.concatenate([p.nbytes for p in cols] or [np.zeros(0, np.int64)])
+        BL = np.concatenate([p.blob for p in cols]) if cols else np.zeros((0, 2), np.uint64)
+        starts = np.cumsum([0] + [len(p) for p in cols])
+
+        def part_of(row: int) -> int:
+            return int(np.searchsorted(starts, row, side="right")) - 1
+
+        def differ(i: int, j: int) -> None:
+            g = int(key[i] % max(1, len(gboxes)))
+            expect(False, f"{source}: part {part_of(i)}",
+                   f"array {heads[int(A[i])][0].key!r} shard {box_str(gboxes[g])} has different contents on "
+                   f"hosts {hosts[part_of(j)]} and {hosts[part_of(i)]} ({' != '.join(split_names(BL[[j, i]]))}); "
+                   "replicas must be identical")
+
+        u = _one_row_per_box_sorted(key, BL, NB, differ)
+        UA, UG, UNB, UBL = A[u], key[u] % max(1, len(gboxes)), NB[u], BL[u]
+        del key, A, NB, BL
+    del keys
     # One row per shard, in the order of the records: by array, then by box.
     rank = np.empty(len(gboxes), np.int64)
     rank[sorted(range(len(gboxes)), key=gboxes.__getitem__)] = np.arange(len(gboxes))
-    u = u[np.lexsort((rank[G[u]], A[u]))]
-    ua, ug, unb = A[u].astype(np.int64), G[u], NB[u]
+    order = np.lexsort((rank[UG], UA))
+    ua, ug, unb = UA[order].astype(np.int64), UG[order], UNB[order]
     # Each box fits its array's shape and its size is its elements' (boxes and shapes as padded tables).
     ndim = max([len(b) for b in gboxes] + [len(rec.shape) for rec, _ in heads] + [1])
     stops = np.zeros((len(gboxes), ndim), np.int64)
     box_nd = np.zeros(len(gboxes), np.int64)
     volume = np.zeros(len(gboxes), np.int64)
     for g, b in enumerate(gboxes):
+        if not all(lo <= hi for lo, hi in b):  # (each distinct box once: the parts were read without it)
+            j = next(j for j, p in enumerate(cols) if b in p.boxes)
+            check_box_order(cols[j].boxes, f"{source}: part {j} (host {hosts[j]})")
         box_nd[g] = len(b)
         stops[g, :len(b)] = [hi for _, hi in b]
         volume[g] = math.prod(hi - lo for lo, hi in b)
@@ -749,7 +811,7 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
             have = per_array[i]
             expect(rec.kind == "scalar" or total == 0 or have == total, f"{source}: array {rec.key!r}",
                    "its shards do not cover the whole array")
-    table = _ShardTable(gboxes, np.ascontiguousarray(BL[u]), unb, ug)
+    table = _ShardTable(gboxes, UBL[order], unb, ug)
     owners_by_id: dict[int, dict[int, tuple[int, ...]]] = {}  # the heads share their owners by (sharding, shape)
     records = []
     for i, (rec, owners) in enumerate(heads):

@@ -238,8 +238,23 @@ def test_malformed_mtc3_manifests_say_what_is_wrong(mutate, message, version):
     h.pop("digest")
     h["parts"][0].update(bytes=len(line), digest=blob_name(line))
     h["digest"] = doc_digest(h)
-    with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ManifestError, match=re.escape(message)):
         fmt.StepManifest.from_json(b"\n".join([json.dumps(h).encode(), line]), source="test manifest")
+
+
+def test_a_box_whose_start_is_past_its_stop_is_named_with_its_part():
+    """A whole step's parts are read without their own box checks; its distinct boxes are checked once,
+    and the message names the part and the box as the part's own check would."""
+    meta, parts = _parts()
+    doc = json.loads(parts[1][1])
+    doc["boxes"][1] = [[4, 2], [0, 2]]
+    parts[1] = ("h1", json.dumps(doc, separators=(",", ":")).encode())
+    data, _ = fmt.encode_step(**meta, parts=parts)
+    message = "test manifest: part 1 (host h1) is invalid: boxes[1] [4:2, 0:2] has a start past its stop"
+    with pytest.raises(ManifestError, match=re.escape(message)):
+        fmt.StepManifest.from_json(data, source="test manifest")
+    with pytest.raises(ManifestError, match=re.escape("(host h1) is invalid: boxes[1] [4:2, 0:2] has a start")):
+        fmt.StepManifest.parts_view(data.split(b"\n")[0], {"h1": parts[1][1]}, source="test manifest")
 
 
 def _hex(name: str) -> bool:
@@ -294,6 +309,9 @@ def test_host_manifest_round_trip_and_validation():
 @pytest.mark.parametrize("change, message", [
     (lambda d: d.update(rows=4), "'columns' holds 96 bytes, 4 rows take 128"),
     (lambda d: d.update(columns=d["columns"][:-4] + "!!!!"), "'columns' is not base64"),
+    (lambda d: d.update(columns=d["columns"][:-1]), "'columns' is not base64"),  # (its length not a multiple of 4)
+    (lambda d: d.update(columns=12), "'columns' is not base64"),
+    (lambda d: d.update(columns=None), "'columns' is not base64"),
     (lambda d: d.update(step=-3), "step"),
     (lambda d: d["boxes"][0].__setitem__(0, [5, 4]), "boxes[0] [5:4] has a start past its stop"),
     (lambda d: d.update(boxes=d["boxes"][:1]), "row 1 is invalid: box index 1 is not an index of its 1 boxes"),
@@ -308,6 +326,20 @@ def test_a_broken_columnar_part_says_what_is_wrong(change, message):
     change(doc)
     with pytest.raises(ManifestError, match=re.escape(message)):
         fmt.HostManifest.from_json(json.dumps(doc), source="the part")
+
+
+def test_columns_written_with_json_escapes_read_the_same():
+    """Valid JSON that mtc never writes: the columns' base64 with its characters escaped (``\\/``,
+    ``\\u0041``) is the same part as the plain string."""
+    h = fmt.HostManifest(3, "s0-h1", tuple(fmt.HostShard(i % 2, ((i, i + 1),), blob_name(bytes([i])), 1)
+                                           for i in range(40)))
+    line = h.to_json()
+    columns = json.loads(line)["columns"]
+    assert "/" in columns or "A" in columns
+    escaped = columns.replace("/", "\\/").replace("A", "\\u0041")
+    doc = line.replace(f'"{columns}"'.encode(), f'"{escaped}"'.encode())
+    assert doc != line and json.loads(doc) == json.loads(line)
+    assert fmt.HostManifest.from_json(doc) == h
 
 
 def test_a_negative_size_in_the_columns_is_refused():
@@ -557,33 +589,43 @@ def test_the_fit_check_by_shape_and_box_agrees_with_the_check_of_every_row():
         assert got.tolist() == want.tolist() and 0 < want.sum() < n_rows
 
 
-def test_one_row_per_box_by_a_table_is_the_sorts_and_a_differing_replica_goes_to_the_sort():
-    """The whole read's replica check: a table of any row per (array, box) where the keys allow one, the
-    stable sort otherwise and to name a replica that differs (the first in the parts' order, against
-    the first row of its box)."""
+def test_first_rows_streamed_by_part_are_the_sorts_and_a_differing_replica_goes_to_the_sort():
+    """The whole read's replica check: the parts streamed against a table of each (array, box)'s first
+    row where the keys allow one (a part may hold a key twice), the stable sort otherwise and to name a
+    replica that differs (the first in the parts' order, against the first row of its box)."""
     from mtc.shared.format import step as step_lib
 
     rng = np.random.default_rng(3)
     key = rng.integers(0, 700, 5000)
     blob = np.stack([key * 7 + 1, key * 11 + 2], axis=1).astype(np.uint64)
     nbytes = key * 3
+    cuts = [0, 1, 700, 701, 2500, 5000]  # parts of 1, 699, 1, 1,799 and 2,500 rows
+
+    def parts(b, n):
+        return ([key[i:j] for i, j in zip(cuts, cuts[1:])], [b[i:j] for i, j in zip(cuts, cuts[1:])],
+                [n[i:j] for i, j in zip(cuts, cuts[1:])])
 
     def never(i: int, j: int) -> None:
         raise AssertionError((i, j))
 
-    by_table = step_lib._one_row_per_box(key, 700, blob, nbytes)
+    firsts = step_lib._first_rows(*parts(blob, nbytes), 700)
+    by_table = np.concatenate([r + i for r, i in zip(firsts, cuts)])
     by_sort = step_lib._one_row_per_box_sorted(key, blob, nbytes, never)
-    assert key[by_table].tolist() == key[by_sort].tolist() == sorted(set(key.tolist()))
-    assert step_lib._one_row_per_box(key, 10**9, blob, nbytes) is None  # too many keys for a table
+    assert sorted(by_table.tolist()) == sorted(by_sort.tolist())  # the same rows: the first of each key
+    assert len(set(key[by_table].tolist())) == len(by_table) == len(set(key.tolist()))
+    assert step_lib._first_rows(*parts(blob, nbytes), 10**9) is None  # too many keys for a table
     rows = np.flatnonzero(key == key[4000])
     assert len(rows) >= 2
-    for col in (0, 1, None):
+    twice = np.flatnonzero(np.bincount(key[2500:]) >= 2)[0]  # a key the last part holds twice, or more
+    again = 2500 + np.flatnonzero(key[2500:] == twice)
+    for col, row in ((0, rows[-1]), (1, rows[-1]), (None, rows[-1]), (0, again[-1]), (None, again[-1])):
         bad_blob, bad_nbytes = blob.copy(), nbytes.copy()
         if col is None:
-            bad_nbytes[rows[-1]] += 1
+            bad_nbytes[row] += 1
         else:
-            bad_blob[rows[-1], col] += 1
-        assert step_lib._one_row_per_box(key, 700, bad_blob, bad_nbytes) is None
+            bad_blob[row, col] += 1
+        assert step_lib._first_rows(*parts(bad_blob, bad_nbytes), 700) is None
         said = []
         step_lib._one_row_per_box_sorted(key, bad_blob, bad_nbytes, lambda i, j: said.append((i, j)))
-        assert said == [(rows[-1], rows[0])]
+        first = np.flatnonzero(key == key[row])[0]
+        assert said == [(row, first)]

@@ -319,7 +319,7 @@ def test_the_maxtext_layer_runs_the_images_jax_jaxlib_and_numpy():
         name, sep, ver = line.strip().partition("==")
         if sep:
             pins[name.lower().replace("_", "-")] = ver.split()[0]
-    for name in ("jax", "jaxlib", "numpy", "xxhash", "cloudpickle", "msgspec"):
+    for name in ("jax", "jaxlib", "numpy", "xxhash", "cloudpickle", "msgspec", "pybase64"):
         assert pins.get(name) == lock.pins.get(name), (name, pins.get(name), lock.pins.get(name))
     assert lock.python == "3.12"
 
