@@ -441,10 +441,20 @@ def step_blobs_among(data: bytes, names: Iterable[str], *, source: str = "manife
     blobs = [p.blob for p in cols]
     if not names or not blobs:
         return set()
-    want = np.frombuffer(bytes.fromhex("".join(sorted(names))), np.uint64).reshape(-1, 2)
-    every = np.concatenate(blobs)
-    near = every[np.isin(_mixed(every), _mixed(want))]  # (few rows: their names are compared as text)
-    return names.intersection(split_names(near))
+    want = np.sort(_mixed(np.frombuffer(bytes.fromhex("".join(sorted(names))), np.uint64).reshape(-1, 2)))
+    # A filter of the keys' low bits (a table in cache, about 256 slots per key asked after), then a binary
+    # search for the few rows it lets through, then the names of the rows whose key is one of ``want``'s.
+    bits = np.uint64(min(1 << 24, 1 << (256 * len(want)).bit_length()) - 1)
+    table = np.zeros(int(bits) + 1, bool)
+    table[want & bits] = True
+    near = []
+    for blob in blobs:  # (a part at a time)
+        keys = _mixed(blob)
+        rows = np.flatnonzero(table[keys & bits])
+        at = np.searchsorted(want, keys[rows])
+        at[at == len(want)] = 0
+        near.append(blob[rows[want[at] == keys[rows]]])
+    return names.intersection(split_names(np.concatenate(near)))
 
 
 def _mixed(blob: np.ndarray, size: np.ndarray | None = None) -> np.ndarray:
