@@ -746,7 +746,8 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
             bad = (p.array >= n_heads) | np.isin(p.array, not_arrays)
             if bad.any():
                 i = int(np.argmax(bad))
-                expect(False, f"{source}: part {j}", f"shard of array #{int(p.array[i])}, which is not an array of this step")
+                expect(False, f"{source}: part {j}",
+                       f"shard of array #{int(p.array[i])}, which is not an array of this step")
     # The replicas of a box (equal array and box on several hosts) must name one blob of one size: the
     # parts streamed against a table of each box's first row; one row per shard is kept.
     span = n_heads * max(1, len(gboxes))
