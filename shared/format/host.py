@@ -82,6 +82,8 @@ _ColumnsCheck = msgspec.defstruct("_ColumnsCheck", [
     (f.name, bytes if f.name == "columns" else f.type) if f.required else
     (f.name, f.type, f.default) for f in msgspec.structs.fields(_ColumnsDoc)])
 _BYTES_DECODER = msgspec.json.Decoder(bytes)
+_FORMAT_DECODER = msgspec.json.Decoder(_Named)
+_ROW_BYTES = 4 + 4 + 8 + 16  # array index (u32), box index (u32), nbytes (i64), blob name (16 bytes)
 
 
 def _columns(raw: msgspec.Raw, source: str) -> bytes:
@@ -98,8 +100,6 @@ def _columns(raw: msgspec.Raw, source: str) -> bytes:
         return _BYTES_DECODER.decode(view)
     except (msgspec.DecodeError, UnicodeDecodeError):
         raise ManifestError(f"{source} is invalid: 'columns' is not base64") from None
-_FORMAT_DECODER = msgspec.json.Decoder(_Named)
-_ROW_BYTES = 4 + 4 + 8 + 16  # array index (u32), box index (u32), nbytes (i64), blob name (16 bytes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -618,9 +618,6 @@ class _PartBlobs(Mapping):
         part = self._parts.get(host)
         return [] if part is None else _sorted_unique([part.blob])
 
-    def columns(self) -> list["PartColumns"]:
-        return list(self._parts.values())
-
     def __iter__(self):
         return iter(self._parts)
 
@@ -658,6 +655,14 @@ def _box_ids(cols: list["PartColumns"]) -> tuple[list[np.ndarray], list[Box]]:
     return ids, list(index)
 
 
+def _parts_first_rows(cols: list["PartColumns"], ids: list[np.ndarray], n_boxes: int, span: int
+                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """(each part's (array, box) keys, ``_first_rows`` of the parts by them): ``ids`` per part its
+    rows' box ids (``_box_ids``), ``n_boxes`` how many there are (at least 1)."""
+    keys = [p.array.astype(np.int64) * n_boxes + g for p, g in zip(cols, ids)]
+    return keys, _first_rows(keys, [p.blob for p in cols], [p.nbytes for p in cols], span)
+
+
 def _distinct_blobs(cols: list["PartColumns"]) -> list[np.ndarray]:
     """The parts' blob columns with one row per shard (array and box) where every replica of it names
     one blob (``_first_rows``): at thousands of hosts data-parallel replicas are most of the rows, and
@@ -667,9 +672,8 @@ def _distinct_blobs(cols: list["PartColumns"]) -> list[np.ndarray]:
         return []
     ids, boxes = _box_ids(cols)
     n_boxes = max(1, len(boxes))
-    keys = [p.array.astype(np.int64) * n_boxes + g for p, g in zip(cols, ids)]
     span = (max((int(p.array.max()) for p in cols if len(p)), default=0) + 1) * n_boxes
-    firsts = _first_rows(keys, [p.blob for p in cols], [p.nbytes for p in cols], span)
+    _, firsts = _parts_first_rows(cols, ids, n_boxes, span)
     if firsts is None:
         return [p.blob for p in cols]
     return [p.blob[r] for p, r in zip(cols, firsts)]
@@ -750,9 +754,7 @@ def _shards_from_columns(heads: list, cols: list["PartColumns"], hosts: list[str
                        f"shard of array #{int(p.array[i])}, which is not an array of this step")
     # The replicas of a box (equal array and box on several hosts) must name one blob of one size: the
     # parts streamed against a table of each box's first row; one row per shard is kept.
-    span = n_heads * max(1, len(gboxes))
-    keys = [p.array.astype(np.int64) * max(1, len(gboxes)) + g for p, g in zip(cols, G)]
-    firsts = _first_rows(keys, [p.blob for p in cols], [p.nbytes for p in cols], span)
+    keys, firsts = _parts_first_rows(cols, G, max(1, len(gboxes)), n_heads * max(1, len(gboxes)))
     if firsts is not None:
         UA = np.concatenate([p.array[r] for p, r in zip(cols, firsts)] or [np.zeros(0, np.uint32)])
         UG = np.concatenate([g[r] for g, r in zip(G, firsts)] or [np.zeros(0, np.int64)])
